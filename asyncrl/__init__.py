@@ -1,0 +1,3 @@
+"""asyncrl: an asynchronous GRPO trainer for language models."""
+
+__version__ = "0.1.0"

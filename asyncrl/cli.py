@@ -1,0 +1,96 @@
+"""The `asyncrl` command: Typer owns subcommands and help; Hydra owns composition, overrides and sweeps.
+
+Heavy imports (torch, transformers, hydra) happen inside the commands so `asyncrl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from asyncrl import __version__
+
+app = typer.Typer(
+    name="asyncrl",
+    help="Asynchronous GRPO: generation and training overlap, weights move to the server as training goes.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"asyncrl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """asyncrl: asynchronous GRPO trainer for language models."""
+
+
+@app.command(context_settings=_EXTRA)
+def train(
+    ctx: typer.Context,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: one job per combination of values."),
+    cfg: str = typer.Option(None, "--cfg", "-c", help="Print the composed config (job|hydra|all) and exit."),
+) -> None:
+    """Train. Extra arguments are Hydra overrides: [bold]+recipe=deepmath trainer.learning_rate=3e-6[/bold]"""
+    from asyncrl.launch import run_hydra
+
+    run_hydra(list(ctx.args), multirun=multirun, cfg=cfg)
+
+
+@app.command(context_settings=_EXTRA)
+def config(ctx: typer.Context) -> None:
+    """Print the composed, validated config as YAML (same overrides as train)."""
+    from asyncrl.config.compose import compose, to_config, to_yaml
+
+    typer.echo(to_yaml(_checked(lambda: to_config(compose(list(ctx.args))))), nl=False)
+
+
+@app.command()
+def recipes() -> None:
+    """List the recipes selectable with +recipe=NAME."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from asyncrl.recipes import list_recipes
+
+    table = Table(title="asyncrl recipes (use: asyncrl train +recipe=NAME)")
+    table.add_column("recipe", style="bold cyan")
+    table.add_column("description")
+    for recipe in list_recipes():
+        table.add_row(recipe.name, recipe.description)
+    Console().print(table)
+
+
+@app.command(context_settings=_EXTRA)
+def serve(ctx: typer.Context) -> None:
+    """Run the generation server alone in the foreground (same config groups as train)."""
+    from asyncrl.config.compose import compose, to_config
+    from asyncrl.launch import serve_forever
+
+    serve_forever(_checked(lambda: to_config(compose(list(ctx.args)))))
+
+
+def _checked(build):  # type: ignore[no-untyped-def]
+    """Turn configuration errors into one red line and exit code 2, before any expensive work."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from asyncrl.config.compose import ConfigError
+
+    try:
+        return build()
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,6 @@
+"""Configuration: typed schema, Hydra composition and cross-field validation."""
+
+from asyncrl.config.compose import ConfigError, compose, conf_dir, to_config
+from asyncrl.config.schema import Config
+
+__all__ = ["Config", "ConfigError", "compose", "conf_dir", "to_config"]

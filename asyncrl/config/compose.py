@@ -1,0 +1,73 @@
+"""Compose the config tree (conf/ + recipes/) and turn it into a validated ``Config``.
+
+Hydra owns composition, overrides and sweeps; this module gives it the schema (``base_config`` in the
+ConfigStore), the ``${asset:NAME}`` resolver for files shipped with the package, and the conversion
+from DictConfig to the typed ``Config`` that the rest of asyncrl reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.config.schema import Config
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
+
+
+def conf_dir() -> Path:
+    """The config tree: inside the wheel (asyncrl/conf) or at the repo root for an editable install."""
+    for candidate in (_PACKAGE_DIR / "conf", _PACKAGE_DIR.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"asyncrl config tree not found next to {_PACKAGE_DIR}")
+
+
+def recipes_dir() -> Path:
+    return conf_dir() / "recipe"
+
+
+def _asset(name: str) -> str:
+    from asyncrl.assets import asset_path
+
+    return str(asset_path(name))
+
+
+def register_schema() -> None:
+    """Store the schema and resolvers once per process (Hydra and OmegaConf keep global registries)."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+    if not OmegaConf.has_resolver("asset"):
+        OmegaConf.register_new_resolver("asset", _asset)
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides (``key=value``, ``+recipe=NAME``, ``~key``)."""
+    register_schema()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="asyncrl"):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Resolve interpolations, build the typed Config and run every validation check."""
+    from asyncrl.config.validate import validate
+
+    try:
+        config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(str(exc)) from exc
+    assert isinstance(config, Config)
+    validate(config)
+    return config
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,200 @@
+"""Typed schema of every settings group; Hydra uses it so a wrong type or unknown key fails at composition.
+
+Settings groups are dataclasses. Component groups (`reward`, `loss`, `advantage`, `packing`) are free-form
+``{name, **params}`` mappings checked against the component's signature by its registry
+(see ``asyncrl.config.validate``). Defaults follow the spec (reference/async_grpo.md, AsyncGRPOConfig).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class ServerBackend(str, Enum):
+    auto = "auto"
+    vllm = "vllm"
+    builtin = "builtin"
+
+
+class LoraSync(str, Enum):
+    auto = "auto"
+    merged = "merged"
+    adapter = "adapter"
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = MISSING
+    """Hub id or local directory (save_pretrained layout); also the served model name."""
+    dtype: str = "float32"
+    """Weights dtype: auto|float32|bfloat16|float16. float32 keeps the trainer-sampler mismatch small."""
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+    model_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for from_pretrained; a dtype here wins over `dtype`."""
+
+
+@dataclass
+class SamplingConfig:
+    num_generations: int = 8
+    """Rollouts per prompt (the group size)."""
+    max_completion_length: int = 2048
+    """Tokens generated per server request, i.e. per turn."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = off. top_p < 1 or min_p > 0 need top_k > 0 (it bounds the candidate set)."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    num_sampler_logprobs: int = 8
+    """Top log-probabilities requested per generated token (score centering needs them)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_tool_calling_iterations: Optional[int] = None
+
+
+@dataclass
+class StalenessConfig:
+    max_staleness: int = 4
+    """Weight versions a sample may lag before it is dropped; 0 = synchronous, strictly on-policy GRPO."""
+    weight_sync_steps: int = 1
+    max_concurrent_rollouts: int = 512
+    """Ceiling on rollouts in flight (environments, tool threads and server connections)."""
+    rollout_worker_timeout: float = 300.0
+    """Seconds without worker progress before the trainer aborts, saying what the worker waited on."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"
+    """'all-linear' or a list of module names; lm_head is refused."""
+    bias: str = "none"
+    modules_to_save: Optional[list[str]] = None
+    sync: LoraSync = LoraSync.auto
+    """merged: merge and send full weights; adapter: send only the adapter; auto: adapter if the server can."""
+
+
+@dataclass
+class ServerConfig:
+    backend: ServerBackend = ServerBackend.auto
+    """auto: vLLM when importable and a GPU is present, else the built-in server."""
+    launch: bool = True
+    """false: attach to an already running server at base_url."""
+    base_url: Optional[str] = None
+    """Defaults to http://{host}:{port}."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout: float = 1800.0
+    """Seconds for server readiness, each generation request and each weight-sync call."""
+    max_model_len: Optional[int] = None
+    """Defaults to the model's max_position_embeddings (built-in) or longest prompt + completion (vLLM)."""
+    dtype: Optional[str] = None
+    """Serving dtype; defaults to model.dtype."""
+    device: str = "auto"
+    """Built-in server device: auto|cpu|cuda."""
+    max_num_seqs: int = 64
+    """Built-in server: rows decoded together in one batch."""
+    gpus: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    api_server_count: Optional[int] = None
+    max_logprobs: int = 20
+    max_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+    extra_args: list[str] = field(default_factory=list)
+    """Appended verbatim to the server command line."""
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: Optional[str] = None
+    """Defaults to the Hydra run directory."""
+    seed: int = 42
+    max_steps: int = -1
+    """> 0: stop after this many optimizer steps (disables the epoch stop)."""
+    num_train_epochs: float = 3.0
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = True
+    bf16: Optional[bool] = None
+    """None: bf16 mixed precision on GPU, off on CPU."""
+    gpus: Optional[int] = None
+    logging_steps: int = 1
+    save_strategy: str = "steps"
+    """steps|no"""
+    save_steps: int = 500
+    save_total_limit: Optional[int] = None
+    resume_from_checkpoint: Optional[str] = None
+    """latest | a checkpoint directory."""
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    """Hub id, local directory, or a .json/.jsonl/.parquet file with a conversational `prompt` column."""
+    name: Optional[str] = None
+    """Dataset configuration name (datasets' `name`)."""
+    split: str = "train"
+    eval_path: Optional[str] = None
+    """Held-out prompts for the before/after accuracy (same forms as `path`); None = no evaluation."""
+    eval_split: str = "train"
+    num_eval_prompts: int = 200
+    shuffle: bool = True
+    """Seeded shuffle per epoch (seed = trainer.seed + epoch), reproduced on resume."""
+    max_prompt_length: Optional[int] = None
+    """Prompts longer than this (tokens) are skipped and counted."""
+
+
+@dataclass
+class RolloutConfig:
+    loop_cls: str = "asyncrl.rollout.loop:AsyncRolloutLoop"
+    """Import path of the AsyncRolloutLoop (sub)class run in the worker."""
+    score_queue_maxsize: int = 16
+    options: dict[str, Any] = field(default_factory=dict)
+    """Free-form fields for a custom loop class (read as self.config.rollout.options)."""
+
+
+@dataclass
+class LoggingConfig:
+    report_to: list[str] = field(default_factory=list)
+    """Trackers through accelerate: tensorboard, wandb, trackio."""
+    log_completions: bool = False
+    num_completions_to_print: Optional[int] = None
+    console: str = "auto"
+    """auto|live|plain: live rich display when stdout is a terminal."""
+    project: str = "asyncrl"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reward: list[dict[str, Any]] = field(default_factory=list)
+    """Reward components, each {name: registered-name-or-import-path, **kwargs}; rewards are summed."""
+    loss: dict[str, Any] = field(default_factory=lambda: {"name": "score_centering"})
+    advantage: dict[str, Any] = field(default_factory=lambda: {"name": "group_zscore"})
+    packing: dict[str, Any] = field(default_factory=lambda: {"name": "flat"})
+    run_name: Optional[str] = None

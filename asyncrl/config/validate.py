@@ -1,0 +1,196 @@
+"""Cross-field checks, all run before any process starts.
+
+Each ``check_*`` looks at one rule and raises ``ConfigError`` naming the key, its value and the override
+that fixes it. ``validate`` runs them all; component groups are resolved against their registries here
+so a misspelt component or parameter fails before the server is launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncrl.config.compose import ConfigError
+from asyncrl.config.schema import Config, LoraSync
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def check_sampling_ranges(config: Config) -> None:
+    s = config.sampling
+    if s.num_generations < 2:
+        raise ConfigError(
+            f"sampling.num_generations={s.num_generations}: a group needs at least 2 rollouts to have an "
+            "advantage baseline (try sampling.num_generations=8)"
+        )
+    if s.max_completion_length < 1:
+        raise ConfigError(f"sampling.max_completion_length={s.max_completion_length} must be >= 1")
+    if s.temperature <= 0:
+        raise ConfigError(f"sampling.temperature={s.temperature} must be > 0 (RL needs a stochastic sampler)")
+    if not 0 < s.top_p <= 1:
+        raise ConfigError(f"sampling.top_p={s.top_p} must be in (0, 1]")
+    if not 0 <= s.min_p < 1:
+        raise ConfigError(f"sampling.min_p={s.min_p} must be in [0, 1)")
+    if s.top_k < 0:
+        raise ConfigError(f"sampling.top_k={s.top_k} must be >= 0 (0 = off)")
+    if s.repetition_penalty <= 0:
+        raise ConfigError(f"sampling.repetition_penalty={s.repetition_penalty} must be > 0")
+    if s.num_sampler_logprobs < 0:
+        raise ConfigError(f"sampling.num_sampler_logprobs={s.num_sampler_logprobs} must be >= 0")
+
+
+def check_truncation_needs_top_k(config: Config) -> None:
+    s = config.sampling
+    if s.top_p < 1.0 and s.top_k <= 0:
+        raise ConfigError(
+            f"sampling.top_p={s.top_p} needs sampling.top_k > 0: top_k bounds the candidate set the trainer "
+            "renormalises over (try sampling.top_k=512)"
+        )
+    if s.min_p > 0 and s.top_k <= 0:
+        raise ConfigError(f"sampling.min_p={s.min_p} needs sampling.top_k > 0 (try sampling.top_k=512)")
+
+
+def check_staleness(config: Config) -> None:
+    st = config.staleness
+    if st.max_staleness < 0:
+        raise ConfigError(f"staleness.max_staleness={st.max_staleness} must be >= 0 (0 = synchronous GRPO)")
+    if st.weight_sync_steps < 1:
+        raise ConfigError(f"staleness.weight_sync_steps={st.weight_sync_steps} must be >= 1")
+    if st.max_concurrent_rollouts < 1:
+        raise ConfigError(f"staleness.max_concurrent_rollouts={st.max_concurrent_rollouts} must be >= 1")
+    if st.max_staleness == 0 and st.weight_sync_steps != 1:
+        raise ConfigError(
+            f"staleness.max_staleness=0 is synchronous GRPO: every step trains on the weights just synced, so "
+            f"staleness.weight_sync_steps={st.weight_sync_steps} must be 1"
+        )
+    if st.rollout_worker_timeout <= 0:
+        raise ConfigError(f"staleness.rollout_worker_timeout={st.rollout_worker_timeout} must be > 0 seconds")
+
+
+def check_trainer_rates(config: Config) -> None:
+    t = config.trainer
+    for key in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
+        value = getattr(t, key)
+        if value < 0:
+            raise ConfigError(f"trainer.{key}={value} must be >= 0")
+    if t.gradient_accumulation_steps < 1:
+        raise ConfigError(f"trainer.gradient_accumulation_steps={t.gradient_accumulation_steps} must be >= 1")
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        raise ConfigError(
+            f"trainer.max_steps={t.max_steps} and trainer.num_train_epochs={t.num_train_epochs}: "
+            "set one of them > 0 so training can stop"
+        )
+    if t.logging_steps < 1:
+        raise ConfigError(f"trainer.logging_steps={t.logging_steps} must be >= 1")
+    if t.save_strategy not in ("steps", "no"):
+        raise ConfigError(f"trainer.save_strategy={t.save_strategy!r} must be 'steps' or 'no'")
+    if t.save_strategy == "steps" and t.save_steps < 1:
+        raise ConfigError(f"trainer.save_steps={t.save_steps} must be >= 1 (or trainer.save_strategy=no)")
+    if t.lr_scheduler_type != "constant" and t.max_steps <= 0:
+        raise ConfigError(
+            f"trainer.lr_scheduler_type={t.lr_scheduler_type} decays over optimizer steps, which an epoch-based "
+            "run cannot know in advance: set trainer.max_steps too"
+        )
+
+
+def check_server(config: Config) -> None:
+    sv = config.server
+    if not sv.launch and not sv.base_url:
+        raise ConfigError("server.launch=false attaches to a running server: set server.base_url=http://HOST:PORT")
+    if not 0 < sv.port < 65536:
+        raise ConfigError(f"server.port={sv.port} is not a TCP port")
+    if sv.timeout <= 0:
+        raise ConfigError(f"server.timeout={sv.timeout} must be > 0 seconds")
+    if sv.max_num_seqs < 1:
+        raise ConfigError(f"server.max_num_seqs={sv.max_num_seqs} must be >= 1")
+    if sv.max_model_len is not None and sv.max_model_len <= config.sampling.max_completion_length:
+        raise ConfigError(
+            f"server.max_model_len={sv.max_model_len} leaves no room for a prompt with "
+            f"sampling.max_completion_length={config.sampling.max_completion_length}"
+        )
+    if config.sampling.num_sampler_logprobs > sv.max_logprobs:
+        raise ConfigError(
+            f"sampling.num_sampler_logprobs={config.sampling.num_sampler_logprobs} exceeds "
+            f"server.max_logprobs={sv.max_logprobs} (the server's --max-logprobs): raise server.max_logprobs"
+        )
+
+
+def check_lora(config: Config) -> None:
+    lora, sv = config.lora, config.server
+    if sv.max_lora_rank is not None and sv.max_lora_rank not in VLLM_LORA_RANKS:
+        raise ConfigError(f"server.max_lora_rank={sv.max_lora_rank} must be one of {VLLM_LORA_RANKS}")
+    if not lora.enabled:
+        return
+    if lora.r < 1:
+        raise ConfigError(f"lora.r={lora.r} must be >= 1")
+    targets = [lora.target_modules] if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    if "lm_head" in targets or "lm_head" in (lora.modules_to_save or []):
+        raise ConfigError("lora.target_modules must not include lm_head: adapters on lm_head are not supported")
+    if sv.max_lora_rank is not None and lora.r > sv.max_lora_rank:
+        raise ConfigError(f"lora.r={lora.r} exceeds server.max_lora_rank={sv.max_lora_rank}")
+    needed = config.staleness.max_staleness + 2
+    if lora.sync == LoraSync.adapter and sv.max_loras is not None and sv.max_loras < needed:
+        raise ConfigError(
+            f"lora.sync=adapter keeps max_staleness + 1 adapter versions and loads the next before unloading: "
+            f"server.max_loras={sv.max_loras} must be >= staleness.max_staleness + 2 = {needed}"
+        )
+
+
+def check_rollout_loop(config: Config) -> None:
+    from asyncrl.registry import RegistryError, import_object
+
+    try:
+        import_object(config.rollout.loop_cls)
+    except RegistryError as exc:
+        raise ConfigError(f"rollout.loop_cls: {exc}") from exc
+
+
+def check_components(config: Config) -> None:
+    """Resolve every component group against its registry (names and parameters)."""
+    from asyncrl.components import component_registries
+
+    registries = component_registries()
+    if not config.reward:
+        raise ConfigError("reward is empty: name at least one reward function (e.g. reward=accuracy)")
+    for index, spec in enumerate(config.reward):
+        _build(registries["reward"], spec, f"reward[{index}]")
+    for group in ("loss", "advantage", "packing"):
+        _build(registries[group], getattr(config, group), group)
+
+
+def check_loss_requirements(config: Config) -> None:
+    from asyncrl.components import build_loss
+    from asyncrl.losses import loss_requirements
+
+    needs = loss_requirements(build_loss(config.loss))
+    if "sampler_top_logprobs" in needs and config.sampling.num_sampler_logprobs < 1:
+        raise ConfigError(
+            f"loss={config.loss['name']} needs the sampler's top log-probabilities: "
+            "set sampling.num_sampler_logprobs >= 1 (default 8) or choose loss=clipped"
+        )
+
+
+def _build(registry, spec, key: str) -> None:  # type: ignore[no-untyped-def]
+    from asyncrl.registry import RegistryError
+
+    try:
+        registry.build(spec)
+    except RegistryError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+
+
+CHECKS: tuple[Callable[[Config], None], ...] = (
+    check_sampling_ranges,
+    check_truncation_needs_top_k,
+    check_staleness,
+    check_trainer_rates,
+    check_server,
+    check_lora,
+    check_rollout_loop,
+    check_components,
+    check_loss_requirements,
+)
+
+
+def validate(config: Config) -> None:
+    for check in CHECKS:
+        check(config)

@@ -1,0 +1,114 @@
+"""compose -> run dir -> start server -> train -> tear down.
+
+`run_hydra` hands the overrides to the single `@hydra.main` entry (Hydra's Compose API composes but
+does not sweep). Each job writes its resolved config to the run directory, which is the only input
+of every child process, starts the server under supervision and runs the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from asyncrl.config.compose import ConfigError, conf_dir, register_schema, to_config, to_yaml
+from asyncrl.config.schema import Config
+
+log = logging.getLogger("asyncrl")
+
+
+def run_hydra(overrides: list[str], *, multirun: bool = False, cfg: str | None = None) -> None:
+    import hydra
+
+    register_schema()
+    argv = [sys.argv[0], *overrides]
+    if multirun:
+        argv.append("--multirun")
+    if cfg:
+        argv += ["--cfg", cfg]
+    entry = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_hydra_job)
+    saved, sys.argv = sys.argv, argv
+    try:
+        entry()
+    finally:
+        sys.argv = saved
+
+
+def _hydra_job(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        config = to_config(cfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_job(config, run_dir)
+
+
+def run_job(config: Config, run_dir: Path) -> None:
+    """One training job in ``run_dir``: the server is stopped however the job ends."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if config.trainer.output_dir is None:
+        config.trainer.output_dir = str(run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    _terminate_on_sigterm()
+    from asyncrl.trainer.loop import run_training
+    from asyncrl.trainer.setup import prepare
+
+    prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
+    with start_server(config, run_dir) as server:
+        run_training(config, run_dir, server, prepared)
+
+
+def start_server(config: Config, run_dir: Path):  # type: ignore[no-untyped-def]
+    """A context manager: the supervised server, or a handle on an existing one when server.launch=false."""
+    from asyncrl.server.command import base_url, server_command
+    from asyncrl.server.handle import AttachedServer, LaunchedServer
+
+    if not config.server.launch:
+        return AttachedServer(base_url(config), timeout_s=config.server.timeout)
+    command = server_command(config)
+    (run_dir / "commands").mkdir(exist_ok=True)
+    (run_dir / "commands" / "server.sh").write_text(_shell_line(command.argv, command.env))
+    return LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout)
+
+
+def serve_forever(config: Config) -> None:
+    """`asyncrl serve`: the server in the foreground until Ctrl-C."""
+    import time
+
+    from asyncrl.server.command import base_url, server_command
+    from asyncrl.server.handle import LaunchedServer
+
+    command = server_command(config)
+    print(_shell_line(command.argv, command.env), flush=True)
+    run_dir = Path(config.trainer.output_dir or "runs/serve")
+    with LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout) as server:
+        print(f"serving {config.model.name_or_path} at {server.base_url} (log: {server.log_path})", flush=True)
+        _terminate_on_sigterm()
+        try:
+            while server.is_alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    print("server stopped", flush=True)
+
+
+def _terminate_on_sigterm() -> None:
+    """Turn SIGTERM into KeyboardInterrupt so context managers stop the children."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _shell_line(argv: list[str], env: dict[str, str]) -> str:
+    import shlex
+
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in argv) + "\n"

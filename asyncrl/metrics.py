@@ -1,0 +1,71 @@
+"""Metric windows and sinks.
+
+A window collects events since the last log. Reduction follows the spec: a name whose last part
+contains ``count`` is summed, one containing ``max``/``min`` keeps the extreme, anything else is the
+mean of its events. Sinks: ``metrics.jsonl`` in the run directory (one object per logging step) and
+accelerate trackers (tensorboard, wandb, trackio) when configured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+def reduce_events(name: str, values: list[float]) -> float:
+    last = name.rsplit("/", 1)[-1]
+    finite = [v for v in values if not math.isnan(v)]
+    if "count" in last:
+        return float(sum(finite))
+    if not finite:
+        return math.nan
+    if "max" in last:
+        return float(max(finite))
+    if "min" in last:
+        return float(min(finite))
+    return float(sum(finite) / len(finite))
+
+
+class MetricWindow:
+    """Events recorded since the last log."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, name: str, value: float) -> None:
+        self._events[name].append(float(value))
+
+    def extend(self, events: Mapping[str, Iterable[float]]) -> None:
+        for name, values in events.items():
+            self._events[name].extend(float(v) for v in values)
+
+    def update(self, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            self.add(name, value)
+
+    def reduce(self) -> dict[str, float]:
+        """Reduce every metric and start a new window."""
+        out = {name: reduce_events(name, values) for name, values in sorted(self._events.items()) if values}
+        self._events = defaultdict(list)
+        return out
+
+
+class JsonlSink:
+    """Appends one JSON object per logging step; NaN is written as null."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

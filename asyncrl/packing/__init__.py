@@ -1,0 +1,40 @@
+"""Packers: how samples become rows. Registry `packing`; each entry builds a row factory for a token budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from asyncrl.packing.flat import FlatRow
+from asyncrl.packing.row import PackedRow, Segment
+from asyncrl.registry import Registry
+from asyncrl.rollout.types import RolloutSample
+
+
+class Row(Protocol):
+    num_tokens: int
+    samples: list[RolloutSample]
+
+    def fits(self, sample: RolloutSample) -> bool: ...
+    def add(self, sample: RolloutSample) -> None: ...
+    def pack(self, top_k: int) -> PackedRow: ...
+
+
+RowFactory = Callable[[], Row]
+PACKERS: Registry[Callable[..., RowFactory]] = Registry("packing")
+
+
+@PACKERS.register("flat")
+def flat(*, token_budget: int | None = None, default_budget: int = 4096) -> RowFactory:
+    """Padding-free packing; token_budget (None = the server's max_model_len) bounds each row's tokens."""
+    budget = token_budget or default_budget
+    return lambda: FlatRow(budget)
+
+
+def build_row_factory(spec: dict[str, Any], default_budget: int) -> tuple[RowFactory, int]:
+    """The configured packer and its effective token budget."""
+    budget = int(spec.get("token_budget") or default_budget)
+    return PACKERS.build({**spec, "token_budget": budget})(), budget
+
+
+__all__ = ["PACKERS", "PackedRow", "Row", "RowFactory", "Segment", "build_row_factory", "flat"]

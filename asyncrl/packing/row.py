@@ -1,0 +1,100 @@
+"""The packed row: what one rank forwards in one micro-batch, whatever packer laid it out.
+
+A row is a set of *segments* over a flat token layout. Each segment owns the query positions
+``[q_start, q_end)`` and attends to ``kv_index`` (its root-to-segment path, itself last), causally with
+bottom-right alignment. Flat packing is the case where every segment's path is itself. Every trained
+token of every original sample gets one loss slot: ``token_index`` says which layout position predicts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.rollout.types import RolloutSample
+
+
+@dataclass
+class Segment:
+    q_start: int
+    q_end: int
+    kv_index: torch.Tensor
+    """Layout positions this segment's queries may attend to, ending with its own q_start..q_end."""
+
+
+@dataclass
+class PackedRow:
+    input_ids: torch.Tensor  # [L] long
+    position_ids: torch.Tensor  # [L] long: depth in the sample (trie depth for tree packing)
+    segments: list[Segment]
+    token_index: torch.Tensor  # [T] long: layout position whose logits predict each trained token
+    target_ids: torch.Tensor  # [T] long
+    sequence_index: torch.Tensor  # [T] long: sample of the row each loss slot belongs to
+    advantages: torch.Tensor  # [T] float
+    sampler_logprobs: torch.Tensor  # [T] float
+    top_ids: torch.Tensor | None = None  # [T, K] long: sampler's top-K token ids (0 where padded)
+    sampler_top_logprobs: torch.Tensor | None = None  # [T, K] float, -inf where padded
+    sampling_masks: list[list[int] | None] | None = None  # [T] candidate sets (top-k/top-p), None = full vocab
+    samples: list[RolloutSample] = field(default_factory=list)
+
+    @property
+    def num_forwarded(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_raw_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.target_ids.numel())
+
+    def attention_cost(self) -> int:
+        """Sum over segments of queries x keys: the O(L^2) work that balances rows across ranks."""
+        return sum((seg.q_end - seg.q_start) * int(seg.kv_index.numel()) for seg in self.segments)
+
+
+def loss_slots(samples: list[RolloutSample], offsets: list[list[int]], top_k: int) -> dict[str, torch.Tensor | list]:
+    """Per trained token of each sample: target, predicting position, advantage, sampler data.
+
+    ``offsets[s][i]`` is the layout position of token i of sample s; token i (i >= 1, mask 1) is
+    predicted by the position of token i - 1.
+    """
+    token_index, targets, seq_index, advantages, logprobs = [], [], [], [], []
+    top_ids, top_lps, masks = [], [], []
+    for s, (sample, positions) in enumerate(zip(samples, offsets, strict=True)):
+        seq = sample.sequence
+        for i in range(1, len(seq.token_ids)):
+            if not seq.mask[i]:
+                continue
+            token_index.append(positions[i - 1])
+            targets.append(seq.token_ids[i])
+            seq_index.append(s)
+            advantages.append(sample.advantage)
+            logprobs.append(seq.sampler_logprobs[i])
+            if top_k:
+                ids, lps = _top_entry(seq.sampler_top_logprobs[i] if seq.sampler_top_logprobs else None, top_k)
+                top_ids.append(ids)
+                top_lps.append(lps)
+            masks.append(seq.sampling_masks[i] if seq.sampling_masks else None)
+    out: dict[str, torch.Tensor | list] = {
+        "token_index": torch.tensor(token_index, dtype=torch.long),
+        "target_ids": torch.tensor(targets, dtype=torch.long),
+        "sequence_index": torch.tensor(seq_index, dtype=torch.long),
+        "advantages": torch.tensor(advantages, dtype=torch.float32),
+        "sampler_logprobs": torch.tensor(logprobs, dtype=torch.float32),
+        "sampling_masks": masks if any(m is not None for m in masks) else None,
+    }
+    if top_k:
+        out["top_ids"] = torch.tensor(top_ids, dtype=torch.long).reshape(-1, top_k)
+        out["sampler_top_logprobs"] = torch.tensor(top_lps, dtype=torch.float32).reshape(-1, top_k)
+    return out
+
+
+def _top_entry(entry: dict[int, float] | None, k: int) -> tuple[list[int], list[float]]:
+    """The k most likely (id, logprob) pairs, padded with (0, -inf)."""
+    pairs = sorted((entry or {}).items(), key=lambda kv: -kv[1])[:k]
+    ids = [token for token, _ in pairs] + [0] * (k - len(pairs))
+    lps = [lp for _, lp in pairs] + [float("-inf")] * (k - len(pairs))
+    return ids, lps

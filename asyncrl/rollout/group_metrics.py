@@ -1,0 +1,64 @@
+"""Metrics recorded when the worker scores a group (they lead training and include dropped groups).
+
+Each value is one event (per rollout or per group); the trainer's metric window averages them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncrl.rollout.types import RolloutGroup
+
+
+def group_metrics(
+    group: RolloutGroup, per_source: dict[str, np.ndarray], drop: str | None
+) -> dict[str, list[float]]:
+    assert group.rewards is not None
+    rewards = group.rewards
+    scored = rewards[~np.isnan(rewards)]
+    out: dict[str, list[float]] = {
+        "reward": scored.tolist(),
+        "frac_reward_zero_std": [1.0 if drop is not None else 0.0],
+        "completions/duplicate_frac": _duplicates(group.completions_ids),
+        "rollout/turns_mean": [float(len(r.turns)) for r in group.rollouts],
+        "rollout/turns_max": [float(len(r.turns)) for r in group.rollouts],
+        "rollout/samples_per_rollout": [float(len(s)) for s in group.completions_sequences],
+    }
+    if drop is None:
+        out["reward_kept"] = scored.tolist()
+    elif scored.size:
+        out["reward_dropped"] = scored.tolist()
+    for name, values in per_source.items():
+        out[f"rewards/{name}/mean"] = values[~np.isnan(values)].tolist()
+    out.update(_lengths(group))
+    return out
+
+
+def _lengths(group: RolloutGroup) -> dict[str, list[float]]:
+    lengths, terminated = [], []
+    for rollout in group.rollouts:
+        n = float(sum(len(t.output_ids) for t in rollout.turns))
+        lengths.append(n)
+        if rollout.turns and rollout.turns[-1].finish_reason == "stop":
+            terminated.append(n)
+    out = {
+        "completions/mean_length": lengths,
+        "completions/min_length": lengths,
+        "completions/max_length": lengths,
+        "completions/clipped_ratio": [0.0 if r.turns and r.turns[-1].finish_reason == "stop" else 1.0
+                                      for r in group.rollouts],  # fmt: skip
+    }
+    if terminated:
+        out.update({f"completions/{k}_terminated_length": terminated for k in ("mean", "min", "max")})
+    return out
+
+
+def _duplicates(completions_ids: list[list[int]]) -> list[float]:
+    """Per rollout: 1.0 if it repeats an earlier rollout of its group token for token."""
+    seen: set[tuple[int, ...]] = set()
+    flags = []
+    for ids in completions_ids:
+        key = tuple(ids)
+        flags.append(1.0 if key in seen else 0.0)
+        seen.add(key)
+    return flags

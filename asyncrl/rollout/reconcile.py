@@ -1,0 +1,42 @@
+"""Turns -> training sequences: a turn whose prompt extends the held tokens continues the sequence;
+any other turn starts a new one (spec 001: every generated token is trained in exactly one sample)."""
+
+from __future__ import annotations
+
+from asyncrl.rollout.types import TrainingSequence, TurnRecord
+
+
+def reconcile(turns: list[TurnRecord]) -> list[TrainingSequence]:
+    sequences: list[TrainingSequence] = []
+    current: TrainingSequence | None = None
+    for turn in turns:
+        held = current.token_ids if current is not None else None
+        if held is not None and turn.prompt_ids[: len(held)] == held:
+            _append(current, turn.prompt_ids[len(held) :], context=True)  # type: ignore[arg-type]
+        else:
+            current = TrainingSequence(token_ids=[], mask=[], sampler_logprobs=[], sampler_top_logprobs=[],
+                                       sampling_masks=[])  # fmt: skip
+            sequences.append(current)
+            _append(current, turn.prompt_ids, context=True)
+        _append_output(current, turn)
+    return [seq for seq in sequences if seq.num_trained > 0]
+
+
+def _append(seq: TrainingSequence, token_ids: list[int], *, context: bool) -> None:
+    seq.token_ids.extend(token_ids)
+    seq.mask.extend([0] * len(token_ids))
+    seq.sampler_logprobs.extend([0.0] * len(token_ids))
+    seq.sampler_top_logprobs.extend([None] * len(token_ids))  # type: ignore[union-attr]
+    seq.sampling_masks.extend([None] * len(token_ids))  # type: ignore[union-attr]
+
+
+def _append_output(seq: TrainingSequence, turn: TurnRecord) -> None:
+    n = len(turn.output_ids)
+    mask = turn.output_mask if turn.output_mask is not None else [1] * n
+    if any(mask) and len(turn.output_log_probs) != n:
+        raise ValueError(f"TurnRecord has {n} output_ids but {len(turn.output_log_probs)} output_log_probs")
+    seq.token_ids.extend(turn.output_ids)
+    seq.mask.extend(int(m) for m in mask)
+    seq.sampler_logprobs.extend(turn.output_log_probs or [0.0] * n)
+    seq.sampler_top_logprobs.extend(turn.output_sampler_logprobs or [None] * n)  # type: ignore[union-attr]
+    seq.sampling_masks.extend(turn.output_sampling_mask or [None] * n)  # type: ignore[union-attr]

@@ -1,0 +1,63 @@
+"""Start the rollout worker: check that everything it receives pickles, then spawn it without a GPU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.worker import WorkerSpec, worker_main
+
+# Launcher variables the worker must not inherit: it is not a rank of the trainer's process group.
+_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def check_picklable(obj: Any, label: str) -> None:
+    """Raise TypeError naming ``label`` if ``obj`` cannot cross to the spawned worker."""
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:  # pickle raises PicklingError, AttributeError, TypeError...
+        raise TypeError(
+            f"{label} cannot be sent to the rollout worker process ({type(exc).__name__}: {exc}). Everything the "
+            "worker runs is pickled: use a module-level function, functools.partial, or a callable class "
+            "instance defined at module level - not a lambda, closure or nested function."
+        ) from exc
+
+
+def check_spec(spec: WorkerSpec) -> None:
+    for source in spec.reward_sources:
+        check_picklable(source.fn, f"reward function '{source.name}'")
+    check_picklable(spec.loop_cls, f"rollout loop class {spec.loop_cls!r} (rollout.loop_cls)")
+    check_picklable(spec.advantage_fn, "advantage estimator (advantage.name)")
+    check_picklable(spec.tokenizer, "tokenizer")
+    check_picklable(spec.dataset, "training dataset")
+    check_picklable(spec.config, "config")
+
+
+@contextmanager
+def _worker_environment() -> Iterator[None]:
+    """The spawned child inherits os.environ at start(): hide GPUs and launcher variables meanwhile."""
+    saved = dict(os.environ)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    for key in list(os.environ):
+        if key in _DISTRIBUTED_ENV or key.startswith(("ACCELERATE_", "TORCHELASTIC_")):
+            del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def start_worker(spec: WorkerSpec, channels: WorkerChannels) -> mp.process.BaseProcess:
+    check_spec(spec)
+    process = mp.get_context("spawn").Process(target=worker_main, args=(spec, channels), name="asyncrl-rollout",
+                                              daemon=True)  # fmt: skip
+    with _worker_environment():
+        process.start()
+    return process

@@ -1,0 +1,124 @@
+"""Every type that crosses a boundary between the rollout loop, the worker process and the trainer.
+
+Field names follow the spec's API reference (TurnRecord, Rollout, RolloutGroup); TrainingSequence and
+RolloutSample are what crosses the process boundary (pickled through the rollout queue).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class TurnRecord:
+    """One sampling request. Produced by ``AsyncRolloutLoop.generate_one_turn``; consumed by reconciliation."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_log_probs: list[float] = field(default_factory=list)
+    output_mask: list[int] | None = None
+    """1 = train on the token, 0 = context only; None = every output token is trained."""
+    output_sampling_mask: list[list[int]] | None = None
+    """Per output token: the candidate ids it was drawn from under top-k/top-p/min-p; None = full vocabulary."""
+    output_sampler_logprobs: list[dict[int, float]] | None = None
+    """Per output token: the sampler's top log-probabilities by token id (score centering)."""
+    finish_reason: str = "stop"
+    """stop (EOS or stop token), length (budget or context), abort."""
+
+
+@dataclass
+class Rollout:
+    """One finished conversation. Produced by ``generate_one``; consumed by group scoring."""
+
+    completion: Messages
+    completion_ids: list[int]
+    turns: list[TurnRecord]
+    tool_call_count: int = 0
+    tool_failure_count: int = 0
+    reward: float | None = None
+    """Added to the reward functions' sum; None = no reward from this source."""
+    rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class TrainingSequence:
+    """Tokens of one training sample, built from a rollout's turns by reconciliation.
+
+    ``mask[i] == 1`` means token i is trained: the loss scores it from position i - 1, against
+    ``sampler_logprobs[i]`` (and ``sampler_top_logprobs[i]`` / ``sampling_masks[i]`` when present).
+    """
+
+    token_ids: list[int]
+    mask: list[int]
+    sampler_logprobs: list[float]
+    sampler_top_logprobs: list[dict[int, float] | None] | None = None
+    sampling_masks: list[list[int] | None] | None = None
+
+    @property
+    def num_trained(self) -> int:
+        return int(sum(self.mask))
+
+
+@dataclass
+class RolloutGroup:
+    """The num_generations rollouts of one prompt, scored together (one entry per rollout in each list)."""
+
+    prompts: list[Messages]
+    reward_kwargs: dict[str, list[Any]]
+    completions: list[Messages]
+    completions_ids: list[list[int]]
+    completions_sequences: list[list[TrainingSequence]]
+    tool_call_counts: list[int]
+    tool_failure_counts: list[int]
+    model_version: int
+    group_id: int
+    row_index: int
+    env_rewards: list[tuple[type, float] | None]
+    rollout_rewards: list[float | None]
+    queued_at: float = 0.0
+    rewards: np.ndarray | None = None
+    rollouts: list[Rollout] = field(default_factory=list)
+
+
+@dataclass
+class RolloutSample:
+    """One trainable sequence. Produced by the worker's group scoring; consumed by the trainer's packer."""
+
+    sequence: TrainingSequence
+    advantage: float
+    reward: float
+    group_id: int
+    row_index: int
+    """Dataset row of the prompt."""
+    prompt_index: int
+    """Global position in the prompt stream (epoch * num_rows + position): the resume cursor's unit."""
+    model_version: int
+    rollout_id: str
+    epoch: int = 0
+    group_std: float = 0.0
+    """Std of the summed reward within the sample's group (the `reward_group_std` metric)."""
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """Per reward function: this rollout's reward and its group std (`rewards/<fn>/group_std`)."""
+    queued_at: float = 0.0
+    """time.time() when the worker queued it (time.time: comparable across processes)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sequence.token_ids)
+
+    @property
+    def num_trained(self) -> int:
+        return self.sequence.num_trained
+
+
+@dataclass(frozen=True)
+class EndOfBatch:
+    """Queue marker from the worker in synchronous mode (max_staleness=0): the step's samples are all queued."""
+
+    model_version: int

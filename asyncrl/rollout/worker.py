@@ -1,0 +1,260 @@
+"""The rollout worker process: streams prompts through the loop's hooks, scores groups, queues samples.
+
+Spawned by trainer rank 0 (``start_worker``) with no GPU and no distributed variables. The driver walks
+the prompt stream in the recorded order, starts a group only when admission control allows it, scores
+each finished group, and pushes samples (or a ``PromptDone`` for a dropped/filtered prompt) to the
+trainer. Any exception reaches the trainer with its traceback; a dead parent ends the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncrl.rollout.admission import Admission
+from asyncrl.rollout.channels import PromptDone, WorkerChannels
+from asyncrl.rollout.scoring import RewardSource, score_group
+from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
+
+
+@dataclass
+class WorkerSpec:
+    """Everything the worker needs; pickled at spawn (checked beforehand by the trainer)."""
+
+    config: Any
+    tokenizer: Any
+    dataset: Any
+    reward_sources: list[RewardSource]
+    loop_cls: type
+    advantage_fn: Any
+    base_url: str
+    model_name: str
+    max_model_len: int
+    start_prompt_index: int = 0
+    total_prompts: int | None = None
+    """Stop after this global prompt index (epoch-based runs); None = cycle epochs until stopped."""
+    parent_pid: int = field(default_factory=os.getpid)
+
+
+def prompt_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """Dataset row of each position in an epoch: a seeded permutation, the same on resume."""
+    if not shuffle:
+        return np.arange(num_rows)
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+class WorkerDriver:
+    def __init__(self, spec: WorkerSpec, channels: WorkerChannels, loop: Any) -> None:
+        self.spec, self.channels, self.loop = spec, channels, loop
+        self.config = spec.config
+        g = self.config.sampling.num_generations
+        self.admission = Admission(g, self.config.staleness.max_concurrent_rollouts)
+        self.sync_mode = self.config.staleness.max_staleness == 0
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.generation_spans: list[tuple[float, float]] = []
+        self.generated_tokens = 0
+        self.group_ids = iter(range(10**12))
+        self._orders: dict[int, np.ndarray] = {}
+
+    # ---- main loop -------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.loop.setup()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                background = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_parent())]
+                try:
+                    await self._drive(tasks)
+                finally:
+                    for task in background:
+                        task.cancel()
+        finally:
+            await self.loop.close()
+            self._flush_metrics()
+
+    async def _drive(self, tasks: asyncio.TaskGroup) -> None:
+        n_rows = len(self.spec.dataset)
+        index = self.spec.start_prompt_index
+        accepted_in_epoch: dict[int, int] = defaultdict(int)
+        while not self.channels.stop_event.is_set():
+            if self.spec.total_prompts is not None and index >= self.spec.total_prompts:
+                break
+            epoch, position = divmod(index, n_rows)
+            row_index = int(self._order(epoch)[position])
+            row = self.spec.dataset[row_index]
+            if not self.loop.filter_prompt(row_index, row, epoch):
+                self._push(PromptDone(index, "filtered"))
+            else:
+                accepted_in_epoch[epoch] += 1
+                await self._admit()
+                self.admission.on_group_start()
+                tasks.create_task(self._run_group(index, row_index, row, epoch))
+            if position == n_rows - 1 and accepted_in_epoch[epoch] == 0:
+                raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}: no batch can be trained")
+            index += 1
+        await self._wait_idle()
+        self._push(EndOfBatch(self.channels.model_version.value))
+        self.channels.beat("all prompts generated; waiting for the trainer to stop")
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: prompt_order(len(self.spec.dataset), epoch, self.config.trainer.seed,
+                                                self.config.data.shuffle)}  # fmt: skip
+        return self._orders[epoch]
+
+    async def _admit(self) -> None:
+        """Wait until a new group may start; in synchronous mode close the batch at the allowance."""
+        waited_since: float | None = None
+        while True:
+            reason = self.admission.wait_reason(
+                self.channels.token_allowance.value, self.channels.tokens_consumed.value,
+                self.config.staleness.max_concurrent_rollouts,
+            )  # fmt: skip
+            if reason is None:
+                break
+            waited_since = waited_since or time.monotonic()
+            if reason == "backpressure" and self.sync_mode:
+                await self._end_sync_batch()
+                continue
+            self.channels.beat(f"admission: {reason} ({self.admission.inflight_rollouts} rollouts in flight)")
+            await asyncio.sleep(0.01)
+        if waited_since is not None:
+            self.metrics["rollout/backpressure_s"].append(time.monotonic() - waited_since)
+
+    async def _end_sync_batch(self) -> None:
+        """max_staleness=0: finish in-flight groups, mark the batch, wait for the trainer's weight sync."""
+        await self._wait_idle()
+        if self.admission.queued_tokens(self.channels.tokens_consumed.value) < self.channels.token_allowance.value:
+            return  # dropped groups left room: generate more under the same weights
+        version = self.channels.model_version.value
+        self._push(EndOfBatch(version))
+        while self.channels.model_version.value == version and not self.channels.stop_event.is_set():
+            self.channels.beat(f"synchronous mode: waiting for weight sync to version {version + 1}")
+            await asyncio.sleep(0.01)
+
+    async def _wait_idle(self) -> None:
+        while self.admission.inflight_groups > 0:
+            self.channels.beat(f"waiting for {self.admission.inflight_rollouts} rollouts in flight")
+            await asyncio.sleep(0.01)
+
+    # ---- one group -------------------------------------------------------------------------------------------
+
+    async def _run_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
+        started = time.time()
+        version = self.channels.model_version.value
+        group_id = next(self.group_ids)
+        prompt = row["prompt"]
+        rollouts = await asyncio.gather(
+            *(self._one_rollout(prompt, group_id) for _ in range(self.config.sampling.num_generations))
+        )
+        group = self.loop.build_group(prompt, row, list(rollouts), group_id=group_id, row_index=row_index,
+                                      model_version=version)  # fmt: skip
+        self.generation_spans.append((started, time.time()))
+        group.queued_at = time.monotonic()
+        per_source = await score_group(group, self.spec.reward_sources)
+        self.metrics["rollout/score_s"].append(time.monotonic() - group.queued_at)
+        advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
+        from asyncrl.advantages import group_drop_reason
+
+        drop = group_drop_reason(group.rewards)
+        self._record_group(group, per_source, drop)
+        if drop is not None:
+            self.admission.on_group_done(0)
+            self._push(PromptDone(prompt_index, drop))
+        else:
+            samples = self._samples(group, advantages, per_source, prompt_index, epoch)
+            self.admission.on_group_done(sum(s.num_tokens for s in samples))
+            for sample in samples:
+                self._push(sample)
+        self.channels.beat("group queued")
+
+    async def _one_rollout(self, prompt: list[dict[str, Any]], group_id: int) -> Rollout:
+        started = time.monotonic()
+        rollout = await self.loop.generate_one(prompt, [], group_id)
+        self.metrics["rollout/duration_s"].append(time.monotonic() - started)
+        self.generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
+        self.admission.on_rollout_done(sum(len(t.prompt_ids) + len(t.output_ids) for t in rollout.turns))
+        self.channels.beat("rollout done")
+        return rollout
+
+    def _samples(
+        self, group: RolloutGroup, advantages: np.ndarray, per_source: dict[str, np.ndarray], prompt_index: int,
+        epoch: int,
+    ) -> list[RolloutSample]:  # fmt: skip
+        assert group.rewards is not None
+        scored = group.rewards[~np.isnan(group.rewards)]
+        group_std = float(np.std(scored)) if scored.size else 0.0
+        components = {name: (np.nanstd(values) if np.isfinite(values).any() else np.nan)
+                      for name, values in per_source.items()}  # fmt: skip
+        samples = []
+        for i, (rollout, sequences) in enumerate(zip(group.rollouts, group.completions_sequences, strict=True)):
+            for sequence in sequences:
+                samples.append(RolloutSample(
+                    sequence=sequence, advantage=float(advantages[i]), reward=float(group.rewards[i]),
+                    group_id=group.group_id, row_index=group.row_index, prompt_index=prompt_index,
+                    model_version=group.model_version,
+                    rollout_id=rollout.rollout_id, epoch=epoch, group_std=group_std,
+                    reward_components={f"rewards/{n}/group_std": float(s) for n, s in components.items()},
+                    queued_at=time.time(),
+                ))  # fmt: skip
+        return samples
+
+    def _record_group(self, group: RolloutGroup, per_source: dict[str, np.ndarray], drop: str | None) -> None:
+        from asyncrl.rollout.group_metrics import group_metrics
+
+        for name, values in group_metrics(group, per_source, drop).items():
+            self.metrics[name].extend(values)
+
+    # ---- plumbing --------------------------------------------------------------------------------------------
+
+    def _push(self, item: Any) -> None:
+        self.channels.rollout_queue.put(item)
+
+    def _flush_metrics(self) -> None:
+        if self.metrics or self.generation_spans:
+            self.channels.metrics_queue.put({**self.metrics, "timeline": {"generation": self.generation_spans}})
+            self.metrics, self.generation_spans = defaultdict(list), []
+
+    async def _report(self, interval_s: float = 1.0) -> None:
+        last_time, last_tokens = time.monotonic(), 0
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            self.metrics["rollout/generated_tokens_per_s"].append((self.generated_tokens - last_tokens) / (now - last_time))
+            self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
+            self.metrics["rollout/concurrency_cap"].append(self.config.staleness.max_concurrent_rollouts)
+            self.metrics["rollout/vllm_retry_count"].append(self.loop.client.take_retry_count())
+            last_time, last_tokens = now, self.generated_tokens
+            self._flush_metrics()
+
+    async def _watch_parent(self) -> None:
+        while True:
+            if os.getppid() != self.spec.parent_pid:
+                os._exit(3)  # the trainer died without stopping us: never outlive it
+            await asyncio.sleep(0.5)
+
+
+def worker_main(spec: WorkerSpec, channels: WorkerChannels) -> None:
+    """Process entry: run the driver; on failure hand the traceback to the trainer."""
+    try:
+        asyncio.run(_amain(spec, channels))
+    except BaseException:
+        channels.exception_queue.put(traceback.format_exc())
+        channels.failed_event.set()
+
+
+async def _amain(spec: WorkerSpec, channels: WorkerChannels) -> None:
+    from asyncrl.client import GenerationClient
+
+    config = spec.config
+    async with GenerationClient(spec.base_url, spec.model_name, timeout_s=config.server.timeout) as client:
+        loop = spec.loop_cls(config, spec.tokenizer, client, spec.advantage_fn, spec.max_model_len,
+                             seed_offset=spec.start_prompt_index * 1000)  # fmt: skip
+        await WorkerDriver(spec, channels, loop).run()

@@ -1,0 +1,65 @@
+"""Which server to run and the command line that starts it, derived from the config alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+
+from asyncrl.config.schema import Config, ServerBackend
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    backend: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_backend(config: Config) -> str:
+    """auto -> vLLM when it is importable and a GPU is present, else the built-in server."""
+    if config.server.backend != ServerBackend.auto:
+        return config.server.backend.value
+    if importlib.util.find_spec("vllm") is None:
+        return "builtin"
+    import torch
+
+    return "vllm" if torch.cuda.is_available() else "builtin"
+
+
+def base_url(config: Config) -> str:
+    return (config.server.base_url or f"http://{config.server.host}:{config.server.port}").rstrip("/")
+
+
+def served_model_name(config: Config) -> str:
+    return config.model.name_or_path
+
+
+def builtin_command(config: Config) -> ServerCommand:
+    sv = config.server
+    argv = [
+        sys.executable, "-m", "asyncrl.server",
+        "--model", config.model.name_or_path,
+        "--served-model-name", served_model_name(config),
+        "--host", sv.host,
+        "--port", str(sv.port),
+        "--dtype", sv.dtype or config.model.dtype,
+        "--device", sv.device,
+        "--max-num-seqs", str(sv.max_num_seqs),
+        "--max-logprobs", str(sv.max_logprobs),
+        "--seed", str(config.trainer.seed),
+    ]  # fmt: skip
+    if sv.max_model_len is not None:
+        argv += ["--max-model-len", str(sv.max_model_len)]
+    if config.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return ServerCommand("builtin", argv + list(sv.extra_args))
+
+
+def server_command(config: Config) -> ServerCommand:
+    backend = resolve_backend(config)
+    if backend == "vllm":
+        from asyncrl.server.vllm import vllm_command
+
+        return vllm_command(config)
+    return builtin_command(config)

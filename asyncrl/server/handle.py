@@ -1,0 +1,50 @@
+"""What the trainer holds of the server: its URL, whether it is alive, and how to stop it if we own it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from asyncrl.server.command import ServerCommand
+from asyncrl.server.process import ServerProcess, ServerStartError
+
+
+class LaunchedServer(ServerProcess):
+    """A server this run started; stopped when the run ends."""
+
+    def __init__(self, command: ServerCommand, base_url: str, log_path: Path, timeout_s: float) -> None:
+        super().__init__(command.argv, base_url=base_url, log_path=log_path, env=command.env,
+                         startup_timeout_s=timeout_s)  # fmt: skip
+        self.backend = command.backend
+
+
+class AttachedServer:
+    """A server somebody else runs (server.launch=false): checked at entry, never stopped by us."""
+
+    backend = "external"
+    log_path = None
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def is_alive(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "(external server: no log)"
+
+    def __enter__(self) -> AttachedServer:
+        if not self.is_alive():
+            raise ServerStartError(f"no healthy server at {self.base_url} (server.base_url with server.launch=false)")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None

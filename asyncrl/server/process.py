@@ -1,0 +1,152 @@
+"""Lifecycle of the generation server subprocess: start, wait for health, stop; never an orphan.
+
+The server runs in its own process group (so its children go with it) with its log in the run directory.
+If the CLI dies, even by SIGKILL, the kernel's parent-death signal (Linux prctl) terminates the server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message carries the end of its log."""
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask the kernel for SIGTERM when the parent dies."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """A supervised server subprocess; use as a context manager so it is always stopped."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        base_url: str,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.argv = list(argv)
+        self.base_url = base_url.rstrip("/")
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        url = httpx.URL(self.base_url)
+        host, port = url.host or "127.0.0.1", url.port or 80
+        if not port_is_free(host, port):
+            raise ServerStartError(
+                f"port {port} on {host} is busy: another server is running there. Stop it, choose another "
+                f"port (server.port=...), or attach to it with server.launch=false server.base_url={self.base_url}"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its whole life
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent
+            )
+        finally:
+            log.close()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise ServerStartError(
+                        f"server exited with code {self.proc.returncode} during startup; log {self.log_path}:\n"
+                        + self.log_tail()
+                    )
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
+        raise ServerStartError(
+            f"server not healthy at {self.base_url} after {self.startup_timeout_s:.0f}s (server.timeout); "
+            f"log {self.log_path}:\n" + self.log_tail()
+        )
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace_s``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(pgid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=grace_s)
+        self.proc = None
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

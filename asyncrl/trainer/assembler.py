@@ -1,0 +1,148 @@
+"""Assemble one optimizer step from the rollout queue: pull, drop stale or oversize samples, plan rows.
+
+Asynchronous mode closes a step when ``gradient_accumulation_steps`` rows are full (a row is full when
+the next sample does not fit). Synchronous mode (max_staleness=0) takes everything up to the worker's
+``EndOfBatch`` marker. While waiting, the worker's failure, silence and the server's death are checked
+so a broken run fails within seconds with the reason, never hangs.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncrl.metrics import MetricWindow
+from asyncrl.packing import Row, RowFactory
+from asyncrl.rollout.channels import PromptDone, WorkerChannels
+from asyncrl.rollout.types import EndOfBatch, RolloutSample
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker failed, hung or died; the message carries its traceback or what it waited on."""
+
+
+@dataclass
+class PromptProgress:
+    """Which prompts of the stream are consumed (trained or dropped); the cursor is the first that is not."""
+
+    cursor: int
+    done: set[int] = field(default_factory=set)
+    consumed: int = 0
+
+    def mark(self, prompt_index: int) -> None:
+        if prompt_index < self.cursor or prompt_index in self.done:
+            return
+        self.done.add(prompt_index)
+        self.consumed += 1
+        while self.cursor in self.done:
+            self.done.discard(self.cursor)
+            self.cursor += 1
+
+
+@dataclass
+class Step:
+    rows: list[Row]
+    wait_s: float
+    final: bool = False
+    """The worker has no more prompts: this is the last (possibly partial) step."""
+
+    @property
+    def samples(self) -> list[RolloutSample]:
+        return [s for row in self.rows for s in row.samples]
+
+
+class StepAssembler:
+    def __init__(
+        self,
+        channels: WorkerChannels,
+        row_factory: RowFactory,
+        token_budget: int,
+        rows_per_step: int,
+        max_staleness: int,
+        progress: PromptProgress,
+        window: MetricWindow,
+        health_check: Callable[[], None],
+        worker_timeout_s: float,
+    ) -> None:
+        self.channels, self.row_factory, self.token_budget = channels, row_factory, token_budget
+        self.rows_per_step, self.max_staleness = rows_per_step, max_staleness
+        self.sync_mode = max_staleness == 0
+        self.progress, self.window = progress, window
+        self.health_check, self.worker_timeout_s = health_check, worker_timeout_s
+        self._carry: RolloutSample | None = None
+
+    def next_step(self) -> Step:
+        rows: list[Row] = []
+        current = self.row_factory()
+        if self._carry is not None:
+            current.add(self._carry)
+            self.progress.mark(self._carry.prompt_index)
+            self._carry = None
+        wait_s = 0.0
+        while True:
+            item, waited = self._get()
+            wait_s += waited
+            if isinstance(item, PromptDone):
+                self.progress.mark(item.prompt_index)
+                continue
+            if isinstance(item, EndOfBatch):
+                if current.samples:
+                    rows.append(current)
+                    current = self.row_factory()
+                if rows or not self.sync_mode:
+                    return Step(rows, wait_s, final=not self.sync_mode)
+                continue
+            if not self._admit(item):
+                continue
+            if not current.fits(item):
+                rows.append(current)
+                current = self.row_factory()
+                if len(rows) == self.rows_per_step and not self.sync_mode:
+                    self._carry = item
+                    return Step(rows, wait_s)
+            current.add(item)
+            self.progress.mark(item.prompt_index)
+
+    def _admit(self, sample: RolloutSample) -> bool:
+        """Count the sample as consumed; keep it unless it is too stale or too long for any row."""
+        with self.channels.tokens_consumed.get_lock():
+            self.channels.tokens_consumed.value += sample.num_tokens
+        staleness = self.channels.model_version.value - sample.model_version
+        if staleness > self.max_staleness:
+            self.window.add("sample/dropped_stale_count", 1)
+            self.progress.mark(sample.prompt_index)
+            return False
+        if sample.num_tokens > self.token_budget:
+            self.window.add("batch/dropped_oversize_count", 1)
+            self.progress.mark(sample.prompt_index)
+            return False
+        self.window.add("sample/staleness_mean", staleness)
+        self.window.add("sample/staleness_max", staleness)
+        self.window.add("sample/time_in_queue_s", time.time() - sample.queued_at)
+        return True
+
+    def _get(self) -> tuple[object, float]:
+        started = time.monotonic()
+        while True:
+            try:
+                item = self.channels.rollout_queue.get(timeout=0.2)
+                return item, time.monotonic() - started
+            except queue.Empty:
+                self._check_worker()
+
+    def _check_worker(self) -> None:
+        if self.channels.failed_event.is_set():
+            try:
+                trace = self.channels.exception_queue.get(timeout=5)
+            except queue.Empty:
+                trace = "(no traceback received)"
+            raise RolloutWorkerError(f"the rollout worker failed:\n{trace}")
+        self.health_check()
+        silent_s = time.time() - self.channels.heartbeat.value
+        if silent_s > self.worker_timeout_s:
+            raise RolloutWorkerError(
+                f"the rollout worker made no progress for {silent_s:.0f}s (staleness.rollout_worker_timeout="
+                f"{self.worker_timeout_s:g}); it was: {self.channels.get_status() or 'starting'}"
+            )

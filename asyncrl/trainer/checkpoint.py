@@ -1,0 +1,130 @@
+"""Atomic checkpoints and resume.
+
+A checkpoint is written into ``step_NNNNNN.tmp`` and renamed when complete, so a crash never leaves a
+half checkpoint that resume would pick up. It holds the model (save_pretrained) and tokenizer, the
+optimizer and scheduler states, RNG states, ``trainer_state.json`` (step, model_version, ...) and
+``rollout_state.json``: the index of the first prompt not yet trained, where the worker resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_PREFIX = "step_"
+
+
+@dataclass
+class TrainerState:
+    step: int
+    model_version: int
+    prompt_index: int
+    """First prompt (global stream index) not yet trained."""
+    prompts_consumed: int
+    extra: dict[str, Any]
+
+
+def checkpoints_dir(output_dir: Path) -> Path:
+    return output_dir / "checkpoints"
+
+
+def save_checkpoint(
+    output_dir: Path, state: TrainerState, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any,
+    total_limit: int | None,
+) -> Path:  # fmt: skip
+    root = checkpoints_dir(output_dir)
+    final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    torch.save(_rng_state(), tmp / "rng_state.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(
+        {"step": state.step, "model_version": state.model_version, "prompts_consumed": state.prompts_consumed,
+         "extra": state.extra}, indent=2))  # fmt: skip
+    (tmp / "rollout_state.json").write_text(json.dumps({"prompt_index": state.prompt_index}, indent=2))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    if total_limit:
+        for old in list_checkpoints(output_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and not p.name.endswith(".tmp")]
+    return sorted(done, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+
+
+def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
+    """``latest`` (newest in output_dir), a run directory (its newest) or a checkpoint directory."""
+    if spec == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise FileNotFoundError(
+                f"trainer.resume_from_checkpoint=latest: no checkpoint in {checkpoints_dir(output_dir)} "
+                "(point hydra.run.dir at the run to resume, or give a checkpoint path)"
+            )
+        return found[-1]
+    path = Path(spec)
+    if (path / "trainer_state.json").is_file():
+        return path
+    found = list_checkpoints(path)
+    if found:
+        return found[-1]
+    raise FileNotFoundError(f"trainer.resume_from_checkpoint={spec}: not a checkpoint or a run directory with one")
+
+
+def load_checkpoint(path: Path, optimizer: Any, scheduler: Any) -> TrainerState:
+    """Restore optimizer, scheduler and RNG states (the model is loaded from ``path`` by the caller)."""
+    states = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(states["optimizer"])
+    scheduler.load_state_dict(states["scheduler"])
+    _set_rng_state(torch.load(path / "rng_state.pt", weights_only=False))
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    rollout = json.loads((path / "rollout_state.json").read_text())
+    return TrainerState(trainer["step"], trainer["model_version"], rollout["prompt_index"],
+                        trainer["prompts_consumed"], trainer.get("extra", {}))  # fmt: skip
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,50 @@
+"""Model, optimizer, scheduler and accelerator from the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncrl.config.schema import Config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def use_bf16(config: Config) -> bool:
+    return bool(config.trainer.bf16) if config.trainer.bf16 is not None else torch.cuda.is_available()
+
+
+def build_accelerator(config: Config) -> Any:
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if use_bf16(config) else "no")
+
+
+def load_model(config: Config, path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    m = config.model
+    if m.dtype not in _DTYPES:
+        raise ValueError(f"model.dtype={m.dtype!r} must be one of {', '.join(_DTYPES)}")
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[m.dtype], "attn_implementation": m.attn_implementation,
+                              "trust_remote_code": m.trust_remote_code, **m.model_init_kwargs}  # fmt: skip
+    if m.revision and path == m.name_or_path:
+        kwargs["revision"] = m.revision
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.use_cache = False
+    if config.trainer.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def build_optimizer(config: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    from transformers import get_scheduler
+
+    t = config.trainer
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+                                  weight_decay=t.weight_decay)  # fmt: skip
+    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.warmup_steps,
+                              num_training_steps=max(t.max_steps, 1))  # fmt: skip
+    return optimizer, scheduler

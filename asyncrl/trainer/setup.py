@@ -1,0 +1,69 @@
+"""Everything that can be checked before the server starts: data, tokenizer, components, picklability."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.config.schema import Config
+from asyncrl.registry import import_object
+from asyncrl.rollout.scoring import RewardSource, reward_name
+
+
+@dataclass
+class Prepared:
+    dataset: Any
+    eval_dataset: Any | None
+    tokenizer: Any
+    reward_sources: list[RewardSource]
+    loop_cls: type
+    advantage_fn: Any
+
+    def total_prompts(self, config: Config) -> int | None:
+        """Prompts in the whole run when it stops on epochs; None when max_steps decides."""
+        if config.trainer.max_steps > 0:
+            return None
+        return math.ceil(config.trainer.num_train_epochs * len(self.dataset))
+
+
+def load_tokenizer(config: Config) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model.name_or_path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_reward_sources(config: Config) -> list[RewardSource]:
+    from asyncrl.rewards import REWARDS
+
+    sources = []
+    for spec in config.reward:
+        fn = REWARDS.build(spec)
+        name = spec["name"] if spec["name"] in REWARDS else reward_name(fn)
+        sources.append(RewardSource(name, fn))
+    return sources
+
+
+def prepare(config: Config) -> Prepared:
+    from asyncrl.advantages import ADVANTAGES
+    from asyncrl.data import load_prompts
+    from asyncrl.rollout.loop import AsyncRolloutLoop
+    from asyncrl.rollout.spawn import check_picklable
+
+    dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
+    eval_dataset = None
+    if config.data.eval_path:
+        eval_dataset = load_prompts(config.data.eval_path, name=config.data.name, split=config.data.eval_split)
+    loop_cls = import_object(config.rollout.loop_cls)
+    if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
+        raise TypeError(f"rollout.loop_cls={config.rollout.loop_cls} is not a subclass of AsyncRolloutLoop")
+    sources = build_reward_sources(config)
+    for source in sources:
+        check_picklable(source.fn, f"reward function '{source.name}'")
+    return Prepared(dataset, eval_dataset, load_tokenizer(config), sources, loop_cls,
+                    ADVANTAGES.build(config.advantage))  # fmt: skip

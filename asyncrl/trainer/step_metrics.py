@@ -1,0 +1,61 @@
+"""Per-step batch, sample and performance metrics (names and units from the spec's metric tables)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.packing.row import PackedRow
+from asyncrl.trainer.assembler import Step
+
+
+def batch_metrics(step: Step, rows: list[PackedRow], token_budget: int) -> dict[str, float]:
+    samples = step.samples
+    forwarded = sum(r.num_forwarded for r in rows)
+    raw = sum(r.num_raw_tokens for r in rows)
+    trained = sum(r.num_trained for r in rows)
+    costs = [r.attention_cost() for r in rows]
+    out = {
+        "batch/forwarded_tokens_per_step": float(forwarded),
+        "batch/trained_tokens_per_step": float(trained),
+        "batch/samples_per_step": float(len(samples)),
+        "batch/groups_per_step": float(len({s.group_id for s in samples})),
+        "batch/microbatches_per_step": float(len(rows)),
+        "batch/masked_token_frac": 1.0 - trained / max(forwarded, 1),
+        "batch/samples_per_row": len(samples) / max(len(rows), 1),
+        "batch/row_tokens_mean": forwarded / max(len(rows), 1),
+        "batch/row_tokens_max": float(max((r.num_forwarded for r in rows), default=0)),
+        "batch/row_fill_frac": forwarded / max(len(rows) * token_budget, 1),
+        "batch/row_imbalance": max(costs) / (sum(costs) / len(costs)) if costs and sum(costs) else 1.0,
+        "batch/packing_ratio": raw / max(forwarded, 1),
+        "batch/pad_frac": 0.0,
+    }
+    return out
+
+
+def sample_events(step: Step) -> dict[str, list[float]]:
+    """Per-sample events (means over the window's trained samples)."""
+    events: dict[str, list[float]] = {
+        "sample/forwarded_tokens_mean": [], "sample/forwarded_tokens_max": [], "sample/trained_tokens_mean": [],
+        "reward_group_std": [],
+    }  # fmt: skip
+    for s in step.samples:
+        events["sample/forwarded_tokens_mean"].append(s.num_tokens)
+        events["sample/forwarded_tokens_max"].append(s.num_tokens)
+        events["sample/trained_tokens_mean"].append(s.num_trained)
+        events["reward_group_std"].append(s.group_std)
+        for name, value in s.reward_components.items():
+            events.setdefault(name, []).append(value)
+    return events
+
+
+def perf_metrics(
+    rows: list[PackedRow], fwd_s: float, fwd_bwd_s: float, optimizer_s: float, wait_s: float, model_config: Any
+) -> dict[str, float]:
+    forwarded = sum(r.num_forwarded for r in rows)
+    return {
+        "perf/fwd_s": fwd_s,
+        "perf/fwd_bwd_s": fwd_bwd_s,
+        "perf/optimizer_s": optimizer_s,
+        "perf/rollout_wait_s": wait_s,
+        "perf/fwd_bwd_forwarded_tokens_per_s": forwarded / max(fwd_bwd_s, 1e-9),
+    }

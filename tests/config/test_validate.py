@@ -1,0 +1,60 @@
+"""Cross-field validation: every bad input fails before anything starts, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import ConfigError, compose, to_config
+
+BAD_INPUTS = [
+    (["sampling.top_p=0.9"], "sampling.top_k"),
+    (["sampling.min_p=0.05"], "sampling.top_k"),
+    (["sampling.num_generations=1"], "sampling.num_generations"),
+    (["sampling.temperature=0"], "sampling.temperature"),
+    (["sampling.top_p=1.5", "sampling.top_k=10"], "sampling.top_p"),
+    (["sampling.max_completion_length=0"], "sampling.max_completion_length"),
+    (["trainer.learning_rate=-1e-6"], "trainer.learning_rate"),
+    (["trainer.weight_decay=-0.1"], "trainer.weight_decay"),
+    (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
+    (["trainer.max_steps=-1", "trainer.num_train_epochs=0"], "trainer.max_steps"),
+    (["trainer.lr_scheduler_type=cosine", "trainer.max_steps=-1"], "trainer.lr_scheduler_type"),
+    (["staleness.max_staleness=-1"], "staleness.max_staleness"),
+    (["staleness.weight_sync_steps=0"], "staleness.weight_sync_steps"),
+    (["staleness.max_staleness=0", "staleness.weight_sync_steps=2"], "staleness.weight_sync_steps"),
+    (["staleness.max_concurrent_rollouts=0"], "staleness.max_concurrent_rollouts"),
+    (["server.launch=false"], "server.base_url"),
+    (["server.max_model_len=16"], "server.max_model_len"),
+    (["sampling.num_sampler_logprobs=50"], "server.max_logprobs"),
+    (["server.max_lora_rank=4"], "server.max_lora_rank"),
+    (["lora=default", "lora.sync=adapter", "server.max_loras=3"], "server.max_loras"),
+    (["lora=default", "lora.target_modules=[q_proj,lm_head]"], "lm_head"),
+    (["lora=default", "server.max_lora_rank=16"], "lora.r"),
+    (["loss=score_centering", "sampling.num_sampler_logprobs=0"], "sampling.num_sampler_logprobs"),
+    (["loss.name=not_a_loss"], "unknown loss 'not_a_loss'"),
+    (["+loss.epsilon_hihg=0.3"], "epsilon_hihg"),
+    (["reward=[]"], "reward"),
+    (["advantage.name=nope"], "advantage"),
+    (["packing.name=nope"], "packing"),
+    (["rollout.loop_cls=nope"], "rollout.loop_cls"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "named"), BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_bad_input_fails_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError) as info:
+        to_config(compose(overrides))
+    assert named in str(info.value)
+
+
+def test_ten_or_more_bad_inputs_are_covered():
+    assert len(BAD_INPUTS) >= 10
+
+
+def test_top_p_with_top_k_is_accepted():
+    config = to_config(compose(["sampling.top_p=0.9", "sampling.top_k=50"]))
+    assert config.sampling.top_k == 50
+
+
+def test_reward_by_import_path():
+    config = to_config(compose(["reward=[{name: 'asyncrl.rewards.accuracy:accuracy'}]"]))
+    assert config.reward[0]["name"] == "asyncrl.rewards.accuracy:accuracy"
