@@ -46,6 +46,7 @@ def _hydra_job(cfg: DictConfig) -> None:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the metrics
     run_job(config, run_dir)
 
 

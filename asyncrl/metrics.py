@@ -1,8 +1,8 @@
 """Metric windows and sinks.
 
 A window collects events since the last log. Reduction follows the spec: a name whose last part
-contains ``count`` is summed, one containing ``max``/``min`` keeps the extreme, anything else is the
-mean of its events. Sinks: ``metrics.jsonl`` in the run directory (one object per logging step) and
+has the word ``count`` is summed, one with ``max``/``min`` keeps the extreme, anything else is the mean
+of its events (NaN events are ignored; a window with only NaN gives NaN). Sinks: ``metrics.jsonl`` in the run directory (one object per logging step) and
 accelerate trackers (tensorboard, wandb, trackio) when configured.
 """
 
@@ -17,15 +17,16 @@ from typing import Any
 
 
 def reduce_events(name: str, values: list[float]) -> float:
-    last = name.rsplit("/", 1)[-1]
+    """Reduce one metric's window by the words of its last name part (``mean_terminated_length`` is a mean)."""
+    words = name.rsplit("/", 1)[-1].split("_")
     finite = [v for v in values if not math.isnan(v)]
-    if "count" in last:
+    if "count" in words:
         return float(sum(finite))
     if not finite:
         return math.nan
-    if "max" in last:
+    if "max" in words:
         return float(max(finite))
-    if "min" in last:
+    if "min" in words:
         return float(min(finite))
     return float(sum(finite) / len(finite))
 

@@ -192,8 +192,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    reward: list[dict[str, Any]] = field(default_factory=list)
-    """Reward components, each {name: registered-name-or-import-path, **kwargs}; rewards are summed."""
+    reward_funcs: list[dict[str, Any]] = field(default_factory=list)
+    """Reward functions, each {name: registered-name-or-import-path, **kwargs}; their rewards are summed.
+    The `reward` config group holds presets (reward=accuracy); set the list itself with reward_funcs=[...]."""
     loss: dict[str, Any] = field(default_factory=lambda: {"name": "score_centering"})
     advantage: dict[str, Any] = field(default_factory=lambda: {"name": "group_zscore"})
     packing: dict[str, Any] = field(default_factory=lambda: {"name": "flat"})

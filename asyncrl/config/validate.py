@@ -149,10 +149,13 @@ def check_components(config: Config) -> None:
     from asyncrl.components import component_registries
 
     registries = component_registries()
-    if not config.reward:
-        raise ConfigError("reward is empty: name at least one reward function (e.g. reward=accuracy)")
-    for index, spec in enumerate(config.reward):
-        _build(registries["reward"], spec, f"reward[{index}]")
+    if not config.reward_funcs:
+        raise ConfigError(
+            "reward_funcs is empty: choose a preset (reward=accuracy) or list functions "
+            "(reward_funcs=[{name: accuracy}, {name: my_pkg.rewards:fn}])"
+        )
+    for index, spec in enumerate(config.reward_funcs):
+        _build(registries["reward"], spec, f"reward_funcs[{index}]")
     for group in ("loss", "advantage", "packing"):
         _build(registries[group], getattr(config, group), group)
 

@@ -223,15 +223,16 @@ class WorkerDriver:
             self.metrics, self.generation_spans = defaultdict(list), []
 
     async def _report(self, interval_s: float = 1.0) -> None:
-        last_time, last_tokens = time.monotonic(), 0
+        last_time, last_tokens, last_retries = time.monotonic(), 0, 0
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
             self.metrics["rollout/generated_tokens_per_s"].append((self.generated_tokens - last_tokens) / (now - last_time))
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
             self.metrics["rollout/concurrency_cap"].append(self.config.staleness.max_concurrent_rollouts)
-            self.metrics["rollout/vllm_retry_count"].append(self.loop.client.take_retry_count())
-            last_time, last_tokens = now, self.generated_tokens
+            retries = self.loop.client.retry_count
+            self.metrics["rollout/vllm_retry_count"].append(retries - last_retries)
+            last_time, last_tokens, last_retries = now, self.generated_tokens, retries
             self._flush_metrics()
 
     async def _watch_parent(self) -> None:

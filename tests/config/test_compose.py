@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import HydraException
-from omegaconf.errors import ConfigCompositionException, ValidationError
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
 
 from asyncrl.config import Config, compose, conf_dir, to_config
 from asyncrl.config.schema import ServerBackend
@@ -70,15 +71,16 @@ def test_deepmath_recipe_selects_the_real_model_data_and_vllm():
     assert config.model.name_or_path == "Qwen/Qwen3-4B"
     assert config.data.path == "trl-lib/DeepMath-103K"
     assert config.server.backend == ServerBackend.vllm
-    assert config.reward == [{"name": "accuracy"}]
+    assert config.reward_funcs == [{"name": "accuracy"}]
     assert config.sampling.temperature == 0.7
     assert config.trainer.learning_rate == 1e-6  # the tiny default's lr does not leak into the recipe
 
 
 def test_overrides_and_deletion():
-    cfg = compose(["trainer.learning_rate=3e-6", "~run_name", "+model.model_init_kwargs.low_cpu_mem_usage=true"])
+    cfg = compose(["trainer.learning_rate=3e-6", "~loss.is_clip_max", "+model.model_init_kwargs.low_cpu_mem_usage=true"])
     config = to_config(cfg)
     assert config.trainer.learning_rate == 3e-6
+    assert "is_clip_max" not in config.loss  # the loss function's own default applies
     assert config.model.model_init_kwargs == {"low_cpu_mem_usage": True}
 
 

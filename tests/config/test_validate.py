@@ -32,7 +32,7 @@ BAD_INPUTS = [
     (["loss=score_centering", "sampling.num_sampler_logprobs=0"], "sampling.num_sampler_logprobs"),
     (["loss.name=not_a_loss"], "unknown loss 'not_a_loss'"),
     (["+loss.epsilon_hihg=0.3"], "epsilon_hihg"),
-    (["reward=[]"], "reward"),
+    (["reward_funcs=[]"], "reward_funcs"),
     (["advantage.name=nope"], "advantage"),
     (["packing.name=nope"], "packing"),
     (["rollout.loop_cls=nope"], "rollout.loop_cls"),
@@ -56,5 +56,5 @@ def test_top_p_with_top_k_is_accepted():
 
 
 def test_reward_by_import_path():
-    config = to_config(compose(["reward=[{name: 'asyncrl.rewards.accuracy:accuracy'}]"]))
-    assert config.reward[0]["name"] == "asyncrl.rewards.accuracy:accuracy"
+    config = to_config(compose(["reward_funcs=[{name: 'asyncrl.rewards.accuracy:accuracy'}, {name: length}]"]))
+    assert [f["name"] for f in config.reward_funcs] == ["asyncrl.rewards.accuracy:accuracy", "length"]

@@ -1,0 +1,37 @@
+"""Math accuracy reward: the completion's last ``\\boxed{}`` answer checked against the gold with math-verify."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from asyncrl.rewards.base import REWARDS, Message, final_answer_text
+from asyncrl.rewards.boxed import last_boxed_answer
+from asyncrl.rewards.verifier import check_answer
+
+
+@REWARDS.register("accuracy")
+def accuracy(
+    prompts: Sequence[Sequence[Message]],
+    completions: Sequence[Sequence[Message]],
+    completion_ids: Sequence[Sequence[int]],
+    *,
+    solution: Sequence[Any],
+    timeout_s: float = 5,
+    **columns: Any,
+) -> list[float | None]:
+    """1.0 if the last ``\\boxed{}`` of the final assistant message equals ``solution`` under math-verify, else 0.0.
+
+    None (not applicable) where math-verify cannot parse the gold answer. Safe to call from any thread:
+    math-verify runs in child processes bounded by ``timeout_s`` per parse or comparison (see verifier.py).
+
+    Args:
+        solution: the gold answer column (DeepMath's ``solution``), LaTeX without ``\\boxed``.
+        timeout_s: seconds math-verify may spend on one parse or comparison before the answer scores 0.0.
+    """
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, solution, strict=True):
+        answer = last_boxed_answer(final_answer_text(completion)) or ""
+        verdict = check_answer("" if gold is None else str(gold), answer, timeout_s)
+        rewards.append(None if verdict is None else float(verdict))
+    return rewards

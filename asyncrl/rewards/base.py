@@ -1,0 +1,33 @@
+"""The reward registry and the message helpers reward functions share.
+
+A reward function is ``f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]``
+(None = not applicable); the rollout worker calls it from threads and sums the results per rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from asyncrl.registry import Registry
+
+RewardFn = Callable[..., list[float | None]]
+REWARDS: Registry[RewardFn] = Registry("reward")
+
+Message = dict[str, Any]
+
+
+def message_text(message: Message) -> str:
+    """A message's text, joining the text parts when the content is a list of typed parts."""
+    content = message.get("content") or ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
+def final_answer_text(completion: Sequence[Message]) -> str:
+    """Text of the completion's last assistant message (earlier turns may hold tool calls); "" if none."""
+    for message in reversed(completion):
+        if message.get("role") == "assistant":
+            return message_text(message)
+    return ""

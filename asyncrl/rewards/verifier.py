@@ -1,0 +1,144 @@
+"""math-verify in child processes, so that a comparison which hangs can be stopped from any thread.
+
+math-verify bounds its work with SIGALRM, which only the main thread can use, and the rollout worker scores
+from threads; with its timeouts off, ``verify`` on an answer like ``9^{9^{9^9}}`` runs for minutes. Each child
+runs math-verify on its own main thread with those timeouts on, the caller adds a hard deadline and kills a
+child that misses it, and a child exits when its stdin closes, so it cannot outlive its parent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import logging
+import math
+import os
+import select
+import subprocess
+import sys
+import threading
+
+STARTUP_TIMEOUT_S = 120.0
+logger = logging.getLogger(__name__)
+
+
+def judge(gold: str, answer: str, timeout_s: int) -> bool | None:
+    """None if math-verify cannot parse ``gold``; else whether ``answer`` parses and equals it."""
+    from math_verify import verify
+
+    gold_parsed = parse_boxed(gold, timeout_s)
+    if not gold_parsed:
+        return None
+    answer_parsed = parse_boxed(answer, timeout_s)
+    return bool(answer_parsed) and verify(gold_parsed, answer_parsed, timeout_seconds=timeout_s)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_boxed(text: str, timeout_s: int) -> list:
+    """Parse ``text`` as a boxed LaTeX answer (cached: a group's rollouts share one gold)."""
+    from math_verify import LatexExtractionConfig, parse
+
+    if not text.strip():
+        return []
+    config = [LatexExtractionConfig(boxed_match_priority=0)]
+    return parse(f"\\boxed{{{text}}}", extraction_config=config, fallback_mode="no_fallback", parsing_timeout=timeout_s)
+
+
+def serve() -> None:
+    """Child loop: one JSON ``[gold, answer, timeout_s]`` per stdin line -> one JSON verdict line."""
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints from sympy must not corrupt the replies
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    import math_verify  # noqa: F401  (import before "ready", so the first request pays no import time)
+
+    replies.write("ready\n")
+    replies.flush()
+    for line in sys.stdin:
+        gold, answer, timeout_s = json.loads(line)
+        replies.write(json.dumps(judge(gold, answer, timeout_s)) + "\n")
+        replies.flush()
+
+
+class VerifierProcess:
+    """One child running ``serve``; used by one caller at a time."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
+        code = "from asyncrl.rewards.verifier import serve; serve()"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+        )
+        if self.read_line(STARTUP_TIMEOUT_S) != "ready":
+            self.close()
+            raise RuntimeError(f"math-verify child process (pid {self.process.pid}) did not start")
+
+    def read_line(self, timeout_s: float) -> str | None:
+        """The child's next full line, or None if it gives none within ``timeout_s`` or has exited."""
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        line = self.process.stdout.readline() if ready else ""
+        return line.strip() if line.endswith("\n") else None
+
+    def ask(self, gold: str, answer: str, timeout_s: int) -> str | None:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps([gold, answer, timeout_s]) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return None
+        return self.read_line(deadline_s(timeout_s))
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def deadline_s(timeout_s: int) -> float:
+    """How long the caller waits for a verdict: parsing gold, parsing the answer and verifying are each bounded
+    by ``timeout_s`` inside the child, plus slack for scheduling."""
+    return 3 * timeout_s + 2.0
+
+
+idle: list[VerifierProcess] = []
+idle_lock = threading.Lock()
+
+
+def take_idle() -> VerifierProcess | None:
+    """An idle child that is still alive, closing any that died while idle (e.g. out of memory)."""
+    while True:
+        with idle_lock:
+            child = idle.pop() if idle else None
+        if child is None or child.process.poll() is None:
+            return child
+        child.close()
+
+
+def check_answer(gold: str, answer: str, timeout_s: float = 5) -> bool | None:
+    """None if ``gold`` is unparsable; False if ``answer`` is unparsable, wrong or takes too long; else True."""
+    timeout_s = max(1, math.ceil(timeout_s))  # SIGALRM counts whole seconds
+    child = take_idle() or VerifierProcess()
+    reply = child.ask(gold, answer, timeout_s)
+    if reply is None:
+        logger.warning("math-verify gave no verdict on answer %.80r (gold %.80r) in time; child replaced", answer, gold)
+        child.close()
+        return False
+    with idle_lock:
+        idle.append(child)
+    return json.loads(reply)
+
+
+@atexit.register
+def close_idle() -> None:
+    """Stop every idle child (busy ones exit when this process does, as their stdin closes)."""
+    with idle_lock:
+        children, idle[:] = list(idle), []
+    for child in children:
+        child.close()
+
+
+# A forked process must not share its parent's children (their pipes belong to the parent).
+os.register_at_fork(after_in_child=idle.clear)

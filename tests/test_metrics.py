@@ -1,0 +1,36 @@
+"""Metric window rules (spec, "Logging window")."""
+
+import math
+
+from asyncrl.metrics import JsonlSink, MetricWindow, read_jsonl, reduce_events
+
+
+def test_counts_are_summed_extremes_kept_others_averaged():
+    assert reduce_events("sample/dropped_stale_count", [1, 2, 3]) == 6
+    assert reduce_events("sample/staleness_max", [1, 4, 2]) == 4
+    assert reduce_events("sampling/importance_sampling_ratio/min", [0.9, 0.5]) == 0.5
+    assert reduce_events("reward", [0.0, 1.0, 0.5]) == 0.5
+
+
+def test_words_not_substrings_decide():
+    # "terminated" contains "min" and "max_terminated" contains both: whole words decide the rule
+    assert reduce_events("completions/mean_terminated_length", [3, 24]) == 13.5
+    assert reduce_events("completions/max_terminated_length", [3, 24]) == 24
+    assert reduce_events("completions/min_terminated_length", [3, 24]) == 3
+
+
+def test_nan_events_are_ignored_and_all_nan_is_nan():
+    assert reduce_events("tools/failure_frequency", [math.nan, 1.0]) == 1.0
+    assert math.isnan(reduce_events("tools/failure_frequency", [math.nan]))
+    assert reduce_events("x/call_count", [math.nan]) == 0.0
+
+
+def test_window_resets_after_reduce(tmp_path):
+    window = MetricWindow()
+    window.add("reward", 1.0)
+    window.extend({"reward": [0.0], "sample/dropped_stale_count": [1, 1]})
+    assert window.reduce() == {"reward": 0.5, "sample/dropped_stale_count": 2.0}
+    assert window.reduce() == {}
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write(3, {"reward": 0.5, "entropy": math.nan})
+    assert read_jsonl(tmp_path / "m.jsonl") == [{"step": 3, "reward": 0.5, "entropy": None}]
