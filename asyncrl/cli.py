@@ -5,6 +5,9 @@ Heavy imports (torch, transformers, hydra) happen inside the commands so `asyncr
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 from asyncrl import __version__
@@ -76,6 +79,20 @@ def serve(ctx: typer.Context) -> None:
     from asyncrl.launch import serve_forever
 
     serve_forever(_checked(lambda: to_config(compose(list(ctx.args)))))
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="A run directory or a multirun sweep.")],
+) -> None:
+    """Write plots and one self-contained HTML page into RUN_DIR/report/ and print the page's path."""
+    from asyncrl.report import write_report
+
+    try:
+        typer.echo(str(write_report(run_dir)))
+    except FileNotFoundError as exc:
+        typer.secho(f"report error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
 
 
 def _checked(build):  # type: ignore[no-untyped-def]

@@ -1,45 +1,212 @@
-"""What the user sees while training: one line per logging step with the numbers that matter."""
+"""What the user sees while training: a live rich display on a terminal, else one plain line per logging step.
+
+The trainer calls `log_step` once per logging window. `diagnose_bottleneck` reads the rollout-queue metrics as
+the spec's "Rollout queue" section does and names the side that limits throughput.
+"""
 
 from __future__ import annotations
 
 import math
+import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console as RichConsole
+from rich.console import Group
+from rich.live import Live
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 from asyncrl.config.schema import Config
 
-# (metric, label, format) in display order
-_COLUMNS = (
+HIGH_WAIT_FRAC = 0.1
+"""A wait counts as high above this fraction of the step time (of one second when no step time was logged)."""
+
+GENERATION_BOUND, TRAINER_BOUND, TOO_TIGHT, BALANCED = (
+    "generation-bound", "trainer-bound", "max_staleness too tight", "balanced",
+)  # fmt: skip
+
+_PLAIN_COLUMNS = (  # (metric, label, format) in display order
     ("reward", "reward", "{:.3f}"),
     ("reward_kept", "kept", "{:.3f}"),
+    ("reward_dropped", "dropped", "{:.3f}"),
     ("frac_reward_zero_std", "zero_std", "{:.2f}"),
     ("completions/mean_length", "len", "{:.1f}"),
-    ("entropy", "entropy", "{:.3f}"),
     ("rollout/generated_tokens_per_s", "gen tok/s", "{:.0f}"),
     ("perf/wall_clock_trained_tokens_per_s", "train tok/s", "{:.0f}"),
     ("sample/staleness_mean", "stale", "{:.2f}"),
     ("rollout/queue_size", "queue", "{:.0f}"),
     ("perf/step_s", "step_s", "{:.2f}"),
 )
+_COLOURS = {GENERATION_BOUND: "yellow", TRAINER_BOUND: "cyan", TOO_TIGHT: "red", BALANCED: "green"}
+
+
+def _value(metrics: Mapping[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def classify_bottleneck(metrics: Mapping[str, Any]) -> str | None:
+    """Which side waits on the other: the mirror-image waits decide, the queue size only illustrates."""
+    wait, backpressure = _value(metrics, "perf/rollout_wait_s"), _value(metrics, "rollout/backpressure_s")
+    if wait is None and backpressure is None:
+        return None
+    step_s = _value(metrics, "perf/step_s")
+    threshold = HIGH_WAIT_FRAC * (step_s if step_s and step_s > 0 else 1.0)
+    starving, throttled = (wait or 0.0) > threshold, (backpressure or 0.0) > threshold
+    if starving and throttled:
+        return TOO_TIGHT
+    return GENERATION_BOUND if starving else TRAINER_BOUND if throttled else BALANCED
+
+
+def diagnose_bottleneck(metrics: Mapping[str, Any], max_staleness: int) -> str:
+    """One line naming the bottleneck and what to look at, per the spec's rollout-queue diagnosis."""
+    label = classify_bottleneck(metrics)
+    if label is None:
+        return "bottleneck unknown: no perf/rollout_wait_s or rollout/backpressure_s in this window"
+    wait = _value(metrics, "perf/rollout_wait_s") or 0.0
+    backpressure = _value(metrics, "rollout/backpressure_s") or 0.0
+    queue = _queue_text(metrics)
+    if label == GENERATION_BOUND:
+        return (f"{label}: training waited {wait:.2f} s/step for samples ({queue}); look at "
+                "rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size")  # fmt: skip
+    if label == TRAINER_BOUND:
+        staleness = _value(metrics, "sample/staleness_mean")
+        stale = "" if staleness is None else f", staleness {staleness:.1f} of max {max_staleness}"
+        return f"{label}: generation waited {backpressure:.2f} s for training ({queue}{stale}); training is slower"
+    if label == TOO_TIGHT and max_staleness == 0:
+        return (f"{label}: synchronous mode (staleness.max_staleness=0), generation and training take turns; "
+                "raise staleness.max_staleness to overlap them")  # fmt: skip
+    if label == TOO_TIGHT:
+        return (f"{label}: training waited {wait:.2f} s/step while generation waited {backpressure:.2f} s "
+                f"({queue}); raise staleness.max_staleness (now {max_staleness})")  # fmt: skip
+    return f"{label}: training waited {wait:.2f} s/step, generation {backpressure:.2f} s ({queue})"
+
+
+def _queue_text(metrics: Mapping[str, Any]) -> str:
+    queue, per_step = _value(metrics, "rollout/queue_size"), _value(metrics, "batch/samples_per_step")
+    if queue is None:
+        return "queue size not logged"
+    steps = f" = {queue / per_step:.1f} steps" if per_step else ""
+    return f"queue {queue:.0f} samples{steps}"
+
+
+def _fmt(metrics: Mapping[str, Any], key: str, fmt: str) -> str:
+    value = _value(metrics, key)
+    return "-" if value is None else fmt.format(value)
+
+
+def _text(value: Any) -> str:
+    """A prompt is a string or a list of chat messages; show messages as `role: content` lines."""
+    if isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in value)
+    return str(value)
 
 
 class Console:
+    """Live display (progress, numbers, bottleneck) on a terminal; one plain line per logging step elsewhere."""
+
     def __init__(self, config: Config) -> None:
-        self.console = RichConsole(stderr=False, highlight=False)
+        mode = config.logging.console
+        if mode not in ("auto", "live", "plain"):
+            raise ValueError(f"logging.console={mode!r} must be one of auto, live, plain")
+        self.live_mode = mode == "live" or (mode == "auto" and sys.stdout.isatty())
+        self.console = RichConsole(highlight=False, force_terminal=True if mode == "live" else None)
+        self.config = config
         self.max_steps = config.trainer.max_steps
+        self.max_staleness = config.staleness.max_staleness
+        self.started = time.monotonic()
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+            TimeRemainingColumn(), console=self.console,
+        )  # fmt: skip
+        by_steps = self.max_steps > 0
+        self.task = self.progress.add_task(self._position(0, 0.0), total=self.max_steps if by_steps else
+                                           config.trainer.num_train_epochs)  # fmt: skip
+        self.live: Live | None = None
+
+    def _position(self, step: int, epoch: float) -> str:
+        if self.max_steps > 0:
+            return f"step {step}/{self.max_steps}"
+        return f"step {step}  epoch {epoch:.2f}/{self.config.trainer.num_train_epochs:g}"
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        total = f"/{self.max_steps}" if self.max_steps > 0 else ""
-        parts = [f"[bold]step {step}{total}[/bold]"]
-        for key, label, fmt in _COLUMNS:
-            value = metrics.get(key)
-            if value is not None and not math.isnan(value):
+        if not self.live_mode:
+            self.console.print(self._plain_line(step, metrics), soft_wrap=True)
+            return
+        epoch = _value(metrics, "epoch") or 0.0
+        done = step if self.max_steps > 0 else epoch
+        self.progress.update(self.task, completed=done, description=self._position(step, epoch))
+        view = Group(self.progress, self._stats(metrics))
+        if self.live is None:
+            self.live = Live(view, console=self.console, refresh_per_second=4)
+            self.live.start()
+        else:
+            self.live.update(view)
+
+    def _plain_line(self, step: int, metrics: Mapping[str, Any]) -> str:
+        parts = [f"[bold]{self._position(step, _value(metrics, 'epoch') or 0.0)}[/bold]"]
+        for key, label, fmt in _PLAIN_COLUMNS:
+            value = _value(metrics, key)
+            if value is not None:
                 parts.append(f"{label} {fmt.format(value)}")
-        self.console.print("  ".join(parts))
+        label = classify_bottleneck(metrics)
+        if label is not None:
+            parts.append(f"[{_COLOURS[label]}]{label}[/]")
+        return "  ".join(parts)
+
+    def _stats(self, metrics: Mapping[str, Any]) -> Group:
+        """Reward line, throughput line and bottleneck line under the progress bar."""
+        reward = "  ".join(
+            (
+                f"reward [bold]{_fmt(metrics, 'reward', '{:.3f}')}[/]",
+                f"kept {_fmt(metrics, 'reward_kept', '{:.3f}')}",
+                f"dropped {_fmt(metrics, 'reward_dropped', '{:.3f}')}",
+                f"zero-std groups {_fmt(metrics, 'frac_reward_zero_std', '{:.0%}')}",
+                f"length {_fmt(metrics, 'completions/mean_length', '{:.1f}')}",
+            )
+        )
+        flow = "  ".join(
+            (
+                f"generated {_fmt(metrics, 'rollout/generated_tokens_per_s', '{:,.0f}')} tok/s",
+                f"trained {_fmt(metrics, 'perf/wall_clock_trained_tokens_per_s', '{:,.0f}')} tok/s",
+                f"staleness {_fmt(metrics, 'sample/staleness_mean', '{:.2f}')} "
+                f"(max {_fmt(metrics, 'sample/staleness_max', '{:.0f}')}, limit {self.max_staleness})",
+                f"queue {_fmt(metrics, 'rollout/queue_size', '{:.0f}')}",
+                f"step {_fmt(metrics, 'perf/step_s', '{:.2f}')} s",
+            )
+        )
+        colour = _COLOURS.get(classify_bottleneck(metrics) or "", "dim")
+        return Group(reward, flow, f"[{colour}]{escape(diagnose_bottleneck(metrics, self.max_staleness))}[/]")
+
+    def log_completions(self, records: list[dict[str, Any]]) -> None:
+        """A table of (prompt, completion, reward, advantage), when logging.log_completions asks for it."""
+        if not self.config.logging.log_completions or not records:
+            return
+        limit = self.config.logging.num_completions_to_print
+        shown = records if limit is None else records[:limit]
+        table = Table(title="completions", caption=f"{len(shown)} of {len(records)}", show_lines=True)
+        for name in ("prompt", "completion"):
+            table.add_column(name, overflow="fold")
+        table.add_column("reward", justify="right")
+        table.add_column("advantage", justify="right")
+        for r in shown:
+            table.add_row(escape(_text(r["prompt"])), escape(_text(r["completion"])),
+                          _fmt(r, "reward", "{:.3f}"), _fmt(r, "advantage", "{:+.3f}"))  # fmt: skip
+        self.console.print(table)
 
     def finish(self, step: int, model_dir: Path) -> None:
-        self.console.print(f"[green]done[/green] after {step} steps; model saved to {model_dir}")
+        self.close()
+        elapsed = time.monotonic() - self.started
+        saved = escape(str(model_dir))
+        self.console.print(f"[green]done[/green] after {step} steps in {elapsed:.0f} s; model saved to {saved}")
 
     def close(self) -> None:
-        return None
+        if self.live is not None:
+            self.live.stop()
+            self.live = None

@@ -42,7 +42,7 @@ def build_reward_sources(config: Config) -> list[RewardSource]:
     from asyncrl.rewards import REWARDS
 
     sources = []
-    for spec in config.reward:
+    for spec in config.reward_funcs:
         fn = REWARDS.build(spec)
         name = spec["name"] if spec["name"] in REWARDS else reward_name(fn)
         sources.append(RewardSource(name, fn))

@@ -1,0 +1,296 @@
+"""`asyncrl report RUN_DIR`: PNG plots and one self-contained HTML page from a run's metrics.jsonl.
+
+A multirun sweep directory (jobs 0/, 1/, ... each with metrics.jsonl and .hydra/overrides.yaml) gets each
+job's own report plus a page comparing the jobs. Plots whose metrics were never logged are left out.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from asyncrl.metrics import read_jsonl
+from asyncrl.trainer.console import diagnose_bottleneck
+from asyncrl.trainer.timeline import merge
+
+Records = list[dict[str, Any]]
+STEP_PARTS = ("perf/fwd_bwd_s", "perf/optimizer_s", "perf/weight_sync_s", "perf/rollout_wait_s")
+_QUEUE_METRICS = ("perf/rollout_wait_s", "rollout/backpressure_s", "perf/step_s", "rollout/queue_size",
+                  "batch/samples_per_step", "sample/staleness_mean")  # fmt: skip
+
+
+def series(records: Records, name: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of one metric, leaving out steps where it was absent or NaN."""
+    points = [(float(r["step"]), float(v)) for r in records if _is_number(v := r.get(name))]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _lines(ax: Axes, records: Records, names: tuple[str, ...], **style: Any) -> bool:
+    drawn = False
+    for name in names:
+        x, y = series(records, name)
+        if x:
+            ax.plot(x, y, label=name, marker="." if len(x) < 40 else None, **style)
+            drawn = True
+    return drawn
+
+
+def _figure(ncols: int = 1) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(6 * ncols if ncols > 1 else 8, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
+
+
+def _finish(ax: Axes, title: str, ylabel: str, xlabel: str = "optimizer step") -> None:
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def plot_reward(records: Records) -> Figure | None:
+    fig, (ax,) = _figure()
+    if not _lines(ax, records, ("reward", "reward_kept", "reward_dropped")):
+        return None
+    _finish(ax, "Reward (`reward` includes dropped groups: follow it)", "reward")
+    x, y = series(records, "frac_reward_zero_std")
+    if x:
+        twin = ax.twinx()
+        twin.plot(x, y, color="grey", linestyle="--", label="frac_reward_zero_std (right axis)")
+        twin.set(ylabel="frac_reward_zero_std", ylim=(-0.02, 1.02))
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, fontsize="small")
+    return fig
+
+
+def plot_lengths(records: Records) -> Figure | None:
+    fig, (ax,) = _figure()
+    names = ("completions/mean_length", "completions/mean_terminated_length", "completions/min_length",
+             "completions/max_length")  # fmt: skip
+    if not _lines(ax, records, names):
+        return None
+    _finish(ax, "Completion lengths", "tokens")
+    return fig
+
+
+def plot_throughput(records: Records) -> Figure | None:
+    fig, (ax,) = _figure()
+    names = ("rollout/generated_tokens_per_s", "perf/wall_clock_trained_tokens_per_s",
+             "perf/wall_clock_forwarded_tokens_per_s")  # fmt: skip
+    if not _lines(ax, records, names):
+        return None
+    _finish(ax, "Throughput: generated vs trained tokens", "tokens / s")
+    return fig
+
+
+def plot_staleness(records: Records) -> Figure | None:
+    fig, (left, right) = _figure(ncols=2)
+    stale = _lines(left, records, ("sample/staleness_mean", "sample/staleness_max"))
+    queue = _lines(right, records, ("rollout/queue_size", "rollout/score_queue_size"))
+    if not (stale or queue):
+        return None
+    _finish(left, "Staleness of trained samples", "weight versions behind")
+    _finish(right, "Queues (rollout queue: samples; score queue: groups)", "queue size")
+    return fig
+
+
+def plot_step_time(records: Records) -> Figure | None:
+    """Stacked step-time parts; the gap up to perf/step_s is everything else (planning, logging)."""
+    parts = [name for name in STEP_PARTS if series(records, name)[0]]
+    if not parts:
+        return None
+    steps = [float(r["step"]) for r in records]
+    layers = [[_number(r.get(name)) for r in records] for name in parts]
+    fig, (ax,) = _figure()
+    ax.stackplot(steps, layers, labels=parts, alpha=0.8)
+    _lines(ax, records, ("perf/step_s",), color="black", linewidth=1)
+    _finish(ax, "Step time breakdown", "seconds per step")
+    return fig
+
+
+def plot_timeline(timeline: dict[str, Any]) -> Figure | None:
+    spans = timeline.get("spans", {})
+    busy = {name: merge([tuple(s) for s in spans.get(name, [])]) for name in ("generation", "training")}
+    if not any(busy.values()):
+        return None
+    origin = min(start for merged in busy.values() for start, _ in merged)
+    fig, (ax,) = _figure()
+    for row, (name, merged) in enumerate(busy.items()):
+        ax.broken_barh([(s - origin, e - s) for s, e in merged], (row - 0.35, 0.7), color=f"C{row}", label=name)
+    ax.set_yticks(range(len(busy)), list(busy))
+    overlap = timeline.get("summary", {}).get("overlap_frac")
+    title = "Busy spans" + ("" if overlap is None else f" (generation and training overlap {overlap:.0%} of wall time)")
+    _finish(ax, title, "", xlabel="seconds since start")
+    return fig
+
+
+def _number(value: Any) -> float:
+    return float(value) if _is_number(value) else 0.0
+
+
+def _mean(records: Records, name: str) -> float | None:
+    values = series(records, name)[1]
+    return sum(values) / len(values) if values else None
+
+
+def _save(fig: Figure | None, out_dir: Path, stem: str) -> Path | None:
+    if fig is None:
+        return None
+    path = out_dir / f"{stem}.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _max_staleness(run_dir: Path) -> int | None:
+    path = run_dir / "config.yaml"
+    config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return (config or {}).get("staleness", {}).get("max_staleness")
+
+
+def run_summary(records: Records, run_dir: Path, timeline: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) rows of the summary table; rows whose metrics are missing are left out."""
+    rows: list[tuple[str, str]] = [("steps", str(records[-1]["step"]) if records else "0")]
+    wall = series(records, "time_s")[1]
+    rewards = series(records, "reward")[1]
+    optional = {
+        "wall time": f"{wall[-1]:.0f} s" if wall else None,
+        "final reward": f"{rewards[-1]:.4f}" if rewards else None,
+        "best reward": f"{max(rewards):.4f}" if rewards else None,
+    }
+    for label, name, fmt in (("mean generated tokens/s", "rollout/generated_tokens_per_s", "{:,.0f}"),
+                             ("mean trained tokens/s", "perf/wall_clock_trained_tokens_per_s", "{:,.0f}"),
+                             ("mean staleness", "sample/staleness_mean", "{:.2f}"),
+                             ("mean frac_reward_zero_std", "frac_reward_zero_std", "{:.2f}")):  # fmt: skip
+        value = _mean(records, name)
+        optional[label] = None if value is None else fmt.format(value)
+    for key, value in timeline.get("summary", {}).items():
+        optional[f"timeline {key}"] = f"{value:.1f}" if key == "wall_s" else f"{value:.1%}"
+    max_staleness = _max_staleness(run_dir)
+    queue = {name: m for name in _QUEUE_METRICS if (m := _mean(records, name)) is not None}
+    if max_staleness is not None and queue:
+        optional["bottleneck (run means)"] = diagnose_bottleneck(queue, max_staleness)
+    return rows + [(label, value) for label, value in optional.items() if value is not None]
+
+
+# ---- HTML ---------------------------------------------------------------------------------------------------
+
+_STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+          "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
+          "img{max-width:100%;display:block;margin:1em 0}")  # fmt: skip
+
+
+def _table(header: list[str] | None, rows: list[list[str]]) -> str:
+    head = "" if header is None else "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def _image(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{html.escape(path.stem)}" src="data:image/png;base64,{data}">'
+
+
+def _page(title: str, sections: list[str]) -> str:
+    body = "\n".join(sections)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")  # fmt: skip
+
+
+# ---- single run and sweep -----------------------------------------------------------------------------------
+
+_PLOTS: tuple[tuple[str, Callable[[Records], Figure | None]], ...] = (
+    ("reward", plot_reward), ("lengths", plot_lengths), ("throughput", plot_throughput),
+    ("staleness_queue", plot_staleness), ("step_time", plot_step_time),
+)  # fmt: skip
+
+
+def _run_report(run_dir: Path) -> Path:
+    out_dir = run_dir / "report"
+    out_dir.mkdir(exist_ok=True)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    timeline = _read_json(run_dir / "timeline.json")
+    images = [_save(plot(records), out_dir, stem) for stem, plot in _PLOTS]
+    images.append(_save(plot_timeline(timeline), out_dir, "timeline"))
+    summary = run_summary(records, run_dir, timeline)
+    sections = ["<h2>Summary</h2>", _table(None, [[html.escape(k), html.escape(v)] for k, v in summary])]
+    sections += [_image(path) for path in images if path is not None]
+    if not records:
+        sections.append("<p>No metrics were logged.</p>")
+    page = out_dir / "index.html"
+    page.write_text(_page(f"asyncrl run {run_dir.name}", sections))
+    return page
+
+
+def sweep_jobs(sweep_dir: Path) -> list[Path]:
+    """Job directories of a Hydra multirun, in job-number order."""
+    jobs = [p for p in sweep_dir.iterdir()
+            if (p / "metrics.jsonl").is_file() and (p / ".hydra" / "overrides.yaml").is_file()]  # fmt: skip
+    return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def job_label(job_dir: Path) -> str:
+    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    return " ".join(overrides) or "(defaults)"
+
+
+def plot_overlay(jobs: list[Path]) -> Figure | None:
+    fig, (ax,) = _figure()
+    drawn = False
+    for job in jobs:
+        x, y = series(read_jsonl(job / "metrics.jsonl"), "reward")
+        if x:
+            ax.plot(x, y, label=f"{job.name}: {job_label(job)}", marker="." if len(x) < 40 else None)
+            drawn = True
+    if not drawn:
+        return None
+    _finish(ax, "Reward per job", "reward")
+    return fig
+
+
+def _sweep_report(sweep_dir: Path, jobs: list[Path]) -> Path:
+    out_dir = sweep_dir / "report"
+    out_dir.mkdir(exist_ok=True)
+    rows = []
+    for job in jobs:
+        summary = dict(run_summary(read_jsonl(job / "metrics.jsonl"), job, {}))
+        link = f'<a href="../{html.escape(job.name)}/report/{_run_report(job).name}">report</a>'
+        cells = [job.name, job_label(job)] + [summary.get(k, "-") for k in ("steps", "final reward", "best reward",
+                                                                           "wall time")]  # fmt: skip
+        rows.append([html.escape(c) for c in cells] + [link])
+    header = ["job", "overrides", "steps", "final reward", "best reward", "wall time", ""]
+    sections = ["<h2>Jobs</h2>", _table(header, rows)]
+    overlay = _save(plot_overlay(jobs), out_dir, "reward_overlay")
+    if overlay is not None:
+        sections.append(_image(overlay))
+    page = out_dir / "index.html"
+    page.write_text(_page(f"asyncrl sweep {sweep_dir.name}", sections))
+    return page
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write `<run_dir>/report/` (PNGs + index.html) for a run or a multirun sweep; returns the HTML page."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").is_file():
+        return _run_report(run_dir)
+    jobs = sweep_jobs(run_dir) if run_dir.is_dir() else []
+    if not jobs:
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl, and no multirun jobs (0/, 1/, ... with "
+                                "metrics.jsonl and .hydra/overrides.yaml)")  # fmt: skip
+    return _sweep_report(run_dir, jobs)

@@ -1,0 +1,1 @@
+"""Generation servers: the built-in transformers server and the launch of vLLM."""

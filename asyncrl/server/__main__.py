@@ -1,0 +1,96 @@
+"""``python -m asyncrl.server --model PATH``: start the built-in generation server (vLLM's HTTP subset)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from asyncrl.server.builtin import BuiltinServer, build_app
+from asyncrl.server.engine import Engine, EngineConfig
+
+logger = logging.getLogger("asyncrl.server")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.server", description=__doc__)
+    parser.add_argument("--model", required=True, help="local path or Hub id of a causal LM")
+    parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="default: max_position_embeddings")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="float32")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="most rows decoded in one forward")
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=None, help="default: seqs x model len")
+    parser.add_argument("--max-logprobs", type=int, default=20, help="-1: no limit")
+    parser.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed, in arrival order")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    return parser.parse_args(argv)
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every id that ends a completion: generation_config's eos_token_id(s) and the tokenizer's."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(configured if isinstance(configured, list) else [configured])
+    ids.add(tokenizer.eos_token_id)
+    return frozenset(i for i in ids if i is not None)
+
+
+def context_length(model: torch.nn.Module, requested: int | None) -> int:
+    """--max-model-len, checked against the model's position limit (as vLLM does)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if requested is None:
+        if limit is None:
+            raise SystemExit("the model config has no max_position_embeddings: pass --max-model-len")
+        return int(limit)
+    if limit is not None and requested > limit:
+        raise SystemExit(f"--max-model-len {requested} exceeds the model's max_position_embeddings {limit}")
+    return requested
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    torch.manual_seed(args.seed)
+    logger.info("loading tokenizer from %s", args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    logger.info("loading model from %s (dtype %s) onto %s", args.model, args.dtype, device)
+    dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    model = model.to(device).eval()
+    max_model_len = context_length(model, args.max_model_len)
+    kv_cache_tokens = args.kv_cache_tokens or args.max_num_seqs * max_model_len
+    eos = eos_token_ids(model, tokenizer)
+    logger.info("max_model_len %d, max_num_seqs %d, kv_cache_tokens %d, eos ids %s",
+                max_model_len, args.max_num_seqs, kv_cache_tokens, sorted(eos))  # fmt: skip
+    config = EngineConfig(max_model_len, args.max_num_seqs, kv_cache_tokens, eos, seed=args.seed)
+    try:
+        engine = Engine(model, config)
+    except ValueError as error:
+        raise SystemExit(f"cannot serve {args.model}: {error}") from error
+    name = args.served_model_name or args.model
+    server = BuiltinServer(engine, tokenizer, served_model_name=name, model_path=args.model,
+                           max_logprobs=args.max_logprobs)  # fmt: skip
+    logger.info("serving %r on http://%s:%d", name, args.host, args.port)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

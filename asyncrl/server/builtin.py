@@ -1,0 +1,233 @@
+"""The built-in server's HTTP API: vLLM's paths, bodies, error shape and metric names over the ``Engine``.
+
+Weight updates use the built-in transport: ``update_info = {"path": "/abs/file.safetensors"}`` names a file
+of state_dict tensors written by the trainer (see ``weights.py``). Batch-size evidence in /metrics is the
+histogram ``asyncrl:batch_size`` (rows per model forward) and the gauge ``asyncrl:batch_rows_max``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl import __version__
+from asyncrl.server.engine import Engine, EngineStats, EngineUnavailable
+from asyncrl.server.protocol import CompletionRequest, ModelNotFound, build_generation_request, completion_response
+from asyncrl.server.rows import GenerationResult
+from asyncrl.server.weights import WeightUpdater
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """vLLM's ErrorResponse body."""
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"), "param": None, "code": status}
+    return JSONResponse({"error": error}, status_code=status)
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+        parts.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+class InitWeightTransferBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+    init_info: dict[str, Any]
+
+
+class UpdateWeightsBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+    update_info: dict[str, Any]
+
+
+class FinishWeightUpdateBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+    weight_version: str | None = None
+
+
+class BuiltinServer:
+    """Route handlers bound to one engine, tokenizer and served model name."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        served_model_name: str,
+        model_path: str,
+        max_logprobs: int,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.model_path = model_path
+        self.max_logprobs = max_logprobs
+        self.weights = WeightUpdater(engine)
+
+    async def completions(self, request: Request, body: CompletionRequest) -> dict[str, Any]:
+        generation = build_generation_request(
+            body,
+            self.tokenizer,
+            served_model_name=self.served_model_name,
+            max_model_len=self.engine.config.max_model_len,
+            max_logprobs=self.max_logprobs,
+            vocab_size=self.engine.vocab_size,
+        )
+        future = self.engine.submit(generation)
+        result = await self._wait(request, future, generation.request_id)
+        return completion_response(result, body, self.tokenizer, self.served_model_name)
+
+    async def _wait(self, request: Request, future: Future[GenerationResult], request_id: str) -> GenerationResult:
+        """Await the engine; abort the request if its client disconnects, as vLLM does."""
+        waiter = asyncio.wrap_future(future)
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=1.0)
+            if done:
+                return waiter.result()
+            if await request.is_disconnected():
+                self.engine.abort(request_id)
+                return await waiter
+
+    def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "asyncrl",
+            "root": self.model_path,
+            "parent": None,
+            "max_model_len": self.engine.config.max_model_len,
+            "permission": [],
+        }
+        return {"object": "list", "data": [card]}
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> dict[str, str]:
+        self.engine.pause(mode, clear_cache)
+        return {"status": "paused"}
+
+    def resume(self) -> dict[str, str]:
+        self.engine.resume()
+        return {"status": "resumed"}
+
+    def init_weight_transfer_engine(self, body: InitWeightTransferBody) -> dict[str, str]:
+        self.weights.init(body.init_info)
+        return {"message": "Weight transfer initialized"}
+
+    def start_weight_update(self) -> dict[str, str]:
+        self.weights.start()
+        return {"message": "Weight update started"}
+
+    def update_weights(self, body: UpdateWeightsBody) -> dict[str, str]:
+        names = self.weights.update(body.update_info)
+        logger.info("loaded %d tensors from %s", len(names), body.update_info.get("path"))
+        return {"message": "Weights updated"}
+
+    def finish_weight_update(self, body: FinishWeightUpdateBody | None = None) -> dict[str, str]:
+        self.weights.finish(body.weight_version if body else None)
+        return {"message": "Weight update finished"}
+
+    def metrics(self) -> PlainTextResponse:
+        text = render_metrics(self.engine.stats(), self.served_model_name, self.engine.config.kv_cache_tokens)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int) -> str:
+    """Prometheus text exposition with vLLM's metric names and labels."""
+    labels = f'model_name="{_escape(model_name)}",engine="0"'
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, str, float]]) -> None:
+        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+        lines.extend(f"{sample}{{{labels}{extra}}} {value!r}" for sample, extra, value in samples)
+
+    def single(name: str, kind: str, help_text: str, value: float, sample: str | None = None) -> None:
+        family(name, kind, help_text, [(sample or name, "", float(value))])
+
+    single("vllm:num_requests_running", "gauge", "Requests in model execution batches.", stats.running)
+    single("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", stats.waiting)
+    single("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+           stats.kv_tokens / kv_cache_tokens)  # fmt: skip
+    single("vllm:num_preemptions", "counter", "Cumulative number of preemptions.",
+           stats.preemptions_total, "vllm:num_preemptions_total")  # fmt: skip
+    single("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
+           stats.prompt_tokens_total, "vllm:prompt_tokens_total")  # fmt: skip
+    single("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+           stats.generation_tokens_total, "vllm:generation_tokens_total")  # fmt: skip
+    cache_labels = f',block_size="1",kv_cache_size_tokens="{kv_cache_tokens}",num_gpu_blocks="{kv_cache_tokens}"'
+    family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
+           [("vllm:cache_config_info", cache_labels, 1.0)])  # fmt: skip
+    counts = stats.batch_sizes
+    total = float(sum(counts.values()))
+    cumulative = [(str(b), float(sum(n for size, n in counts.items() if size <= b))) for b in _BATCH_BUCKETS]
+    samples = [("asyncrl:batch_size_bucket", f',le="{le}"', n) for le, n in [*cumulative, ("+Inf", total)]]
+    samples += [("asyncrl:batch_size_sum", "", float(sum(s * n for s, n in counts.items()))),
+                ("asyncrl:batch_size_count", "", total)]  # fmt: skip
+    family("asyncrl:batch_size", "histogram", "Rows per model forward (decode or prefill).", samples)
+    single("asyncrl:batch_rows_max", "gauge", "Most rows in one model forward since startup.",
+           max(stats.batch_sizes, default=0))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def build_app(server: BuiltinServer) -> FastAPI:
+    """The FastAPI app; the engine thread runs for the app's lifetime."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.engine.start()
+        yield
+        server.engine.stop()
+
+    app = FastAPI(title="asyncrl built-in server", version=__version__, lifespan=lifespan)
+    handlers = {
+        RequestValidationError: lambda exc: error_response(400, _validation_message(exc)),
+        ValueError: lambda exc: error_response(400, str(exc)),
+        ModelNotFound: lambda exc: error_response(404, str(exc)),
+        EngineUnavailable: lambda exc: error_response(503, str(exc)),
+        Exception: lambda exc: error_response(500, f"{type(exc).__name__}: {exc}"),
+    }
+    for exception_type, make in handlers.items():
+        app.add_exception_handler(exception_type, lambda request, exc, make=make: make(exc))
+    routes = [
+        ("/health", "GET", lambda: Response(status_code=200)),
+        ("/version", "GET", lambda: {"version": f"asyncrl-builtin-{__version__}"}),
+        ("/v1/models", "GET", server.models),
+        ("/get_world_size", "GET", lambda: {"world_size": 1}),
+        ("/is_paused", "GET", lambda: {"is_paused": server.engine.is_paused}),
+        ("/weight_info", "GET", lambda: {"weight_version": server.weights.version}),
+        ("/metrics", "GET", server.metrics),
+        ("/v1/completions", "POST", server.completions),
+        ("/pause", "POST", server.pause),
+        ("/resume", "POST", server.resume),
+        ("/init_weight_transfer_engine", "POST", server.init_weight_transfer_engine),
+        ("/start_weight_update", "POST", server.start_weight_update),
+        ("/update_weights", "POST", server.update_weights),
+        ("/finish_weight_update", "POST", server.finish_weight_update),
+    ]
+    for path, method, endpoint in routes:
+        app.add_api_route(path, endpoint, methods=[method])
+    return app

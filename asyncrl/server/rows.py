@@ -1,0 +1,106 @@
+"""A request as the engine sees it (``GenerationRequest``), its live decoding state (``Row``) and its outcome."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.server.sampling import Draw, RowInput, SamplingSettings
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated completion request; ``max_tokens`` is already capped to the context window."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    settings: SamplingSettings
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """Everything a completion response reports, per generated token where it is a list."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    sampling_masks: list[list[int]] | None
+    finish_reason: str
+    stop_reason: int | None
+
+
+@dataclass(eq=False)
+class Row:
+    """One request being generated. The last output token is always pending: sampled but not yet cached."""
+
+    request: GenerationRequest
+    generator: torch.Generator
+    future: Future[GenerationResult] = field(default_factory=Future)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    sampling_masks: list[list[int]] = field(default_factory=list)
+    cached_len: int = 0
+    seen: torch.Tensor | None = None
+    prompt_counted: bool = False
+    stop_reason: int | None = None
+
+    def tokens(self) -> list[int]:
+        """Prompt and output so far: what a (re-)prefill feeds the model."""
+        return self.request.prompt_ids + self.output_ids
+
+    def sampling_input(self, eos_token_ids: frozenset[int], vocab_size: int) -> RowInput:
+        """This step's sampler input; stop ids are forbidden while fewer than min_tokens were generated."""
+        request = self.request
+        if request.settings.repetition_penalty != 1.0 and self.seen is None:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.generator.device)
+            self.seen[self.tokens()] = True
+        suppressed: frozenset[int] = frozenset()
+        if len(self.output_ids) < request.min_tokens:
+            suppressed = request.stop_token_ids | (frozenset() if request.ignore_eos else eos_token_ids)
+        return RowInput(request.settings, self.generator, self.seen, sorted(suppressed))
+
+    def accept(self, draw: Draw, eos_token_ids: frozenset[int]) -> str | None:
+        """Record a sampled token; return the finish reason if it ends the request."""
+        self.output_ids.append(draw.token_id)
+        self.logprobs.append(draw.logprob)
+        if draw.top_logprobs is not None:
+            self.top_logprobs.append(draw.top_logprobs)
+        if draw.candidate_ids is not None:
+            self.sampling_masks.append(draw.candidate_ids)
+        if self.seen is not None:
+            self.seen[draw.token_id] = True
+        if not self.request.ignore_eos and draw.token_id in eos_token_ids:
+            return "stop"
+        if draw.token_id in self.request.stop_token_ids:
+            self.stop_reason = draw.token_id
+            return "stop"
+        return "length" if len(self.output_ids) >= self.request.max_tokens else None
+
+    def finish(self, finish_reason: str) -> None:
+        """Resolve the request's future with what was generated so far."""
+        if self.future.done():
+            return
+        settings = self.request.settings
+        masks = list(self.sampling_masks) if settings.return_sampling_mask and settings.truncates else None
+        self.future.set_result(
+            GenerationResult(
+                request_id=self.request.request_id,
+                prompt_ids=self.request.prompt_ids,
+                token_ids=list(self.output_ids),
+                logprobs=list(self.logprobs),
+                top_logprobs=list(self.top_logprobs) if settings.num_logprobs is not None else None,
+                sampling_masks=masks,
+                finish_reason=finish_reason,
+                stop_reason=self.stop_reason,
+            )
+        )

@@ -1,0 +1,164 @@
+"""One decoding step's sampling for a batch of rows, each with its own settings and random generator.
+
+The order follows vLLM's V1 sampler: stop ids suppressed under ``min_tokens`` -> repetition penalty ->
+temperature -> min-p -> top-k -> top-p. Reported logprobs are the log-softmax of the result, i.e. of the
+distribution actually sampled from (vLLM ``--logprobs-mode processed_logprobs``): normalised over the
+candidate set, -inf outside it. Greedy rows (temperature below 1e-5) take the argmax and are processed exactly like
+temperature 1, so their logprobs do not depend on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+LOGPROB_FLOOR = -9999.0
+GREEDY_BELOW = 1e-5  # vLLM's sampling epsilon: lower temperatures decode greedily
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSettings:
+    """Per-request sampling settings, already validated; top_k 0 means no top-k."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    num_logprobs: int | None = None
+    return_sampling_mask: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the candidate set can be smaller than the vocabulary."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RowInput:
+    """What the sampler needs from one row for one step."""
+
+    settings: SamplingSettings
+    generator: torch.Generator
+    seen: torch.Tensor | None  # bool [vocab]: ids in prompt or output; needed only with a repetition penalty
+    suppressed: Sequence[int] = ()  # ids forbidden this step (stop ids while under min_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """The sampled token of one row, its processed logprob, top logprobs by rank and candidate set."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+    candidate_ids: list[int] | None
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
+    """Return float32 logits after every per-row processor; removed tokens are -inf."""
+    logits = logits.float().clone()
+    for i, row in enumerate(rows):
+        if row.suppressed:
+            logits[i, list(row.suppressed)] = float("-inf")
+    _apply_repetition_penalty(logits, rows)
+    temperatures = [1.0 if row.settings.greedy else row.settings.temperature for row in rows]
+    if any(t != 1.0 for t in temperatures):
+        logits /= torch.tensor(temperatures, device=logits.device).unsqueeze(1)
+    _apply_min_p(logits, rows)
+    _apply_top_k_top_p(logits, rows)
+    return logits
+
+
+def _row_index(keep: list[bool], device: torch.device) -> torch.Tensor | None:
+    indices = [i for i, flag in enumerate(keep) if flag]
+    return torch.tensor(indices, device=device) if indices else None
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
+    """vLLM/CTRL penalty on ids seen in prompt or output: positive logits divided, negative multiplied."""
+    keep = [row.settings.repetition_penalty != 1.0 for row in rows]
+    index = _row_index(keep, logits.device)
+    if index is None:
+        return
+    selected = [row for row, flag in zip(rows, keep, strict=True) if flag]
+    seen = torch.stack([row.seen for row in selected])
+    penalty = torch.tensor([row.settings.repetition_penalty for row in selected], device=logits.device)
+    sub = logits[index]
+    penalised = torch.where(sub > 0, sub / penalty.unsqueeze(1), sub * penalty.unsqueeze(1))
+    logits[index] = torch.where(seen, penalised, sub)
+
+
+def _apply_min_p(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    keep = [row.settings.min_p > 0.0 for row in rows]
+    index = _row_index(keep, logits.device)
+    if index is None:
+        return
+    min_p = torch.tensor([r.settings.min_p for r, k in zip(rows, keep, strict=True) if k], device=logits.device)
+    sub = logits[index]
+    probs = sub.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits[index] = sub.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
+    """Keep the k largest logits (ties at the k-th kept), then the smallest prefix holding top_p of the mass."""
+    vocab = logits.shape[1]
+    keep = [0 < row.settings.top_k < vocab or row.settings.top_p < 1.0 for row in rows]
+    index = _row_index(keep, logits.device)
+    if index is None:
+        return
+    selected = [row.settings for row, flag in zip(rows, keep, strict=True) if flag]
+    top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in selected], device=logits.device)
+    top_p = torch.tensor([s.top_p for s in selected], device=logits.device).unsqueeze(1)
+    values, order = logits[index].sort(dim=-1, descending=True)
+    kth = values.gather(1, (top_k - 1).unsqueeze(1))
+    values = values.masked_fill(values < kth, float("-inf"))
+    probs = values.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    values = values.masked_fill((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
+    logits[index] = torch.empty_like(values).scatter_(1, order, values)
+
+
+def sample_step(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Draw]:
+    """Sample one token per row from ``logits`` [rows, vocab] and report what the response needs."""
+    processed = process_logits(logits, rows)
+    logprobs = processed.log_softmax(dim=-1)
+    vocab = logprobs.shape[1]
+    noise = torch.stack(
+        [
+            torch.ones(vocab, device=logprobs.device)
+            if row.settings.greedy
+            else torch.empty(vocab, device=logprobs.device).exponential_(generator=row.generator)
+            for row in rows
+        ]
+    )
+    greedy = torch.tensor([row.settings.greedy for row in rows], device=logprobs.device)
+    # Dividing probabilities by Exp(1) noise and taking the argmax draws from the categorical distribution.
+    tokens = torch.where(greedy, processed.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
+    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top = _top_logprobs(logprobs, rows)
+    draws = []
+    for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), sampled.tolist(), strict=True)):
+        candidates = None
+        if row.settings.return_sampling_mask and row.settings.truncates:
+            candidates = torch.isfinite(processed[i]).nonzero().flatten().tolist()
+        draws.append(Draw(token, max(logprob, LOGPROB_FLOOR), top[i], candidates))
+    return draws
+
+
+def _top_logprobs(logprobs: torch.Tensor, rows: Sequence[RowInput]) -> list[list[tuple[int, float]] | None]:
+    """The N most likely (id, logprob) per row that asked for N; None for rows that did not ask."""
+    wanted = [row.settings.num_logprobs for row in rows]
+    most = min(max((n or 0 for n in wanted), default=0), logprobs.shape[1])
+    if most == 0:
+        return [None if n is None else [] for n in wanted]
+    values, ids = logprobs.topk(most, dim=-1)
+    values, ids = values.clamp(min=LOGPROB_FLOOR).tolist(), ids.tolist()
+    return [None if n is None else list(zip(ids[i][:n], values[i][:n], strict=True)) for i, n in enumerate(wanted)]

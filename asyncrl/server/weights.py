@@ -1,0 +1,90 @@
+"""Weight updates for the built-in server, following vLLM's dev-mode sequence over a file transport.
+
+init -> (pause) -> start -> update x N -> finish -> (resume). Each update loads named tensors (state_dict
+names, any subset) from a safetensors file the trainer wrote, into the engine's own model, while the
+engine is paused and its step lock is held. A failed update ends the session, as in vLLM; all names and
+shapes are checked before any tensor is copied, so a rejected file leaves the weights untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from asyncrl.server.engine import Engine
+
+
+class WeightUpdater:
+    """The weight update session state of one server."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._init_info: dict[str, Any] | None = None
+        self._active = False
+        self.version = "default"
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        """The built-in transport needs no rendezvous: record that the trainer initialised it."""
+        with self._lock:
+            self._init_info = dict(init_info)
+
+    def start(self) -> None:
+        with self._lock:
+            if self._init_info is None:
+                raise ValueError("init_weight_transfer_engine must be called before start_weight_update")
+            if not self._engine.is_paused:
+                raise ValueError("start_weight_update needs a paused server: POST /pause first")
+            if self._active:
+                raise ValueError("start_weight_update called while a weight update is already active")
+            self._active = True
+
+    def update(self, update_info: dict[str, Any]) -> list[str]:
+        """Load every tensor of ``update_info["path"]``; return the names loaded. Errors end the session."""
+        with self._lock:
+            if not self._active:
+                raise ValueError("start_weight_update must be called before update_weights")
+            try:
+                return self._load(update_info)
+            except Exception:
+                self._active = False
+                raise
+
+    def finish(self, weight_version: str | None) -> None:
+        with self._lock:
+            if not self._active:
+                raise ValueError("finish_weight_update called without an active weight update (start_weight_update)")
+            self._active = False
+            if weight_version is not None:
+                self.version = weight_version
+
+    def _load(self, update_info: dict[str, Any]) -> list[str]:
+        path = update_info.get("path")
+        if not isinstance(path, str):
+            raise ValueError("update_info.path must be the path of a safetensors file")
+        if not Path(path).is_file():
+            raise ValueError(f"update_info.path {path!r} is not a file")
+        with self._engine.paused_model() as model:
+            state = model.state_dict()
+            device = next(model.parameters()).device
+            try:
+                handle = safe_open(path, framework="pt", device=str(device))
+            except Exception as error:  # the file's content is the client's mistake: report it as such
+                raise ValueError(f"update_info.path {path!r} is not a readable safetensors file: {error}") from error
+            with handle as tensors:
+                names = list(tensors.keys())
+                for name in names:
+                    if name not in state:
+                        raise ValueError(f"update_weights: tensor {name!r} is not a parameter of the served model")
+                    shape = tuple(tensors.get_slice(name).get_shape())
+                    if shape != tuple(state[name].shape):
+                        raise ValueError(
+                            f"update_weights: tensor {name!r} has shape {list(shape)}, "
+                            f"the model expects {list(state[name].shape)}"
+                        )
+                for name in names:
+                    state[name].copy_(tensors.get_tensor(name))
+        return names

@@ -1,0 +1,89 @@
+"""Experiment trackers named in `logging.report_to`, driven through accelerate's tracker classes.
+
+The trainer writes each logging step here as well as to metrics.jsonl; NaN (a metric with no event in the
+window) is left out rather than plotted as a gap or a zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, TrackioTracker, WandBTracker
+from omegaconf import OmegaConf
+
+from asyncrl.config.schema import Config
+
+
+def _tensorboard(config: Config, run_dir: Path, run_name: str) -> GeneralTracker:
+    return TensorBoardTracker(run_name, run_dir / "tensorboard")
+
+
+def _wandb(config: Config, run_dir: Path, run_name: str) -> GeneralTracker:
+    return WandBTracker(config.logging.project, name=run_name, dir=str(run_dir), config=_plain(config))
+
+
+def _trackio(config: Config, run_dir: Path, run_name: str) -> GeneralTracker:
+    return TrackioTracker(config.logging.project, name=run_name, config=_plain(config))
+
+
+TRACKERS: dict[str, Callable[[Config, Path, str], GeneralTracker]] = {
+    "tensorboard": _tensorboard,
+    "wandb": _wandb,
+    "trackio": _trackio,
+}
+
+
+def _plain(config: Config) -> dict[str, Any]:
+    """The config as JSON-like data, so the tracker's run page shows what was trained."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """Numbers only, NaN and None left out."""
+    out: dict[str, float | int] = {}
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if isinstance(value, float) and math.isnan(value):
+            continue
+        out[name] = value
+    return out
+
+
+class Trackers:
+    """The started trackers of one run; empty when `logging.report_to` is empty."""
+
+    def __init__(self, trackers: list[GeneralTracker]) -> None:
+        self.trackers = trackers
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        values = scalars(metrics)
+        if not values:
+            return
+        for tracker in self.trackers:
+            tracker.log(values, step=step)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+
+def build_trackers(config: Config, run_dir: Path) -> Trackers:
+    """Build and start every tracker in `logging.report_to`; unknown names fail before any is started."""
+    names = list(config.logging.report_to)
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise ValueError(f"logging.report_to has unknown tracker(s) {unknown} (known: {', '.join(sorted(TRACKERS))})")
+    missing = [name for name in names if find_spec(name) is None]
+    if missing:
+        raise ImportError(f"logging.report_to={names} needs {missing} installed (pip install {' '.join(missing)})")
+    run_name = config.run_name or run_dir.name
+    trackers = [TRACKERS[name](config, run_dir, run_name) for name in dict.fromkeys(names)]
+    for tracker in trackers:
+        tracker.start()
+    return Trackers(trackers)

@@ -1,0 +1,79 @@
+"""The math-verify child processes: verdicts, reuse, the hard deadline, and no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from asyncrl.rewards import verifier
+from asyncrl.rewards.verifier import check_answer, close_idle
+
+
+def verifier_children() -> set[int]:
+    """Live verifier processes in this test run's process group, orphans (of a spawned worker) included."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError, NotADirectoryError):
+            continue
+        state, group = stat[0], int(stat[2])
+        if b"asyncrl.rewards.verifier import serve" in cmdline and state != "Z" and group == os.getpgid(0):
+            pids.add(int(proc.name))
+    return pids
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_verdicts():
+    assert check_answer(r"\frac{1}{2}", "0.5") is True
+    assert check_answer(r"\frac{1}{2}", "0.6") is False
+    assert check_answer(r"\frac{1}{2}", "") is False
+    assert check_answer("?", "0.5") is None
+
+
+def test_reuses_an_idle_child():
+    check_answer("1", "1")
+    (pid,) = [child.process.pid for child in verifier.idle[-1:]]
+    check_answer("2", "2")
+    assert verifier.idle[-1].process.pid == pid
+
+
+def test_a_child_that_misses_the_deadline_is_killed_and_replaced(monkeypatch):
+    monkeypatch.setattr(verifier, "deadline_s", lambda timeout_s: 0.5)
+    check_answer("1", "1")
+    stuck = verifier.idle[-1]  # the next call takes the most recently returned child
+    os.kill(stuck.process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    assert check_answer("1", "1", timeout_s=1) is False
+    assert time.monotonic() - started < 5
+    assert stuck.process.poll() is not None
+    assert check_answer("1", "1") is True
+
+
+def test_children_exit_when_closed_and_none_is_orphaned():
+    check_answer("1", "1")
+    mine = {child.process.pid for child in verifier.idle}
+    assert mine <= verifier_children()
+    close_idle()
+    assert not verifier.idle
+    assert wait_until(lambda: not verifier_children()), f"verifier processes left: {verifier_children()}"
+
+
+def test_a_child_that_died_while_idle_is_replaced():
+    check_answer("1", "1")
+    dead = verifier.idle[-1]
+    dead.process.kill()
+    dead.process.wait()
+    assert check_answer("1", "1") is True
+    assert dead not in verifier.idle

@@ -1,0 +1,188 @@
+"""The HTTP clients against a scripted local server: request bodies, parsing, and what is retried."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from asyncrl.client import (
+    Completion,
+    ControlClient,
+    GenerationClient,
+    SamplingParams,
+    ServerError,
+    metric_labels,
+    parse_metrics,
+)
+from asyncrl.server.process import free_port
+
+CHOICE = {
+    "index": 0,
+    "text": "x y",
+    "logprobs": {
+        "text_offset": [0, 1],
+        "token_logprobs": [-0.5, -0.25],
+        "tokens": ["token_id:7", "token_id:8"],
+        "top_logprobs": [{"token_id:7": -0.5, "token_id:9": -1.5}, {"token_id:8": -0.25}],
+    },
+    "finish_reason": "length",
+    "stop_reason": None,
+    "token_ids": [7, 8],
+    "prompt_token_ids": [1, 2, 3],
+    "sampling_masks": [[7, 9], [8]],
+}
+
+
+@dataclass
+class Stub:
+    """A server whose next /v1/completions answers are scripted: an HTTP status, or "slow" to stall."""
+
+    base_url: str = ""
+    script: list[int | str] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_stub_app(stub: Stub) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        stub.bodies.append(await request.json())
+        action = stub.script.pop(0) if stub.script else 200
+        if action == "slow":
+            await asyncio.sleep(1.0)
+            action = 200
+        if action != 200:
+            error = {"message": f"scripted {action}", "type": "Scripted", "code": action}
+            return JSONResponse({"error": error}, status_code=action)
+        return JSONResponse({"id": "cmpl-1", "object": "text_completion", "choices": [CHOICE]})
+
+    @app.post("/pause")
+    async def pause() -> JSONResponse:
+        return JSONResponse({"error": "Invalid pause mode"}, status_code=400)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 2.0\n'
+            'vllm:num_requests_running{engine="1"} 3.0\n'
+            'vllm:cache_config_info{block_size="16",kv_cache_size_tokens="4096",engine="0"} 1.0\n'
+        )
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def stub_server():
+    stub = Stub()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_stub_app(stub), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "stub server did not start"
+        time.sleep(0.01)
+    stub.base_url = f"http://127.0.0.1:{port}"
+    try:
+        yield stub
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def stub(stub_server: Stub) -> Stub:
+    stub_server.script.clear()
+    stub_server.bodies.clear()
+    return stub_server
+
+
+def complete(base_url: str, params: SamplingParams | None = None, **client_kwargs: Any):
+    """Run one completion; return it (or the exception) and the client's retry count."""
+
+    async def run():
+        async with GenerationClient(base_url, "m", **{"timeout_s": 5.0, "backoff_s": 0.01, **client_kwargs}) as client:
+            try:
+                return await client.complete([1, 2, 3], params or SamplingParams()), client.retry_count
+            except ServerError as error:
+                return error, client.retry_count
+
+    return asyncio.run(run())
+
+
+def test_every_sampling_field_is_sent_and_token_ids_are_parsed(stub):
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, logprobs=2, seed=9, stop_token_ids=(4,),
+                            return_sampling_mask=True)  # fmt: skip
+    completion, retries = complete(stub.base_url, params)
+    body = stub.bodies[0]
+    assert body == {
+        "model": "m", "prompt": [1, 2, 3], "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.0,
+        "repetition_penalty": 1.0, "max_tokens": 16, "logprobs": 2, "seed": 9, "stop_token_ids": [4],
+        "return_sampling_mask": True, "return_token_ids": True, "return_tokens_as_token_ids": True,
+    }  # fmt: skip
+    assert completion == Completion(token_ids=[7, 8], logprobs=[-0.5, -0.25],
+                                    top_logprobs=[{7: -0.5, 9: -1.5}, {8: -0.25}], sampling_masks=[[7, 9], [8]],
+                                    finish_reason="length", prompt_token_ids=[1, 2, 3])  # fmt: skip
+    assert retries == 0
+
+
+def test_a_4xx_is_raised_at_once_with_the_server_message(stub):
+    stub.script[:] = [400, 200]
+    error, retries = complete(stub.base_url)
+    assert isinstance(error, ServerError) and error.status == 400 and error.message == "scripted 400"
+    assert error.path == "/v1/completions" and len(stub.bodies) == 1 and retries == 0
+
+
+def test_5xx_429_and_timeouts_are_retried_until_success(stub):
+    stub.script[:] = [503, 429, 500, "slow"]
+    completion, retries = complete(stub.base_url, timeout_s=0.3)
+    assert isinstance(completion, Completion) and retries == 4 and len(stub.bodies) == 5
+
+
+def test_retries_are_bounded(stub):
+    stub.script[:] = [503] * 10
+    error, retries = complete(stub.base_url, max_retries=2)
+    assert isinstance(error, ServerError) and error.status == 503
+    assert retries == 2 and len(stub.bodies) == 3
+
+
+def test_connection_errors_are_retried_then_raised():
+    error, retries = complete(f"http://127.0.0.1:{free_port()}", max_retries=2)
+    assert isinstance(error, ServerError) and error.status is None and retries == 2
+
+
+def test_choice_without_token_ids_is_an_error():
+    with pytest.raises(ValueError, match="return_token_ids"):
+        Completion.from_choice({**CHOICE, "token_ids": None})
+
+
+def test_control_errors_name_the_path_and_carry_the_server_message(stub):
+    with ControlClient(stub.base_url, timeout_s=5) as control, pytest.raises(ServerError) as raised:
+        control.pause("sleep")
+    assert (raised.value.status, raised.value.path, raised.value.message) == (400, "/pause", "Invalid pause mode")
+
+
+def test_metrics_are_summed_over_label_sets_and_labels_are_exposed(stub):
+    with ControlClient(stub.base_url, timeout_s=5) as control:
+        assert control.metrics()["vllm:num_requests_running"] == 5.0
+        assert control.cache_config() == {"block_size": "16", "kv_cache_size_tokens": "4096", "engine": "0"}
+    text = 'a{x="q\\"z",y="1"} 1.5 1700000000\n# HELP a\nb 2\n'
+    assert parse_metrics(text) == {"a": 1.5, "b": 2.0}
+    assert metric_labels(text, "a") == [{"x": 'q"z', "y": "1"}]
+
+
+def test_wait_healthy_stops_when_the_process_dies_and_times_out_otherwise():
+    with ControlClient(f"http://127.0.0.1:{free_port()}", timeout_s=1) as control:
+        with pytest.raises(ServerError, match="exited"):
+            control.wait_healthy(timeout_s=30, is_alive=lambda: False)
+        with pytest.raises(TimeoutError):
+            control.wait_healthy(timeout_s=0.3, is_alive=lambda: True)

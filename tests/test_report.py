@@ -1,0 +1,125 @@
+"""`asyncrl report`: PNGs and one self-contained HTML page for a run, a comparison page for a sweep."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from asyncrl.cli import app
+from asyncrl.report import series, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RUN_PNGS = {"reward", "lengths", "throughput", "staleness_queue", "step_time", "timeline"}
+
+
+def _record(step: int, slope: float) -> dict[str, float | None]:
+    """One logging step of a run whose reward climbs with `slope`; reward_dropped missing on odd steps."""
+    reward = min(1.0, 0.1 + slope * step)
+    return {
+        "step": step, "reward": reward, "reward_kept": reward * 0.9, "reward_dropped": 1.0 if step % 2 == 0 else None,
+        "frac_reward_zero_std": 0.1 + 0.02 * step, "completions/mean_length": 40.0 - step,
+        "completions/min_length": 10.0, "completions/max_length": 64.0,
+        "rollout/generated_tokens_per_s": 900.0 + 10 * step, "perf/wall_clock_trained_tokens_per_s": 400.0,
+        "sample/staleness_mean": 1.5, "sample/staleness_max": 3.0, "rollout/queue_size": 12.0,
+        "perf/fwd_bwd_s": 0.5, "perf/optimizer_s": 0.1, "perf/weight_sync_s": 0.05, "perf/rollout_wait_s": 0.3,
+        "rollout/backpressure_s": 0.0, "perf/step_s": 1.0, "batch/samples_per_step": 8.0,
+        "epoch": step / 20, "time_s": 1.0 * step,
+    }  # fmt: skip
+
+
+def _write_run(run_dir: Path, steps: int = 12, slope: float = 0.05, timeline: bool = True) -> Path:
+    run_dir.mkdir(parents=True)
+    lines = [json.dumps(_record(step, slope)) for step in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"staleness": {"max_staleness": 4}}))
+    if timeline:
+        spans = {"generation": [[100.0, 104.0], [105.0, 112.0]], "training": [[102.0, 103.0], [108.0, 111.5]]}
+        summary = {"wall_s": 12.0, "generation_busy_frac": 0.92, "training_busy_frac": 0.38, "overlap_frac": 0.375}
+        (run_dir / "timeline.json").write_text(json.dumps({"summary": summary, "spans": spans}))
+    return run_dir
+
+
+def _inline_images(page: Path) -> list[bytes]:
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([^"]+)"', page.read_text())]
+
+
+def test_run_report_writes_every_plot_and_inlines_them(tmp_path):
+    run = _write_run(tmp_path / "run")
+    page = write_report(run)
+    assert page == run / "report" / "index.html"
+    assert {p.stem for p in (run / "report").glob("*.png")} == RUN_PNGS
+    images = _inline_images(page)
+    assert len(images) == len(RUN_PNGS)
+    assert all(image.startswith(PNG_MAGIC) for image in images)
+    text = page.read_text()
+    assert "<img" in text and 'src="report/' not in text  # nothing refers to a file beside the page
+    assert "final reward</td><td>0.7000" in text and "best reward</td><td>0.7000" in text
+    assert "timeline overlap_frac</td><td>37.5%" in text
+    assert "generation-bound" in text  # run means: 0.3 s wait per 1.0 s step
+
+
+def test_missing_metrics_are_skipped(tmp_path):
+    run = tmp_path / "sparse"
+    run.mkdir()
+    rows = [{"step": s, "reward": 0.5, "perf/step_s": 1.0, "perf/fwd_bwd_s": None} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = write_report(run)
+    assert {p.stem for p in (run / "report").glob("*.png")} == {"reward"}
+    assert len(_inline_images(page)) == 1
+    assert "bottleneck" not in page.read_text()  # no config.yaml, no queue metrics
+
+
+def test_series_skips_missing_and_nan():
+    records = [{"step": 1, "x": 1.0}, {"step": 2, "x": None}, {"step": 3}, {"step": 4, "x": math.nan},
+               {"step": 5, "x": 2}]  # fmt: skip
+    assert series(records, "x") == ([1.0, 5.0], [1.0, 2.0])
+
+
+def _write_sweep(sweep: Path) -> None:
+    for job, (lr, slope) in enumerate([("1e-6", 0.01), ("3e-6", 0.05)]):
+        run = _write_run(sweep / str(job), steps=10, slope=slope, timeline=False)
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"trainer.learning_rate={lr}", "seed=1"]))
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+
+
+def test_sweep_report_compares_jobs_and_overlays_rewards(tmp_path):
+    sweep = tmp_path / "multirun"
+    _write_sweep(sweep)
+    page = write_report(sweep)
+    assert page == sweep / "report" / "index.html"
+    assert (sweep / "report" / "reward_overlay.png").read_bytes().startswith(PNG_MAGIC)
+    text = page.read_text()
+    assert len(_inline_images(page)) == 1
+    # one row per job, labelled by its overrides, with final and best reward, steps and wall time
+    assert "<td>0</td><td>trainer.learning_rate=1e-6 seed=1</td><td>10</td><td>0.2000</td><td>0.2000</td>" in text
+    assert "<td>1</td><td>trainer.learning_rate=3e-6 seed=1</td><td>10</td><td>0.6000</td><td>0.6000</td>" in text
+    assert "<td>10 s</td>" in text
+    for job in ("0", "1"):
+        assert (sweep / job / "report" / "index.html").is_file()
+        assert f'href="../{job}/report/index.html"' in text
+
+
+def test_empty_dir_fails_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        write_report(tmp_path)
+
+
+def test_cli_report_prints_the_page_path(tmp_path):
+    run = _write_run(tmp_path / "run", steps=3)
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(run / "report" / "index.html")
+
+
+def test_cli_report_on_a_dir_without_metrics_exits_2(tmp_path):
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "no metrics.jsonl" in result.output
