@@ -63,6 +63,9 @@ def run_job(config: Config, run_dir: Path) -> None:
     prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
     with start_server(config, run_dir) as server:
         run_training(config, run_dir, server, prepared)
+    from asyncrl.report import write_report
+
+    print(f"report: {write_report(run_dir)}", flush=True)
 
 
 def start_server(config: Config, run_dir: Path):  # type: ignore[no-untyped-def]

@@ -34,6 +34,18 @@ def group_metrics(
     return out
 
 
+def completion_records(group: RolloutGroup, advantages: np.ndarray) -> list[dict[str, object]]:
+    """Rows for the console's completion table: last prompt message, completion text, reward, advantage."""
+    assert group.rewards is not None
+    return [
+        {"prompt": str(prompt[-1].get("content", "")) if prompt else "",
+         "completion": str(completion[-1].get("content", "")) if completion else "",
+         "reward": float(reward), "advantage": float(advantage)}
+        for prompt, completion, reward, advantage in zip(
+            group.prompts, group.completions, group.rewards, advantages, strict=True)
+    ]  # fmt: skip
+
+
 def _lengths(group: RolloutGroup) -> dict[str, list[float]]:
     lengths, terminated = [], []
     for rollout in group.rollouts:

@@ -20,6 +20,14 @@ from asyncrl.rollout.reconcile import reconcile
 from asyncrl.rollout.types import Messages, Rollout, RolloutGroup, TurnRecord
 
 
+def render_prompt(tokenizer: Any, messages: Messages, chat_template_kwargs: dict[str, Any]) -> list[int]:
+    """Token ids of the conversation with the generation prompt appended (the model's chat template)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **chat_template_kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class AsyncRolloutLoop:
     def __init__(
         self,
@@ -89,12 +97,7 @@ class AsyncRolloutLoop:
     # ---- helpers the driver uses ----------------------------------------------------------------------------
 
     def render(self, messages: Messages) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, **self.config.sampling.chat_template_kwargs
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs)
 
     def build_group(
         self, prompt: Messages, row: dict[str, Any], rollouts: list[Rollout], *, group_id: int, row_index: int,

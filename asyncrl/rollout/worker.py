@@ -59,6 +59,7 @@ class WorkerDriver:
         self.sync_mode = self.config.staleness.max_staleness == 0
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self.generation_spans: list[tuple[float, float]] = []
+        self.completion_records: list[dict[str, Any]] = []
         self.generated_tokens = 0
         self.group_ids = iter(range(10**12))
         self._orders: dict[int, np.ndarray] = {}
@@ -164,7 +165,7 @@ class WorkerDriver:
         from asyncrl.advantages import group_drop_reason
 
         drop = group_drop_reason(group.rewards)
-        self._record_group(group, per_source, drop)
+        self._record_group(group, per_source, drop, advantages)
         if drop is not None:
             self.admission.on_group_done(0)
             self._push(PromptDone(prompt_index, drop))
@@ -206,11 +207,15 @@ class WorkerDriver:
                 ))  # fmt: skip
         return samples
 
-    def _record_group(self, group: RolloutGroup, per_source: dict[str, np.ndarray], drop: str | None) -> None:
-        from asyncrl.rollout.group_metrics import group_metrics
+    def _record_group(
+        self, group: RolloutGroup, per_source: dict[str, np.ndarray], drop: str | None, advantages: np.ndarray
+    ) -> None:
+        from asyncrl.rollout.group_metrics import completion_records, group_metrics
 
         for name, values in group_metrics(group, per_source, drop).items():
             self.metrics[name].extend(values)
+        if self.config.logging.log_completions:
+            self.completion_records.extend(completion_records(group, advantages))
 
     # ---- plumbing --------------------------------------------------------------------------------------------
 
@@ -218,9 +223,10 @@ class WorkerDriver:
         self.channels.rollout_queue.put(item)
 
     def _flush_metrics(self) -> None:
-        if self.metrics or self.generation_spans:
-            self.channels.metrics_queue.put({**self.metrics, "timeline": {"generation": self.generation_spans}})
-            self.metrics, self.generation_spans = defaultdict(list), []
+        if self.metrics or self.generation_spans or self.completion_records:
+            self.channels.metrics_queue.put({**self.metrics, "timeline": {"generation": self.generation_spans},
+                                             "completions": self.completion_records})  # fmt: skip
+            self.metrics, self.generation_spans, self.completion_records = defaultdict(list), [], []
 
     async def _report(self, interval_s: float = 1.0) -> None:
         last_time, last_tokens, last_retries = time.monotonic(), 0, 0

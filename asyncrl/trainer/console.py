@@ -200,6 +200,10 @@ class Console:
                           _fmt(r, "reward", "{:.3f}"), _fmt(r, "advantage", "{:+.3f}"))  # fmt: skip
         self.console.print(table)
 
+    def note(self, text: str) -> None:
+        """A line outside the live display (evaluation results, warnings)."""
+        self.console.print(text)
+
     def finish(self, step: int, model_dir: Path) -> None:
         self.close()
         elapsed = time.monotonic() - self.started

@@ -24,6 +24,8 @@ from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.server.command import served_model_name
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, resolve_checkpoint, save_checkpoint
+from asyncrl.evaluate import evaluate
+from asyncrl.trackers import build_trackers
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model
@@ -66,10 +68,13 @@ class Trainer:
         self.window, self.timeline = MetricWindow(), Timeline()
         self.sink = JsonlSink(run_dir / "metrics.jsonl")
         self.console = Console(config)
+        self.trackers = build_trackers(config, run_dir)
+        self.completions: list[dict[str, Any]] = []
         self.sync = BuiltinWeightSync(self.control, run_dir, dtype=None)
         self.sync.init()
         if resume is not None:
             self.sync.push(self.model, self.state.model_version)  # the server starts from the base weights
+        self.evaluations = {"before": self._evaluate()} if prepared.eval_dataset is not None else {}
         self._start_worker()
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -93,7 +98,12 @@ class Trainer:
                 self._save()
             if step.final:
                 break
+        if self.state.step % self.config.staleness.weight_sync_steps != 0:
+            self._sync_weights()  # the server, and the evaluation below, get the final weights
         self._save_final_model()
+        if self.evaluations:
+            self.evaluations["after"] = self._evaluate()
+            self._report_evaluations()
 
     def _finished(self) -> bool:
         t = self.config.trainer
@@ -196,7 +206,11 @@ class Trainer:
         metrics["epoch"] = self.progress.consumed / max(1, len(self.prepared.dataset))
         metrics["time_s"] = time.time() - self.run_started
         self.sink.write(self.state.step, metrics)
+        self.trackers.write(self.state.step, metrics)
         self.console.log_step(self.state.step, metrics)
+        if self.completions:
+            self.console.log_completions(self.completions)
+            self.completions = []
 
     def _drain_worker_metrics(self) -> None:
         import queue
@@ -206,10 +220,24 @@ class Trainer:
                 events = self.channels.metrics_queue.get_nowait()
             except queue.Empty:
                 return
+            self.completions.extend(events.pop("completions", []))
             for name, spans in events.pop("timeline", {}).items():
                 for start, end in spans:
                     self.timeline.add(name, start, end)
             self.window.extend(events)
+
+    def _evaluate(self) -> dict[str, float]:
+        p = self.prepared
+        return evaluate(self.config, self.server.base_url, served_model_name(self.config), p.tokenizer,
+                        p.eval_dataset, p.reward_sources, self.max_model_len)  # fmt: skip
+
+    def _report_evaluations(self) -> None:
+        import json
+
+        (self.run_dir / "eval.json").write_text(json.dumps(self.evaluations, indent=2))
+        before, after = self.evaluations["before"], self.evaluations["after"]
+        lines = [f"{name}: {before[name]:.3f} -> {after[name]:.3f}" for name in before]
+        self.console.note("held-out evaluation (before -> after): " + "; ".join(lines))
 
     def _should_save(self) -> bool:
         t = self.config.trainer
@@ -242,6 +270,7 @@ class Trainer:
         if self.worker.is_alive():
             self.worker.kill()
         self.sync.close()
+        self.trackers.close()
         self.console.close()
 
 

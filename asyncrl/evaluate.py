@@ -1,0 +1,75 @@
+"""Held-out evaluation through the generation server: the reward functions on the eval split.
+
+Runs before training (the server holds the initial weights) and after the last weight sync, greedy and
+sampled at the training temperature (pass@1), so a run ends with a before/after comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from asyncrl.client import GenerationClient, SamplingParams
+from asyncrl.config.schema import Config
+from asyncrl.rollout.loop import render_prompt
+from asyncrl.rollout.scoring import RewardSource, score_group
+from asyncrl.rollout.types import RolloutGroup
+
+
+async def _complete_all(
+    client: GenerationClient, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
+) -> list[Any]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(ids: list[int], p: SamplingParams) -> Any:
+        async with gate:
+            return await client.complete(ids, p)
+
+    return await asyncio.gather(*(one(i, p) for i, p in zip(prompts, params, strict=True)))
+
+
+async def _evaluate(
+    config: Config, base_url: str, model_name: str, tokenizer: Any, rows: list[dict[str, Any]],
+    sources: list[RewardSource], max_model_len: int,
+) -> dict[str, float]:  # fmt: skip
+    s = config.sampling
+    prompts = [render_prompt(tokenizer, row["prompt"], s.chat_template_kwargs) for row in rows]
+    results: dict[str, float] = {}
+    async with GenerationClient(base_url, model_name, timeout_s=config.server.timeout) as client:
+        for label, temperature in (("greedy", 0.0), ("sampled", s.temperature)):
+            params = [
+                SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                               repetition_penalty=s.repetition_penalty, logprobs=None, seed=config.trainer.seed + i,
+                               max_tokens=max(1, min(s.max_completion_length, max_model_len - len(ids))))
+                for i, ids in enumerate(prompts)
+            ]  # fmt: skip
+            outs = await _complete_all(client, prompts, params, concurrency=config.server.max_num_seqs)
+            results[f"eval/{label}_reward"] = await _mean_reward(rows, outs, tokenizer, sources)
+    return results
+
+
+async def _mean_reward(rows: list[dict[str, Any]], outs: list[Any], tokenizer: Any, sources: list[RewardSource]) -> float:
+    group = RolloutGroup(
+        prompts=[r["prompt"] for r in rows],
+        reward_kwargs={k: [r[k] for r in rows] for k in rows[0] if k != "prompt"},
+        completions=[[{"role": "assistant", "content": tokenizer.decode(o.token_ids, skip_special_tokens=True)}]
+                     for o in outs],
+        completions_ids=[list(o.token_ids) for o in outs],
+        completions_sequences=[[] for _ in rows], tool_call_counts=[0] * len(rows),
+        tool_failure_counts=[0] * len(rows), model_version=0, group_id=-1, row_index=-1,
+        env_rewards=[None] * len(rows), rollout_rewards=[None] * len(rows),
+    )  # fmt: skip
+    await score_group(group, sources)
+    assert group.rewards is not None
+    return float(np.nanmean(group.rewards)) if np.isfinite(group.rewards).any() else float("nan")
+
+
+def evaluate(
+    config: Config, base_url: str, model_name: str, tokenizer: Any, dataset: Any, sources: list[RewardSource],
+    max_model_len: int,
+) -> dict[str, float]:  # fmt: skip
+    """Mean reward of greedy and sampled completions on the first ``data.num_eval_prompts`` eval rows."""
+    rows = [dataset[i] for i in range(min(len(dataset), config.data.num_eval_prompts))]
+    return asyncio.run(_evaluate(config, base_url, model_name, tokenizer, rows, sources, max_model_len))
