@@ -1,0 +1,301 @@
+"""Tree attention: each segment's queries attend to its root-to-segment path, causally (bottom-right aligned).
+
+One function is registered with transformers' `AttentionInterface`, so Qwen3/Llama-family models run
+unmodified: `packed_forward` passes a row's plan as the `tree_plan` keyword, which the model hands to every
+attention layer. A plan is built once per row by a backend of the `attention` registry: `sdpa` (explicit
+mask; CPU and tests), `varlen` (K/V gathered along each segment's path, one varlen flash call; CUDA), `flex`
+(FlexAttention block mask from the ancestor relation), `kernels` (FA3 from the Hub, else `varlen` with one
+warning) and `auto` (sdpa on CPU, varlen on CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from asyncrl.packing.row import PackedRow
+from asyncrl.registry import Registry
+
+TREE_ATTENTION = "asyncrl_tree"
+FA3_REPO = "kernels-community/vllm-flash-attn3"
+FLEX_BUCKET = 1024
+"""Flex rows are padded to a multiple of this on CUDA, so compiled kernels are reused across row lengths."""
+
+
+class TreePlan(Protocol):
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """[1, H, L, D] queries, [1, H_kv, L, D] keys/values -> [1, L, H, D]."""
+        ...
+
+
+PlanFactory = Callable[[PackedRow, torch.device], TreePlan]
+VarlenKernel = Callable[..., torch.Tensor]
+"""(q [Tq,H,D], k [Tk,Hkv,D], v, cu_q, cu_k, max_q, max_k, scale) -> [Tq,H,D], causal bottom-right per sequence."""
+
+ATTENTION: Registry[PlanFactory] = Registry("attention")
+
+
+# ---- sdpa: the explicit mask ---------------------------------------------------------------------------------
+
+
+def tree_attention_mask(row: PackedRow) -> torch.Tensor:
+    """[1, 1, L, L] boolean mask: each segment's queries see their path's keys, causally (bottom-right)."""
+    length = row.num_forwarded
+    mask = torch.zeros(length, length, dtype=torch.bool)
+    for seg in row.segments:
+        n_q, n_kv = seg.q_end - seg.q_start, int(seg.kv_index.numel())
+        allowed = torch.ones(n_q, n_kv, dtype=torch.bool).tril(diagonal=n_kv - n_q)
+        mask[seg.q_start : seg.q_end, seg.kv_index] = allowed
+    return mask[None, None]
+
+
+@dataclass
+class MaskPlan:
+    mask: torch.Tensor
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        gqa = query.shape[1] != key.shape[1]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+@ATTENTION.register("sdpa")
+def sdpa_plan(row: PackedRow, device: torch.device) -> MaskPlan:
+    return MaskPlan(tree_attention_mask(row).to(device))
+
+
+# ---- varlen: gather each segment's path, one varlen call -------------------------------------------------------
+
+
+@dataclass
+class VarlenPlan:
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    kv_gather: torch.Tensor | None
+    """Layout positions of every segment's path, concatenated; None when each path is the segment itself."""
+    kernel: VarlenKernel
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        if self.kv_gather is not None:
+            k, v = k.index_select(0, self.kv_gather), v.index_select(0, self.kv_gather)
+        out = self.kernel(q.contiguous(), k.contiguous(), v.contiguous(), self.cu_q, self.cu_k, self.max_q,
+                          self.max_k, scale)  # fmt: skip
+        return out.unsqueeze(0)
+
+
+@ATTENTION.register("varlen")
+def varlen_plan(row: PackedRow, device: torch.device, kernel: VarlenKernel | None = None) -> VarlenPlan:
+    """Queries are the layout itself (segments are contiguous); keys are each segment's path, gathered."""
+    if kernel is None:
+        if device.type != "cuda":
+            raise ValueError(f"attention 'varlen' needs a CUDA device (the model is on {device}); use sdpa or auto")
+        kernel = torch_varlen
+    q_lens = [seg.q_end - seg.q_start for seg in row.segments]
+    k_lens = [int(seg.kv_index.numel()) for seg in row.segments]
+    gather = torch.cat([seg.kv_index for seg in row.segments]) if row.segments else torch.zeros(0, dtype=torch.long)
+    identity = q_lens == k_lens and bool(torch.equal(gather, torch.arange(gather.numel())))
+    return VarlenPlan(
+        cu_q=_cumulative(q_lens).to(device),
+        cu_k=_cumulative(k_lens).to(device),
+        max_q=max(q_lens, default=0),
+        max_k=max(k_lens, default=0),
+        kv_gather=None if identity else gather.to(device),
+        kernel=kernel,
+    )
+
+
+def _cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
+    """torch.nn.attention.varlen.varlen_attn, whichever of its signatures this torch has."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"this torch's varlen_attn has no 'scale' and the model's attention scale is {scale}")
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+# ---- flex: the ancestor relation as a block mask ---------------------------------------------------------------
+
+
+def subtree_ends(row: PackedRow) -> torch.Tensor:
+    """[L]: one past the last descendant of each position. In a depth-first layout, k is an ancestor of q
+    (or q itself) iff k <= q < end[k]."""
+    ends = torch.zeros(row.num_forwarded, dtype=torch.long)
+    for seg in row.segments:
+        ends.scatter_reduce_(0, seg.kv_index, torch.full_like(seg.kv_index, seg.q_end), reduce="amax")
+    return ends
+
+
+@dataclass
+class FlexPlan:
+    block_mask: Any
+    length: int
+    """Real tokens; the block mask covers a length padded up to FLEX_BUCKET (pad tokens see and are seen by none)."""
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        pad = self.block_mask.shape[-2] - self.length
+        if pad:
+            query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+        gqa = query.shape[1] != key.shape[1]
+        out = _flex_attention(query.device.type)(query, key, value, block_mask=self.block_mask, scale=scale,
+                                                 enable_gqa=gqa)  # fmt: skip
+        return out[:, :, : self.length].transpose(1, 2)
+
+
+@ATTENTION.register("flex")
+def flex_plan(row: PackedRow, device: torch.device, bucket: int | None = None) -> FlexPlan:
+    """Built uncompiled: a compiled builder would recompile for every new row length. Padded on CUDA only."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    length = row.num_forwarded
+    bucket = bucket or (FLEX_BUCKET if device.type == "cuda" else 1)
+    padded = -(-length // bucket) * bucket
+    ends = F.pad(subtree_ends(row), (0, padded - length)).to(device)
+
+    def ancestor(batch, head, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
+
+    return FlexPlan(create_block_mask(ancestor, None, None, padded, padded, device=device), length)
+
+
+@functools.cache
+def _flex_attention(device_type: str) -> Callable[..., torch.Tensor]:
+    """Compiled on CUDA (the fused kernel, backward included); eager elsewhere (forward only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+# ---- kernels: FA3 from the Hub --------------------------------------------------------------------------------
+
+
+@ATTENTION.register("kernels")
+def kernels_plan(row: PackedRow, device: torch.device) -> TreePlan:
+    kernel = _fa3_kernel() if device.type == "cuda" else None
+    if kernel is None:
+        _warn_fallback(device.type)
+        return auto_plan(row, device)
+    return varlen_plan(row, device, kernel=kernel)
+
+
+@functools.cache
+def _fa3_kernel() -> VarlenKernel | None:
+    try:
+        from kernels import get_kernel
+
+        module = get_kernel(FA3_REPO, version=1)
+    except Exception:  # unreachable Hub, missing package, no build for this GPU: all mean "use the fallback"
+        return None
+
+    def fa3(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
+        out = module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    return fa3
+
+
+@functools.cache
+def _warn_fallback(device_type: str) -> None:
+    fallback = "varlen" if device_type == "cuda" else "sdpa"
+    warnings.warn(f"attention 'kernels': FA3 ({FA3_REPO}) is unavailable on {device_type}; using '{fallback}'",
+                  stacklevel=3)  # fmt: skip
+
+
+# ---- auto, and wiring into transformers ------------------------------------------------------------------------
+
+
+@ATTENTION.register("auto")
+def auto_plan(row: PackedRow, device: torch.device) -> TreePlan:
+    return varlen_plan(row, device) if device.type == "cuda" else sdpa_plan(row, device)
+
+
+def build_plan(attention: str, row: PackedRow, device: torch.device) -> TreePlan:
+    """The named backend's plan for one row (an unknown name lists the registered ones)."""
+    return ATTENTION.get(attention)(row, device)
+
+
+def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # type: ignore[no-untyped-def]
+    """transformers' attention-function contract; the row's structure arrives as the `tree_plan` keyword."""
+    plan: TreePlan | None = kwargs.get("tree_plan")
+    if plan is None:
+        raise RuntimeError(
+            f"attention '{TREE_ATTENTION}' needs a tree_plan: forward the model through "
+            "asyncrl.trainer.forward.packed_forward, or call model.set_attn_implementation('sdpa') to use it alone"
+        )
+    if kwargs.get("sliding_window"):
+        raise ValueError("tree attention does not implement sliding windows (check_model should have said so)")
+    return plan.attend(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
+
+
+def attach_tree_attention(model: torch.nn.Module) -> None:
+    """Route the model's attention through the tree plans (idempotent); rejects unsupported models first."""
+    inner = _unwrap(model)
+    if inner.config._attn_implementation == TREE_ATTENTION:
+        return
+    check_model(inner)
+    _register()
+    inner.set_attn_implementation(TREE_ATTENTION)
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+
+
+def _unwrap(model: torch.nn.Module) -> Any:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP, FSDP1
+        model = model.module
+    return model
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Tree packing needs every decoder layer to be plain full attention; say which layers are not."""
+    config = model.config
+    name = getattr(config, "model_type", type(model).__name__)
+    others = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention"})
+    if others:
+        raise ValueError(
+            f"tree packing supports full-attention decoder layers only, and {name} has layer_types {others}: "
+            "models with non-attention layers (linear attention / Gated DeltaNet hybrids such as Qwen3.5 or "
+            "Qwen3-Next) or sliding-window layers are not supported yet"
+        )
+    for layers_name, layers in model.named_modules():
+        if layers_name.endswith("layers") and isinstance(layers, torch.nn.ModuleList):
+            missing = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")]
+            if missing:
+                raise ValueError(f"tree packing: {name} decoder layers {missing} have no self_attn (non-attention "
+                                 "layers are not supported)")  # fmt: skip
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(f"tree packing: {name} has attention_dropout={config.attention_dropout}; it must be 0")

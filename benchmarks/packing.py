@@ -1,0 +1,320 @@
+"""Padded vs flat vs tree packing: fwd+bwd throughput, peak memory and MFU on GRPO-shaped rows, plus bf16 exactness.
+
+A Qwen3-0.6B-shaped model with random weights built from its config (nothing downloaded), bf16, no gradient
+checkpointing. Rows: groups of 8 completions (128-2048 tokens, long-tailed) of one prompt (512-2048 tokens),
+planned by the trainer's planner (dp=1) and forwarded by the trainer's `packed_forward`; padded batches go
+through transformers' own SDPA with a padding mask and the same log-probability epilogue. Imports only
+torch, transformers and asyncrl.packing/asyncrl.trainer.forward (no hydra), so it runs on a bare GPU box:
+
+    python benchmarks/packing.py                       # the H200 table (budgets 16k and 32k)
+    python benchmarks/packing.py --tiny --groups 4     # a CPU smoke run of the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from asyncrl.packing import FlatRow, TreeRow, plan_micro_batches
+from asyncrl.packing.row import PackedRow
+from asyncrl.rollout.types import RolloutSample, TrainingSequence
+from asyncrl.trainer.forward import packed_forward
+
+PEAK_TFLOPS = 990.0  # H200 dense bf16 (datasheet); a large bf16 matmul measures about 790
+
+
+def qwen3_0_6b(tiny: bool) -> Qwen3Config:
+    if tiny:
+        return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def grpo_samples(num_groups: int, vocab: int, seed: int, scale: float = 1.0) -> list[RolloutSample]:
+    """Groups of 8: prompt 512-2048 tokens, completions 128-2048 from a log-normal tail (median ~400)."""
+    rng = random.Random(seed)
+    samples = []
+    for group in range(num_groups):
+        prompt = [rng.randrange(vocab) for _ in range(int(rng.randint(512, 2048) * scale))]
+        for rollout in range(8):
+            length = int(min(2048, max(128, rng.lognormvariate(6.0, 0.8))) * scale)
+            tokens = prompt + [rng.randrange(vocab) for _ in range(max(length, 1))]
+            mask = [0] * len(prompt) + [1] * (len(tokens) - len(prompt))
+            sequence = TrainingSequence(tokens, mask, [-rng.random() for _ in tokens])
+            samples.append(RolloutSample(sequence, rng.gauss(0, 1), 0.0, group, group, group, 0, f"{group}-{rollout}"))
+    return samples
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------------------
+
+
+def model_flops(config: Qwen3Config, tokens: int, logits: int, pairs: int) -> float:
+    """fwd+bwd model FLOPs (3x forward): linear layers per token, the LM head per kept logit, attention per pair."""
+    d, heads, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_layer = d * heads * hd * 2 + 2 * d * kv * hd + 3 * d * config.intermediate_size
+    forward = 2 * per_layer * config.num_hidden_layers * tokens + 2 * d * config.vocab_size * logits
+    forward += 4 * heads * hd * config.num_hidden_layers * pairs
+    return 3.0 * forward
+
+
+def row_pairs(row: PackedRow) -> int:
+    """Causal (bottom-right) query-key pairs of a row's segments: the attention work actually needed."""
+    total = 0
+    for seg in row.segments:
+        n_q, n_kv = seg.q_end - seg.q_start, int(seg.kv_index.numel())
+        total += n_q * (n_kv - n_q) + n_q * (n_q + 1) // 2
+    return total
+
+
+# ---- the three ways to forward ------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """What one fwd+bwd consumes, whichever layout."""
+
+    run: Callable[[], None]
+    raw: int
+    forwarded: int
+    trained: int
+    samples: int
+    flops: float
+
+
+def packed_batches(model, samples, packer, budget, attention, config) -> tuple[list[Batch], float]:
+    started = time.perf_counter()
+    micro_batches, _ = plan_micro_batches(samples, lambda: packer(budget), 1, budget)
+    rows = [mb[0].pack(top_k=0) for mb in micro_batches]
+    pack_s = time.perf_counter() - started
+    device = next(model.parameters()).device
+
+    def step(row: PackedRow) -> Callable[[], None]:
+        advantages = row.advantages.to(device)
+
+        def run() -> None:
+            out = packed_forward(model, row, 1.0, attention=attention)
+            (-(out.logprobs * advantages).sum() / row.num_trained).backward()
+
+        return run
+
+    batches = [Batch(step(r), r.num_raw_tokens, r.num_forwarded, r.num_trained, len(r.samples),
+                     model_flops(config, r.num_forwarded, r.num_trained, row_pairs(r))) for r in rows]  # fmt: skip
+    return batches, pack_s
+
+
+def padded_batches(model, samples, budget, config) -> list[Batch]:
+    """Arrival order, as many samples per batch as keep batch x longest within the budget."""
+    groups, current = [], []
+    for sample in samples:
+        if current and (len(current) + 1) * max(s.num_tokens for s in [*current, sample]) > budget:
+            groups.append(current)
+            current = []
+        current.append(sample)
+    groups.append(current)
+    return [_padded_batch(model, group, config) for group in groups]
+
+
+def _padded_batch(model, group: list[RolloutSample], config) -> Batch:
+    device = next(model.parameters()).device
+    width = max(s.num_tokens for s in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(group), width, dtype=torch.long)
+    flat_index, targets, advantages = [], [], []
+    for b, sample in enumerate(group):
+        tokens = sample.sequence.token_ids
+        ids[b, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[b, : len(tokens)] = 1
+        for i in range(1, len(tokens)):
+            if sample.sequence.mask[i]:
+                flat_index.append(b * width + i - 1)
+                targets.append(tokens[i])
+                advantages.append(sample.advantage)
+    ids, attention_mask = ids.to(device), attention_mask.to(device)
+    index, target = torch.tensor(flat_index, device=device), torch.tensor(targets, device=device)
+    adv = torch.tensor(advantages, device=device)
+
+    def run() -> None:
+        hidden = model.model(input_ids=ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1])[index]).float()
+        logprobs_all = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # as packed_forward computes them
+        logprobs = logprobs_all.gather(1, target[:, None]).squeeze(1)
+        with torch.no_grad():
+            probs = logprobs_all.exp()
+            (-(probs * logprobs_all).sum(-1)).mean()
+        (-(logprobs * adv).sum() / len(targets)).backward()
+
+    raw = sum(s.num_tokens for s in group)
+    pairs = sum(s.num_tokens * (s.num_tokens + 1) // 2 for s in group)
+    return Batch(run, raw, len(group) * width, len(targets), len(group), model_flops(config, raw, len(targets), pairs))
+
+
+# ---- measuring ----------------------------------------------------------------------------------------------
+
+
+def measure(model, batches: list[Batch], device: torch.device) -> dict[str, float]:
+    """One warm-up batch, then every batch once: fwd+bwd seconds, throughput, peak memory, MFU."""
+    batches[0].run()
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for batch in batches:
+        batch.run()
+    _sync(device)
+    seconds = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    trained = sum(b.trained for b in batches)
+    return {
+        "rows": len(batches),
+        "samples_per_row": sum(b.samples for b in batches) / len(batches),
+        "packing_ratio": sum(b.raw for b in batches) / sum(b.forwarded for b in batches),
+        "forwarded_per_row": sum(b.forwarded for b in batches) / len(batches),
+        "seconds": seconds,
+        "trained_per_s": trained / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+        "mfu": sum(b.flops for b in batches) / seconds / (PEAK_TFLOPS * 1e12),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def exactness(model, samples: list[RolloutSample], attentions: list[str]) -> list[tuple[str, float, float]]:
+    """Max and mean |packed - alone| log-probability per backend (alone: transformers' SDPA, same bf16 weights)."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    device = next(model.parameters()).device
+    results = []
+    with torch.no_grad():
+        expected = []
+        for sample in samples:
+            tokens = torch.tensor(sample.sequence.token_ids, device=device)
+            logprobs = reference(input_ids=tokens[None], use_cache=False).logits[0, :-1].float().log_softmax(-1)
+            mask = torch.tensor(sample.sequence.mask[1:], dtype=torch.bool, device=device)
+            expected.append(logprobs.gather(1, tokens[1:, None]).squeeze(1)[mask])
+        expected_all = torch.cat(expected)
+        for name, packer in (("tree", TreeRow), ("flat", FlatRow)):
+            row = packer(10**6)
+            for sample in samples:
+                row.add(sample)
+            packed_row = row.pack(top_k=0)
+            for attention in attentions:
+                try:
+                    logprobs = packed_forward(model, packed_row, 1.0, attention=attention).logprobs
+                except Exception as exc:  # reported, so that the other backends still get measured
+                    print(f"exactness {name}/{attention} failed: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                diff = (logprobs - expected_all).abs()
+                results.append((f"{name}/{attention}", float(diff.max()), float(diff.mean())))
+    del reference
+    return results
+
+
+def profile_top(run: Callable[[], None], device: torch.device, limit: int = 14) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=limit, max_name_column_width=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--attention", nargs="+", default=["varlen", "flex"],
+                        help="backends timed for tree packing (flat uses the first)")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, short samples")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of one tree row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exactness-only", action="store_true", help="skip the timing table")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    config = qwen3_0_6b(args.tiny)
+    torch.manual_seed(args.seed)
+    with device:
+        model = Qwen3ForCausalLM(config).to(torch.float32 if args.tiny else torch.bfloat16)
+    model.train()
+    attentions = ["sdpa"] if args.tiny else args.attention
+    scale = 1 / 16 if args.tiny else 1.0
+    samples = grpo_samples(args.groups, config.vocab_size, args.seed, scale)
+
+    print(f"device={torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} torch={torch.__version__} "
+          f"samples={len(samples)} raw_tokens={sum(s.num_tokens for s in samples)} "
+          f"trained_tokens={sum(s.num_trained for s in samples)}", flush=True)  # fmt: skip
+    results = []
+    for index, budget in enumerate([] if args.exactness_only else args.budgets):
+        budget = int(budget * scale) if args.tiny else budget
+        runs: list[tuple[str, str, list[Batch], float]] = []
+        model.set_attn_implementation("sdpa")
+        runs.append(("padded", "sdpa", padded_batches(model, samples, budget, config), 0.0))
+        runs.append(("flat", attentions[0], *packed_batches(model, samples, FlatRow, budget, attentions[0], config)))
+        for attention in attentions:
+            runs.append(("tree", attention, *packed_batches(model, samples, TreeRow, budget, attention, config)))
+        for mode, attention, batches, pack_s in runs:
+            if mode == "padded":
+                model.set_attn_implementation("sdpa")
+            try:
+                stats = measure(model, batches, device)
+            except Exception as exc:  # an OOM or a backend that fails here is a result of the table, not the end
+                stats = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                model.zero_grad(set_to_none=True)
+            results.append((budget, mode, attention, pack_s, stats))
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            _print_row(results[-1], results, flush=True)
+        if args.profile and index == 0:
+            for mode, attention, batches, _ in runs[1:3]:
+                print(f"profile: one {mode}/{attention} row of {batches[0].forwarded} tokens", flush=True)
+                print(profile_top(batches[0].run, device), flush=True)
+                model.zero_grad(set_to_none=True)
+
+    print("\n" + _HEADER)
+    for result in results:
+        _print_row(result, results)
+    exact = exactness(model, grpo_samples(2, config.vocab_size, args.seed + 1, scale * 0.5), attentions)
+    for name, worst, mean in exact:
+        print(f"exactness {model.dtype} {name:14s} max|diff|={worst:.3e} mean|diff|={mean:.3e}", flush=True)
+
+
+_HEADER = (
+    f"{'budget':>6} {'mode':>6} {'attn':>6} {'rows':>5} {'smp/row':>7} {'ratio':>6} {'tok/row':>8} "
+    f"{'fwd+bwd s':>9} {'trained tok/s':>13} {'vs flat':>7} {'peak GiB':>8} {'MFU':>6} {'pack s':>6}"
+)
+
+
+def _print_row(result, results, flush: bool = False) -> None:
+    budget, mode, attention, pack_s, s = result
+    if "error" in s:
+        print(f"{budget:>6} {mode:>6} {attention:>6}  {s['error']}", flush=flush)
+        return
+    flat = next((r[4] for r in results if r[0] == budget and r[1] == "flat" and "error" not in r[4]), None)
+    speedup = s["trained_per_s"] / flat["trained_per_s"] if flat else float("nan")
+    print(
+        f"{budget:>6} {mode:>6} {attention:>6} {s['rows']:>5} {s['samples_per_row']:>7.2f} "
+        f"{s['packing_ratio']:>6.2f} {s['forwarded_per_row']:>8.0f} {s['seconds']:>9.2f} "
+        f"{s['trained_per_s']:>13,.0f} {speedup:>7.2f} {s['peak_gib']:>8.1f} {100 * s['mfu']:>5.1f}% {pack_s:>6.2f}",
+        flush=flush,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Running the real CLI in tests: a subprocess with a marker in its environment, so that every process it
+started (server, rollout worker) can be found afterwards, whoever its parent is by then."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class CliRun:
+    returncode: int
+    output: str
+    seconds: float
+    marker: str
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Processes whose environment carries ``marker`` (children inherit it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if f"ASYNCRL_TEST_MARKER={marker}".encode() in (proc / "environ").read_bytes():
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(proc.name))
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+    return found
+
+
+def wait_no_marked(marker: str, timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (pids := marked_pids(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pids
+
+
+def cli_env(marker: str) -> dict[str, str]:
+    return {**os.environ, "ASYNCRL_TEST_MARKER": marker, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+
+def run_cli(args: list[str], *, timeout_s: float = 600, cwd: Path | None = None) -> CliRun:
+    marker = uuid.uuid4().hex
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True,
+                          env=cli_env(marker), timeout=timeout_s, cwd=cwd or REPO)  # fmt: skip
+    return CliRun(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started, marker)
+
+
+def start_cli(args: list[str], *, cwd: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cli_env(marker), cwd=cwd or REPO)  # fmt: skip
+    return proc, marker
+
+
+def kill_marked(marker: str) -> None:
+    for pid in marked_pids(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,69 @@
+"""Sample builders for the packing tests: single samples, and random GRPO-shaped sets that share prefixes.
+
+`random_samples` draws what a row sees in training: groups of rollouts sharing a prompt, a system prefix
+shared across groups, and multi-turn rollouts that fork (a later sample re-renders the conversation and
+diverges inside it), over a small vocabulary so that accidental sharing happens too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from asyncrl.rollout.types import RolloutSample, TrainingSequence
+
+VOCAB_SIZE = 48
+
+
+def make_sample(
+    tokens: list[int], prompt_len: int, group_id: int = 0, advantage: float = 1.0, seed: int = 0
+) -> RolloutSample:
+    """Prompt tokens untrained, the rest trained, with distinct sampler log-probabilities per token."""
+    rng = random.Random(seed)
+    mask = [0] * prompt_len + [1] * (len(tokens) - prompt_len)
+    logprobs = [0.0 if m == 0 else -rng.uniform(0.1, 3.0) for m in mask]
+    top = [
+        None if m == 0 else {t: lp, (t + 1) % VOCAB_SIZE: lp - 1.0}
+        for t, m, lp in zip(tokens, mask, logprobs, strict=True)
+    ]
+    sequence = TrainingSequence(list(tokens), mask, logprobs, sampler_top_logprobs=top)
+    return RolloutSample(
+        sequence=sequence, advantage=advantage, reward=advantage, group_id=group_id, row_index=group_id,
+        prompt_index=group_id, model_version=0, rollout_id=f"{group_id}-{seed}",
+    )  # fmt: skip
+
+
+def random_samples(seed: int, num_groups: int = 3, max_group: int = 16) -> list[RolloutSample]:
+    rng = random.Random(seed)
+    system = _tokens(rng, rng.randint(0, 12))
+    samples: list[RolloutSample] = []
+    for group in range(num_groups):
+        prompt = system + _tokens(rng, rng.randint(1, 24))
+        for rollout in range(rng.randint(2, max_group)):
+            completion = _tokens(rng, rng.randint(1, 20))
+            advantage = rng.uniform(-2.0, 2.0)
+            sample_seed = seed * 1000 + group * 100 + rollout
+            samples.append(make_sample(prompt + completion, len(prompt), group, advantage, sample_seed))
+            if rng.random() < 0.3:  # a multi-turn rollout whose next turn forks inside the conversation
+                fork_at = rng.randint(1, len(prompt) + len(completion) - 1)
+                turn = (prompt + completion)[:fork_at] + _tokens(rng, rng.randint(1, 10))
+                samples.append(make_sample(turn, fork_at, group, advantage, sample_seed + 50))
+    rng.shuffle(samples)
+    return samples
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, VOCAB_SIZE) for _ in range(n)]
+
+
+def build_tiny_qwen3(seed: int = 0, head_dim: int = 8, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """2 layers, grouped-query attention (4 query heads, 2 KV heads), random weights."""
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config).to(dtype)
