@@ -20,6 +20,20 @@ from asyncrl.config.schema import Config
 log = logging.getLogger("asyncrl")
 
 
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures whose message says everything (bad data, a failed server or worker): no Python traceback."""
+    from asyncrl.data import DatasetError
+    from asyncrl.registry import RegistryError
+    from asyncrl.rollout.spawn import UnpicklableError
+    from asyncrl.server.process import ServerStartError
+    from asyncrl.trainer.assembler import RolloutWorkerError
+
+    return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError)
+
+
+EXPECTED_ERRORS = _expected_errors()
+
+
 def run_hydra(overrides: list[str], *, multirun: bool = False, cfg: str | None = None) -> None:
     import hydra
 
@@ -39,6 +53,7 @@ def run_hydra(overrides: list[str], *, multirun: bool = False, cfg: str | None =
 
 def _hydra_job(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     try:
         config = to_config(cfg)
@@ -47,7 +62,16 @@ def _hydra_job(cfg: DictConfig) -> None:
         raise SystemExit(2) from exc
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the metrics
-    run_job(config, run_dir)
+    try:
+        run_job(config, run_dir)
+    except EXPECTED_ERRORS as exc:
+        log.error("%s: %s", type(exc).__name__, exc)
+        print(f"error ({type(exc).__name__}): {exc}", file=sys.stderr)
+        raise SystemExit(1) from exc
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        from asyncrl.report import write_report
+
+        print(f"sweep report: {write_report(run_dir.parent)}", flush=True)  # updated as each job ends
 
 
 def run_job(config: Config, run_dir: Path) -> None:

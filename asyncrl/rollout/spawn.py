@@ -17,12 +17,16 @@ _DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GRO
                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
+class UnpicklableError(TypeError):
+    """Something the worker needs cannot be pickled; the message names it and how to fix it."""
+
+
 def check_picklable(obj: Any, label: str) -> None:
     """Raise TypeError naming ``label`` if ``obj`` cannot cross to the spawned worker."""
     try:
         pickle.dumps(obj)
     except Exception as exc:  # pickle raises PicklingError, AttributeError, TypeError...
-        raise TypeError(
+        raise UnpicklableError(
             f"{label} cannot be sent to the rollout worker process ({type(exc).__name__}: {exc}). Everything the "
             "worker runs is pickled: use a module-level function, functools.partial, or a callable class "
             "instance defined at module level - not a lambda, closure or nested function."

@@ -1,0 +1,51 @@
+"""`asyncrl serve`: the server answers vLLM's completion API, and no process outlives the CLI,
+whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from asyncrl.server.process import free_port
+
+from .helpers import kill_marked, start_cli, wait_no_marked
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_healthy(url: str, proc, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(url)
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_path, stop_signal):
+    port = free_port()
+    proc, marker = start_cli(["serve", f"model.name_or_path={random_tiny_model_dir}", f"server.port={port}",
+                              f"trainer.output_dir={tmp_path}"])  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        body = {"model": str(random_tiny_model_dir), "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0,
+                "logprobs": 2, "seed": 1, "return_token_ids": True}  # fmt: skip
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert 1 <= len(choice["token_ids"]) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+        proc.send_signal(stop_signal)
+        proc.wait(timeout=30)
+        if stop_signal == signal.SIGINT:
+            assert "server stopped" in proc.stdout.read()
+        assert wait_no_marked(marker) == []
+    finally:
+        proc.kill()
+        kill_marked(marker)

@@ -1,0 +1,64 @@
+"""The CLI surface: version, recipes, config printing, --cfg job, and bad input failing before work starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from asyncrl import __version__
+from asyncrl.cli import app
+
+runner = CliRunner()
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_recipes_table_lists_deepmath_with_its_description():
+    result = runner.invoke(app, ["recipes"])
+    assert result.exit_code == 0
+    assert "deepmath" in result.output and "DeepMath-103K" in result.output
+
+
+def test_config_prints_composed_yaml_with_overrides():
+    result = runner.invoke(app, ["config", "+recipe=deepmath", "sampling.temperature=0.7"])
+    assert result.exit_code == 0, result.output
+    assert "name_or_path: Qwen/Qwen3-4B" in result.output
+    assert "temperature: 0.7" in result.output
+
+
+def test_config_error_is_one_line_and_exit_code_2():
+    result = runner.invoke(app, ["config", "sampling.top_p=0.9"])
+    assert result.exit_code == 2
+    assert "sampling.top_p=0.9 needs sampling.top_k > 0" in result.output
+
+
+def test_train_cfg_job_prints_and_exits_without_training(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", "--cfg", "job", "trainer.max_steps=7"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "max_steps: 7" in proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_rejects_bad_config_before_starting_anything(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", "staleness.max_staleness=-1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2
+    assert "staleness.max_staleness=-1" in proc.stderr
+    assert not list((tmp_path / "runs").rglob("server.log")) if (tmp_path / "runs").exists() else True
+
+
+def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "What is 1 + 1?", "solution": "2"}\n')
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", f"data.path={data}",
+                           f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode != 0
+    assert "has no 'prompt' column (columns: question, solution)" in proc.stdout + proc.stderr
+    assert not (tmp_path / "run" / "logs" / "server.log").exists()

@@ -1,0 +1,78 @@
+"""Prompt datasets: files, saved directories and hub ids through `datasets`; bad datasets fail early."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+
+from asyncrl.data import DatasetError, load_prompts
+from asyncrl.rewards import REWARDS
+from asyncrl.rollout.scoring import RewardSource, score_group
+from asyncrl.rollout.types import RolloutGroup
+
+SAMPLE = Path(__file__).parent / "assets" / "deepmath_sample.jsonl"
+
+
+def test_deepmath_sample_loads_with_its_columns():
+    dataset = load_prompts(str(SAMPLE))
+    assert len(dataset) >= 20
+    assert {"prompt", "solution"} <= set(dataset.column_names)
+    assert dataset[0]["prompt"][0]["role"] == "user"
+
+
+def test_parquet_and_saved_directory(tmp_path):
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+    Dataset.from_list(rows).to_parquet(tmp_path / "d.parquet")
+    assert len(load_prompts(str(tmp_path / "d.parquet"))) == len(rows)
+    Dataset.from_list(rows).save_to_disk(tmp_path / "saved")
+    assert len(load_prompts(str(tmp_path / "saved"))) == len(rows)
+
+
+def test_extra_columns_reach_the_reward_and_gold_answers_score(tmp_path):
+    """The deepmath path: rows -> group -> accuracy reward with `solution` (and the other columns) as kwargs."""
+    dataset = load_prompts(str(SAMPLE))
+    seen: dict[str, list] = {}
+
+    def spy(prompts, completions, completion_ids, **columns):
+        seen.update(columns)
+        return [0.0] * len(completions)
+
+    rows = [dataset[i] for i in range(6)]
+    completions = [[{"role": "assistant", "content": f"so the answer is \\boxed{{{r['solution']}}}"}] for r in rows]
+    group = RolloutGroup(
+        prompts=[r["prompt"] for r in rows], reward_kwargs={k: [r[k] for r in rows] for k in rows[0] if k != "prompt"},
+        completions=completions, completions_ids=[[1]] * 6, completions_sequences=[[]] * 6, tool_call_counts=[0] * 6,
+        tool_failure_counts=[0] * 6, model_version=0, group_id=0, row_index=0, env_rewards=[None] * 6,
+        rollout_rewards=[None] * 6,
+    )  # fmt: skip
+    per_source = asyncio.run(score_group(group, [RewardSource("accuracy", REWARDS.get("accuracy")),
+                                                 RewardSource("spy", spy)]))  # fmt: skip
+    assert set(seen) == set(dataset.column_names) - {"prompt"}
+    parsable = [i for i, r in enumerate(rows) if r["solution"] not in ("", "?", "\\ldots", "\\text{}")]
+    assert all(per_source["accuracy"][i] == 1.0 for i in parsable)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"question": "1+1?", "solution": "2"}], "has no 'prompt' column (columns: question, solution)"),
+        ([{"prompt": "What is 1+1?", "solution": "2"}], "'prompt' must be a list of {'role', 'content'} messages, found str"),
+    ],
+)
+def test_bad_datasets_say_what_was_found(tmp_path, rows, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DatasetError) as info:
+        load_prompts(str(path))
+    assert message in str(info.value)
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("prompt\nx\n")
+    with pytest.raises(DatasetError, match="unsupported extension '.csv'"):
+        load_prompts(str(path))

@@ -1,0 +1,91 @@
+"""Step assembly from the rollout queue: staleness and oversize drops, rows per step, the prompt cursor,
+and a worker that fails or goes silent turning into an error instead of a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asyncrl.metrics import MetricWindow
+from asyncrl.packing import build_row_factory
+from asyncrl.rollout.channels import PromptDone, WorkerChannels
+from asyncrl.rollout.types import EndOfBatch, RolloutSample, TrainingSequence
+from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, StepAssembler
+
+
+def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSample:
+    seq = TrainingSequence(list(range(n_tokens)), [0] * 4 + [1] * (n_tokens - 4), [0.0] * n_tokens)
+    return RolloutSample(seq, advantage=1.0, reward=1.0, group_id=prompt_index, row_index=prompt_index,
+                         prompt_index=prompt_index, model_version=version, rollout_id="r", queued_at=time.time())
+
+
+def assembler(channels: WorkerChannels, *, budget: int = 25, rows: int = 2, max_staleness: int = 1,
+              timeout_s: float = 60.0) -> tuple[StepAssembler, PromptProgress, MetricWindow]:  # fmt: skip
+    factory, budget = build_row_factory({"name": "flat"}, budget)
+    progress, window = PromptProgress(cursor=0), MetricWindow()
+    return (StepAssembler(channels, factory, budget, rows, max_staleness, progress, window, lambda: None, timeout_s),
+            progress, window)  # fmt: skip
+
+
+def put(channels: WorkerChannels, *items) -> None:
+    for item in items:
+        channels.rollout_queue.put(item)
+    time.sleep(0.05)  # let the queue's feeder thread flush
+
+
+def test_rows_close_when_full_and_the_step_has_rows_per_step_rows():
+    channels = WorkerChannels.create(1000)
+    asm, progress, _ = assembler(channels)
+    put(channels, *(sample(i) for i in range(5)))
+    step = asm.next_step()  # rows of 2 samples (20 of 25 tokens); the 5th sample opens the next step
+    assert [len(r.samples) for r in step.rows] == [2, 2]
+    assert progress.cursor == 4
+    assert channels.tokens_consumed.value == 50
+
+
+def test_stale_and_oversize_samples_are_dropped_and_counted():
+    channels = WorkerChannels.create(1000)
+    channels.model_version.value = 3
+    asm, progress, window = assembler(channels, rows=1)
+    put(channels, sample(0, version=1), sample(1, n_tokens=30, version=3), sample(2, version=2), sample(3, version=3),
+        sample(4, version=3))  # fmt: skip
+    step = asm.next_step()
+    assert [s.prompt_index for s in step.samples] == [2, 3]
+    metrics = window.reduce()
+    assert metrics["sample/dropped_stale_count"] == 1 and metrics["batch/dropped_oversize_count"] == 1
+    assert metrics["sample/staleness_max"] == 1
+
+
+def test_prompt_cursor_counts_dropped_groups_and_waits_for_gaps():
+    progress = PromptProgress(cursor=10)
+    progress.mark(11)
+    assert progress.cursor == 10
+    progress.mark(10)
+    assert progress.cursor == 12 and progress.consumed == 2
+
+
+def test_synchronous_mode_takes_everything_up_to_the_end_of_batch():
+    channels = WorkerChannels.create(1000)
+    asm, _, _ = assembler(channels, rows=1, max_staleness=0)
+    put(channels, sample(0), sample(1), sample(2), PromptDone(3, "zero_std"), EndOfBatch(0))
+    step = asm.next_step()
+    assert len(step.samples) == 3 and not step.final
+
+
+def test_worker_failure_is_raised_with_its_traceback():
+    channels = WorkerChannels.create(1000)
+    asm, _, _ = assembler(channels)
+    channels.exception_queue.put("Traceback (most recent call last):\nRuntimeError: boom in reward")
+    channels.failed_event.set()
+    with pytest.raises(RolloutWorkerError, match="boom in reward"):
+        asm.next_step()
+
+
+def test_a_silent_worker_fails_naming_what_it_waited_on():
+    channels = WorkerChannels.create(1000)
+    channels.set_status("waiting for 16 rollouts in flight")
+    channels.heartbeat.value = time.time() - 10
+    asm, _, _ = assembler(channels, timeout_s=1.0)
+    with pytest.raises(RolloutWorkerError, match=r"no progress for \d+s(.|\n)*waiting for 16 rollouts in flight"):
+        asm.next_step()
