@@ -49,11 +49,22 @@ def train(
 
 
 @app.command(context_settings=_EXTRA)
-def config(ctx: typer.Context) -> None:
+def config(
+    ctx: typer.Context,
+    server_command: bool = typer.Option(False, "--server-command", help="Print the server command line instead."),
+) -> None:
     """Print the composed, validated config as YAML (same overrides as train)."""
     from asyncrl.config.compose import compose, to_config, to_yaml
 
-    typer.echo(to_yaml(_checked(lambda: to_config(compose(list(ctx.args))))), nl=False)
+    composed = _checked(lambda: to_config(compose(list(ctx.args))))
+    if server_command:
+        from asyncrl.launch import shell_line
+        from asyncrl.server.command import server_command as build
+
+        command = _checked(lambda: build(composed))
+        typer.echo(shell_line(command.argv, command.env), nl=False)
+        return
+    typer.echo(to_yaml(composed), nl=False)
 
 
 @app.command()

@@ -8,10 +8,11 @@ pause/resume, metrics and the weight update sequence.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +22,8 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _LABEL_ESCAPE = re.compile(r"\\(.)")
 _TOKEN_KEY = "token_id:"
+
+logger = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
@@ -72,6 +75,14 @@ class SamplingParams:
     def request_fields(self) -> dict[str, Any]:
         fields = asdict(self)
         fields["stop_token_ids"] = list(self.stop_token_ids)
+        if not self.return_sampling_mask:
+            del fields["return_sampling_mask"]  # vLLM's /v1/completions ignores it, logging a warning per request
+        return fields
+
+    def generate_fields(self) -> dict[str, Any]:
+        """``sampling_params`` of /inference/v1/generate (vLLM's SamplingParams; the mask is a server flag)."""
+        fields = self.request_fields()
+        fields.pop("return_sampling_mask", None)
         return fields
 
 
@@ -111,9 +122,33 @@ class Completion:
             prompt_token_ids=list(choice.get("prompt_token_ids") or []),
         )
 
+    @classmethod
+    def from_generate_choice(cls, choice: dict[str, Any], prompt_ids: Sequence[int]) -> Completion:
+        """Read an /inference/v1/generate choice (token ids in and out, logprobs as {token_id, logprob} lists)."""
+        content = (choice.get("logprobs") or {}).get("content")
+        return cls(
+            token_ids=list(choice["token_ids"]),
+            logprobs=None if content is None else [entry["logprob"] for entry in content],
+            top_logprobs=None if content is None else [
+                {_entry_token(top): top["logprob"] for top in entry.get("top_logprobs") or []} for entry in content
+            ],
+            sampling_masks=choice.get("sampling_mask"),
+            finish_reason=choice["finish_reason"],
+            prompt_token_ids=list(prompt_ids),
+        )  # fmt: skip
+
+
+def _entry_token(entry: dict[str, Any]) -> int:
+    """vLLM >= 0.32 sends integer ``token_id``; 0.28-0.31 sent ``token`` as "token_id:N"."""
+    return int(entry["token_id"]) if "token_id" in entry else parse_token_key(entry["token"])
+
 
 class GenerationClient:
-    """Async /v1/completions client; retries transport errors, timeouts, 5xx and 429 with capped backoff."""
+    """Async generation client; retries transport errors, timeouts, 5xx and 429 with capped backoff.
+
+    ``sample`` is what rollouts call: with ``return_sampling_mask`` it asks /inference/v1/generate for each
+    token's candidate set; a server that cannot return sets gets one warning, and /v1/completions from then on.
+    """
 
     def __init__(
         self,
@@ -129,6 +164,8 @@ class GenerationClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.retry_count = 0
+        self.candidate_sets: bool | None = None
+        """None until the first request that asks for candidate sets; False once the server could not."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, limits=limits)
 
@@ -142,6 +179,39 @@ class GenerationClient:
         }
         response = await self._post("/v1/completions", body)
         return Completion.from_choice(response["choices"][0])
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """One /inference/v1/generate request (vLLM's tokens-in/tokens-out endpoint, with the sampling mask)."""
+        body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": params.generate_fields()}
+        response = await self._post("/inference/v1/generate", body)
+        return Completion.from_generate_choice(response["choices"][0], prompt_ids)
+
+    async def sample(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """Generate one turn; candidate sets come from /inference/v1/generate when asked for and available."""
+        if params.return_sampling_mask and self.candidate_sets is not False:
+            try:
+                completion = await self.generate(prompt_ids, params)
+            except ServerError as error:
+                if error.status is None or error.status >= 500:
+                    raise
+                # No route (404/405), route disabled (403), or a release whose endpoint rejects the request
+                # (400): /v1/completions below still reports a request that is wrong for every endpoint.
+                self._no_candidate_sets(f"{error.path} answered HTTP {error.status} ({error.message})")
+            else:
+                if completion.sampling_masks is not None:
+                    self.candidate_sets = True
+                    return completion
+                self._no_candidate_sets("/inference/v1/generate returned no sampling_mask (--return-sampling-mask)")
+        return await self.complete(prompt_ids, replace(params, return_sampling_mask=False))
+
+    def _no_candidate_sets(self, reason: str) -> None:
+        if self.candidate_sets is not False:
+            logger.warning(
+                "the server cannot return per-token candidate sets: %s. Top-k/top-p/min-p ratios are biased "
+                "(the trainer normalises over the whole vocabulary); vLLM >= 0.28 started with "
+                "--return-sampling-mask (and --enable-scale-out from 0.30) returns them", reason,
+            )  # fmt: skip
+        self.candidate_sets = False
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         attempt = 0
@@ -180,6 +250,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     for name, _, value in _samples(text):
         values[name] = values.get(name, 0.0) + value
     return values
+
+
+def metric_values(text: str, name: str) -> list[float]:
+    """Every sample value called ``name`` (one per label set, e.g. per vLLM engine)."""
+    return [value for sample, _, value in _samples(text) if sample == name]
 
 
 def metric_labels(text: str, name: str) -> list[dict[str, str]]:
@@ -281,6 +356,21 @@ class ControlClient:
 
     def finish_weight_update(self, version: str | None = None) -> None:
         self._request("POST", "/finish_weight_update", json={} if version is None else {"weight_version": version})
+
+    def shutdown_weight_transfer(self) -> None:
+        self._request("POST", "/shutdown_weight_transfer_engine")
+
+    def world_size(self) -> int:
+        """Server ranks a weight transfer reaches (tensor x pipeline x data parallel)."""
+        return int(self._request("GET", "/get_world_size").json()["world_size"])
+
+    def server_info(self) -> dict[str, Any]:
+        """vLLM's dev-mode /server_info: the full engine config and the VLLM_* environment, as JSON."""
+        return dict(self._request("GET", "/server_info", params={"config_format": "json"}).json())
+
+    def generate(self, token_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        body = {"token_ids": list(token_ids), "sampling_params": sampling_params}
+        return dict(self._request("POST", "/inference/v1/generate", json=body).json())
 
     def weight_version(self) -> str:
         return str(self._request("GET", "/weight_info").json()["weight_version"])

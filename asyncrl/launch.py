@@ -100,8 +100,14 @@ def start_server(config: Config, run_dir: Path):  # type: ignore[no-untyped-def]
     if not config.server.launch:
         return AttachedServer(base_url(config), timeout_s=config.server.timeout)
     command = server_command(config)
+    if command.backend == "vllm":
+        import os
+
+        from asyncrl.server.vllm import trainer_gpus
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config))  # the server's GPUs are in its own env
     (run_dir / "commands").mkdir(exist_ok=True)
-    (run_dir / "commands" / "server.sh").write_text(_shell_line(command.argv, command.env))
+    (run_dir / "commands" / "server.sh").write_text(shell_line(command.argv, command.env))
     return LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout)
 
 
@@ -113,7 +119,7 @@ def serve_forever(config: Config) -> None:
     from asyncrl.server.handle import LaunchedServer
 
     command = server_command(config)
-    print(_shell_line(command.argv, command.env), flush=True)
+    print(shell_line(command.argv, command.env), flush=True)
     run_dir = Path(config.trainer.output_dir or "runs/serve")
     with LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout) as server:
         print(f"serving {config.model.name_or_path} at {server.base_url} (log: {server.log_path})", flush=True)
@@ -135,7 +141,7 @@ def _terminate_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _shell_line(argv: list[str], env: dict[str, str]) -> str:
+def shell_line(argv: list[str], env: dict[str, str]) -> str:
     import shlex
 
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())

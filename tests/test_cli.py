@@ -62,3 +62,9 @@ def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(tmp_pa
     assert proc.returncode != 0
     assert "has no 'prompt' column (columns: question, solution)" in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "logs" / "server.log").exists()
+
+
+def test_config_shows_the_server_command_without_running_it():
+    result = runner.invoke(app, ["config", "--server-command", "server.port=8123"])
+    assert result.exit_code == 0, result.output
+    assert "-m asyncrl.server" in result.output and "--port 8123" in result.output

@@ -20,6 +20,12 @@ class ServerBackend(str, Enum):
     builtin = "builtin"
 
 
+class WeightTransfer(str, Enum):
+    auto = "auto"
+    nccl = "nccl"
+    ipc = "ipc"
+
+
 class LoraSync(str, Enum):
     auto = "auto"
     merged = "merged"
@@ -95,18 +101,30 @@ class ServerConfig:
     timeout: float = 1800.0
     """Seconds for server readiness, each generation request and each weight-sync call."""
     max_model_len: Optional[int] = None
-    """Defaults to the model's max_position_embeddings (built-in) or longest prompt + completion (vLLM)."""
+    """Built-in default: the model's max_position_embeddings. vLLM default: the longest prompt (data.max_prompt_length,
+    else measured on the data) + sampling.max_completion_length; set it for multi-turn rollouts."""
     dtype: Optional[str] = None
     """Serving dtype; defaults to model.dtype."""
     device: str = "auto"
     """Built-in server device: auto|cpu|cuda."""
     max_num_seqs: int = 64
     """Built-in server: rows decoded together in one batch."""
+    cpu_threads: int = 1
+    """Built-in server on CPU: torch intra-op threads (the trainer keeps the other cores)."""
     gpus: Optional[int] = None
+    """vLLM: GPUs for the server, taken first from the visible ones (default tensor x data parallel size); the
+    trainer gets the rest, or shares the server's first GPU when none is left."""
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     api_server_count: Optional[int] = None
+    """vLLM API processes. Default: 1 with runtime LoRA adapters (vLLM refuses more), 8 on vLLM >= 0.32 (cheap
+    top log-probabilities), else vLLM's own default."""
+    weight_transfer: WeightTransfer = WeightTransfer.auto
+    """vLLM weight sync: nccl (own GPUs), ipc (server and trainer share a GPU); auto picks from the GPU split,
+    or from the attached server's --weight-transfer-config."""
+    vllm_version: Optional[str] = None
+    """The vLLM release `vllm serve` runs, for its version-dependent flags; default: the installed vllm."""
     max_logprobs: int = 20
     max_loras: Optional[int] = None
     max_lora_rank: Optional[int] = None
@@ -168,6 +186,13 @@ class RolloutConfig:
     score_queue_maxsize: int = 16
     options: dict[str, Any] = field(default_factory=dict)
     """Free-form fields for a custom loop class (read as self.config.rollout.options)."""
+    tools: list[str] = field(default_factory=list)
+    """Import paths of tool functions (sync or async, type hints + Google docstring), called by __name__."""
+    environment_factory: Any = None
+    """Import path of an environment class/factory, or a mapping name -> import path routed by the dataset's
+    `environment` column; one instance per rollout, its public methods are tools."""
+    tool_call_format: str = "auto"
+    """auto|hermes|llama3|tiny: how tool calls are parsed from the model's output; auto reads the chat template."""
 
 
 @dataclass

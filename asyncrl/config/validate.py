@@ -135,6 +135,30 @@ def check_lora(config: Config) -> None:
         )
 
 
+def check_vllm_server(config: Config) -> None:
+    sv = config.server
+    for key in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(sv, key) < 1:
+            raise ConfigError(f"server.{key}={getattr(sv, key)} must be >= 1")
+    if not 0 < sv.gpu_memory_utilization <= 1:
+        raise ConfigError(f"server.gpu_memory_utilization={sv.gpu_memory_utilization} must be in (0, 1]")
+    engines = sv.tensor_parallel_size * sv.data_parallel_size
+    if sv.gpus is not None and sv.gpus < engines:
+        raise ConfigError(
+            f"server.gpus={sv.gpus} is fewer than server.tensor_parallel_size x server.data_parallel_size = {engines}"
+        )
+    if config.trainer.gpus is not None and config.trainer.gpus < 1:
+        raise ConfigError(f"trainer.gpus={config.trainer.gpus} must be >= 1")
+    if sv.api_server_count is not None and sv.api_server_count < 1:
+        raise ConfigError(f"server.api_server_count={sv.api_server_count} must be >= 1")
+    adapters = config.lora.enabled and config.lora.sync != LoraSync.merged
+    if adapters and (sv.api_server_count or 1) > 1:
+        raise ConfigError(
+            f"server.api_server_count={sv.api_server_count}: vLLM refuses runtime LoRA loading with more than one "
+            "API server; set server.api_server_count=1 or lora.sync=merged"
+        )
+
+
 def check_rollout_loop(config: Config) -> None:
     from asyncrl.registry import RegistryError, import_object
 
@@ -149,15 +173,22 @@ def check_components(config: Config) -> None:
     from asyncrl.components import component_registries
 
     registries = component_registries()
-    if not config.reward_funcs:
+    if not config.reward_funcs and config.rollout.environment_factory is None:
         raise ConfigError(
-            "reward_funcs is empty: choose a preset (reward=accuracy) or list functions "
+            "reward_funcs is empty (and no rollout.environment_factory supplies a reward): choose a preset (reward=accuracy) or list functions "
             "(reward_funcs=[{name: accuracy}, {name: my_pkg.rewards:fn}])"
         )
     for index, spec in enumerate(config.reward_funcs):
         _build(registries["reward"], spec, f"reward_funcs[{index}]")
     for group in ("loss", "advantage", "packing"):
         _build(registries[group], getattr(config, group), group)
+    from asyncrl.packing import check_attention
+    from asyncrl.registry import RegistryError
+
+    try:
+        check_attention(str(config.packing.get("attention", "auto")))
+    except RegistryError as exc:
+        raise ConfigError(f"packing.attention: {exc}") from exc
 
 
 def check_loss_requirements(config: Config) -> None:
@@ -172,6 +203,17 @@ def check_loss_requirements(config: Config) -> None:
         )
 
 
+def check_loss_options(config: Config) -> None:
+    """Run the configured loss once on a tiny batch: a bad option or an unsupported combination fails here."""
+    from asyncrl.components import build_loss
+    from asyncrl.losses.step import check_loss
+
+    try:
+        check_loss(build_loss(config.loss), config.sampling.num_sampler_logprobs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"loss={config.loss['name']}: {exc}") from exc
+
+
 def _build(registry, spec, key: str) -> None:  # type: ignore[no-untyped-def]
     from asyncrl.registry import RegistryError
 
@@ -181,6 +223,32 @@ def _build(registry, spec, key: str) -> None:  # type: ignore[no-untyped-def]
         raise ConfigError(f"{key}: {exc}") from exc
 
 
+def check_agents(config: Config) -> None:
+    """Tools and environments import, and the tool-call format is one the parser knows."""
+    from asyncrl.registry import RegistryError
+    from asyncrl.rollout.environments import load_factories, load_tools
+    from asyncrl.rollout.tools import FORMATS
+
+    r = config.rollout
+    if r.tool_call_format != "auto" and r.tool_call_format not in FORMATS:
+        raise ConfigError(f"rollout.tool_call_format={r.tool_call_format!r}: expected auto or one of {FORMATS}")
+    if config.sampling.max_tool_calling_iterations is not None and config.sampling.max_tool_calling_iterations < 0:
+        raise ConfigError(f"sampling.max_tool_calling_iterations={config.sampling.max_tool_calling_iterations} "
+                          "must be >= 0 (null = no cap)")  # fmt: skip
+    try:
+        load_tools(list(r.tools))
+    except (RegistryError, TypeError, ValueError) as exc:
+        raise ConfigError(f"rollout.tools: {exc}") from exc
+    try:
+        factories = load_factories(r.environment_factory)
+    except (RegistryError, TypeError) as exc:
+        raise ConfigError(f"rollout.environment_factory: {exc}") from exc
+    for name, factory in factories.items():
+        if not callable(getattr(factory, "reset", None)) and isinstance(factory, type):
+            raise ConfigError(f"rollout.environment_factory{'' if name is None else f'.{name}'}={factory!r} "
+                              "has no reset method")  # fmt: skip
+
+
 CHECKS: tuple[Callable[[Config], None], ...] = (
     check_sampling_ranges,
     check_truncation_needs_top_k,
@@ -188,9 +256,12 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_trainer_rates,
     check_server,
     check_lora,
+    check_vllm_server,
     check_rollout_loop,
     check_components,
+    check_agents,
     check_loss_requirements,
+    check_loss_options,
 )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.losses import clipped, score_centering
+from asyncrl.losses import cispo, clipped, gspo, luspo, sapo, score_centering, vespo
 from asyncrl.losses.base import LOSSES, LossBatch, LossFn, LossOutput, loss_requirements, requires
 
 __all__ = [
@@ -10,8 +10,13 @@ __all__ = [
     "LossBatch",
     "LossFn",
     "LossOutput",
+    "cispo",
     "clipped",
+    "gspo",
     "loss_requirements",
+    "luspo",
     "requires",
+    "sapo",
     "score_centering",
+    "vespo",
 ]

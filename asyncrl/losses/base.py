@@ -1,8 +1,9 @@
 """The loss contract: what the trainer hands a loss (LossBatch), what it gets back (LossOutput), and the
 helpers every loss shares (the importance-sampling mask and the spec's sampling/clip metrics).
 
-The trainer calls ``LOSSES.build(config.loss)(batch)`` once per micro-batch and divides ``loss_sum`` by the
-step's global trained-token count; a loss knows nothing of config, ranks or normalisation.
+The trainer calls ``LOSSES.build(config.loss)(batch)`` once per micro-batch (through ``StepLoss``, which
+divides ``loss_sum`` by the step's normaliser and adds the entropy bonus); a loss knows nothing of config or
+ranks.
 """
 
 from __future__ import annotations
@@ -37,12 +38,18 @@ class LossBatch:
     """[T, K] trainer log pi_theta(v) for the sampler's top-K ids; requires grad."""
     sampler_top_logprobs: Tensor | None = None
     """[T, K] sampler log mu(v) for those ids; -inf where the sampler returned fewer than K."""
+    entropy: Tensor | None = None
+    """[T] entropy of pi_theta at each slot; its gradient is used when it requires grad (top_entropy_quantile,
+    entropy bonus)."""
+    truncated: Tensor | None = None
+    """[T] bool: the slot's completion ended on the length budget (mask_truncated_completions)."""
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
         if len(shape) != 1:
             raise ValueError(f"LossBatch.logprobs must be 1-D [T], got shape {tuple(shape)}")
-        for name in ("sampler_logprobs", "advantages", "mask", "sequence_index"):
+        given = [name for name in ("entropy", "truncated") if getattr(self, name) is not None]
+        for name in ("sampler_logprobs", "advantages", "mask", "sequence_index", *given):
             if getattr(self, name).shape != shape:
                 raise ValueError(
                     f"LossBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)}"
@@ -63,7 +70,10 @@ class LossOutput:
     """A loss's result: the SUM over trained tokens, and float metrics named as in the spec."""
 
     loss_sum: Tensor
+    """Sum of the per-token objective (each token weighted 1/|o_i| under normalization=sequence)."""
     metrics: dict[str, float]
+    entropy_mean: Tensor | None = None
+    """Mean entropy over the loss's token set, whose gradient is the entropy's; only when a bonus is configured."""
 
 
 LossFn = Callable[..., LossOutput]

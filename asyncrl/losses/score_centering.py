@@ -7,35 +7,21 @@ import math
 
 import torch
 
-from asyncrl.losses.base import (
-    LOSSES,
-    LossBatch,
-    LossOutput,
-    clip_metrics,
-    importance_mask,
-    masked_mean,
-    requires,
-    sampling_metrics,
-    to_floats,
-)
+from asyncrl.losses.base import LOSSES, clip_metrics, masked_mean, requires
+from asyncrl.losses.policy import PolicyView, Terms, correct_token_ratio, policy_loss
 
 
 @LOSSES.register("score_centering")
 @requires("top_logprobs", "sampler_top_logprobs")
-def score_centering_loss(
-    batch: LossBatch,
-    *,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    is_clip_min: float = 0.5,
-    is_clip_max: float = 5.0,
-) -> LossOutput:
+@policy_loss(masks_own_ratio=True)
+def score_centering_loss(view: PolicyView, *, epsilon: float = 0.2, epsilon_high: float | None = None) -> Terms:
     """Score centering: grad = -A (f(r_t) grad log pi(o_t) - sum_{v in top-K} mu(v) f(r_v) grad log pi(v)).
 
-    f(r) = r on [is_clip_min, is_clip_max] and 0 outside. Holding the bound indicators fixed,
-    f(r) grad log pi = grad r and mu(v) r_v = pi(v), so the surrogate
-    -A (1[r_t in] r_t - sum_v 1[r_v in] pi(v)) has exactly that gradient. A token whose own ratio leaves the
-    bounds keeps its centering term, as in the spec's formula.
+    f(r) = r on [is_clip_min, is_clip_max] and 0 outside (token_mask); f(r) = clip(r) under token_truncate;
+    f(r) = r under none. Holding f's bounds fixed, f(r) grad log pi = grad f(r) and mu(v) r_v = pi(v), so the
+    surrogate -A (f(r_t) - sum_v mu(v) f(r_v)) has exactly that gradient. A token whose own ratio leaves the
+    bounds keeps its centering term, as in the spec's formula. Sequence-level corrections would weight a
+    whole sequence, which a per-position centring does not define, so they are rejected.
 
     The inner expectation weights each top-K token by its raw sampler probability mu(v), not by mu
     renormalised over the top K. Every kept term then has its true weight: E_{o~mu}[f(r_o) grad log pi(o)]
@@ -47,30 +33,31 @@ def score_centering_loss(
     epsilon/epsilon_high only feed clip_ratio/*, which count trained tokens outside [1 - epsilon,
     1 + epsilon_high] since nothing is clipped here.
     """
+    batch = view.batch
     if batch.top_logprobs is None or batch.sampler_top_logprobs is None:
         raise ValueError(
             "loss 'score_centering' needs LossBatch.top_logprobs and sampler_top_logprobs "
             "(set sampling.num_sampler_logprobs > 0, or use loss=clipped)"
         )
+    if view.options.importance_sampling.startswith("sequence"):
+        raise ValueError(
+            f"loss 'score_centering' centres each position: importance_sampling="
+            f"{view.options.importance_sampling} must be token_mask, token_truncate or none"
+        )
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    trained = batch.mask > 0
-    log_ratio = batch.logprobs - batch.sampler_logprobs
-    inside = importance_mask(log_ratio.detach(), is_clip_min, is_clip_max)
     # where() before exp(): excluded and padding slots become exp(-inf) = 0 with an exactly zero gradient.
-    sampled_term = torch.where(trained & inside, log_ratio, -math.inf).exp()
+    sampled_term = torch.where(view.keep & view.inside, view.log_ratio, -math.inf).exp()
 
     sampler_top = batch.sampler_top_logprobs
-    top_inside = importance_mask((batch.top_logprobs - sampler_top).detach(), is_clip_min, is_clip_max)
-    kept = top_inside & sampler_top.isfinite() & trained.unsqueeze(-1)
-    centering_term = torch.where(kept, batch.top_logprobs, -math.inf).exp().sum(-1)
+    listed = sampler_top.isfinite() & view.keep.unsqueeze(-1)
+    top_log_ratio, top_inside = correct_token_ratio(torch.where(listed, batch.top_logprobs - sampler_top, 0),
+                                                    view.options)  # fmt: skip
+    # mu(v) f(r_v) with the bounds held fixed is exp(log mu(v) + corrected log r_v).
+    centering_term = torch.where(listed & top_inside, sampler_top + top_log_ratio, -math.inf).exp().sum(-1)
 
-    advantages = torch.where(trained, batch.advantages, 0)
-    loss_sum = -(advantages * (sampled_term - centering_term)).sum()
-
-    ratio = log_ratio.detach().exp()
-    low = trained & (ratio < 1 - epsilon)
-    high = trained & (ratio > 1 + epsilon_high)
-    sampler_mass = sampler_top.detach().exp().sum(-1)
-    metrics = sampling_metrics(batch, log_ratio.detach(), inside) | clip_metrics(low, high, batch)
-    metrics["sampling/sampler_mass"] = masked_mean(sampler_mass, trained)
-    return LossOutput(loss_sum=loss_sum, metrics=to_floats(metrics))
+    ratio = view.raw_log_ratio.exp()
+    low = view.keep & (ratio < 1 - epsilon)
+    high = view.keep & (ratio > 1 + epsilon_high)
+    metrics = clip_metrics(low, high, batch)
+    metrics["sampling/sampler_mass"] = masked_mean(sampler_top.detach().exp().sum(-1), batch.mask > 0)
+    return Terms(loss=-view.advantages * (sampled_term - centering_term), metrics=metrics)

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncrl.packing.flat import FlatRow
+from asyncrl.packing.planner import MicroBatchPlanner, plan_micro_batches
 from asyncrl.packing.row import PackedRow, Segment
+from asyncrl.packing.trie import TreeRow
 from asyncrl.registry import Registry
 from asyncrl.rollout.types import RolloutSample
 
@@ -25,10 +27,26 @@ PACKERS: Registry[Callable[..., RowFactory]] = Registry("packing")
 
 
 @PACKERS.register("flat")
-def flat(*, token_budget: int | None = None, default_budget: int = 4096) -> RowFactory:
+def flat(*, token_budget: int | None = None, default_budget: int = 4096, attention: str = "auto") -> RowFactory:
     """Padding-free packing; token_budget (None = the server's max_model_len) bounds each row's tokens."""
+    check_attention(attention)
     budget = token_budget or default_budget
     return lambda: FlatRow(budget)
+
+
+@PACKERS.register("tree")
+def tree(*, token_budget: int | None = None, default_budget: int = 4096, attention: str = "auto") -> RowFactory:
+    """Prefix-trie packing; token_budget (None = the server's max_model_len) bounds each row's unique tokens."""
+    check_attention(attention)
+    budget = token_budget or default_budget
+    return lambda: TreeRow(budget)
+
+
+def check_attention(attention: str) -> None:
+    """Fail at startup on an unknown attention backend name (the error lists the registered ones)."""
+    from asyncrl.packing.attention import ATTENTION
+
+    ATTENTION.get(attention)
 
 
 def build_row_factory(spec: dict[str, Any], default_budget: int) -> tuple[RowFactory, int]:
@@ -37,4 +55,7 @@ def build_row_factory(spec: dict[str, Any], default_budget: int) -> tuple[RowFac
     return PACKERS.build({**spec, "token_budget": budget})(), budget
 
 
-__all__ = ["PACKERS", "PackedRow", "Row", "RowFactory", "Segment", "build_row_factory", "flat"]
+__all__ = [
+    "PACKERS", "MicroBatchPlanner", "PackedRow", "Row", "RowFactory", "Segment", "TreeRow", "build_row_factory",
+    "check_attention", "flat", "plan_micro_batches", "tree",
+]  # fmt: skip

@@ -5,8 +5,13 @@ Each value is one event (per rollout or per group); the trainer's metric window 
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+
 import numpy as np
 
+from asyncrl.rollout.reconcile import drift
+from asyncrl.rollout.tools import ToolStats
 from asyncrl.rollout.types import RolloutGroup
 
 
@@ -31,7 +36,37 @@ def group_metrics(
     for name, values in per_source.items():
         out[f"rewards/{name}/mean"] = values[~np.isnan(values)].tolist()
     out.update(_lengths(group))
+    out.update(_reconciliation(group))
+    out.update(tool_metrics([r.tool_stats for r in group.rollouts if r.tool_stats is not None]))
     return out
+
+
+def _reconciliation(group: RolloutGroup) -> dict[str, list[float]]:
+    """Per turn boundary: forked or not, and the held tokens the fork re-rendered (0 when clean)."""
+    drifts = [float(d) for r in group.rollouts for d in drift(r.turns)]
+    if not drifts:
+        return {}
+    return {"rollout/fork_frac": [1.0 if d > 0 else 0.0 for d in drifts],
+            "rollout/drift_tokens_mean": drifts, "rollout/drift_tokens_max": drifts}  # fmt: skip
+
+
+def tool_metrics(stats: list[ToolStats]) -> dict[str, list[float]]:
+    """tools/*: one event per rollout, call or tool-calling message; failure_frequency is NaN without calls."""
+    if not stats:
+        return {}
+    out: dict[str, list[float]] = defaultdict(list)
+    for s in stats:
+        out["tools/call_frequency"].append(float(len(s.calls)))
+        out["tools/loop_exhausted_frac"].append(1.0 if s.exhausted else 0.0)
+        out["tools/unknown_name_count"].append(float(s.unknown_names))
+        out["tools/failure_frequency"].extend([float(f) for _, _, f in s.calls] or [math.nan])
+        out["tools/parallel_calls_mean"].extend(float(n) for n in s.parallel)
+        for name, latency, failed in s.calls:
+            out["tools/latency_s"].append(latency)
+            out[f"tools/{name}/latency_s"].append(latency)
+            out[f"tools/{name}/call_count"].append(1.0)
+            out[f"tools/{name}/failure_count"].append(float(failed))
+    return dict(out)
 
 
 def completion_records(group: RolloutGroup, advantages: np.ndarray) -> list[dict[str, object]]:

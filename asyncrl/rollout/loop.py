@@ -8,20 +8,30 @@ holds free-form fields for the subclass) and ``self.tokenizer``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from asyncrl.advantages import estimate_advantages
 from asyncrl.client import GenerationClient, SamplingParams
 from asyncrl.config.schema import Config
 from asyncrl.rollout.reconcile import reconcile
+from asyncrl.rollout.tools import (ToolStats, assistant_message, detect_format, parse_tool_calls, run_tool_calls,
+                                   tool_name, tool_schemas)  # fmt: skip
 from asyncrl.rollout.types import Messages, Rollout, RolloutGroup, TurnRecord
 
 
-def render_prompt(tokenizer: Any, messages: Messages, chat_template_kwargs: dict[str, Any]) -> list[int]:
+def render_prompt(
+    tokenizer: Any, messages: Messages, chat_template_kwargs: dict[str, Any], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Token ids of the conversation with the generation prompt appended (the model's chat template)."""
+    if tools:
+        chat_template_kwargs = {**chat_template_kwargs, "tools": tools}
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **chat_template_kwargs)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
@@ -44,6 +54,8 @@ class AsyncRolloutLoop:
         self.advantage_fn = advantage_fn
         self.max_model_len = max_model_len
         self._seeds = itertools.count(config.trainer.seed * 1_000_003 + seed_offset)
+        self.tool_pool: Executor | None = None
+        """Where sync tools run (the worker sets a pool of max_concurrent_rollouts threads); None = asyncio's."""
 
     # ---- hooks -------------------------------------------------------------------------------------------
 
@@ -52,11 +64,33 @@ class AsyncRolloutLoop:
         return True
 
     async def generate_one(self, prompt: Messages, tools: list[Callable[..., Any]], group_id: int = 0) -> Rollout:
-        """One rollout: render the conversation, sample one response (single turn)."""
-        turn = await self.generate_one_turn(self.render(prompt))
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=turn.output_ids,
-                       turns=[turn])  # fmt: skip
+        """One rollout, the tool loop: render the whole conversation, sample a turn, run the tools it calls,
+        append their results, repeat until a turn calls none (or the iteration cap or the context is hit)."""
+        by_name = {tool_name(fn): fn for fn in tools}
+        schemas = tool_schemas(tools) if tools else None
+        cap = self.config.sampling.max_tool_calling_iterations
+        messages, completion, turns = list(prompt), [], []
+        stats = ToolStats() if tools else None
+        while True:
+            turn = await self.generate_one_turn(self.render(messages, schemas))
+            turns.append(turn)
+            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            content, calls = parse_tool_calls(text, self.tool_call_format) if tools else (text, [])
+            completion.append(assistant_message(content, calls) if calls else {"role": "assistant", "content": text})
+            if stats is None or not calls or turn.finish_reason != "stop":
+                break
+            if cap is not None and len(stats.parallel) >= cap:
+                stats.exhausted = True
+                break
+            completion.extend(await run_tool_calls(calls, by_name, self.tool_pool, stats))
+            messages = [*prompt, *completion]
+            if len(self.render(messages, schemas)) >= self.max_model_len:
+                break  # no room left for another turn: the rollout ends on the tool results
+        return Rollout(
+            completion=completion, completion_ids=[t for turn in turns for t in turn.output_ids], turns=turns,
+            tool_call_count=len(stats.calls) if stats else 0, tool_failure_count=stats.failures if stats else 0,
+            tool_stats=stats,
+        )  # fmt: skip
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One server request with every sampling setting sent explicitly and a unique seed."""
@@ -73,7 +107,7 @@ class AsyncRolloutLoop:
             seed=next(self._seeds) % (2**31 - 1),
             return_sampling_mask=truncating,
         )
-        out = await self.client.complete(prompt_ids, params)
+        out = await self.client.sample(prompt_ids, params)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=list(out.token_ids),
@@ -84,9 +118,10 @@ class AsyncRolloutLoop:
         )
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """One advantage per rollout from ``group.rewards`` (NaN = unscorable -> 0)."""
+        """One advantage per rollout from ``group.rewards`` (NaN = unscorable -> 0); estimators that normalise
+        each reward function (gdpo) also get ``group.reward_components``."""
         assert group.rewards is not None
-        return self.advantage_fn(group.rewards)
+        return estimate_advantages(self.advantage_fn, group.rewards, group.reward_components)
 
     async def setup(self) -> None:
         """Create resources the other hooks need; runs on the loop's event loop before the first prompt."""
@@ -96,8 +131,14 @@ class AsyncRolloutLoop:
 
     # ---- helpers the driver uses ----------------------------------------------------------------------------
 
-    def render(self, messages: Messages) -> list[int]:
-        return render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs)
+    def render(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs, tools)
+
+    @functools.cached_property
+    def tool_call_format(self) -> str:
+        """rollout.tool_call_format, or the format the chat template speaks when it is auto."""
+        fmt = self.config.rollout.tool_call_format
+        return detect_format(getattr(self.tokenizer, "chat_template", None)) if fmt == "auto" else fmt
 
     def build_group(
         self, prompt: Messages, row: dict[str, Any], rollouts: list[Rollout], *, group_id: int, row_index: int,
@@ -110,13 +151,13 @@ class AsyncRolloutLoop:
             reward_kwargs=columns,
             completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts],
-            completions_sequences=[reconcile(r.turns) for r in rollouts],
+            completions_sequences=[[replace(s, truncated=r.truncated) for s in reconcile(r.turns)] for r in rollouts],
             tool_call_counts=[r.tool_call_count for r in rollouts],
             tool_failure_counts=[r.tool_failure_count for r in rollouts],
             model_version=model_version,
             group_id=group_id,
             row_index=row_index,
-            env_rewards=[None] * n,
+            env_rewards=[r.env_reward for r in rollouts],
             rollout_rewards=[r.reward for r in rollouts],
             rollouts=rollouts,
         )

@@ -1,5 +1,10 @@
 """Turns -> training sequences: a turn whose prompt extends the held tokens continues the sequence;
-any other turn starts a new one (spec 001: every generated token is trained in exactly one sample)."""
+any other turn starts a new one (spec 001: every generated token is trained in exactly one sample).
+
+There is no REALIGN (rewrite the held tokens to the new rendering) and no ``fork_threshold_tokens``: both
+turn already-generated tokens into context or train tokens the sampler never produced, which breaks the
+promise above; a fork costs forward tokens (``rollout/drift_tokens_*``) but no training signal.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,25 @@ def reconcile(turns: list[TurnRecord]) -> list[TrainingSequence]:
             _append(current, turn.prompt_ids, context=True)
         _append_output(current, turn)
     return [seq for seq in sequences if seq.num_trained > 0]
+
+
+def drift(turns: list[TurnRecord]) -> list[int]:
+    """Per turn boundary: 0 when the next prompt extends the held tokens, else how many held tokens it
+    re-rendered (held length minus the common prefix), which is what the fork adds to the forward."""
+    out = []
+    for previous, turn in zip(turns, turns[1:]):
+        held = previous.prompt_ids + previous.output_ids  # what the sequence holds after `previous`, fork or not
+        out.append(len(held) - _common_prefix(held, turn.prompt_ids))
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _append(seq: TrainingSequence, token_ids: list[int], *, context: bool) -> None:

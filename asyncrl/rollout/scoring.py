@@ -58,7 +58,8 @@ async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int) -> 
 
 
 async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> dict[str, np.ndarray]:
-    """Per source, one reward per rollout (NaN = not applicable); sets ``group.rewards`` to their sum."""
+    """Per source, one reward per rollout (NaN = not applicable): sets ``group.reward_components`` to them and
+    ``group.rewards`` to their sum."""
     n = len(group.completions)
     kwargs = {
         "prompts": group.prompts,
@@ -70,10 +71,13 @@ async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> d
     per_source = {s.name: _as_array(r) for s, r in zip(sources, results, strict=True)}
     if any(r is not None for r in group.rollout_rewards):
         per_source["rollout"] = _as_array(group.rollout_rewards)
+    for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
+        per_source[cls.__name__] = _as_array([e[1] if e is not None and e[0] is cls else None for e in group.env_rewards])
     stacked = np.stack(list(per_source.values())) if per_source else np.full((1, n), np.nan)
     scored = ~np.isnan(stacked)
     total = np.where(scored, stacked, 0.0).sum(axis=0)
     group.rewards = np.where(scored.any(axis=0), total, np.nan)
+    group.reward_components = per_source
     return per_source
 
 

@@ -43,7 +43,16 @@ class Rollout:
     tool_failure_count: int = 0
     reward: float | None = None
     """Added to the reward functions' sum; None = no reward from this source."""
+    env_reward: tuple[type, float] | None = None
+    """(environment class, its get_reward()) when the rollout ran in an environment that scores itself."""
+    tool_stats: Any = None
+    """asyncrl.rollout.tools.ToolStats when the rollout had tools (the tools/* metrics); None otherwise."""
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def truncated(self) -> bool:
+        """The last turn ended on the length budget or an abort rather than a stop."""
+        return bool(self.turns) and self.turns[-1].finish_reason != "stop"
 
 
 @dataclass
@@ -59,6 +68,8 @@ class TrainingSequence:
     sampler_logprobs: list[float]
     sampler_top_logprobs: list[dict[int, float] | None] | None = None
     sampling_masks: list[list[int] | None] | None = None
+    truncated: bool = False
+    """The rollout's last turn did not end on a stop (length budget or abort): mask_truncated_completions drops it."""
 
     @property
     def num_trained(self) -> int:
@@ -83,6 +94,8 @@ class RolloutGroup:
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
+    reward_components: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per reward source, one reward per rollout (NaN = not applicable); ``rewards`` is their sum."""
     rollouts: list[Rollout] = field(default_factory=list)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from asyncrl.rollout.admission import Admission
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
+from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
 
@@ -56,7 +57,9 @@ class WorkerDriver:
         self.config = spec.config
         g = self.config.sampling.num_generations
         self.admission = Admission(g, self.config.staleness.max_concurrent_rollouts)
+        self.concurrency = ConcurrencyController(self.config.staleness.max_concurrent_rollouts)
         self.sync_mode = self.config.staleness.max_staleness == 0
+        self.batch_start_tokens = 0
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self.generation_spans: list[tuple[float, float]] = []
         self.completion_records: list[dict[str, Any]] = []
@@ -67,18 +70,39 @@ class WorkerDriver:
     # ---- main loop -------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await self.loop.setup()
+        from concurrent.futures import ThreadPoolExecutor
+
+        from asyncrl.rollout.environments import Agents
+
+        tool_pool = ThreadPoolExecutor(self.config.staleness.max_concurrent_rollouts, thread_name_prefix="tool")
+        self.loop.tool_pool = tool_pool
+        self.agents = Agents.from_config(self.config, tool_pool)
         try:
+            await self._run_loop()
+        finally:
+            tool_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run_loop(self) -> None:
+        await self.loop.setup()
+        poller = LoadPoller(self.spec.base_url, self.concurrency, self._rollout_counts, self.metrics)
+        try:
+            await poller.start(self.spec.max_model_len)
             async with asyncio.TaskGroup() as tasks:
-                background = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_parent())]
+                background = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_parent()),
+                              asyncio.create_task(poller.run())]  # fmt: skip
                 try:
                     await self._drive(tasks)
                 finally:
                     for task in background:
                         task.cancel()
         finally:
+            await poller.aclose()
             await self.loop.close()
             self._flush_metrics()
+
+    def _rollout_counts(self) -> tuple[int, int]:
+        """(rollouts in flight, rollouts completed so far), for the concurrency controller."""
+        return self.admission.inflight_rollouts, self.admission.rollouts_seen
 
     async def _drive(self, tasks: asyncio.TaskGroup) -> None:
         n_rows = len(self.spec.dataset)
@@ -115,8 +139,7 @@ class WorkerDriver:
         waited_since: float | None = None
         while True:
             reason = self.admission.wait_reason(
-                self.channels.token_allowance.value, self.channels.tokens_consumed.value,
-                self.config.staleness.max_concurrent_rollouts,
+                self.channels.token_allowance.value, self._tokens_released(), self.concurrency.cap,
             )  # fmt: skip
             if reason is None:
                 break
@@ -132,13 +155,20 @@ class WorkerDriver:
     async def _end_sync_batch(self) -> None:
         """max_staleness=0: finish in-flight groups, mark the batch, wait for the trainer's weight sync."""
         await self._wait_idle()
-        if self.admission.queued_tokens(self.channels.tokens_consumed.value) < self.channels.token_allowance.value:
+        if self.admission.queued_tokens(self._tokens_released()) < self.channels.token_allowance.value:
             return  # dropped groups left room: generate more under the same weights
         version = self.channels.model_version.value
         self._push(EndOfBatch(version))
         while self.channels.model_version.value == version and not self.channels.stop_event.is_set():
             self.channels.beat(f"synchronous mode: waiting for weight sync to version {version + 1}")
             await asyncio.sleep(0.01)
+        self.batch_start_tokens = self.admission.tokens_pushed
+
+    def _tokens_released(self) -> int:
+        """Tokens no longer counted against the allowance: consumed by the trainer (asynchronous mode), or
+        every token of earlier batches (synchronous mode, where a batch is closed at the allowance even
+        though the trainer pulls samples while it waits for the batch's end)."""
+        return self.batch_start_tokens if self.sync_mode else self.channels.tokens_consumed.value
 
     async def _wait_idle(self) -> None:
         while self.admission.inflight_groups > 0:
@@ -151,9 +181,9 @@ class WorkerDriver:
         started = time.time()
         version = self.channels.model_version.value
         group_id = next(self.group_ids)
-        prompt = row["prompt"]
+        prompt = row.get("prompt") or []
         rollouts = await asyncio.gather(
-            *(self._one_rollout(prompt, group_id) for _ in range(self.config.sampling.num_generations))
+            *(self._one_rollout(row, group_id) for _ in range(self.config.sampling.num_generations))
         )
         group = self.loop.build_group(prompt, row, list(rollouts), group_id=group_id, row_index=row_index,
                                       model_version=version)  # fmt: skip
@@ -176,9 +206,14 @@ class WorkerDriver:
                 self._push(sample)
         self.channels.beat("group queued")
 
-    async def _one_rollout(self, prompt: list[dict[str, Any]], group_id: int) -> Rollout:
+    async def _one_rollout(self, row: dict[str, Any], group_id: int) -> Rollout:
         started = time.monotonic()
-        rollout = await self.loop.generate_one(prompt, [], group_id)
+        episode = await self.agents.begin(row)
+        rollout = await self.loop.generate_one(episode.prompt, episode.tools, group_id)
+        rollout.env_reward, reward_s = await self.agents.end(episode)
+        for name, seconds in (("env/reset_s", episode.reset_s), ("env/reward_s", reward_s)):
+            if seconds is not None:
+                self.metrics[name].append(seconds)
         self.metrics["rollout/duration_s"].append(time.monotonic() - started)
         self.generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
         self.admission.on_rollout_done(sum(len(t.prompt_ids) + len(t.output_ids) for t in rollout.turns))
@@ -235,7 +270,7 @@ class WorkerDriver:
             now = time.monotonic()
             self.metrics["rollout/generated_tokens_per_s"].append((self.generated_tokens - last_tokens) / (now - last_time))
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
-            self.metrics["rollout/concurrency_cap"].append(self.config.staleness.max_concurrent_rollouts)
+            self.metrics["rollout/concurrency_cap"].append(self.concurrency.cap)
             retries = self.loop.client.retry_count
             self.metrics["rollout/vllm_retry_count"].append(retries - last_retries)
             last_time, last_tokens, last_retries = now, self.generated_tokens, retries

@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl import __version__
 from asyncrl.server.engine import Engine, EngineStats, EngineUnavailable
+from asyncrl.server.generate import generate_route
 from asyncrl.server.protocol import CompletionRequest, ModelNotFound, build_generation_request, completion_response
 from asyncrl.server.rows import GenerationResult
 from asyncrl.server.weights import WeightUpdater
@@ -221,6 +222,7 @@ def build_app(server: BuiltinServer) -> FastAPI:
         ("/weight_info", "GET", lambda: {"weight_version": server.weights.version}),
         ("/metrics", "GET", server.metrics),
         ("/v1/completions", "POST", server.completions),
+        ("/inference/v1/generate", "POST", generate_route(server)),
         ("/pause", "POST", server.pause),
         ("/resume", "POST", server.resume),
         ("/init_weight_transfer_engine", "POST", server.init_weight_transfer_engine),

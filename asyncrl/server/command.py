@@ -53,7 +53,7 @@ def builtin_command(config: Config) -> ServerCommand:
         argv += ["--max-model-len", str(sv.max_model_len)]
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
-    return ServerCommand("builtin", argv + list(sv.extra_args))
+    return ServerCommand("builtin", argv + list(sv.extra_args), env={"OMP_NUM_THREADS": str(sv.cpu_threads)})
 
 
 def server_command(config: Config) -> ServerCommand:

@@ -1,8 +1,9 @@
 """The packed forward: per-token log-probabilities of the trained tokens of one row.
 
-Logits are computed only at the positions that predict a trained token (``logits_to_keep`` with an
-index tensor), scaled by the sampling temperature, and, when the sampler drew from a truncated candidate
-set (top-k/top-p/min-p), renormalised over that set as the sampler's processed logprobs were.
+Attention follows the row's segments through a tree attention backend (packing/attention.py). Logits are
+computed only at the positions that predict a trained token (``logits_to_keep`` with an index tensor),
+scaled by the sampling temperature, and, when the sampler drew from a truncated candidate set
+(top-k/top-p/min-p), renormalised over that set as the sampler's processed logprobs were.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.packing.attention import attach_tree_attention, build_plan
 from asyncrl.packing.row import PackedRow
 
 
@@ -23,27 +25,19 @@ class ForwardOutput:
     seconds: float
 
 
-def tree_attention_mask(row: PackedRow) -> torch.Tensor:
-    """[1, 1, L, L] boolean mask: each segment's queries see their path's keys, causally (bottom-right)."""
-    length = row.num_forwarded
-    mask = torch.zeros(length, length, dtype=torch.bool)
-    for seg in row.segments:
-        n_q, n_kv = seg.q_end - seg.q_start, int(seg.kv_index.numel())
-        allowed = torch.ones(n_q, n_kv, dtype=torch.bool).tril(diagonal=n_kv - n_q)
-        rows = torch.arange(seg.q_start, seg.q_end).unsqueeze(1).expand(n_q, n_kv)
-        mask[rows, seg.kv_index.unsqueeze(0).expand(n_q, n_kv)] = allowed
-    return mask[None, None]
-
-
-def packed_forward(model: torch.nn.Module, row: PackedRow, temperature: float) -> ForwardOutput:
+def packed_forward(
+    model: torch.nn.Module, row: PackedRow, temperature: float, *, attention: str = "auto"
+) -> ForwardOutput:
+    """``attention``: the tree attention backend, the packing config's ``attention`` (packing/attention.py)."""
     device = next(model.parameters()).device
     started = time.perf_counter()
+    attach_tree_attention(model)
     out = model(
         input_ids=row.input_ids[None].to(device),
         position_ids=row.position_ids[None].to(device),
-        attention_mask=tree_attention_mask(row).to(device),
         logits_to_keep=row.token_index.to(device),
         use_cache=False,
+        tree_plan=build_plan(attention, row, device),
     )
     logits = out.logits[0].float() / temperature  # [T, V]
     if row.sampling_masks is not None:

@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncrl.client import ControlClient
 from asyncrl.config.schema import Config
-from asyncrl.losses import LOSSES, LossBatch, loss_requirements
+from asyncrl.losses import LOSSES
+from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing import build_row_factory
 from asyncrl.rollout.channels import WorkerChannels
@@ -31,7 +30,7 @@ from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
 from asyncrl.trainer.timeline import Timeline
-from asyncrl.trainer.weight_sync import BuiltinWeightSync
+from asyncrl.trainer.weight_sync import build_weight_sync
 from asyncrl.trainer.setup import Prepared
 
 log = logging.getLogger("asyncrl.trainer")
@@ -61,16 +60,17 @@ class Trainer:
         if resume is not None:
             self.state = load_checkpoint(resume, self.optimizer, self.scheduler)
             log.info("resumed from %s at step %d, prompt %d", resume, self.state.step, self.state.prompt_index)
-        self.loss_fn = LOSSES.build(config.loss)
-        self.top_k = config.sampling.num_sampler_logprobs if "sampler_top_logprobs" in loss_requirements(
-            self.loss_fn) else 0  # fmt: skip
+        self.loss = StepLoss(LOSSES.build(config.loss), prepared.advantage_fn, config.sampling.max_completion_length)
+        self.loss.load_state_dict(self.state.extra.get("loss", {}))
+        self.top_k = config.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
         self.row_factory, self.token_budget = build_row_factory(dict(config.packing), self.max_model_len)
+        self.attention = str(config.packing.get("attention", "auto"))
         self.window, self.timeline = MetricWindow(), Timeline()
         self.sink = JsonlSink(run_dir / "metrics.jsonl")
         self.console = Console(config)
         self.trackers = build_trackers(config, run_dir)
         self.completions: list[dict[str, Any]] = []
-        self.sync = BuiltinWeightSync(self.control, run_dir, dtype=None)
+        self.sync = build_weight_sync(config, self.control, run_dir, prepared)
         self.sync.init()
         if resume is not None:
             self.sync.push(self.model, self.state.model_version)  # the server starts from the base weights
@@ -100,6 +100,8 @@ class Trainer:
                 break
         if self.state.step % self.config.staleness.weight_sync_steps != 0:
             self._sync_weights()  # the server, and the evaluation below, get the final weights
+        if self.config.trainer.save_strategy == "steps" and not self._should_save():
+            self._save()  # the last step is always resumable
         self._save_final_model()
         if self.evaluations:
             self.evaluations["after"] = self._evaluate()
@@ -114,28 +116,18 @@ class Trainer:
 
     def _optimize(self, step: Step) -> None:
         rows = [row.pack(self.top_k) for row in step.rows]
-        total_trained = max(1, sum(r.num_trained for r in rows))
+        self.loss.start_step(rows)
         self.model.train()
         fwd_s = fwd_bwd_s = 0.0
         started = time.time()
         for row in rows:
             t0 = time.perf_counter()
-            out = packed_forward(self.model, row, self.config.sampling.temperature)
-            device = out.logprobs.device
-            batch = LossBatch(
-                logprobs=out.logprobs,
-                sampler_logprobs=row.sampler_logprobs.to(device),
-                advantages=row.advantages.to(device),
-                mask=torch.ones_like(out.logprobs, requires_grad=False),
-                sequence_index=row.sequence_index.to(device),
-                top_logprobs=out.top_logprobs,
-                sampler_top_logprobs=None if row.sampler_top_logprobs is None else row.sampler_top_logprobs.to(device),
-            )
-            result = self.loss_fn(batch)
+            out = packed_forward(self.model, row, self.config.sampling.temperature, attention=self.attention)
+            loss, loss_metrics = self.loss(self.loss.batch(row, out))
             fwd_s += time.perf_counter() - t0
-            self.accelerator.backward(result.loss_sum / total_trained)
+            self.accelerator.backward(loss)
             fwd_bwd_s += time.perf_counter() - t0
-            self.window.update(result.metrics)
+            self.window.update(loss_metrics)
             self.window.add("entropy", float(out.entropy.mean()) if out.entropy.numel() else float("nan"))
         t1 = time.perf_counter()
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
@@ -143,6 +135,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - t1
+        self.window.update(self.loss.end_step())
         self.timeline.add("training", started, time.time())
         self.window.add("grad_norm", float(grad_norm))
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
@@ -247,6 +240,7 @@ class Trainer:
         self.state.prompt_index = self.progress.cursor
         self.state.prompts_consumed = self.progress.consumed
         self.state.extra["num_tokens"] = self.num_tokens
+        self.state.extra["loss"] = self.loss.state_dict()
         unwrapped = self.accelerator.unwrap_model(self.model)
         path = save_checkpoint(self.output_dir, self.state, unwrapped, self.prepared.tokenizer, self.optimizer,
                                self.scheduler, self.config.trainer.save_total_limit)  # fmt: skip

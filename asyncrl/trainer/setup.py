@@ -65,5 +65,31 @@ def prepare(config: Config) -> Prepared:
     sources = build_reward_sources(config)
     for source in sources:
         check_picklable(source.fn, f"reward function '{source.name}'")
-    return Prepared(dataset, eval_dataset, load_tokenizer(config), sources, loop_cls,
-                    ADVANTAGES.build(config.advantage))  # fmt: skip
+    tokenizer = load_tokenizer(config)
+    check_agents(config, tokenizer)
+    return Prepared(dataset, eval_dataset, tokenizer, sources, loop_cls, ADVANTAGES.build(config.advantage))
+
+
+def check_agents(config: Config, tokenizer: Any) -> None:
+    """Tools and environments: picklable, schemas buildable, and a warning when the chat template is not
+    prefix-preserving for a tool turn (every turn would then fork a new training sample)."""
+    import warnings
+
+    from asyncrl.rollout.environments import load_factories, load_tools
+    from asyncrl.rollout.spawn import check_picklable
+    from asyncrl.rollout.tools import tool_schemas, template_preserves_prefix
+
+    tools = load_tools(list(config.rollout.tools))
+    for fn in tools:
+        check_picklable(fn, f"tool {fn.__name__} (rollout.tools)")
+    tool_schemas(tools)
+    for name, factory in load_factories(config.rollout.environment_factory).items():
+        check_picklable(factory, f"environment factory {name or ''} (rollout.environment_factory)")
+    if (tools or config.rollout.environment_factory) and not template_preserves_prefix(
+        tokenizer, config.sampling.chat_template_kwargs
+    ):
+        warnings.warn(
+            f"the chat template of {config.model.name_or_path} re-renders earlier turns when a tool turn is "
+            "appended: multi-turn rollouts will fork into several samples (see rollout/fork_frac); use a "
+            "prefix-preserving training template", stacklevel=2,
+        )  # fmt: skip

@@ -1,91 +1,144 @@
-"""Weight sync backends: push the trainer's weights to the generation server.
+"""Weight sync: push the trainer's weights to the generation server, one round per sync.
 
-Every backend runs vLLM's dev-mode sequence (pause -> start -> update -> finish -> resume) so the
-trainer's code path is the same for every server; only the transport differs. The built-in server's
-transport is a safetensors file the trainer writes *before* pausing (so the pause only covers loading),
-named in ``/update_weights``. Every HTTP call is checked and timed out; on failure the server is resumed
-(best effort) and the error names the step that failed.
+Every backend runs vLLM's dev-mode round, and the round's control calls are made here, so the trainer's code
+path is the same for every server: stage (outside the pause) -> POST /pause -> /start_weight_update ->
+the backend's data plane (its /update_weights calls and the tensors) -> /finish_weight_update -> /resume.
+A backend (a ``Transport`` in ``WEIGHT_SYNC``) supplies only the data plane: a safetensors file for the
+built-in server (asyncrl/trainer/sync/builtin.py), CUDA IPC handles or an NCCL broadcast for vLLM, through
+vLLM's static trainer API on 0.26-0.27 (sync/vllm_static.py) or its trainer engines from 0.28
+(sync/vllm_factory.py), chosen by the installed vLLM.
+
+The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
+aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the
+prefix cache: after resume every request re-prefills under the new weights, so no token is ever computed
+on a KV cache the old weights produced and no new prompt reuses old-weight prefix blocks. clear_cache=false
+would save that re-prefill but run the new weights on the old cache, a mixture of two policies that no
+logprob describes. Each HTTP call is checked and timed out (server.timeout); the transfer runs on a
+watchdog; a failed round closes the half-finished update (best effort), resumes the server and raises
+``WeightSyncError`` naming the step.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
 from asyncrl.client import ControlClient
+from asyncrl.config.schema import Config
+from asyncrl.registry import Registry
+from asyncrl.trainer.sync.base import Transport, WeightSyncError, run_step
+from asyncrl.trainer.sync.builtin import FileTransport
+from asyncrl.trainer.sync.vllm_common import ipc_transport, nccl_transport
+
+if TYPE_CHECKING:
+    from asyncrl.server.checks import ServerFacts
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODE = "keep"
+CLEAR_CACHE = True
+CLEANUP_TIMEOUT_S = 30.0
+__all__ = ["WEIGHT_SYNC", "Transport", "WeightSync", "WeightSyncError", "build_weight_sync"]
 
 
-class WeightSyncError(RuntimeError):
-    """A weight-sync step failed; the message names it."""
+WEIGHT_SYNC: Registry[Callable[..., Transport]] = Registry("weight sync backend")
 
 
-def _staging_dir(run_dir: Path) -> Path:
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
-    return Path(tempfile.mkdtemp(prefix="asyncrl-weights-", dir=base))
+class WeightSync:
+    """One backend's rounds: ``init()`` once, ``push(model, version)`` per sync, ``close()`` at the end."""
 
-
-def unique_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by name, each storage once (tied weights travel under their first name)."""
-    seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        ptr = tensor.data_ptr()
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        t = tensor.detach()
-        tensors[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
-    return tensors
-
-
-class BuiltinWeightSync:
-    """Transport for the built-in server: a safetensors file on shared memory (or the run directory)."""
-
-    def __init__(self, control: ControlClient, run_dir: Path, dtype: torch.dtype | None = None) -> None:
-        self.control = control
-        self.dir = _staging_dir(run_dir)
-        self.dtype = dtype
+    def __init__(self, control: ControlClient, transport: Transport, facts: ServerFacts | None = None) -> None:
+        self.control, self.transport, self.facts = control, transport, facts
 
     def init(self) -> None:
-        self._call("init", self.control.init_weight_transfer, {"backend": "builtin"})
+        run_step("init_weight_transfer_engine", self.transport.init, self.control)
 
     def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+        """One round; returns perf/weight_sync_s split into _pause_s, _barrier_s and _transfer_s."""
         started = time.perf_counter()
-        path = self.dir / f"weights-v{version}.safetensors"
-        save_file(unique_state_dict(model, self.dtype), str(path))
-        staged = time.perf_counter()
-        self._call("pause", self.control.pause, "keep", True)
-        paused = time.perf_counter()
+        failure: WeightSyncError | None = None
+        pause_s = barrier_s = 0.0
         try:
-            self._call("start_weight_update", self.control.start_weight_update)
-            self._call("update_weights", self.control.update_weights, {"path": str(path)})
-            self._call("finish_weight_update", self.control.finish_weight_update, str(version))
+            run_step("stage", self.transport.stage, model)
+            paused = time.perf_counter()
+            run_step("pause", self.control.pause, PAUSE_MODE, CLEAR_CACHE)
+            pause_s = time.perf_counter() - paused
+            barrier_s = self._update(version)
+        except WeightSyncError as error:
+            failure = error
         finally:
-            path.unlink(missing_ok=True)
-            self._call("resume", self.control.resume)
-        done = time.perf_counter()
+            self.transport.discard()
+        resumed = self._resume(after_failure=failure is not None)
+        if failure is not None:
+            raise failure
+        if resumed is not None:
+            raise resumed
+        total = time.perf_counter() - started
         return {
-            "perf/weight_sync_s": done - started,
-            "perf/weight_sync_gather_s": staged - started,
-            "perf/weight_sync_pause_s": paused - staged,
-            "perf/weight_sync_barrier_s": 0.0,
-            "perf/weight_sync_transfer_s": done - paused,
+            "perf/weight_sync_s": total,
+            "perf/weight_sync_pause_s": pause_s,
+            "perf/weight_sync_barrier_s": barrier_s,
+            "perf/weight_sync_transfer_s": total - pause_s - barrier_s,
         }
 
-    def close(self) -> None:
-        for leftover in self.dir.glob("*"):
-            leftover.unlink(missing_ok=True)
-        self.dir.rmdir()
-
-    @staticmethod
-    def _call(step: str, fn, *args):  # type: ignore[no-untyped-def]
+    def _update(self, version: int) -> float:
+        run_step("start_weight_update", self.control.start_weight_update)
         try:
-            return fn(*args)
-        except Exception as exc:
-            raise WeightSyncError(f"weight sync failed at {step}: {exc}") from exc
+            barrier_s = run_step("update_weights", self.transport.send, self.control)
+            run_step("finish_weight_update", self.control.finish_weight_update, str(version))
+        except WeightSyncError as error:
+            self._abandon_update()
+            raise WeightSyncError(f"{error} (the server may hold partly updated weights until a full sync)") from error
+        return barrier_s
+
+    def _abandon_update(self) -> None:
+        """Best effort: close the half-finished update so the server is not left in a session."""
+        with ControlClient(self.control.base_url, timeout_s=CLEANUP_TIMEOUT_S) as cleanup:
+            try:
+                cleanup.finish_weight_update()
+            except Exception as error:  # noqa: BLE001 - the server may already have ended the session
+                log.info("closing the failed weight update: %s", error)
+
+    def _resume(self, after_failure: bool) -> WeightSyncError | None:
+        """Resume even after a failed round, so generation never stays paused; the error is returned. After a
+        failure the server may be stuck (a dead transfer peer), so the call gets the short cleanup timeout."""
+        if not after_failure:
+            try:
+                run_step("resume", self.control.resume)
+            except WeightSyncError as error:
+                return error
+            return None
+        with ControlClient(self.control.base_url, timeout_s=CLEANUP_TIMEOUT_S) as cleanup:
+            try:
+                run_step("resume", cleanup.resume)
+            except WeightSyncError as error:
+                return error
+        return None
+
+    def close(self) -> None:
+        try:
+            self.transport.close(self.control)
+        except Exception as error:  # noqa: BLE001 - the server may be gone at the end of the run
+            log.warning("weight sync close: %s", error)
+
+
+def build_weight_sync(config: Config, control: ControlClient, run_dir: Path, prepared: Any = None) -> WeightSync:
+    """Check the running server against the config, then build the sync backend it speaks (not yet init'ed)."""
+    from asyncrl.server.checks import check_server
+
+    facts = check_server(config, control, dataset=getattr(prepared, "dataset", None),
+                         tokenizer=getattr(prepared, "tokenizer", None))  # fmt: skip
+    log.info("server %s %s: max_model_len %d, weight transfer %s, candidate sets %s", facts.backend, facts.version,
+             facts.max_model_len, facts.weight_transfer, facts.candidate_sets)  # fmt: skip
+    transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir)
+    return WeightSync(control, transport, facts)
+
+
+WEIGHT_SYNC.register("builtin")(FileTransport.from_config)
+WEIGHT_SYNC.register("ipc")(ipc_transport)
+WEIGHT_SYNC.register("nccl")(nccl_transport)

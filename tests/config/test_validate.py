@@ -35,6 +35,7 @@ BAD_INPUTS = [
     (["reward_funcs=[]"], "reward_funcs"),
     (["advantage.name=nope"], "advantage"),
     (["packing.name=nope"], "packing"),
+    (["packing.attention=flash9"], "packing.attention"),
     (["rollout.loop_cls=nope"], "rollout.loop_cls"),
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,8 +20,10 @@ def build_batch(
     top_logprobs: Sequence[Sequence[float]] | None = None,
     sampler_top_logprobs: Sequence[Sequence[float]] | None = None,
     dtype: torch.dtype = torch.float64,
+    entropy: Sequence[float] | None = None,
+    truncated: Sequence[bool] | None = None,
 ) -> LossBatch:
-    """A LossBatch from plain lists; trainer-side tensors require grad."""
+    """A LossBatch from plain lists; trainer-side tensors require grad (entropy does not: the trainer's has none)."""
 
     def tensor(values, grad=False):
         return None if values is None else torch.tensor(values, dtype=dtype, requires_grad=grad)
@@ -34,6 +37,8 @@ def build_batch(
         sequence_index=torch.tensor(index, dtype=torch.long),
         top_logprobs=tensor(top_logprobs, grad=True),
         sampler_top_logprobs=tensor(sampler_top_logprobs),
+        entropy=tensor(entropy),
+        truncated=None if truncated is None else torch.tensor(truncated, dtype=torch.bool),
     )
 
 
@@ -68,3 +73,37 @@ def softmax_policy_batch(
 @pytest.fixture
 def make_policy_batch() -> Callable[..., LossBatch]:
     return softmax_policy_batch
+
+
+def random_sequences(seed: int, num_sequences: int = 7, max_length: int = 6, extreme: bool = True) -> dict:
+    """Float64 numpy inputs of several sequences: per-sequence advantages, ~15% padding slots (NaN advantage
+    and entropy, -inf sampler logprob), and with ``extreme`` four slots whose ratio is e^+-8."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_length + 1, size=num_sequences)
+    sequence = np.repeat(np.arange(num_sequences), lengths)
+    size = len(sequence)
+    sampler = -rng.random(size) * 3 - 0.05
+    logprobs = sampler + rng.normal(scale=0.3, size=size)
+    if extreme:
+        picked = rng.choice(size, size=4, replace=False)
+        logprobs[picked] = sampler[picked] + np.array([8.0, -8.0, 8.0, -8.0])
+    mask = (rng.random(size) > 0.15).astype(float)
+    advantages = rng.normal(size=num_sequences)[sequence]
+    entropy = rng.random(size) * 3
+    padding = mask == 0
+    advantages[padding], entropy[padding], sampler[padding] = np.nan, np.nan, -np.inf
+    return {"logprobs": logprobs, "sampler_logprobs": sampler, "advantages": advantages, "mask": mask,
+            "sequence_index": sequence, "entropy": entropy}  # fmt: skip
+
+
+def batch_of(inputs: dict, truncated: Sequence[bool] | None = None) -> LossBatch:
+    return build_batch(
+        inputs["logprobs"].tolist(), inputs["sampler_logprobs"].tolist(), inputs["advantages"].tolist(),
+        inputs["mask"].tolist(), inputs["sequence_index"].tolist(), entropy=inputs["entropy"].tolist(),
+        truncated=truncated,
+    )  # fmt: skip
+
+
+def assert_float64_close(actual: torch.Tensor, expected) -> None:
+    """The issue's bar: float64 values at most 1e-10 apart."""
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float64), rtol=0, atol=1e-10)

@@ -9,6 +9,7 @@ import torch
 
 from asyncrl.losses import LOSSES, LossBatch, LossOutput, loss_requirements
 from asyncrl.losses.base import OPTIONAL_FIELDS
+from asyncrl.losses.policy import IS_MODES, policy_options
 
 SPEC_METRICS = {
     "sampling/importance_sampling_ratio/mean",
@@ -26,7 +27,8 @@ SPEC_METRICS = {
 
 
 def random_batch(dtype: torch.dtype = torch.float64, seed: int = 0, T: int = 24, K: int = 5) -> LossBatch:
-    """Realistic values on trained slots; padding slots hold NaN advantages and -inf sampler logprobs."""
+    """Realistic values on trained slots; padding slots hold NaN advantages and entropies and -inf sampler
+    logprobs; the first sequence is truncated."""
     generator = torch.Generator().manual_seed(seed)
     sampler_top = torch.log_softmax(torch.randn(T, K + 3, generator=generator, dtype=torch.float64), -1)[:, :K]
     sampler_top[1, -2:] = -math.inf  # the sampler returned fewer than K
@@ -39,6 +41,8 @@ def random_batch(dtype: torch.dtype = torch.float64, seed: int = 0, T: int = 24,
     padding = mask == 0
     advantages[padding] = math.nan
     sampler[padding] = -math.inf
+    entropy = torch.rand(T, generator=generator, dtype=torch.float64) * 3
+    entropy[padding] = math.nan
     return LossBatch(
         logprobs=logprobs.to(dtype).requires_grad_(),
         sampler_logprobs=sampler.to(dtype),
@@ -47,12 +51,14 @@ def random_batch(dtype: torch.dtype = torch.float64, seed: int = 0, T: int = 24,
         sequence_index=torch.arange(T) // 4,
         top_logprobs=top.to(dtype).requires_grad_(),
         sampler_top_logprobs=sampler_top.to(dtype),
+        entropy=entropy.to(dtype),
+        truncated=torch.arange(T) < 4,
     )
 
 
-def run(name: str, batch: LossBatch) -> LossOutput:
-    out = LOSSES.get(name)(batch)
-    out.loss_sum.backward()
+def run(name: str, batch: LossBatch, **options) -> LossOutput:
+    out = LOSSES.get(name)(batch, **options)
+    (out.loss_sum - (0 if out.entropy_mean is None else out.entropy_mean)).backward()
     return out
 
 
@@ -61,18 +67,33 @@ def grad(tensor: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
 
 
+# Every shared option switched on at once, under each importance-sampling mode.
+ALL_OPTIONS = [
+    {"importance_sampling": mode, "off_policy_mask_threshold": 0.05, "mask_truncated_completions": True,
+     "top_entropy_quantile": 0.6, "normalization": "sequence", "entropy_coef": 0.1}
+    for mode in IS_MODES
+]  # fmt: skip
+
+
 @pytest.fixture(params=LOSSES.names())
 def loss_name(request) -> str:
     return request.param
 
 
-def test_registry_has_the_spec_losses():
-    assert {"clipped", "score_centering"} <= set(LOSSES.names())
+@pytest.fixture(params=[{}, *ALL_OPTIONS], ids=lambda o: o.get("importance_sampling", "defaults"))
+def options(request, loss_name) -> dict:
+    if loss_name == "score_centering" and request.param.get("importance_sampling", "").startswith("sequence"):
+        pytest.skip("score centering rejects sequence-level corrections (tested in test_score_centering)")
+    return request.param
 
 
-def test_masked_tokens_get_zero_gradient(loss_name):
+def test_registry_has_the_issue_losses():
+    assert {"clipped", "score_centering", "cispo", "sapo", "gspo", "luspo", "vespo"} <= set(LOSSES.names())
+
+
+def test_masked_tokens_get_zero_gradient(loss_name, options):
     batch = random_batch()
-    out = run(loss_name, batch)
+    out = run(loss_name, batch, **options)
     padding = batch.mask == 0
     assert padding.any() and torch.isfinite(out.loss_sum)
     for tensor in (grad(batch.logprobs), grad(batch.top_logprobs)):
@@ -98,9 +119,9 @@ def test_doubling_the_batch_doubles_loss_sum(loss_name):
         assert double.metrics[key] == pytest.approx(single.metrics[key])
 
 
-def test_float32_matches_float64(loss_name):
-    out64, batch64 = run(loss_name, b := random_batch(torch.float64)), b
-    out32, batch32 = run(loss_name, b := random_batch(torch.float32)), b
+def test_float32_matches_float64(loss_name, options):
+    out64, batch64 = run(loss_name, b := random_batch(torch.float64), **options), b
+    out32, batch32 = run(loss_name, b := random_batch(torch.float32), **options), b
     assert out32.loss_sum.dtype == torch.float32
     torch.testing.assert_close(out32.loss_sum.double(), out64.loss_sum, rtol=1e-5, atol=1e-5)
     for name in ("logprobs", "top_logprobs"):
@@ -121,6 +142,13 @@ def test_declares_only_optional_batch_fields(loss_name):
     assert loss_requirements(LOSSES.get(loss_name)) <= OPTIONAL_FIELDS
 
 
-def test_accepts_the_shared_parameters(loss_name):
-    built = LOSSES.build({"name": loss_name, "epsilon": 0.1, "epsilon_high": 0.3, "is_clip_min": 0.2, "is_clip_max": 8})
+def test_accepts_the_shared_options(loss_name):
+    shared = {"importance_sampling": "token_truncate", "is_clip_min": 0.2, "is_clip_max": 8, "normalization": "token"}
+    built = LOSSES.build({"name": loss_name, **shared})
     assert isinstance(built(random_batch()), LossOutput)
+    assert policy_options(built).is_clip_max == 8
+
+
+def test_rejects_an_unknown_option(loss_name):
+    with pytest.raises(TypeError, match="importance_samplin"):
+        LOSSES.get(loss_name)(random_batch(), importance_samplin="token_mask")

@@ -44,14 +44,19 @@ def test_hand_example_three_tokens(make_batch):
     assert out.metrics["clip_ratio/low_min"] == pytest.approx(0.0)
 
 
-def reference_gradient(logits, sampler_logits, tokens, advantages, mask, top_k, c_min, c_max):
-    """The spec's gradient w.r.t. the logits, with grad log softmax(theta)(v) = onehot(v) - softmax(theta)."""
+def reference_gradient(logits, sampler_logits, tokens, advantages, mask, top_k, c_min, c_max, truncate=False):
+    """The spec's gradient w.r.t. the logits, with grad log softmax(theta)(v) = onehot(v) - softmax(theta).
+
+    f(r) = r inside [c_min, c_max] and 0 outside (mask), or clip(r, c_min, c_max) with ``truncate``.
+    """
     p = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True))
     mu = np.exp(sampler_logits - np.logaddexp.reduce(sampler_logits, axis=-1, keepdims=True))
     grad = np.zeros_like(logits)
     value = 0.0
 
     def f(r):
+        if truncate:
+            return min(max(r, c_min), c_max)
         return r if c_min <= r <= c_max else 0.0
 
     for t, o in enumerate(tokens):
@@ -61,13 +66,13 @@ def reference_gradient(logits, sampler_logits, tokens, advantages, mask, top_k, 
         top = np.argsort(mu[t])[-top_k:]
         centering = sum(mu[t, v] * f(p[t, v] / mu[t, v]) * score[v] for v in top)
         grad[t] = -advantages[t] * (f(p[t, o] / mu[t, o]) * score[o] - centering)
-        kept = sum(p[t, v] for v in top if c_min <= p[t, v] / mu[t, v] <= c_max)
-        value -= advantages[t] * ((p[t, o] / mu[t, o] if f(p[t, o] / mu[t, o]) else 0.0) - kept)
+        value -= advantages[t] * (f(p[t, o] / mu[t, o]) - sum(mu[t, v] * f(p[t, v] / mu[t, v]) for v in top))
     return value, grad
 
 
+@pytest.mark.parametrize("truncate", [False, True], ids=["token_mask", "token_truncate"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_float64_reference_with_masks_and_extreme_ratios(make_policy_batch, seed):
+def test_matches_float64_reference_with_masks_and_extreme_ratios(make_policy_batch, seed, truncate):
     rng = np.random.default_rng(seed)
     T, V, K = 12, 9, 4
     logits_np = rng.normal(size=(T, V))
@@ -82,12 +87,13 @@ def test_matches_float64_reference_with_masks_and_extreme_ratios(make_policy_bat
     batch = make_policy_batch(
         logits, torch.tensor(sampler_np), torch.tensor(tokens), torch.tensor(advantages), torch.tensor(mask), K
     )
-    out = score_centering_loss(batch, is_clip_min=0.5, is_clip_max=5.0)
+    mode = "token_truncate" if truncate else "token_mask"
+    out = score_centering_loss(batch, is_clip_min=0.5, is_clip_max=5.0, importance_sampling=mode)
     out.loss_sum.backward()
 
-    value, grad = reference_gradient(logits_np, sampler_np, tokens, advantages, mask, K, 0.5, 5.0)
-    torch.testing.assert_close(out.loss_sum, torch.tensor(value, dtype=torch.float64))
-    torch.testing.assert_close(logits.grad, torch.tensor(grad))
+    value, grad = reference_gradient(logits_np, sampler_np, tokens, advantages, mask, K, 0.5, 5.0, truncate)
+    torch.testing.assert_close(out.loss_sum, torch.tensor(value, dtype=torch.float64), rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits.grad, torch.tensor(grad), rtol=0, atol=1e-10)
     assert 0.0 < out.metrics["sampling/masked_mean"] < 1.0
 
 
@@ -115,7 +121,7 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(loss, (logprobs, top))
 
 
-def expected_gradient(loss_name, theta, sampler_logits, advantage):
+def expected_gradient(loss_name, theta, sampler_logits, advantage, **options):
     """E_{o ~ mu}[grad of the token loss] at one position, over the full vocabulary (K = V)."""
     V = theta.numel()
     mu = torch.softmax(sampler_logits, -1)
@@ -131,7 +137,7 @@ def expected_gradient(loss_name, theta, sampler_logits, advantage):
         top_logprobs=logp,
         sampler_top_logprobs=sampler_logp,
     )
-    (grad,) = torch.autograd.grad(LOSSES.get(loss_name)(batch).loss_sum, theta)
+    (grad,) = torch.autograd.grad(LOSSES.get(loss_name)(batch, **options).loss_sum, theta)
     return grad
 
 
@@ -141,14 +147,15 @@ def test_expected_gradient_vanishes_when_sampler_equals_policy():
     torch.testing.assert_close(grad, torch.zeros_like(grad), atol=1e-12, rtol=0)
 
 
-def test_expected_gradient_vanishes_even_with_mismatch_and_masked_ratios():
+@pytest.mark.parametrize("mode", ["token_mask", "token_truncate", "none"])
+def test_expected_gradient_vanishes_even_with_mismatch_and_masked_ratios(mode):
     generator = torch.Generator().manual_seed(2)
     theta = torch.randn(7, dtype=torch.float64, generator=generator, requires_grad=True)
     sampler_logits = theta.detach() + 1.5 * torch.randn(7, dtype=torch.float64, generator=generator)
     ratios = torch.softmax(theta.detach(), -1) / torch.softmax(sampler_logits, -1)
     assert ((ratios < 0.5) | (ratios > 5.0)).any() and ((ratios >= 0.5) & (ratios <= 5.0)).any()
 
-    centred = expected_gradient("score_centering", theta, sampler_logits, advantage=1.7)
+    centred = expected_gradient("score_centering", theta, sampler_logits, advantage=1.7, importance_sampling=mode)
     torch.testing.assert_close(centred, torch.zeros_like(centred), atol=1e-12, rtol=0)
     # the masked-IS clipped loss keeps a pull toward the sampler here: what centering removes
     assert expected_gradient("clipped", theta, sampler_logits, advantage=1.7).abs().max() > 1e-3
@@ -158,3 +165,10 @@ def test_requires_sampler_top_logprobs(make_batch):
     batch = make_batch(logprobs=[-0.5], sampler_logprobs=[-0.5], advantages=[1.0], mask=[1])
     with pytest.raises(ValueError, match="num_sampler_logprobs"):
         score_centering_loss(batch)
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
+def test_rejects_sequence_level_corrections(make_batch, mode):
+    batch = make_batch([-0.5], [-0.5], [1.0], [1], top_logprobs=[[-0.5]], sampler_top_logprobs=[[-0.5]])
+    with pytest.raises(ValueError, match="token_mask, token_truncate or none"):
+        score_centering_loss(batch, importance_sampling=mode)

@@ -1,0 +1,291 @@
+"""The options every policy loss shares, applied in one place for all of them.
+
+A loss module writes only its per-slot objective as a function of a ``PolicyView`` and registers it through
+``policy_loss``, which adds the shared keyword options of ``PolicyOptions`` to its signature (the registry
+checks them like the loss's own parameters) and turns the per-slot objective into a ``LossOutput``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from asyncrl.losses.base import LossBatch, LossOutput, importance_mask, sampling_metrics, to_floats
+
+IS_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate", "none")
+NORMALIZATIONS = ("token", "sequence", "constant", "micro_batch")
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Shared loss options; docs/losses.md describes each one."""
+
+    importance_sampling: str = "token_mask"
+    """Correction against the sampler: {token,sequence}_{mask,truncate} within [is_clip_min, is_clip_max], or none."""
+    is_clip_min: float = 0.5
+    is_clip_max: float = 5.0
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's delta: drop a sequence with A < 0 whose mean log(mu / pi_theta) exceeds it; None = off."""
+    mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0
+    """Keep only slots whose entropy is in this top fraction of the micro-batch (1.0 keeps all)."""
+    normalization: str = "token"
+    """token (DAPO), sequence (GRPO), constant (Dr. GRPO) or micro_batch (BNPO); StepLoss divides accordingly."""
+    entropy_coef: float = 0.0
+    entropy_target: float | None = None
+    """None: entropy_coef is a fixed bonus coefficient; a value: the coefficient adapts toward it (StepLoss)."""
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.importance_sampling not in IS_MODES:
+            raise ValueError(f"importance_sampling={self.importance_sampling!r} must be one of {', '.join(IS_MODES)}")
+        if not 0 <= self.is_clip_min <= self.is_clip_max:
+            raise ValueError(f"is_clip_min={self.is_clip_min}, is_clip_max={self.is_clip_max}: need 0 <= min <= max")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise ValueError(f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0 (or null)")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1]")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization={self.normalization!r} must be one of {', '.join(NORMALIZATIONS)}")
+        if self.entropy_coef < 0 or self.entropy_coef_delta < 0:
+            raise ValueError(f"entropy_coef={self.entropy_coef} and entropy_coef_delta must be >= 0")
+        adaptive = self.entropy_target is not None
+        if adaptive and not 0 <= self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef={self.entropy_coef} must lie in [entropy_coef_min={self.entropy_coef_min}, "
+                f"entropy_coef_max={self.entropy_coef_max}] (with 0 <= min) when entropy_target is set"
+            )
+
+    @property
+    def entropy_bonus(self) -> bool:
+        return self.entropy_coef != 0 or self.entropy_target is not None
+
+
+SHARED = {f.name: f.default for f in fields(PolicyOptions)}
+
+
+@dataclass
+class PolicyView:
+    """One micro-batch as a loss sees it, every mask and correction applied; [T] per slot, [S] per sequence.
+
+    ``log_ratio``, ``logprobs`` and ``advantages`` are zero off ``keep``, so no padding value reaches a gradient.
+    """
+
+    batch: LossBatch
+    options: PolicyOptions
+    keep: Tensor
+    """Slots whose objective counts."""
+    inside: Tensor
+    """Slots inside the token importance bounds (all True unless importance_sampling=token_mask)."""
+    log_ratio: Tensor
+    """log pi_theta / mu as the loss must use it: clamped in value under token_truncate, 0 in value (gradient
+    of log pi_theta) under the sequence modes, whose weight carries the correction."""
+    logprobs: Tensor
+    advantages: Tensor
+    weight: Tensor
+    """Detached per-slot factor: the sequence importance weight and the per-sequence normalisation."""
+    raw_log_ratio: Tensor
+    corrected: Tensor
+    """Trained slots the importance correction dropped or clamped (sampling/masked_mean)."""
+    entropy_set: Tensor
+    """Slots the entropy bonus averages over: trained, not dropped as truncated, in the top-entropy set."""
+    slot: Tensor
+    lengths: Tensor
+    """Trained slots of each sequence."""
+
+    def sequence_sum(self, values: Tensor) -> Tensor:
+        """[S] sum of ``values`` over each sequence's kept slots."""
+        kept = torch.where(self.keep, values, 0)
+        return torch.zeros(len(self.lengths), dtype=values.dtype, device=values.device).index_add(0, self.slot, kept)
+
+    def sequence_mean(self, values: Tensor) -> Tensor:
+        """[S] mean of ``values`` over each sequence's kept slots (0 for a sequence with none kept)."""
+        count = self.sequence_sum(torch.ones_like(values))
+        return self.sequence_sum(values) / count.clamp(min=1)
+
+
+@dataclass
+class Terms:
+    """What a loss module computes: the per-slot objective to minimise and its own metrics."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+Core = Callable[..., Terms]
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
+
+
+def policy_loss(*, masks_own_ratio: bool = False, **defaults: Any) -> Callable[[Core], Callable[..., LossOutput]]:
+    """Register-ready loss from ``core(view, *, own params) -> Terms``, with the shared options added.
+
+    ``defaults`` overrides shared option defaults for this loss (e.g. GSPO's sequence normalisation).
+    ``masks_own_ratio``: token_mask does not drop slots; the loss applies ``view.inside`` to each ratio itself.
+    """
+    unknown = sorted(set(defaults) - set(SHARED))
+    if unknown:
+        raise ValueError(f"policy_loss(): {unknown} are not shared options ({sorted(SHARED)})")
+
+    def wrap(core: Core) -> Callable[..., LossOutput]:
+        own = [p for p in inspect.signature(core).parameters.values() if p.kind is KEYWORD]
+        shared = [inspect.Parameter(n, KEYWORD, default=defaults.get(n, d)) for n, d in SHARED.items()]
+        batch = inspect.Parameter("batch", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=LossBatch)
+        signature = inspect.Signature([batch, *own, *shared], return_annotation=LossOutput)
+
+        def loss(*args: Any, **kwargs: Any) -> LossOutput:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            options = PolicyOptions(**{name: values[name] for name in SHARED})
+            view = build_view(values["batch"], options, masks_own_ratio)
+            terms = core(view, **{p.name: values[p.name] for p in own})
+            return finish(view, terms)
+
+        loss.__signature__ = signature  # type: ignore[attr-defined]
+        loss.__name__, loss.__qualname__, loss.__doc__ = core.__name__, core.__qualname__, core.__doc__
+        loss.__module__ = core.__module__
+        return loss
+
+    return wrap
+
+
+def policy_options(loss_fn: Callable[..., Any]) -> PolicyOptions:
+    """The shared options a built loss (a partial of a registered loss) runs with; defaults for other callables."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return PolicyOptions()
+    return PolicyOptions(**{n: p.default for n, p in parameters.items() if n in SHARED and p.default is not p.empty})
+
+
+def log_bounds(options: PolicyOptions) -> tuple[float, float]:
+    low = math.log(options.is_clip_min) if options.is_clip_min > 0 else -math.inf
+    return low, math.log(options.is_clip_max)
+
+
+def correct_token_ratio(log_ratio: Tensor, options: PolicyOptions) -> tuple[Tensor, Tensor]:
+    """(log-ratio to use, inside-bounds mask) under the token modes; unchanged and all-inside otherwise.
+
+    token_truncate keeps the gradient of log pi_theta and clamps the value, so the ratio's value and its
+    gradient's scale are both clip(r, is_clip_min, is_clip_max).
+    """
+    everywhere = torch.ones_like(log_ratio, dtype=torch.bool)
+    detached = log_ratio.detach()
+    if options.importance_sampling == "token_mask":
+        return log_ratio, importance_mask(detached, options.is_clip_min, options.is_clip_max)
+    if options.importance_sampling == "token_truncate":
+        low, high = log_bounds(options)
+        return log_ratio + (detached.clamp(low, high) - detached), everywhere
+    return log_ratio, everywhere
+
+
+def build_view(batch: LossBatch, options: PolicyOptions, masks_own_ratio: bool) -> PolicyView:
+    trained = batch.mask > 0
+    sequences, slot = torch.unique(batch.sequence_index, return_inverse=True)
+    dtype = batch.logprobs.dtype
+    lengths = torch.zeros(len(sequences), dtype=dtype, device=slot.device).index_add(0, slot, trained.to(dtype))
+    raw = torch.where(trained, batch.logprobs - batch.sampler_logprobs, 0)
+    policy = trained & ~required(batch.truncated, "truncated", "mask_truncated_completions") \
+        if options.mask_truncated_completions else trained  # fmt: skip
+    top = top_entropy(batch, policy, options.top_entropy_quantile)
+    threshold = options.off_policy_mask_threshold
+    keep = policy & top & off_policy_keep(batch, raw.detach(), trained, slot, lengths, threshold)
+    log_ratio, inside = correct_token_ratio(raw, options)
+    weight = torch.ones_like(raw)
+    corrected = trained & ~inside if options.importance_sampling == "token_mask" else torch.zeros_like(trained)
+    if options.importance_sampling == "token_truncate":
+        low, high = log_bounds(options)
+        corrected = trained & ((raw.detach() < low) | (raw.detach() > high))
+    if options.importance_sampling.startswith("sequence"):
+        log_weight, sequence_inside = sequence_weight(raw.detach(), slot, lengths, options)
+        weight, log_ratio = log_weight.exp()[slot], raw - raw.detach()
+        corrected = trained & ~sequence_inside[slot]
+        if options.importance_sampling == "sequence_mask":
+            keep = keep & sequence_inside[slot]
+    if not masks_own_ratio:
+        keep = keep & inside
+    if options.normalization == "sequence":
+        weight = weight / lengths.clamp(min=1)[slot]
+    zero = torch.zeros((), dtype=dtype, device=raw.device)
+    return PolicyView(
+        batch=batch, options=options, keep=keep, inside=inside, log_ratio=torch.where(keep, log_ratio, zero),
+        logprobs=torch.where(keep, batch.logprobs, zero), advantages=torch.where(keep, batch.advantages, zero),
+        weight=torch.where(keep, weight, zero), raw_log_ratio=raw.detach(), corrected=corrected,
+        entropy_set=policy & top, slot=slot, lengths=lengths,
+    )  # fmt: skip
+
+
+def sequence_weight(raw: Tensor, slot: Tensor, lengths: Tensor, options: PolicyOptions) -> tuple[Tensor, Tensor]:
+    """[S] log importance weight of each sequence (log prod_t r_t, clamped under sequence_truncate, 0 where
+    sequence_mask drops it) and whether its ratio lies inside the bounds."""
+    total = torch.zeros_like(lengths).index_add(0, slot, raw)
+    inside = importance_mask(total, options.is_clip_min, options.is_clip_max)
+    if options.importance_sampling == "sequence_truncate":
+        return total.clamp(*log_bounds(options)), inside
+    return torch.where(inside, total, 0), inside
+
+
+def off_policy_keep(
+    batch: LossBatch, raw: Tensor, trained: Tensor, slot: Tensor, lengths: Tensor, threshold: float | None
+) -> Tensor:
+    """DeepSeek-V3.2 eq. 9: False on sequences with A < 0 and mean_t log(mu / pi_theta) > threshold."""
+    if threshold is None:
+        return torch.ones_like(trained)
+    count = lengths.clamp(min=1)
+    gap = torch.zeros_like(lengths).index_add(0, slot, -raw) / count
+    advantage = torch.zeros_like(lengths).index_add(0, slot, torch.where(trained, batch.advantages, 0)) / count
+    return ~((advantage < 0) & (gap > threshold))[slot]
+
+
+def top_entropy(batch: LossBatch, candidates: Tensor, quantile: float) -> Tensor:
+    """Slots whose entropy is at least the (1 - quantile) quantile over ``candidates`` ("Beyond the 80/20 rule")."""
+    if quantile >= 1:
+        return torch.ones_like(candidates)
+    entropy = required(batch.entropy, "entropy", "top_entropy_quantile").detach()
+    if not candidates.any():
+        return candidates
+    threshold = torch.quantile(entropy[candidates].double(), 1 - quantile)
+    return entropy.double() >= threshold
+
+
+def required(value: Tensor | None, field: str, option: str) -> Tensor:
+    if value is None:
+        raise ValueError(f"loss option {option} needs LossBatch.{field} (the trainer always sets it)")
+    return value
+
+
+def entropy_term(view: PolicyView) -> Tensor | None:
+    """Mean entropy over ``view.entropy_set`` as a surrogate whose gradient estimates the entropy's.
+
+    With a differentiable ``batch.entropy`` that gradient is exact. Otherwise it is the score-function
+    estimate from the sampled token: grad H = -E_pi[(log pi + H) grad log pi], taken under the sampler with
+    the loss's importance ratio, on slots the loss keeps. The value is always the exact entropy.
+    """
+    if not view.options.entropy_bonus:
+        return None
+    entropy = required(view.batch.entropy, "entropy", "entropy_coef / entropy_target")
+    selected = view.entropy_set
+    zero = torch.zeros((), dtype=view.batch.logprobs.dtype, device=selected.device)
+    per_slot = torch.where(selected, entropy, zero)
+    if not entropy.requires_grad:
+        active = view.keep & view.inside & selected
+        ratio = torch.where(active, view.log_ratio.detach(), -math.inf).exp()
+        logprobs = torch.where(active, view.batch.logprobs, zero)
+        score_weight = -ratio * (logprobs.detach() + per_slot.detach())
+        per_slot = per_slot + score_weight * (logprobs - logprobs.detach())
+    return torch.where(selected, per_slot, zero).sum() / selected.sum().clamp(min=1)
+
+
+def finish(view: PolicyView, terms: Terms) -> LossOutput:
+    """Weight and sum the kept per-slot objective; add the spec's sampling metrics."""
+    loss_sum = torch.where(view.keep, view.weight * terms.loss, 0).sum()
+    metrics = sampling_metrics(view.batch, view.raw_log_ratio, ~view.corrected) | terms.metrics
+    return LossOutput(loss_sum=loss_sum, metrics=to_floats(metrics), entropy_mean=entropy_term(view))

@@ -1,0 +1,135 @@
+"""Standalone tools and environments for one rollout: routing, pooled instances, reset and reward off the loop.
+
+An environment is one instance per rollout, taken from a per-name pool (an expensive ``__init__`` is paid
+once, ``reset`` starts each episode). Its public methods other than ``reset``/``get_reward`` are the
+rollout's tools, next to the standalone ``rollout.tools``. ``__init__``, ``reset`` and ``get_reward`` run on
+the tool pool so a slow environment only delays its own rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.registry import import_object
+from asyncrl.rollout.tools import tool_name
+from asyncrl.rollout.types import Messages
+
+RESERVED = ("reset", "get_reward")
+ROUTING_COLUMN = "environment"
+
+
+def load_tools(paths: list[str]) -> list[Callable[..., Any]]:
+    """``rollout.tools`` import paths -> functions; a name used twice is an error (the model calls by name)."""
+    tools = [import_object(path) for path in paths]
+    names = [tool_name(fn) for fn in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"rollout.tools={paths}: two tools share a __name__ ({names})")
+    return tools
+
+
+def load_factories(spec: Any) -> dict[str | None, Callable[[], Any]]:
+    """``rollout.environment_factory`` (an import path, or a name -> import path mapping) -> factories.
+
+    A single factory is stored under the key None: every row uses it, no routing column needed."""
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        return {None: import_object(spec)}
+    if hasattr(spec, "items"):
+        return {str(name): import_object(path) for name, path in spec.items()}
+    raise TypeError(f"rollout.environment_factory={spec!r}: expected an import path or a mapping name -> path")
+
+
+def environment_tools(env: Any) -> list[Callable[..., Any]]:
+    """The environment's public methods other than the reserved hooks, bound to the instance."""
+    return [getattr(env, name) for name in dir(type(env))
+            if not name.startswith("_") and name not in RESERVED and inspect.isfunction(getattr(type(env), name))]  # fmt: skip
+
+
+@dataclass
+class Episode:
+    """One rollout's prompt and tools, and the environment instance it holds until ``Agents.end``."""
+
+    prompt: Messages
+    tools: list[Callable[..., Any]]
+    env: Any = None
+    env_key: str | None = None
+    reset_s: float | None = None
+
+
+class Agents:
+    """Hands each rollout its prompt and tools; owns the environment pools."""
+
+    def __init__(self, tools: list[Callable[..., Any]], factories: dict[str | None, Callable[[], Any]],
+                 pool: Executor | None) -> None:  # fmt: skip
+        self.tools, self.factories, self.pool = tools, factories, pool
+        self._idle: dict[str | None, list[Any]] = defaultdict(list)
+
+    @classmethod
+    def from_config(cls, config: Any, pool: Executor | None) -> Agents:
+        return cls(load_tools(list(config.rollout.tools)), load_factories(config.rollout.environment_factory), pool)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools or self.factories)
+
+    async def begin(self, row: dict[str, Any]) -> Episode:
+        """Route the row, take an instance, ``reset(**row)``; a returned string extends the last user message."""
+        prompt = [dict(m) for m in row.get("prompt") or []]
+        if not self.factories:
+            return Episode(prompt, list(self.tools))
+        key = self._route(row)
+        env = self._idle[key].pop() if self._idle[key] else await self._off_loop(self.factories[key])
+        kwargs = {k: v for k, v in row.items() if k not in ("prompt", ROUTING_COLUMN)}
+        started = time.monotonic()
+        text = await self._off_loop(functools.partial(env.reset, **kwargs))
+        reset_s = time.monotonic() - started
+        if text is not None:
+            prompt = _append_to_user(prompt, str(text))
+        return Episode(prompt, [*self.tools, *environment_tools(env)], env, key, reset_s)
+
+    async def end(self, episode: Episode) -> tuple[tuple[type, float] | None, float | None]:
+        """((environment class, reward) or None, seconds in get_reward or None); the instance goes back to its pool."""
+        if episode.env is None:
+            return None, None
+        try:
+            get_reward = getattr(episode.env, "get_reward", None)
+            if get_reward is None:
+                return None, None
+            started = time.monotonic()
+            if inspect.iscoroutinefunction(get_reward):
+                value = await get_reward()
+            else:
+                value = await self._off_loop(get_reward)
+            return (type(episode.env), float(value)), time.monotonic() - started
+        finally:
+            self._idle[episode.env_key].append(episode.env)
+
+    def _route(self, row: dict[str, Any]) -> str | None:
+        if None in self.factories:
+            return None
+        name = row.get(ROUTING_COLUMN)
+        if name not in self.factories:
+            raise KeyError(f"dataset column '{ROUTING_COLUMN}'={name!r} names no environment of "
+                           f"rollout.environment_factory (known: {sorted(self.factories)})")  # fmt: skip
+        return name
+
+    async def _off_loop(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+
+def _append_to_user(prompt: Messages, text: str) -> Messages:
+    """``reset``'s string joins the last user message, or becomes the prompt when the row has none."""
+    for message in reversed(prompt):
+        if message.get("role") == "user":
+            message["content"] = f"{message['content']}{text}" if message.get("content") else text
+            return prompt
+    return [*prompt, {"role": "user", "content": text}]

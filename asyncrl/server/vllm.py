@@ -1,0 +1,253 @@
+"""The `vllm serve` command line and environment for a config, and the vLLM facts that decide them.
+
+Everything comes from the config plus two facts of the machine, the vLLM release that will serve (flags
+appear and change between releases) and the visible GPUs (split between server and trainer); both can be
+passed in, so tests and `asyncrl config` print the exact command without vLLM or a GPU. With
+``server.launch=false`` the same function gives the command the attached server should have been started
+with, which is what the startup checks quote when the server disagrees with the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+
+import httpx
+
+from asyncrl.config.compose import ConfigError
+from asyncrl.config.schema import Config, LoraSync, WeightTransfer
+from asyncrl.config.validate import VLLM_LORA_RANKS
+from asyncrl.server.command import ServerCommand, served_model_name
+
+MIN_VERSION = (0, 26)
+SAMPLING_MASK_SINCE = (0, 28)  # --return-sampling-mask
+SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generate
+MANY_API_SERVERS_SINCE = (0, 32)  # top log-probabilities stop costing throughput with 8 API servers
+MANY_API_SERVERS = 8
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """(0, 26, 0) for "0.26.0", "v0.26.0+cu130" or "0.27.1.dev3"; the leading numeric fields only."""
+    match = re.match(r"v?(\d+(?:\.\d+)*)", text.strip())
+    if match is None:
+        raise ValueError(f"not a vLLM version: {text!r}")
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def installed_vllm_version() -> str | None:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def target_version(config: Config, version: str | None = None) -> str:
+    """The release the command is written for: ``version``, server.vllm_version, else the installed vllm."""
+    version = version or config.server.vllm_version or installed_vllm_version()
+    if version is None:
+        raise ConfigError(
+            "server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26') or set "
+            "server.vllm_version=X.Y.Z to only build the command"
+        )
+    if parse_version(version)[:2] < MIN_VERSION:
+        raise ConfigError(f"vLLM {version} is too old: asyncrl needs vLLM >= 0.26 (pip install -U 'vllm>=0.26')")
+    return version
+
+
+def truncating(config: Config) -> bool:
+    """Whether the sampler draws from a candidate set smaller than the vocabulary."""
+    s = config.sampling
+    return s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0
+
+
+def lora_adapters(config: Config) -> bool:
+    """Adapters are loaded into the server at runtime (not merged into full weights)."""
+    return config.lora.enabled and config.lora.sync != LoraSync.merged
+
+
+@dataclass(frozen=True)
+class GpuSplit:
+    server: list[str]
+    trainer: list[str]
+
+    @property
+    def shared(self) -> bool:
+        return bool(set(self.server) & set(self.trainer))
+
+
+def visible_gpus() -> list[str]:
+    """CUDA_VISIBLE_DEVICES when set, else every GPU torch sees."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def split_gpus(config: Config, visible: list[str]) -> GpuSplit:
+    """First GPUs to the server, the next ones to the trainer; a trainer with none left shares the server's first."""
+    sv = config.server
+    n_server = sv.gpus or sv.tensor_parallel_size * sv.data_parallel_size
+    if n_server > len(visible):
+        raise ConfigError(
+            f"the vLLM server needs {n_server} GPU(s) (server.gpus, or tensor x data parallel size) but "
+            f"{len(visible)} are visible ({','.join(visible) or 'none'}; CUDA_VISIBLE_DEVICES)"
+        )
+    rest = visible[n_server:]
+    n_trainer = config.trainer.gpus or max(1, len(rest))
+    if not rest and n_trainer == 1:
+        return GpuSplit(visible[:n_server], visible[:1])
+    if n_trainer > len(rest):
+        raise ConfigError(
+            f"trainer.gpus={n_trainer} but only {len(rest)} GPU(s) are left after the server's {n_server} "
+            f"(visible: {','.join(visible)}): lower trainer.gpus or server.gpus"
+        )
+    return GpuSplit(visible[:n_server], rest[:n_trainer])
+
+
+def trainer_gpus(config: Config, visible: list[str] | None = None) -> list[str]:
+    """The GPUs the trainer should see (its CUDA_VISIBLE_DEVICES) when asyncrl launches the vLLM server."""
+    return split_gpus(config, visible_gpus() if visible is None else visible).trainer
+
+
+def weight_transfer_backend(config: Config, split: GpuSplit | None) -> str:
+    """nccl when server and trainer have their own GPUs, ipc when they share one (NCCL cannot pair them)."""
+    chosen = config.server.weight_transfer
+    if split is None:  # an attached server: its own flag decides at startup; nccl is the usual setup
+        return "nccl" if chosen == WeightTransfer.auto else chosen.value
+    if chosen == WeightTransfer.auto:
+        chosen = WeightTransfer.ipc if split.shared else WeightTransfer.nccl
+    if chosen == WeightTransfer.nccl and split.shared:
+        raise ConfigError(
+            f"server.weight_transfer=nccl but server and trainer share GPU {split.trainer[0]}: NCCL cannot pair "
+            "two ranks on one device; use server.weight_transfer=ipc or give the trainer its own GPU"
+        )
+    if chosen == WeightTransfer.ipc and (not split.shared or len(split.server) > 1):
+        raise ConfigError(
+            f"server.weight_transfer=ipc needs the trainer on the server's only GPU (server GPUs "
+            f"{','.join(split.server)}, trainer GPUs {','.join(split.trainer)}); use server.weight_transfer=nccl"
+        )
+    return chosen.value
+
+
+def api_server_count(config: Config, version: str) -> int | None:
+    """server.api_server_count; else 1 for runtime LoRA (vLLM refuses more), 8 on vLLM >= 0.32, else vLLM's default."""
+    if config.server.api_server_count is not None:
+        return config.server.api_server_count
+    if lora_adapters(config):
+        return 1
+    return MANY_API_SERVERS if parse_version(version)[:2] >= MANY_API_SERVERS_SINCE else None
+
+
+_PROMPT_LENGTHS: dict[tuple[object, ...], int] = {}
+
+
+def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: object = None) -> int:
+    """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model)."""
+    if config.data.max_prompt_length is not None:
+        return config.data.max_prompt_length
+    key = (config.data.path, config.data.name, config.data.split, config.model.name_or_path,
+           json.dumps(config.sampling.chat_template_kwargs, sort_keys=True))  # fmt: skip
+    if key not in _PROMPT_LENGTHS:
+        if dataset is None:
+            from asyncrl.data import load_prompts
+
+            dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
+        if tokenizer is None:
+            from asyncrl.trainer.setup import load_tokenizer
+
+            tokenizer = load_tokenizer(config)
+        _PROMPT_LENGTHS[key] = max(_rendered_length(tokenizer, p, config) for p in dataset["prompt"])  # type: ignore[index]
+    return _PROMPT_LENGTHS[key]
+
+
+def _rendered_length(tokenizer: object, messages: list[dict[str, str]], config: Config) -> int:
+    from asyncrl.rollout.loop import render_prompt
+
+    return len(render_prompt(tokenizer, messages, config.sampling.chat_template_kwargs))
+
+
+def required_model_len(config: Config, prompt_tokens: int | None = None) -> int:
+    """server.max_model_len, else the longest prompt plus one turn's completion budget."""
+    if config.server.max_model_len is not None:
+        return config.server.max_model_len
+    prompt = longest_prompt_tokens(config) if prompt_tokens is None else prompt_tokens
+    return prompt + config.sampling.max_completion_length
+
+
+def serving_dtype(config: Config) -> str:
+    return config.server.dtype or config.model.dtype
+
+
+def vllm_command(
+    config: Config, *, version: str | None = None, gpus: list[str] | None = None, prompt_tokens: int | None = None
+) -> ServerCommand:
+    """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment."""
+    sv, s = config.server, config.sampling
+    version = target_version(config, version)
+    release = parse_version(version)[:2]
+    split = split_gpus(config, visible_gpus() if gpus is None else gpus) if sv.launch else None
+    transfer = weight_transfer_backend(config, split)
+    host, port = _listen_address(config)
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model.name_or_path,
+        "--served-model-name", served_model_name(config),
+        "--host", host, "--port", str(port),
+        "--seed", str(config.trainer.seed),
+        "--dtype", serving_dtype(config),
+        "--max-model-len", str(required_model_len(config, prompt_tokens)),
+        "--max-logprobs", str(max(sv.max_logprobs, s.num_sampler_logprobs)),
+        "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",
+        "--weight-transfer-config", json.dumps({"backend": transfer}),
+        "--gpu-memory-utilization", str(sv.gpu_memory_utilization),
+    ]  # fmt: skip
+    if split is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(split.server)
+    if transfer == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled over HTTP
+    if sv.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(sv.tensor_parallel_size)]
+    if sv.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(sv.data_parallel_size)]
+    servers = api_server_count(config, version)
+    if servers is not None:
+        argv += ["--api-server-count", str(servers)]
+    if truncating(config) and release >= SAMPLING_MASK_SINCE:
+        argv.append("--return-sampling-mask")
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the mask is recorded by the V2 model runner only
+        if release >= SCALE_OUT_FLAG_SINCE:
+            argv.append("--enable-scale-out")
+    if lora_adapters(config):
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if config.model.revision:
+        argv += ["--revision", config.model.revision]
+    if config.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return ServerCommand("vllm", argv + list(sv.extra_args), env)
+
+
+def max_lora_rank(config: Config) -> int:
+    """server.max_lora_rank, else the smallest rank vLLM accepts that holds lora.r."""
+    if config.server.max_lora_rank is not None:
+        return config.server.max_lora_rank
+    return next(rank for rank in VLLM_LORA_RANKS if rank >= config.lora.r)
+
+
+def max_loras(config: Config) -> int:
+    """Adapter versions alive at once: max_staleness + 1 in use, plus the next one loaded before the oldest goes."""
+    return config.server.max_loras or config.staleness.max_staleness + 2
+
+
+def _listen_address(config: Config) -> tuple[str, int]:
+    if config.server.launch or not config.server.base_url:
+        return config.server.host, config.server.port
+    url = httpx.URL(config.server.base_url)
+    return url.host or config.server.host, url.port or config.server.port

@@ -1,0 +1,53 @@
+"""What every weight-sync transport shares: the ``Transport`` interface, its error, and step bookkeeping."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from asyncrl.client import ControlClient
+
+R = TypeVar("R")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync step failed; the message names it."""
+
+
+class Transport(ABC):
+    """The data plane of one weight-sync backend; ``WeightSync`` makes the round's control calls around it."""
+
+    model: torch.nn.Module | None = None
+
+    def init(self, control: ControlClient) -> None:
+        """Rendezvous with the server, POST /init_weight_transfer_engine included."""
+        control.init_weight_transfer({})
+
+    def stage(self, model: torch.nn.Module) -> None:
+        """Prepare this round's weights before the server pauses (the pause should cover loading only)."""
+        self.model = model
+
+    @abstractmethod
+    def send(self, control: ControlClient) -> float:
+        """Between start and finish: POST /update_weights and move the tensors. Returns the seconds spent
+        waiting for the server to take them after they were sent (the barrier)."""
+
+    def discard(self) -> None:
+        """Drop what ``stage`` prepared; runs after every round, failed or not."""
+        self.model = None
+
+    def close(self, control: ControlClient) -> None:  # noqa: B027 - an optional hook: most transports hold nothing
+        """Release the transport at the end of the run."""
+
+
+def run_step(step: str, fn: Callable[..., R], *args: Any) -> R:
+    """Call ``fn``; any failure becomes a WeightSyncError naming ``step``."""
+    try:
+        return fn(*args)
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        raise WeightSyncError(f"weight sync failed at {step}: {exc}") from exc

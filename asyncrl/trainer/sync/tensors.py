@@ -1,0 +1,67 @@
+"""The trainer's weights as the server wants them: named tensors in the serving dtype, each storage once.
+
+A peft model is sent merged: each adapted layer's base weight plus its adapters' delta, under the base
+model's parameter names, so a server that knows nothing of adapters loads it like a full fine-tune.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from asyncrl.config.schema import Config
+from asyncrl.trainer import lora
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def serving_dtype(config: Config) -> torch.dtype | None:
+    """The dtype the server computes in (server.dtype, else model.dtype); None for "auto" (send as trained)."""
+    return _DTYPES.get(config.server.dtype or config.model.dtype)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under a DistributedDataParallel-style wrapper, whose names carry a "module." prefix."""
+    return getattr(model, "module", model)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _served(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Base-model names and tensors, merged when ``model`` carries adapters; each source storage once."""
+    pairs = lora.merged_tensors(model, named) if lora.is_peft(model) else ((n, t, t) for n, t in named)
+    seen: set[int] = set()
+    for name, tensor, source in pairs:
+        if source.data_ptr() not in seen:
+            seen.add(source.data_ptr())
+            yield name, tensor
+
+
+def serving_parameters(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint-named parameters (tied weights once, under their first name), cast to ``dtype``."""
+    model = _unwrap(model)
+    for name, param in _served(model, model.named_parameters()):
+        yield name, _cast(param, dtype)
+
+
+def parameter_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, wire dtype, shape) of what ``serving_parameters`` yields, without copying (or merging) anything."""
+    model = _unwrap(model)
+    peft = lora.is_peft(model)
+    metadata = []
+    for name, param in model.named_parameters():
+        served = lora.base_name(name) if peft else name
+        if served is not None:
+            wire = dtype if dtype is not None and param.is_floating_point() else param.dtype
+            metadata.append((served, wire, list(param.shape)))
+    return metadata
+
+
+def unique_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by name on the CPU, each storage once (tied weights under their first name)."""
+    model = _unwrap(model)
+    return {name: _cast(tensor, dtype).contiguous().cpu() for name, tensor in _served(model, model.state_dict().items())}

@@ -1,0 +1,129 @@
+"""What the vLLM transports share: choosing the trainer API by the installed vLLM, IPC handles as JSON, the
+NCCL rendezvous address, and the watchdog that turns a silent peer into an error instead of a hang."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import pickle
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import httpx
+import torch
+
+from asyncrl.config.schema import Config
+from asyncrl.server import vllm
+from asyncrl.trainer.sync.base import Transport, WeightSyncError
+from asyncrl.trainer.sync.tensors import serving_dtype
+
+R = TypeVar("R")
+FACTORY_API_SINCE = (0, 28)  # WeightTransferTrainerFactory.trainer_init + engine.send_weights()
+
+
+def _uses_factory_api() -> bool:
+    version = vllm.installed_vllm_version()
+    if version is None:
+        raise WeightSyncError("vLLM weight sync needs vllm on the trainer side too (the server's release)")
+    return vllm.parse_version(version)[:2] >= FACTORY_API_SINCE
+
+
+def ipc_transport(*, config: Config, run_dir: Path) -> Transport:
+    """CUDA IPC handles over HTTP: server and trainer share one GPU."""
+    if _uses_factory_api():
+        from asyncrl.trainer.sync.vllm_factory import FactoryTransport
+
+        return FactoryTransport("ipc", serving_dtype(config), config.server.timeout)
+    from asyncrl.trainer.sync.vllm_static import StaticIpcTransport
+
+    return StaticIpcTransport(serving_dtype(config), config.server.timeout)
+
+
+def nccl_transport(*, config: Config, run_dir: Path) -> Transport:
+    """An NCCL broadcast from the trainer (rank 0) to every server worker: they have their own GPUs."""
+    if _uses_factory_api():
+        from asyncrl.trainer.sync.vllm_factory import FactoryTransport
+
+        return FactoryTransport("nccl", serving_dtype(config), config.server.timeout)
+    from asyncrl.trainer.sync.vllm_static import StaticNcclTransport
+
+    return StaticNcclTransport(serving_dtype(config), config.server.timeout)
+
+
+def fields_of(info: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict without dataclasses.asdict's deep copy (IPC handles are not copyable)."""
+    return {field.name: getattr(info, field.name) for field in dataclasses.fields(info)}
+
+
+def ipc_json(update_info: dict[str, Any]) -> dict[str, Any]:
+    """Move raw ``ipc_handles`` into ``ipc_handles_pickled`` (base64 pickle) so the payload is JSON."""
+    handles = update_info.get("ipc_handles")
+    if handles is None:
+        return update_info
+    out = {key: value for key, value in update_info.items() if key != "ipc_handles" and value is not None}
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+    return out
+
+
+def rendezvous_address(base_url: str) -> str:
+    """This machine's address on the route to the server: where the server's workers can reach our store."""
+    url = httpx.URL(base_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(url.host or "127.0.0.1"), url.port or 80))
+        return str(probe.getsockname()[0])
+
+
+class Background(Generic[R]):
+    """``fn(*args)`` on a daemon thread (an HTTP call that blocks while its peer receives)."""
+
+    def __init__(self, what: str, fn: Callable[..., R], *args: Any) -> None:
+        self.what = what
+        self._value: R | None = None
+        self._error: BaseException | None = None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._thread = threading.Thread(target=self._run, args=(fn, args, device), name=what, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., R], args: tuple[Any, ...], device: int | None) -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+            self._value = fn(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
+            self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def failed(self) -> bool:
+        return self.done() and self._error is not None
+
+    def result(self, timeout_s: float) -> R:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WeightSyncError(f"{self.what}: no answer within {timeout_s:.0f} s (server.timeout)")
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+def run_watched(what: str, fn: Callable[[], R], timeout_s: float, peer: Background[Any] | None = None) -> R:
+    """Run ``fn`` (a collective that blocks until the server joins) under a watchdog: past ``timeout_s``, or as
+    soon as the server's side of the exchange (``peer``) fails, raise instead of waiting forever. The stuck
+    thread is left behind as a daemon; the transport cannot be used again."""
+    task = Background(what, fn)
+    deadline = time.monotonic() + timeout_s
+    while not task.done():
+        if peer is not None and peer.failed():
+            peer.result(0)
+        if time.monotonic() > deadline:
+            raise WeightSyncError(
+                f"{what} did not finish within {timeout_s:.0f} s (server.timeout): the server stopped taking part "
+                "(dead or stuck); this weight-transfer group is unusable"
+            )
+        time.sleep(0.01)
+    return task.result(0)

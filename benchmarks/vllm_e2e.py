@@ -1,0 +1,204 @@
+"""Real-vLLM verification (run on the GPU machine; `--backend builtin` rehearses it on a CPU).
+
+    python benchmarks/vllm_e2e.py sync   [--backend vllm]  # launch, startup checks, weight sync, logprob agreement
+    python benchmarks/vllm_e2e.py train  [--steps 20]      # `asyncrl train` end to end, per-step sync and cap table
+    python benchmarks/vllm_e2e.py broken                   # a launch with one flag broken on purpose must fail clearly
+    python benchmarks/vllm_e2e.py all
+
+Everything runs the embedded default (the tiny-arith model and data) with the server and the trainer on one
+GPU (ipc sync), serving in bfloat16. Each phase ends by listing any server or worker process still alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+# A small KV cache (64 blocks of 16 tokens) so that the adaptive cap has room to move with a 3M-parameter model.
+VLLM = ["server.backend=vllm", "server.dtype=bfloat16", "server.gpu_memory_utilization=0.25",
+        "server.extra_args=[--enforce-eager,--num-gpu-blocks-override,64]"]  # fmt: skip
+BUILTIN = ["server.backend=builtin", "server.dtype=float32"]
+
+
+def overrides(backend: str) -> list[str]:
+    return [*(VLLM if backend == "vllm" else BUILTIN), "data.eval_path=null", "logging.console=plain"]
+
+
+# ---- sync: checks, rounds, logprob agreement ----------------------------------------------------------------
+
+
+Sample = tuple[list[int], list[int], list[float]]  # prompt ids, completion ids, server logprobs
+
+
+async def sample(base_url: str, name: str, prompts: list[list[int]], seed: int) -> list[Sample]:
+    from asyncrl.client import GenerationClient, SamplingParams
+
+    async with GenerationClient(base_url, name, timeout_s=120) as client:
+        outs = await asyncio.gather(*(client.complete(p, SamplingParams(max_tokens=24, logprobs=0, seed=seed + i))
+                                      for i, p in enumerate(prompts)))  # fmt: skip
+    return [(p, o.token_ids, o.logprobs) for p, o in zip(prompts, outs, strict=True)]
+
+
+def max_diff(model: torch.nn.Module, samples: list[Sample]) -> float:
+    """Max |trainer logprob - server logprob| over every sampled token (temperature 1: processed = raw)."""
+    device = next(model.parameters()).device
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, tokens, server in samples:
+            if not tokens:
+                continue
+            ids = torch.tensor([prompt + tokens], device=device)
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            ours = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens, device=device)[:, None]).squeeze(1)
+            worst = max(worst, float((ours.cpu() - torch.tensor(server)).abs().max()))
+    return worst
+
+
+def phase_sync(backend: str, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.client import ControlClient, GenerationClient, SamplingParams
+    from asyncrl.config import compose, to_config
+    from asyncrl.launch import start_server
+    from asyncrl.server.command import served_model_name
+    from asyncrl.trainer.setup import prepare
+    from asyncrl.trainer.weight_sync import build_weight_sync
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = to_config(compose([*overrides(backend), f"trainer.output_dir={out}"]))
+    prepared = prepare(config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    started = time.perf_counter()
+    with start_server(config, out) as server, ControlClient(server.base_url, timeout_s=600) as control:
+        print(f"[sync] server {server.backend} healthy after {time.perf_counter() - started:.1f} s; command:")
+        print("      ", (out / "commands" / "server.sh").read_text().strip())
+        if backend == "vllm":
+            info = control.server_info()["vllm_config"]
+            model_info = info["model_config"]
+            print("[sync] /server_info: logprobs_mode", model_info["logprobs_mode"], "| max_model_len",
+                  model_info["max_model_len"], "| weight_transfer_config", info["weight_transfer_config"])  # fmt: skip
+        sync = build_weight_sync(config, control, out, prepared)
+        print(f"[sync] startup checks passed: {sync.facts}")
+        sync.init()
+        model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32).to(device).eval()
+        serving = torch.bfloat16 if config.server.dtype == "bfloat16" else torch.float32
+        name = served_model_name(config)
+        prompts = [prepared.tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)
+                   for row in prepared.dataset.select(range(16))]  # fmt: skip
+        prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+        base = copy.deepcopy(model).to(serving)
+        first = asyncio.run(sample(server.base_url, name, prompts, seed=0))
+        print(
+            f"[sync] before any change: max |server - trainer| logprob = {max_diff(base, first):.4f} "
+            f"(trainer in {serving}), {max_diff(model, first):.4f} (trainer in float32)"
+        )
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                generator = torch.Generator(device=device).manual_seed(version)
+                for param in model.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
+            metrics = sync.push(model, version)
+            print(f"[sync] round {version}: " + ", ".join(f"{k.removeprefix('perf/weight_sync')}={v:.3f}"
+                                                          for k, v in metrics.items()))  # fmt: skip
+        after = asyncio.run(sample(server.base_url, name, prompts, seed=100))
+        trained = copy.deepcopy(model).to(serving)
+        print(
+            f"[sync] after 3 syncs: max |server - trainer| = {max_diff(trained, after):.4f} (trainer in {serving}); "
+            f"against the never-synced weights it would be {max_diff(base, after):.4f}"
+        )
+
+        async def truncated() -> tuple[object, object]:
+            async with GenerationClient(server.base_url, name, timeout_s=120) as client:
+                params = SamplingParams(top_k=8, top_p=0.9, max_tokens=8, logprobs=0, return_sampling_mask=True)
+                out_ = await client.sample(prompts[0], params)
+                await client.sample(prompts[1], params)
+                return client.candidate_sets, out_.sampling_masks is not None
+
+        candidate_sets, masks = asyncio.run(truncated())
+        print(f"[sync] top-k/top-p turns: client.candidate_sets={candidate_sets}, masks returned={masks}")
+        sync.close()
+    print(f"[sync] server stopped; leftovers: {leftovers()}")
+
+
+# ---- train and broken: the real CLI --------------------------------------------------------------------------
+
+
+def cli(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    print("$ asyncrl " + " ".join(args), flush=True)
+    return subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout_s, cwd=REPO)  # fmt: skip
+
+
+def phase_train(backend: str, out: Path, steps: int) -> None:
+    run_dir = out / "train"
+    started = time.perf_counter()
+    proc = cli(["train", *overrides(backend), f"trainer.max_steps={steps}", "trainer.save_strategy=no",
+                f"hydra.run.dir={run_dir}"], timeout_s=540)  # fmt: skip
+    print(f"[train] exit {proc.returncode} after {time.perf_counter() - started:.0f} s")
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-6000:])
+        return
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ["perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s", "rollout/concurrency",
+            "rollout/concurrency_cap", "rollout/vllm_kv_cache_usage_frac", "rollout/vllm_running_requests",
+            "rollout/vllm_queued_requests", "rollout/vllm_preemption_count", "reward"]  # fmt: skip
+    print("[train] step " + " ".join(k.split("/")[-1] for k in keys))
+    for row in rows:
+        metrics = row.get("metrics", row)
+        print(f"[train] {row.get('step', '?'):>4} " + " ".join(_fmt(metrics.get(k)) for k in keys))
+    print(f"[train] server command: {(run_dir / 'commands' / 'server.sh').read_text().strip()}")
+    print(f"[train] leftovers: {leftovers()}")
+
+
+def phase_broken(backend: str, out: Path) -> None:
+    broken = "server.extra_args=[--enforce-eager,--logprobs-mode,raw_logprobs]"
+    proc = cli(["train", *overrides(backend), broken, "trainer.max_steps=2", f"hydra.run.dir={out / 'broken'}"], 300)
+    output = (proc.stdout + proc.stderr).splitlines()
+    lines = [line for line in output if "raw_logprobs" in line and "ServerCheck" in line]
+    print(f"[broken] exit {proc.returncode}; {lines[-1] if lines else chr(10).join(output[-40:])}")
+    print(f"[broken] leftovers: {leftovers()}")
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def leftovers() -> list[str]:
+    """Server, worker and vLLM processes still alive (there should be none)."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line.strip()[:120] for line in out if ("vllm" in line or "asyncrl" in line) and "vllm_e2e" not in line
+            and "ps -eo" not in line]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=["sync", "train", "broken", "all"])
+    parser.add_argument("--backend", choices=["vllm", "builtin"], default="vllm")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.phase in ("sync", "all"):
+        phase_sync(args.backend, out / "sync")
+    if args.phase in ("train", "all"):
+        phase_train(args.backend, out, args.steps)
+    if args.phase in ("broken", "all"):
+        phase_broken(args.backend, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""GSPO and LUSPO by hand and against a float64 reference (one clipped geometric-mean ratio per sequence)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.losses import LossBatch
+from asyncrl.losses.gspo import gspo_loss
+from asyncrl.losses.luspo import luspo_loss
+
+from .conftest import assert_float64_close, batch_of, random_sequences
+
+
+def test_one_ratio_per_sequence(make_batch):
+    batch = make_batch(logprobs=[-1.0, -1.2, -0.5, -2.0], sampler_logprobs=[-1.1, -1.1, -1.5, -2.0],
+                       advantages=[1.0, 1.0, -1.0, 7.0], mask=[1, 1, 1, 0], sequence_index=[0, 0, 1, 2])  # fmt: skip
+    # sequence 0: mean log-ratio (0.1 - 0.1) / 2 = 0 -> s = 1, A = 1 -> loss -1; gradient per slot -A s / 2
+    # sequence 1: s = e^1 > 1 + 0.28, A < 0 -> min(-e, -1.28) = -e -> loss +e; gradient -A s = e
+    out = gspo_loss(batch, epsilon=0.2, epsilon_high=0.28)
+    assert_float64_close(out.loss_sum, -1.0 + math.e)
+    out.loss_sum.backward()
+    assert_float64_close(batch.logprobs.grad, [-0.5, -0.5, math.e, 0.0])
+    # LUSPO multiplies each sequence's loss by its length (2 and 1)
+    assert_float64_close(luspo_loss(batch, epsilon=0.2, epsilon_high=0.28).loss_sum, -2.0 + math.e)
+
+
+def reference(inputs, epsilon, epsilon_high, by_length):
+    lp, mu, adv, mask, seq = (inputs[k] for k in ("logprobs", "sampler_logprobs", "advantages", "mask",
+                                                  "sequence_index"))  # fmt: skip
+    value, grad = 0.0, np.zeros(len(lp))
+    for i in np.unique(seq):
+        slots = np.flatnonzero((seq == i) & (mask > 0))
+        if slots.size == 0:
+            continue
+        n, a = slots.size, adv[slots[0]]
+        s = math.exp(sum(lp[t] - mu[t] for t in slots) / n)
+        unclipped, clipped = s * a, min(max(s, 1 - epsilon), 1 + epsilon_high) * a
+        scale = n if by_length else 1.0
+        value -= scale * min(unclipped, clipped)
+        if unclipped <= clipped:
+            grad[slots] = -scale * a * s / n
+    return value, grad
+
+
+@pytest.mark.parametrize("by_length", [False, True], ids=["gspo", "luspo"])
+@pytest.mark.parametrize(("epsilon", "epsilon_high"), [(3e-4, 4e-4), (0.2, 0.28)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_float64_reference_with_masks_and_extreme_ratios(seed, epsilon, epsilon_high, by_length):
+    inputs = random_sequences(seed)
+    batch = batch_of(inputs)
+    out = (luspo_loss if by_length else gspo_loss)(batch, epsilon=epsilon, epsilon_high=epsilon_high)
+    out.loss_sum.backward()
+    value, grad = reference(inputs, epsilon, epsilon_high, by_length)
+    assert_float64_close(out.loss_sum, value)
+    assert_float64_close(batch.logprobs.grad, grad)
+
+
+@pytest.mark.parametrize("loss_fn", [gspo_loss, luspo_loss])
+def test_gradcheck(loss_fn):
+    sampler = -torch.rand(7, dtype=torch.float64) - 0.2
+    # sequences of 3, 2 and 2 slots; their mean log-ratios (0.1, -0.3, 0.6) keep s away from 1 -+ 0.2/0.28
+    offsets = torch.tensor([0.2, -0.1, 0.2, -0.5, -0.1, 0.9, 0.3], dtype=torch.float64)
+
+    def loss(lp):
+        return loss_fn(LossBatch(
+            logprobs=lp, sampler_logprobs=sampler, advantages=torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 2.0, 2.0],
+            dtype=torch.float64), mask=torch.ones(7, dtype=torch.float64),
+            sequence_index=torch.tensor([0, 0, 0, 1, 1, 2, 2]),
+        ), epsilon=0.2, epsilon_high=0.28).loss_sum  # fmt: skip
+
+    assert torch.autograd.gradcheck(loss, ((sampler + offsets).requires_grad_(),))

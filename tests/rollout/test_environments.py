@@ -1,0 +1,77 @@
+"""Environments: routing by the `environment` column, only that environment's tools, pooled reuse, rewards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.environments.counter import IncrementEnv
+from asyncrl.rollout.environments import Agents, environment_tools, load_factories
+
+
+class GameEnv:
+    created = 0
+
+    def __init__(self) -> None:
+        GameEnv.created += 1
+
+    def reset(self, **kwargs: object) -> str:
+        return "Reach the goal."
+
+    def move(self, action: str) -> str:
+        """
+        Move.
+
+        Args:
+            action: Direction.
+        """
+        return action
+
+
+def test_environment_tools_are_public_methods_without_reserved_hooks():
+    assert [t.__name__ for t in environment_tools(IncrementEnv())] == ["increment"]
+
+
+def test_routing_exposes_only_that_environments_tools_and_passes_the_row():
+    agents = Agents([], {"counter": IncrementEnv, "game": GameEnv}, None)
+
+    async def main():
+        counter = await agents.begin({"prompt": [{"role": "user", "content": "Go."}], "environment": "counter",
+                                      "target": 3})  # fmt: skip
+        game = await agents.begin({"environment": "game"})
+        return counter, game
+
+    counter, game = asyncio.run(main())
+    assert [t.__name__ for t in counter.tools] == ["increment"] and counter.env.target == 3
+    assert counter.prompt == [{"role": "user", "content": "Go."}]
+    assert [t.__name__ for t in game.tools] == ["move"]
+    assert game.prompt == [{"role": "user", "content": "Reach the goal."}]  # no dataset prompt: reset supplies it
+    with pytest.raises(KeyError, match="environment"):
+        asyncio.run(agents.begin({"environment": "chess"}))
+
+
+def test_instances_are_reused_and_rewards_name_the_class():
+    GameEnv.created = 0
+    agents = Agents([], {None: IncrementEnv}, None)
+    games = Agents([], {None: GameEnv}, None)
+
+    async def main():
+        episode = await agents.begin({"prompt": [{"role": "user", "content": "Set 2."}], "target": 2})
+        episode.tools[0](step=2)
+        reward, seconds = await agents.end(episode)
+        again = await agents.begin({"prompt": [], "target": 5})
+        for _ in range(3):
+            await games.end(await games.begin({}))
+        return episode, reward, seconds, again, await games.end(await games.begin({}))
+
+    episode, reward, seconds, again, no_reward = asyncio.run(main())
+    assert reward == (IncrementEnv, 1.0) and seconds >= 0 and episode.reset_s is not None
+    assert again.env is episode.env and again.env.counter == 0  # same instance, reset for the new episode
+    assert GameEnv.created == 1 and no_reward == (None, None)
+
+
+def test_load_factories_forms():
+    assert load_factories(None) == {}
+    assert load_factories("asyncrl.environments.counter:IncrementEnv") == {None: IncrementEnv}
+    assert load_factories({"c": "asyncrl.environments.counter:IncrementEnv"}) == {"c": IncrementEnv}

@@ -1,0 +1,82 @@
+"""The multi-turn tool loop with a scripted client: turns, tools, environment reward, samples and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+
+from asyncrl.assets.counter import build_counter_tokenizer
+from asyncrl.config.schema import Config
+from asyncrl.environments.counter import IncrementEnv
+from asyncrl.rollout.environments import Agents
+from asyncrl.rollout.group_metrics import group_metrics
+from asyncrl.rollout.loop import AsyncRolloutLoop
+from asyncrl.rollout.scoring import score_group
+
+
+class ScriptedClient:
+    """Answers each request with the next scripted text; records the prompts it saw."""
+
+    def __init__(self, tokenizer, replies: list[str]) -> None:
+        self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
+        self.retry_count = 0
+
+    async def sample(self, prompt_ids, params):
+        self.prompts.append(list(prompt_ids))
+        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), top_logprobs=None, sampling_masks=None,
+                               finish_reason="stop")  # fmt: skip
+
+
+def make_loop(replies: list[str], cap: int | None = None) -> tuple[AsyncRolloutLoop, ScriptedClient]:
+    tokenizer = build_counter_tokenizer()
+    config = Config()
+    config.sampling.max_tool_calling_iterations = cap
+    client = ScriptedClient(tokenizer, replies)
+    return AsyncRolloutLoop(config, tokenizer, client, advantage_fn=None, max_model_len=256), client
+
+
+async def episode(loop: AsyncRolloutLoop, target: int):
+    agents = Agents([], {None: IncrementEnv}, None)
+    ep = await agents.begin({"prompt": [{"role": "user", "content": f"Set the counter to {target}."}],
+                             "target": target})  # fmt: skip
+    rollout = await loop.generate_one(ep.prompt, ep.tools)
+    rollout.env_reward, _ = await agents.end(ep)
+    return rollout
+
+
+def test_tool_loop_runs_calls_and_trains_every_generated_token_once():
+    loop, client = make_loop(["<tool_call>increment(step=2)</tool_call>", "<tool_call>increment(step=1)</tool_call>"
+                              "<tool_call>nope(x=1)</tool_call>", "\\boxed{3}"])  # fmt: skip
+    rollout = asyncio.run(episode(loop, 3))
+    assert len(rollout.turns) == 3 and rollout.env_reward == (IncrementEnv, 1.0)
+    assert rollout.tool_call_count == 3 and rollout.tool_failure_count == 1
+    assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant", "tool", "tool", "assistant"]
+    assert rollout.completion[1]["content"] == "2" and "unknown tool" in rollout.completion[4]["content"]
+    assert "tools: increment" in loop.tokenizer.decode(client.prompts[0])  # the environment's tool is exposed
+    group = loop.build_group([], {}, [rollout, rollout], group_id=0, row_index=0,
+                             model_version=0)  # fmt: skip
+    (seq,) = group.completions_sequences[0]  # prefix-preserving template: one clean sample
+    assert seq.num_trained == sum(len(t.output_ids) for t in rollout.turns)
+    per_source = asyncio.run(score_group(group, []))
+    assert list(per_source) == ["IncrementEnv"] and np.all(group.rewards == 1.0)
+    metrics = group_metrics(group, per_source, drop=None)
+    assert metrics["rollout/fork_frac"] == [0.0] * 4 and metrics["tools/call_frequency"] == [3.0, 3.0]
+    assert metrics["tools/increment/call_count"] == [1.0] * 4 and metrics["tools/nope/failure_count"] == [1.0] * 2
+    assert metrics["tools/parallel_calls_mean"] == [1.0, 2.0, 1.0, 2.0] and metrics["tools/unknown_name_count"] == [1.0, 1.0]
+
+
+def test_iteration_cap_stops_a_rollout_still_calling_tools():
+    loop, _ = make_loop(["<tool_call>increment(step=1)</tool_call>"] * 3, cap=2)
+    rollout = asyncio.run(episode(loop, 5))
+    assert len(rollout.turns) == 3 and rollout.tool_call_count == 2
+    assert rollout.tool_stats.exhausted and rollout.env_reward == (IncrementEnv, 0.0)
+
+
+def test_without_tools_the_loop_is_single_turn_and_logs_no_tool_metrics():
+    loop, _ = make_loop(["<tool_call>increment(step=1)</tool_call>"])
+    rollout = asyncio.run(loop.generate_one([{"role": "user", "content": "hi"}], []))
+    assert len(rollout.turns) == 1 and rollout.tool_stats is None
+    assert rollout.completion == [{"role": "assistant", "content": "<tool_call>increment(step=1)</tool_call>"}]

@@ -1,0 +1,276 @@
+"""Golden tests of the generated `vllm serve` command and environment, and the rules behind each flag."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from asyncrl.config import ConfigError, compose, to_config
+from asyncrl.server.command import server_command
+from asyncrl.server.vllm import (
+    api_server_count,
+    longest_prompt_tokens,
+    parse_version,
+    required_model_len,
+    split_gpus,
+    vllm_command,
+)
+
+BASE = ["server=vllm", "model.name_or_path=Qwen/Qwen3-4B", "sampling.max_completion_length=1024"]
+SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-4B",
+         "--served-model-name", "Qwen/Qwen3-4B", "--host", "127.0.0.1", "--port", "8000", "--seed", "42"]  # fmt: skip
+COMMON = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+
+
+def command(overrides: list[str], version: str = "0.33.0", gpus: tuple[str, ...] = ("0", "1")):
+    config = to_config(compose([*BASE, *overrides]))
+    return vllm_command(config, version=version, gpus=list(gpus), prompt_tokens=200)
+
+
+def flags(*parts: str) -> list[str]:
+    return list(parts)
+
+
+GOLDEN = {
+    "plain": (
+        [],
+        "0.33.0",
+        ("0", "1"),
+        SERVE
+        + flags(
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "8",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"},
+    ),
+    "top_p": (
+        ["sampling.top_p=0.95", "sampling.top_k=512", "server.dtype=bfloat16"],
+        "0.33.0",
+        ("0", "1"),
+        SERVE
+        + flags(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "8",
+            "--return-sampling-mask",
+            "--enable-scale-out",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"},
+    ),
+    "lora_adapter": (
+        ["lora=default", "lora.r=24", "lora.sync=adapter", "staleness.max_staleness=2"],
+        "0.33.0",
+        ("0", "1"),
+        SERVE
+        + flags(
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "1",
+            "--enable-lora",
+            "--max-lora-rank",
+            "32",
+            "--max-loras",
+            "4",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    ),
+    "tp2": (
+        ["server.tensor_parallel_size=2", "sampling.num_sampler_logprobs=32"],
+        "0.31.0",
+        ("4", "5", "6", "7"),
+        None,
+        None,
+    ),
+    "shared_gpu": (
+        ["server.gpu_memory_utilization=0.3", "server.dtype=bfloat16", "sampling.top_k=20"],
+        "0.26.0",
+        ("3",),
+        SERVE
+        + flags(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "ipc"}',
+            "--gpu-memory-utilization",
+            "0.3",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "3", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+    ),
+    "external": (
+        ["server.launch=false", "server.base_url=http://10.0.0.5:9000", "server.max_model_len=4096"],
+        "0.33.0",
+        (),
+        [*SERVE[:7], "--host", "10.0.0.5", "--port", "9000", "--seed", "42"]
+        + flags(
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "8",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", [n for n in GOLDEN if GOLDEN[n][3] is not None])
+def test_golden_command(name):
+    overrides, version, gpus, argv, env = GOLDEN[name]
+    cmd = command(overrides, version, gpus)
+    assert cmd.backend == "vllm"
+    assert cmd.argv == argv
+    assert cmd.env == env
+
+
+def test_golden_tensor_parallel():
+    """TP=2 takes the first two visible GPUs; 0.31 keeps vLLM's API-server default; logprobs cap follows sampling."""
+    overrides, version, gpus, _, _ = GOLDEN["tp2"]
+    with pytest.raises(ConfigError, match="server.max_logprobs"):
+        command(overrides, version, gpus)  # 32 top logprobs exceed the server's 20: validation names the key
+    cmd = command([*overrides, "server.max_logprobs=32"], version, gpus)
+    assert cmd.argv == SERVE + flags(
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1224",
+        "--max-logprobs",
+        "32",
+        *COMMON,
+        "--weight-transfer-config",
+        '{"backend": "nccl"}',
+        "--gpu-memory-utilization",
+        "0.9",
+        "--tensor-parallel-size",
+        "2",
+    )
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
+
+
+def test_extra_args_come_last_and_data_parallel_is_passed():
+    cmd = command(["server.data_parallel_size=2", "server.extra_args=[--enforce-eager]"], gpus=("0", "1", "2"))
+    assert cmd.argv[-5:] == ["--data-parallel-size", "2", "--api-server-count", "8", "--enforce-eager"]
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ("0.26.0", []), ("0.28.0", ["--return-sampling-mask"]), ("0.29.0", ["--return-sampling-mask"]),
+    ("0.30.0", ["--return-sampling-mask", "--enable-scale-out"]),
+])  # fmt: skip
+def test_candidate_set_flags_follow_the_release(version, expected):
+    argv = command(["sampling.top_k=50"], version).argv
+    assert [a for a in argv if a in ("--return-sampling-mask", "--enable-scale-out")] == expected
+
+
+def test_api_server_count_rules():
+    lora = to_config(compose([*BASE, "lora=default"]))
+    assert api_server_count(lora, "0.33.0") == 1  # runtime LoRA loading refuses more than one
+    plain = to_config(compose(BASE))
+    assert api_server_count(plain, "0.32.0") == 8 and api_server_count(plain, "0.31.0") is None
+    explicit = to_config(compose([*BASE, "server.api_server_count=3"]))
+    assert api_server_count(explicit, "0.26.0") == 3
+    with pytest.raises(ConfigError, match="server.api_server_count=4"):
+        to_config(compose([*BASE, "lora=default", "server.api_server_count=4"]))
+
+
+def test_gpu_split_and_transfer_choice_errors():
+    config = to_config(compose([*BASE, "server.tensor_parallel_size=2"]))
+    with pytest.raises(ConfigError, match="needs 2 GPU"):
+        split_gpus(config, ["0"])
+    assert split_gpus(config, ["0", "1"]).shared  # the trainer shares GPU 0 with the server
+    with pytest.raises(ConfigError, match="ipc needs the trainer on the server's only GPU"):
+        command(["server.tensor_parallel_size=2"], gpus=("0", "1"))
+    with pytest.raises(ConfigError, match="NCCL cannot pair"):
+        command(["server.weight_transfer=nccl"], gpus=("0",))
+    with pytest.raises(ConfigError, match="trainer.gpus=2"):
+        split_gpus(to_config(compose([*BASE, "trainer.gpus=2"])), ["0", "1"])
+
+
+def test_max_model_len_is_the_longest_prompt_plus_one_turn(arithmetic_data_dir, random_tiny_model_dir):
+    config = to_config(compose(["server=vllm", f"model.name_or_path={random_tiny_model_dir}",
+                                f"data.path={arithmetic_data_dir / 'train.jsonl'}"]))  # fmt: skip
+    from asyncrl.data import load_prompts
+    from asyncrl.trainer.setup import load_tokenizer
+
+    tokenizer = load_tokenizer(config)
+    rendered = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True)
+                for p in load_prompts(str(arithmetic_data_dir / "train.jsonl"))["prompt"]]  # fmt: skip
+    longest = max(len(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in rendered)
+    assert longest_prompt_tokens(config) == longest
+    assert required_model_len(config) == longest + config.sampling.max_completion_length
+    config.data.max_prompt_length = 7
+    assert required_model_len(config) == 7 + config.sampling.max_completion_length
+    config.server.max_model_len = 300
+    assert required_model_len(config) == 300
+
+
+def test_server_command_dispatches_and_needs_a_version(monkeypatch):
+    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: None)
+    with pytest.raises(ConfigError, match="server.vllm_version"):
+        server_command(to_config(compose([*BASE, "server.max_model_len=2048"])))
+    with pytest.raises(ConfigError, match="too old"):
+        command([], version="0.25.1")
+    assert parse_version("v0.27.1.dev3+cu130") == (0, 27, 1)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("server.gpu_memory_utilization=1.5", "server.gpu_memory_utilization"),
+    ("server.tensor_parallel_size=0", "server.tensor_parallel_size"),
+    ("server.gpus=1", "server.gpus=1"),
+    ("trainer.gpus=0", "trainer.gpus"),
+])  # fmt: skip
+def test_vllm_server_settings_are_validated(override, key):
+    with pytest.raises(ConfigError, match=key):
+        to_config(compose([*BASE, "server.data_parallel_size=2", override]))
+
+
+def test_the_trainer_gets_the_gpus_after_the_servers():
+    from asyncrl.server.vllm import trainer_gpus
+
+    config = to_config(compose([*BASE, "server.tensor_parallel_size=2"]))
+    assert trainer_gpus(config, ["0", "1", "2", "3"]) == ["2", "3"]
+    assert trainer_gpus(to_config(compose(BASE)), ["5"]) == ["5"]  # one GPU: shared, so ipc

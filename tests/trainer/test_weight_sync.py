@@ -1,0 +1,261 @@
+"""Weight sync rounds against the built-in server: weights arrive, and a failure at any step is an error
+(no hang) that leaves the server resumed and ready for the next round. Plus the vLLM transports' pure parts."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import pickle
+import sys
+import time
+import types
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
+from asyncrl.config import compose, to_config
+from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.trainer.sync.builtin import FileTransport
+from asyncrl.trainer.sync.vllm_common import Background, ipc_json, ipc_transport, nccl_transport, run_watched
+from asyncrl.trainer.sync.vllm_factory import RoundClient, serving_source
+from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
+
+STEPS = ("stage", "pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
+
+
+@pytest.fixture(scope="module")
+def server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
+            "--device", "cpu", "--max-num-seqs", "8"]  # fmt: skip
+    log = tmp_path_factory.mktemp("sync-server") / "server.log"
+    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
+                       startup_timeout_s=120) as process:  # fmt: skip
+        yield process
+
+
+@pytest.fixture
+def model(random_tiny_model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32).eval()
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def served_vs_local(base_url: str, model: torch.nn.Module, name: str) -> float:
+    """Max |server logprob - local logprob| over a sampled completion (temperature 1: processed = raw)."""
+    prompt = [4, 30, 31, 32, 5]
+
+    async def generate():
+        async with GenerationClient(base_url, name, timeout_s=60) as client:
+            return await client.complete(prompt, SamplingParams(max_tokens=12, logprobs=0, seed=3))
+
+    out = asyncio.run(generate())
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    local = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    return float((local - torch.tensor(out.logprobs)).abs().max())
+
+
+def test_a_round_moves_the_weights_and_reports_its_parts(server, model, random_tiny_model_dir, tmp_path):
+    name = str(random_tiny_model_dir)
+    perturb(model, seed=1)
+    with ControlClient(server.base_url, timeout_s=60) as control:
+        sync = WeightSync(control, FileTransport(tmp_path))
+        sync.init()
+        before = served_vs_local(server.base_url, model, name)
+        metrics = sync.push(model, 1)
+        after = served_vs_local(server.base_url, model, name)
+        assert control.weight_version() == "1" and not control.is_paused()
+        sync.close()
+    assert before > 1e-2 and after < 1e-4, (before, after)
+    parts = ("perf/weight_sync_pause_s", "perf/weight_sync_barrier_s", "perf/weight_sync_transfer_s")
+    assert metrics["perf/weight_sync_s"] == pytest.approx(sum(metrics[p] for p in parts))
+    assert all(metrics[p] >= 0 for p in parts) and not any(tmp_path.glob("asyncrl-weights-*/*"))
+
+
+class FailingControl(ControlClient):
+    """A ControlClient that fails one step: the server refuses the update, or the call itself breaks."""
+
+    def __init__(self, base_url: str, step: str) -> None:
+        super().__init__(base_url, timeout_s=30)
+        self.step = step
+
+    def _inject(self, step: str) -> None:
+        if step == self.step:
+            raise ServerError(500, f"/{step}", "injected failure")
+
+    def pause(self, mode: str, clear_cache: bool = True, timeout_s: float | None = None) -> None:
+        self._inject("pause")
+        super().pause(mode, clear_cache, timeout_s)
+
+    def start_weight_update(self) -> None:
+        self._inject("start_weight_update")
+        super().start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        if self.step == "update_weights":  # a real server-side failure: the file is not there
+            update_info = {"path": "/nonexistent/weights.safetensors"}
+        super().update_weights(update_info)
+
+    def finish_weight_update(self, version: str | None = None) -> None:
+        self._inject("finish_weight_update")
+        super().finish_weight_update(version)
+
+    def resume(self) -> None:
+        self._inject("resume")
+        super().resume()
+
+
+class FailingStage(FileTransport):
+    def stage(self, model: torch.nn.Module) -> None:
+        raise OSError("disk full")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_failure_at_each_step_is_an_error_and_the_server_is_resumed(step, server, model, tmp_path):
+    control = FailingControl(server.base_url, step)
+    transport = FailingStage(tmp_path) if step == "stage" else FileTransport(tmp_path)
+    sync = WeightSync(control, transport)
+    sync.init()
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match=f"weight sync failed at {step}"):
+        sync.push(model, 7)
+    assert time.monotonic() - started < 20
+    with ControlClient(server.base_url, timeout_s=30) as plain:
+        if step == "resume":
+            assert plain.is_paused()  # the one step that cannot resume the server itself
+            plain.resume()
+        assert not plain.is_paused()
+        WeightSync(plain, FileTransport(tmp_path)).push(model, 8)  # no half-open update is left behind
+        assert plain.weight_version() == "8"
+
+
+def test_build_weight_sync_checks_the_server_and_picks_the_file_transport(server, random_tiny_model_dir, tmp_path):
+    config = to_config(compose(["server.launch=false", f"server.base_url={server.base_url}",
+                                f"model.name_or_path={random_tiny_model_dir}"]))  # fmt: skip
+    with ControlClient(server.base_url, timeout_s=30) as control:
+        sync = build_weight_sync(config, control, tmp_path)
+        assert isinstance(sync.transport, FileTransport) and sync.facts.backend == "builtin"
+        sync.close()
+    assert WEIGHT_SYNC.names() == ["builtin", "ipc", "nccl"]
+
+
+# ---- the vLLM transports' parts that run without a GPU ------------------------------------------------------
+
+
+def test_the_watchdog_turns_a_hang_into_an_error():
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match="did not finish within 0 s"):
+        run_watched("NCCL broadcast", lambda: time.sleep(30), timeout_s=0.3)
+    peer = Background("POST /update_weights", lambda: (_ for _ in ()).throw(ServerError(400, "/update_weights", "no")))
+    with pytest.raises(ServerError, match="no"):
+        run_watched("NCCL broadcast", lambda: time.sleep(30), timeout_s=30, peer=peer)
+    assert time.monotonic() - started < 5
+    assert run_watched("quick", lambda: 42, timeout_s=5) == 42
+    with pytest.raises(WeightSyncError, match="no answer within"):
+        Background("POST /init_weight_transfer_engine", time.sleep, 30).result(0.1)
+
+
+@pytest.mark.parametrize(("installed", "ipc", "nccl"), [
+    ("0.26.0", "StaticIpcTransport", "StaticNcclTransport"),
+    ("0.27.1", "StaticIpcTransport", "StaticNcclTransport"),
+    ("0.28.0", "FactoryTransport", "FactoryTransport"),
+])  # fmt: skip
+def test_the_trainer_api_follows_the_installed_vllm(installed, ipc, nccl, monkeypatch, tmp_path):
+    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: installed)
+    config = to_config(compose(["server.dtype=bfloat16"]))
+    assert type(ipc_transport(config=config, run_dir=tmp_path)).__name__ == ipc
+    transport = nccl_transport(config=config, run_dir=tmp_path)
+    assert type(transport).__name__ == nccl and transport.dtype == torch.bfloat16
+
+
+def test_without_vllm_the_vllm_transports_say_so(monkeypatch, tmp_path):
+    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: None)
+    with pytest.raises(WeightSyncError, match="needs vllm on the trainer side"):
+        ipc_transport(config=to_config(compose([])), run_dir=tmp_path)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def init_weight_transfer(self, info: Any) -> None:
+        self.calls.append(("init", info))
+
+    def update_weights(self, info: Any) -> None:
+        self.calls.append(("update", info))
+
+
+def test_round_client_pickles_ipc_handles_and_leaves_start_and_finish_to_the_round():
+    recorder = Recorder()
+    client = RoundClient(recorder)  # type: ignore[arg-type]
+    client.init_weight_transfer_engine({"packed": False})
+    client.start_weight_update()
+    handles = [{"GPU-1": ("args", 1, (2, 3))}]
+    client.update_weights({"names": ["w"], "ipc_handles": handles, "tensor_sizes": None})
+    client.update_weights([{"names": ["w"], "ipc_handles": handles}, {"names": ["v"]}])
+    client.finish_weight_update("3")
+    assert [call for call, _ in recorder.calls] == ["init", "update", "update"]
+    single = recorder.calls[1][1]
+    assert set(single) == {"names", "ipc_handles_pickled"}
+    assert pickle.loads(base64.b64decode(single["ipc_handles_pickled"])) == handles
+    assert recorder.calls[2][1][1] == {"names": ["v"]} and ipc_json({"names": []}) == {"names": []}
+
+
+@dataclass(frozen=True)
+class FakeParamMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class SourceV028(ABC):
+    @abstractmethod
+    def metadata(self) -> list[Any]: ...
+
+    @abstractmethod
+    def __iter__(self) -> Any: ...
+
+
+class SourceV033(ABC):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        assert isinstance(cls.__dict__.get("metadata"), cached_property), "metadata must be a cached_property"
+
+    @property
+    @abstractmethod
+    def metadata(self) -> list[Any]: ...
+
+    def iter_full(self) -> Any:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("base", [SourceV028, SourceV033])
+def test_the_weight_source_fits_either_vllm_interface(base, monkeypatch, model):
+    module = types.ModuleType("vllm.distributed.weight_transfer")
+    module.ParamMeta, module.WeightSource = FakeParamMeta, base  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.distributed"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer", module)
+    transport = FileTransport.__new__(FileTransport)
+    transport.model = model
+    source = serving_source(transport, torch.bfloat16)
+    meta = source.metadata() if base is SourceV028 else source.metadata
+    pairs = list(source) if base is SourceV028 else list(source.iter_full())
+    names = [name for name, _ in model.named_parameters()]
+    assert [m.name for m in meta] == [name for name, _ in pairs] == names  # tied lm_head travels once
+    assert all(m.dtype == torch.bfloat16 == t.dtype for m, (_, t) in zip(meta, pairs, strict=True))
+    assert "lm_head.weight" not in names and model.config.tie_word_embeddings
