@@ -22,9 +22,16 @@ def build_accelerator(config: Config) -> Any:
 
 
 def load_model(config: Config, path: str) -> torch.nn.Module:
+    """The model at ``path``; with ``lora.enabled`` the base model wrapped with adapters (``path`` may then
+    be an adapter checkpoint, whose base is model.name_or_path)."""
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.trainer import lora
+
     m = config.model
+    adapter_path = path if config.lora.enabled else None
+    if config.lora.enabled and lora.is_adapter_dir(path):
+        path = m.name_or_path
     if m.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={m.dtype!r} must be one of {', '.join(_DTYPES)}")
     kwargs: dict[str, Any] = {"dtype": _DTYPES[m.dtype], "attn_implementation": m.attn_implementation,
@@ -35,7 +42,7 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
     model.config.use_cache = False
     if config.trainer.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return lora.wrap(config, model, adapter_path) if adapter_path is not None else model
 
 
 def build_optimizer(config: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
