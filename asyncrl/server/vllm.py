@@ -65,8 +65,9 @@ def truncating(config: Config) -> bool:
 
 
 def lora_adapters(config: Config) -> bool:
-    """Adapters are loaded into the server at runtime (not merged into full weights)."""
-    return config.lora.enabled and config.lora.sync != LoraSync.merged
+    """Adapters are loaded into the server at runtime (not merged into full weights). ``auto`` means merged
+    until the adapter transport exists."""
+    return config.lora.enabled and config.lora.sync == LoraSync.adapter
 
 
 @dataclass(frozen=True)

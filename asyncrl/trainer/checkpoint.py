@@ -1,9 +1,10 @@
 """Atomic checkpoints and resume.
 
 A checkpoint is written into ``step_NNNNNN.tmp`` and renamed when complete, so a crash never leaves a
-half checkpoint that resume would pick up. It holds the model (save_pretrained) and tokenizer, the
-optimizer and scheduler states, RNG states, ``trainer_state.json`` (step, model_version, ...) and
-``rollout_state.json``: the index of the first prompt not yet trained, where the worker resumes.
+half checkpoint that resume would pick up. It holds the model (save_pretrained: with LoRA only the adapter,
+which resume puts back on model.name_or_path) and tokenizer, the optimizer and scheduler states, RNG states,
+``trainer_state.json`` (step, model_version, ...) and ``rollout_state.json``: the index of the first prompt
+not yet trained, where the worker resumes.
 """
 
 from __future__ import annotations

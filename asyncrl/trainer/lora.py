@@ -53,8 +53,10 @@ def _check_tied_embeddings(config: Config, base: torch.nn.Module) -> None:
     targets = config.lora.target_modules
     adapted = ([] if isinstance(targets, str) else list(targets)) + list(config.lora.modules_to_save or [])
     if leaf in adapted:
-        raise ValueError(f"lora: {config.model.name_or_path} ties {leaf} to lm_head, so adapting {leaf} "
-                         "(lora.target_modules / lora.modules_to_save) would train lm_head, which is not supported")
+        raise ValueError(
+            f"lora: {config.model.name_or_path} ties {leaf} to lm_head, so adapting {leaf} "
+            "(lora.target_modules / lora.modules_to_save) would train lm_head, which is not supported"
+        )
 
 
 def wrap(config: Config, base: torch.nn.Module, path: str) -> torch.nn.Module:

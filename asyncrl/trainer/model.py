@@ -30,7 +30,10 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
 
     m = config.model
     adapter_path = path if config.lora.enabled else None
-    if config.lora.enabled and lora.is_adapter_dir(path):
+    if lora.is_adapter_dir(path):
+        if not config.lora.enabled:
+            raise ValueError(f"{path} holds a LoRA adapter: resume it with the lora settings it was trained with "
+                             "(lora=default or lora.enabled=true)")  # fmt: skip
         path = m.name_or_path
     if m.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={m.dtype!r} must be one of {', '.join(_DTYPES)}")

@@ -129,8 +129,12 @@ class WeightSync:
 
 def build_weight_sync(config: Config, control: ControlClient, run_dir: Path, prepared: Any = None) -> WeightSync:
     """Check the running server against the config, then build the sync backend it speaks (not yet init'ed)."""
+    from asyncrl.config.schema import LoraSync
     from asyncrl.server.checks import check_server
 
+    if config.lora.enabled and config.lora.sync == LoraSync.adapter:
+        raise WeightSyncError("lora.sync=adapter: adapter-only sync is not implemented yet; use lora.sync=merged "
+                              "(or auto), which merges the adapter and sends full weights")  # fmt: skip
     facts = check_server(config, control, dataset=getattr(prepared, "dataset", None),
                          tokenizer=getattr(prepared, "tokenizer", None))  # fmt: skip
     log.info("server %s %s: max_model_len %d, weight transfer %s, candidate sets %s", facts.backend, facts.version,

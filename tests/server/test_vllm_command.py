@@ -207,8 +207,10 @@ def test_candidate_set_flags_follow_the_release(version, expected):
 
 
 def test_api_server_count_rules():
-    lora = to_config(compose([*BASE, "lora=default"]))
+    lora = to_config(compose([*BASE, "lora=default", "lora.sync=adapter"]))
     assert api_server_count(lora, "0.33.0") == 1  # runtime LoRA loading refuses more than one
+    merged = to_config(compose([*BASE, "lora=default"]))  # auto = merged until adapter sync exists
+    assert api_server_count(merged, "0.33.0") == 8
     plain = to_config(compose(BASE))
     assert api_server_count(plain, "0.32.0") == 8 and api_server_count(plain, "0.31.0") is None
     explicit = to_config(compose([*BASE, "server.api_server_count=3"]))

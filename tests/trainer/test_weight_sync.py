@@ -134,12 +134,15 @@ def test_a_failure_at_each_step_is_an_error_and_the_server_is_resumed(step, serv
     with pytest.raises(WeightSyncError, match=f"weight sync failed at {step}"):
         sync.push(model, 7)
     assert time.monotonic() - started < 20
+    sync.close()
     with ControlClient(server.base_url, timeout_s=30) as plain:
         if step == "resume":
             assert plain.is_paused()  # the one step that cannot resume the server itself
             plain.resume()
         assert not plain.is_paused()
-        WeightSync(plain, FileTransport(tmp_path)).push(model, 8)  # no half-open update is left behind
+        again = WeightSync(plain, FileTransport(tmp_path))
+        again.push(model, 8)  # no half-open update is left behind
+        again.close()
         assert plain.weight_version() == "8"
 
 

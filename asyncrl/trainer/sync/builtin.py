@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.client import ControlClient
-from asyncrl.config.schema import Config, LoraSync
-from asyncrl.trainer.sync.base import Transport, WeightSyncError
+from asyncrl.config.schema import Config
+from asyncrl.trainer.sync.base import Transport
 from asyncrl.trainer.sync.tensors import serving_dtype, unique_state_dict
 
 
@@ -33,10 +33,7 @@ class FileTransport(Transport):
 
     @classmethod
     def from_config(cls, *, config: Config, run_dir: Path) -> FileTransport:
-        """``lora.sync=auto`` means merged here: the built-in server does not load adapters."""
-        if config.lora.enabled and config.lora.sync == LoraSync.adapter:
-            raise WeightSyncError("lora.sync=adapter: the built-in server cannot load adapters; "
-                                  "use lora.sync=merged (or auto) with it")  # fmt: skip
+        """The serving dtype's file transport (``build_weight_sync`` refuses adapter-only sync before this)."""
         return cls(run_dir, serving_dtype(config))
 
     def init(self, control: ControlClient) -> None:

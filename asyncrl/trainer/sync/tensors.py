@@ -64,4 +64,5 @@ def parameter_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> lis
 def unique_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Parameters and buffers by name on the CPU, each storage once (tied weights under their first name)."""
     model = _unwrap(model)
-    return {name: _cast(tensor, dtype).contiguous().cpu() for name, tensor in _served(model, model.state_dict().items())}
+    served = _served(model, model.state_dict().items())
+    return {name: _cast(tensor, dtype).contiguous().cpu() for name, tensor in served}
