@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +19,7 @@ from fastapi import FastAPI, Request
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import Completion, GenerationClient, SamplingParams
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.server.process import free_port
 from asyncrl.trainer.forward import _restrict_to_candidates
 
 
@@ -55,14 +53,8 @@ def test_renormalisation_over_candidate_sets_matches_float64():
 
 
 @pytest.fixture(scope="module")
-def server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu", "--served-model-name", "tiny"]  # fmt: skip
-    log = tmp_path_factory.mktemp("candidates-server") / "server.log"
-    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
-                       startup_timeout_s=120) as process:  # fmt: skip
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 def test_sets_from_the_generate_endpoint_reproduce_the_samplers_logprobs(server, random_tiny_model_dir):
@@ -71,7 +63,7 @@ def test_sets_from_the_generate_endpoint_reproduce_the_samplers_logprobs(server,
                             return_sampling_mask=True)  # fmt: skip
 
     async def sample() -> tuple[Completion, bool | None]:
-        async with GenerationClient(server.base_url, "tiny", timeout_s=60) as client:
+        async with GenerationClient(server.base_url, str(random_tiny_model_dir), timeout_s=60) as client:
             return await client.sample(prompt, params), client.candidate_sets
 
     out, capable = asyncio.run(sample())

@@ -5,7 +5,6 @@ adapter and resume from it."""
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from transformers import AutoTokenizer
 from asyncrl.client import ControlClient
 from asyncrl.config import compose, to_config
 from asyncrl.config.schema import Config
-from asyncrl.server.process import ServerProcess, free_port
 from asyncrl.trainer import lora
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from asyncrl.trainer.model import build_optimizer, load_model
@@ -102,14 +100,8 @@ def test_merged_weights_equal_peft_merge_under_base_names(random_tiny_model_dir,
 
 
 @pytest.fixture(scope="module")
-def server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu", "--max-num-seqs", "8"]  # fmt: skip
-    log = tmp_path_factory.mktemp("lora-server") / "server.log"
-    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
-                       startup_timeout_s=120) as process:  # fmt: skip
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.mark.parametrize("sync", ["merged", "auto"])

@@ -21,7 +21,6 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config import compose, to_config
-from asyncrl.server.process import ServerProcess, free_port
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.vllm_common import Background, ipc_json, ipc_transport, nccl_transport, run_watched
 from asyncrl.trainer.sync.vllm_factory import RoundClient, serving_source
@@ -31,14 +30,8 @@ STEPS = ("stage", "pause", "start_weight_update", "update_weights", "finish_weig
 
 
 @pytest.fixture(scope="module")
-def server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu", "--max-num-seqs", "8"]  # fmt: skip
-    log = tmp_path_factory.mktemp("sync-server") / "server.log"
-    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
-                       startup_timeout_s=120) as process:  # fmt: skip
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture
