@@ -86,9 +86,9 @@ class Trainer:
             step = self.assembler.next_step()
             if not step.rows:
                 break
-            self._optimize(step)
+            rows = self._optimize(step)
             self.state.step += 1
-            self._grant_allowance(step)
+            self._grant_allowance(step, rows)
             if self.state.step % self.config.staleness.weight_sync_steps == 0:
                 self._sync_weights()
             self._record_step_time(step, time.perf_counter() - step_started)
@@ -114,7 +114,7 @@ class Trainer:
         total = self.prepared.total_prompts(self.config)
         return total is not None and self.progress.cursor >= total
 
-    def _optimize(self, step: Step) -> None:
+    def _optimize(self, step: Step) -> list[Any]:
         rows = [row.pack(self.top_k) for row in step.rows]
         self.loss.start_step(rows)
         self.model.train()
@@ -144,6 +144,7 @@ class Trainer:
         self.window.update(perf_metrics(rows, fwd_s, fwd_bwd_s, optimizer_s, step.wait_s, self.model.config))
         self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue))
         self.num_tokens += sum(r.num_forwarded for r in rows)
+        return rows
 
     def _record_step_time(self, step: Step, seconds: float) -> None:
         tokens = sum(s.num_tokens for s in step.samples)
@@ -152,9 +153,17 @@ class Trainer:
         self.window.add("perf/wall_clock_forwarded_tokens_per_s", tokens / max(seconds, 1e-9))
         self.window.add("perf/wall_clock_trained_tokens_per_s", trained / max(seconds, 1e-9))
 
-    def _grant_allowance(self, step: Step) -> None:
-        """Let the worker hold max(max_staleness, 1) steps' worth of the tokens this step consumed."""
+    def _grant_allowance(self, step: Step, rows: list[Any]) -> None:
+        """Let the worker hold max(max_staleness, 1) steps' worth of the tokens this step consumed.
+
+        Synchronous mode generates exactly one batch per step, so a step is as large as the allowance: there
+        it is the sample tokens that fill the step's rows at the packing ratio just measured (tree rows hold
+        more sample tokens than their budget of unique tokens), never the batch itself, which would grow by
+        its own overshoot every step."""
         consumed = sum(s.num_tokens for s in step.samples)
+        if self.config.staleness.max_staleness == 0:
+            forwarded = max(1, sum(r.num_forwarded for r in rows))
+            consumed = int(self.config.trainer.gradient_accumulation_steps * self.token_budget * consumed / forwarded)
         self.channels.token_allowance.value = max(1, self.config.staleness.max_staleness) * max(consumed, 1)
 
     def _sync_weights(self) -> None:
