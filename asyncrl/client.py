@@ -67,6 +67,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     max_tokens: int = 16
+    min_tokens: int = 0
     logprobs: int | None = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()

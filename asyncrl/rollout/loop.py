@@ -92,11 +92,10 @@ class AsyncRolloutLoop:
             tool_stats=stats,
         )  # fmt: skip
 
-    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One server request with every sampling setting sent explicitly and a unique seed."""
+    def sampling_params(self, prompt_ids: list[int]) -> SamplingParams:
+        """Every sampling setting of one turn, sent explicitly, with a unique seed (override to vary per turn)."""
         s = self.config.sampling
-        truncating = s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0
-        params = SamplingParams(
+        return SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
@@ -105,8 +104,14 @@ class AsyncRolloutLoop:
             max_tokens=max(1, min(s.max_completion_length, self.max_model_len - len(prompt_ids))),
             logprobs=s.num_sampler_logprobs,
             seed=next(self._seeds) % (2**31 - 1),
-            return_sampling_mask=truncating,
+            return_sampling_mask=s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0,
         )
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One server request; candidate sets come back when the sampler truncated (top-k/top-p/min-p)."""
+        params = self.sampling_params(prompt_ids)
+        truncating = params.return_sampling_mask
+        s = self.config.sampling
         out = await self.client.sample(prompt_ids, params)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
