@@ -1,0 +1,316 @@
+"""End-to-end speed with the real CLI on one GPU: does overlapping generation and training pay? (issue 11)
+
+    python benchmarks/e2e.py                                   # H200: vLLM and the trainer share the GPU (ipc sync)
+    python benchmarks/e2e.py --backend builtin --tiny --steps 3   # CPU rehearsal of the same phases
+
+One server is started (vLLM, or the built-in one) and every variant attaches to it with `asyncrl train
+server.launch=false`, so each variant pays the trainer's start-up only. The model is Qwen3-0.6B-shaped with random
+weights and a locally built word-level tokenizer; each rollout's length is drawn from a log-normal tail
+(`min_tokens = max_tokens`, through the rollout loop's `sampling_params` hook) so timing resembles reasoning RL
+whatever the random model samples. Reward: closeness of the length to the median (cheap, verifiable, varies within
+a group). Prints one table; writes e2e.json under --out (and $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncrl.rollout.loop import AsyncRolloutLoop  # noqa: E402
+
+PEAK_TFLOPS = 990.0  # H200 dense bf16 (datasheet)
+SHAPES = {
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                 tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True),
+}  # fmt: skip
+# (prompt words lo, hi), median completion tokens, sigma of log length, max completion tokens, token budget
+WORKLOAD = {"0.6b": ((128, 512), 384, 0.9, 2048, 16384), "tiny": ((8, 24), 12, 0.6, 48, 512)}
+
+
+class LengthControlledLoop(AsyncRolloutLoop):
+    """Each turn's length is drawn from a log-normal (seeded by the request seed), so a random model's rollouts
+    have the long tail of reasoning RL: ``rollout.options`` = {median_tokens, sigma}."""
+
+    def sampling_params(self, prompt_ids: list[int]):  # type: ignore[no-untyped-def]
+        params = super().sampling_params(prompt_ids)
+        options = self.config.rollout.options
+        rng = random.Random(params.seed)
+        length = int(
+            min(params.max_tokens, max(8, rng.lognormvariate(math.log(options["median_tokens"]), options["sigma"])))
+        )
+        return dataclasses.replace(params, max_tokens=length, min_tokens=length)
+
+
+# ---- the model, tokenizer and prompts the run builds ----------------------------------------------------------
+
+
+def build_assets(out: Path, shape: str, num_prompts: int = 512) -> tuple[Path, Path]:
+    """A random-weight model + word-level tokenizer (one word per id) and a jsonl of random prompts."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    model_dir, data = out / "model", out / "prompts.jsonl"
+    if (model_dir / "config.json").exists() and data.exists():
+        return model_dir, data
+    cfg = SHAPES[shape]
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, cfg["vocab_size"])}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    torch.manual_seed(0)
+    config = Qwen3Config(**cfg, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    Qwen3ForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    (lo, hi), *_ = WORKLOAD[shape]
+    rng = random.Random(0)
+    with data.open("w") as f:
+        for _ in range(num_prompts):
+            words = " ".join(f"w{rng.randrange(2, cfg['vocab_size'])}" for _ in range(rng.randint(lo, hi)))
+            f.write(json.dumps({"prompt": [{"role": "user", "content": words}]}) + "\n")
+    return model_dir, data
+
+
+def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> list[str]:
+    _, median, sigma, max_len, budget = WORKLOAD[args.shape]
+    server = (["server.backend=vllm", "server.dtype=bfloat16", f"server.gpu_memory_utilization={args.gpu_memory}",
+               "server.extra_args=[--enforce-eager]"]
+              if args.backend == "vllm" else
+              ["server.backend=builtin", f"server.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
+               f"server.device={args.device}", f"server.max_num_seqs={args.concurrency}"])  # fmt: skip
+    return [
+        f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_path=null", "reward=length",
+        f"reward_funcs=[{{name:length,target:{median},scale:0.01}}]",
+        "sampling.num_generations=8", f"sampling.max_completion_length={max_len}", "sampling.num_sampler_logprobs=8",
+        "rollout.loop_cls=benchmarks.e2e:LengthControlledLoop",
+        f"++rollout.options={{median_tokens:{median},sigma:{sigma}}}",
+        f"staleness.max_concurrent_rollouts={args.concurrency}", "trainer.learning_rate=1e-6",
+        "trainer.save_strategy=no", f"trainer.gradient_checkpointing={args.device == 'cuda'}",
+        f"packing.token_budget={budget}", "logging.console=plain", *server,
+    ]  # fmt: skip
+
+
+# ---- phases -----------------------------------------------------------------------------------------------------
+
+
+def standalone_tokens_per_s(base_url: str, name: str, args: argparse.Namespace, requests: int) -> float:
+    """The server alone: `requests` rollouts of the workload's length tail at the run's concurrency."""
+    from asyncrl.client import GenerationClient, SamplingParams
+
+    (lo, hi), median, sigma, _, _ = WORKLOAD[args.shape]
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rng = random.Random(1)
+    jobs = []
+    for i in range(requests):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))]
+        length = int(min(WORKLOAD[args.shape][3], max(8, rng.lognormvariate(math.log(median), sigma))))
+        jobs.append((prompt, SamplingParams(max_tokens=length, min_tokens=length, logprobs=8, seed=i)))
+
+    async def run() -> float:
+        gate = asyncio.Semaphore(args.concurrency)
+        async with GenerationClient(base_url, name, timeout_s=600) as client:
+
+            async def one(prompt: list[int], params: SamplingParams) -> int:
+                async with gate:
+                    return len((await client.complete(prompt, params)).token_ids)
+
+            started = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(p, s) for p, s in jobs)))
+            return tokens / (time.perf_counter() - started)
+
+    return asyncio.run(run())
+
+
+def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, extra: list[str]) -> dict[str, Any]:
+    """One `asyncrl train` attached to the running server; its metrics rows and timeline summary."""
+    run_dir = args.out / "runs" / name
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    argv = [sys.executable, "-m", "asyncrl", "train", *base, "server.launch=false", f"server.base_url={base_url}",
+            f"trainer.max_steps={args.steps}", f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
+    print("$ asyncrl train ... " + " ".join(extra), flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.run_timeout)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-5000:], flush=True)
+        return {"name": name, "failed": proc.returncode}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timeline = json.loads((run_dir / "timeline.json").read_text())["summary"]
+    return {"name": name, "cli_wall_s": wall, "rows": rows, "timeline": timeline}
+
+
+def summarise(run: dict[str, Any], model_cfg: dict[str, int]) -> dict[str, Any]:
+    """The table's quantities from one run's metrics rows."""
+    rows = [r.get("metrics", r) for r in run["rows"]]
+
+    def series(key: str) -> list[float]:
+        return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
+
+    def mean(key: str, skip: int = 0) -> float:
+        values = series(key)[skip:]
+        return sum(values) / len(values) if values else float("nan")
+
+    times = series("time_s")
+    steady = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else float("nan")
+    trained = series("batch/trained_tokens_per_step")
+    forwarded = series("batch/forwarded_tokens_per_step")
+    fwd_bwd = series("perf/fwd_bwd_s")
+    dropped = sum(series("sample/dropped_stale_count"))
+    used = sum(series("batch/samples_per_step"))
+    flops = sum(train_flops(model_cfg, f, t) for f, t in zip(forwarded, trained, strict=False))
+    return {
+        "name": run["name"], "steps": len(rows), "time_to_last_step_s": times[-1], "steady_step_s": steady,
+        "sync_s": mean("perf/weight_sync_s", 1), "sync_pause_s": mean("perf/weight_sync_pause_s", 1),
+        "sync_transfer_s": mean("perf/weight_sync_transfer_s", 1),
+        "gen_tokens_per_s": mean("rollout/generated_tokens_per_s", 1),
+        "trained_tokens_per_s": sum(trained) / max(sum(fwd_bwd), 1e-9), "mfu": flops / max(sum(fwd_bwd), 1e-9)
+        / (PEAK_TFLOPS * 1e12), "packing_ratio": mean("batch/packing_ratio"),
+        "staleness_mean": mean("sample/staleness_mean"), "staleness_max": max(series("sample/staleness_max") or [0]),
+        "dropped_stale_frac": dropped / max(dropped + used, 1), "overlap_frac": run["timeline"]["overlap_frac"],
+        "phases_s": {k.split("/")[-1]: mean(k, 1) for k in ("perf/step_s", "perf/rollout_wait_s", "perf/fwd_bwd_s",
+                                                              "perf/optimizer_s", "perf/weight_sync_s")},
+        "cap": series("rollout/concurrency_cap"), "kv_usage": series("rollout/vllm_kv_cache_usage_frac"),
+    }  # fmt: skip
+
+
+def train_flops(cfg: dict[str, int], forwarded: float, trained: float) -> float:
+    """fwd+bwd FLOPs: 6 x (non-embedding params) per forwarded token + the LM head at trained positions only;
+    attention's quadratic term is left out, so the MFU printed is a slight underestimate."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg["intermediate_size"]
+    return 6 * layers * per_layer * forwarded + 6 * h * cfg["vocab_size"] * trained
+
+
+# ---- main -------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["vllm", "builtin"], default="vllm")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and workload (CPU rehearsal)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--staleness", default="0,1,2,4", help="max_staleness values; 0 = synchronous mode")
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--gpu-memory", type=float, default=0.3, help="vLLM --gpu-memory-utilization")
+    parser.add_argument("--standalone-requests", type=int, default=512)
+    parser.add_argument("--builtin-too", action="store_true", help="also time the built-in server on the GPU")
+    parser.add_argument("--run-timeout", type=float, default=300)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    import torch
+
+    args.shape = "tiny" if args.tiny else "0.6b"
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="e2e-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="e2e-assets-"))
+    started = time.perf_counter()
+    model_dir, data = build_assets(work, args.shape)
+    print(f"[build] {args.shape} model + tokenizer + prompts in {time.perf_counter() - started:.0f} s", flush=True)
+    base = base_overrides(args, model_dir, data)
+    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    result["server"] = serve_and_measure(args, base, args.backend)
+    if args.builtin_too and args.backend == "vllm":
+        args.backend = "builtin"
+        result["builtin_server"] = serve_and_measure(args, base_overrides(args, model_dir, data), "builtin",
+                                                     train_runs=False)  # fmt: skip
+    (args.out / "e2e.json").write_text(json.dumps(result, indent=1))
+    print_table(result)
+
+
+def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, train_runs: bool = True) -> dict:
+    from asyncrl.config import compose, to_config
+    from asyncrl.launch import start_server
+    from asyncrl.server.command import served_model_name
+
+    config = to_config(compose([*base, f"trainer.output_dir={args.out / ('server-' + backend)}"]))
+    out: dict[str, Any] = {"backend": backend}
+    (args.out / f"server-{backend}").mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with start_server(config, args.out / f"server-{backend}") as server:
+        out["startup_s"] = time.perf_counter() - started
+        name = served_model_name(config)
+        print(f"[{backend}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)
+        standalone_tokens_per_s(server.base_url, name, args, requests=min(64, args.standalone_requests))  # warm-up
+        out["standalone_tokens_per_s"] = standalone_tokens_per_s(server.base_url, name, args, args.standalone_requests)
+        print(f"[{backend}] standalone: {out['standalone_tokens_per_s']:,.0f} generated tokens/s", flush=True)
+        if not train_runs:
+            return out
+        model_cfg = SHAPES[args.shape]
+        variants = [(f"staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
+        variants.append(("flat_staleness2", ["staleness.max_staleness=2", "packing=flat",
+                                             f"packing.token_budget={WORKLOAD[args.shape][4]}"]))  # fmt: skip
+        out["runs"] = []
+        for name_, extra in variants:
+            run = train(args, base, server.base_url, name_, extra)
+            if "failed" in run:
+                out["runs"].append(run)
+                continue
+            summary = summarise(run, model_cfg)
+            out["runs"].append(summary)
+            scalars = {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}
+            print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
+    return out
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    runs = [r for r in result["server"].get("runs", []) if "failed" not in r]
+    by_name = {r["name"]: r for r in runs}
+    sync = by_name.get("staleness0")
+    print(
+        "\n| run | steps | to last step s | steady s/step | speedup vs sync | sync s (pause/transfer) | gen tok/s "
+        "| trained tok/s | MFU | pack ratio | stale mean/max | dropped | overlap |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        speedup = sync["steady_step_s"] / r["steady_step_s"] if sync else float("nan")
+        print(f"| {r['name']} | {r['steps']} | {r['time_to_last_step_s']:.1f} | {r['steady_step_s']:.2f} | "
+              f"{speedup:.2f}x | {r['sync_s']:.3f} ({r['sync_pause_s']:.3f}/{r['sync_transfer_s']:.3f}) | "
+              f"{r['gen_tokens_per_s']:,.0f} | {r['trained_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+              f"{r['packing_ratio']:.2f} | {r['staleness_mean']:.2f}/{r['staleness_max']:.0f} | "
+              f"{r['dropped_stale_frac']:.1%} | {r['overlap_frac']:.2f} |")  # fmt: skip
+    server = result["server"]
+    print(f"\nstandalone {server['backend']} server: {server['standalone_tokens_per_s']:,.0f} generated tokens/s "
+          f"(startup {server['startup_s']:.0f} s)")  # fmt: skip
+    if "builtin_server" in result:
+        b = result["builtin_server"]
+        print(
+            f"standalone built-in server on the same GPU: {b['standalone_tokens_per_s']:,.0f} generated tokens/s "
+            f"({b['standalone_tokens_per_s'] / server['standalone_tokens_per_s']:.0%} of {server['backend']})"
+        )
+    print("\nwhere a step's time goes (mean seconds per step after the first):")
+    for r in runs:
+        print(f"  {r['name']}: " + ", ".join(f"{k}={v:.2f}" for k, v in r["phases_s"].items()))
+    for r in runs:
+        if r["cap"]:
+            print(f"cap trajectory {r['name']}: {[int(c) for c in r['cap']]}; kv usage "
+                  f"{[round(k, 2) for k in r['kv_usage']]}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
