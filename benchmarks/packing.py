@@ -2,23 +2,30 @@
 
 A Qwen3-0.6B-shaped model with random weights built from its config (nothing downloaded), bf16, no gradient
 checkpointing. Rows: groups of 8 completions (128-2048 tokens, long-tailed) of one prompt (512-2048 tokens),
-planned by the trainer's planner (dp=1) and forwarded by the trainer's `packed_forward`; padded batches go
-through transformers' own SDPA with a padding mask and the same log-probability epilogue. Imports only
-torch, transformers and asyncrl.packing/asyncrl.trainer.forward (no hydra), so it runs on a bare GPU box:
+planned by the trainer's planner (dp=1) and forwarded by the trainer's `packed_forward` (LM-head log-probs in
+chunks of --logit-chunk-tokens); padded batches go through transformers' own SDPA with a padding mask and the
+same chunked log-probabilities. Every budget runs padded, flat and tree with eager decoder layers, then flat
+and tree again with torch.compile'd layers (the trainer's packing.compile_layers); exactness of each attention
+backend against unpacked SDPA comes last. Imports only torch, transformers and asyncrl.packing/asyncrl.trainer
+(no hydra), so it runs on a bare GPU box; with $OUT set, the results also go to $OUT/packing.json:
 
-    python benchmarks/packing.py                       # the H200 table (budgets 16k and 32k)
-    python benchmarks/packing.py --tiny --groups 4     # a CPU smoke run of the same code
+    python benchmarks/packing.py                       # the H200 table (budgets 16k and 32k), ~4 minutes
+    python benchmarks/packing.py --tiny                # a CPU rehearsal of the same code (compiles with aot_eager)
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import random
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -27,6 +34,7 @@ from asyncrl.packing import FlatRow, TreeRow, plan_micro_batches
 from asyncrl.packing.row import PackedRow
 from asyncrl.rollout.types import RolloutSample, TrainingSequence
 from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
 PEAK_TFLOPS = 990.0  # H200 dense bf16 (datasheet); a large bf16 matmul measures about 790
 
@@ -92,7 +100,8 @@ class Batch:
     flops: float
 
 
-def packed_batches(model, samples, packer, budget, attention, config) -> tuple[list[Batch], float]:
+def packed_batches(model, samples, packer, budget, attention, config, chunk: int, compile_layers: bool | str
+                   ) -> tuple[list[Batch], float]:  # fmt: skip
     started = time.perf_counter()
     micro_batches, _ = plan_micro_batches(samples, lambda: packer(budget), 1, budget)
     rows = [mb[0].pack(top_k=0) for mb in micro_batches]
@@ -103,7 +112,8 @@ def packed_batches(model, samples, packer, budget, attention, config) -> tuple[l
         advantages = row.advantages.to(device)
 
         def run() -> None:
-            out = packed_forward(model, row, 1.0, attention=attention)
+            out = packed_forward(model, row, 1.0, attention=attention, logit_chunk_tokens=chunk,
+                                 compile_layers=compile_layers)  # fmt: skip
             (-(out.logprobs * advantages).sum() / row.num_trained).backward()
 
         return run
@@ -113,7 +123,7 @@ def packed_batches(model, samples, packer, budget, attention, config) -> tuple[l
     return batches, pack_s
 
 
-def padded_batches(model, samples, budget, config) -> list[Batch]:
+def padded_batches(model, samples, budget, config, chunk: int) -> list[Batch]:
     """Arrival order, as many samples per batch as keep batch x longest within the budget."""
     groups, current = [], []
     for sample in samples:
@@ -122,10 +132,10 @@ def padded_batches(model, samples, budget, config) -> list[Batch]:
             current = []
         current.append(sample)
     groups.append(current)
-    return [_padded_batch(model, group, config) for group in groups]
+    return [_padded_batch(model, group, config, chunk) for group in groups]
 
 
-def _padded_batch(model, group: list[RolloutSample], config) -> Batch:
+def _padded_batch(model, group: list[RolloutSample], config, chunk: int) -> Batch:
     device = next(model.parameters()).device
     width = max(s.num_tokens for s in group)
     ids = torch.zeros(len(group), width, dtype=torch.long)
@@ -146,12 +156,8 @@ def _padded_batch(model, group: list[RolloutSample], config) -> Batch:
 
     def run() -> None:
         hidden = model.model(input_ids=ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1])[index]).float()
-        logprobs_all = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # as packed_forward computes them
-        logprobs = logprobs_all.gather(1, target[:, None]).squeeze(1)
-        with torch.no_grad():
-            probs = logprobs_all.exp()
-            (-(probs * logprobs_all).sum(-1)).mean()
+        hidden = hidden.reshape(-1, hidden.shape[-1])[index]
+        logprobs = compute_token_logprobs(hidden, model.lm_head, target, 1.0, chunk_tokens=chunk).logprobs
         (-(logprobs * adv).sum() / len(targets)).backward()
 
     raw = sum(s.num_tokens for s in group)
@@ -162,7 +168,7 @@ def _padded_batch(model, group: list[RolloutSample], config) -> Batch:
 # ---- measuring ----------------------------------------------------------------------------------------------
 
 
-def measure(model, batches: list[Batch], device: torch.device) -> dict[str, float]:
+def measure(model, batches: list[Batch], device: torch.device) -> dict[str, float | None]:
     """One warm-up batch, then every batch once: fwd+bwd seconds, throughput, peak memory, MFU."""
     batches[0].run()
     model.zero_grad(set_to_none=True)
@@ -183,7 +189,7 @@ def measure(model, batches: list[Batch], device: torch.device) -> dict[str, floa
         "forwarded_per_row": sum(b.forwarded for b in batches) / len(batches),
         "seconds": seconds,
         "trained_per_s": trained / seconds,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "mfu": sum(b.flops for b in batches) / seconds / (PEAK_TFLOPS * 1e12),
     }
 
@@ -193,10 +199,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def exactness(model, samples: list[RolloutSample], attentions: list[str]) -> list[tuple[str, float, float]]:
-    """Max and mean |packed - alone| log-probability per backend (alone: transformers' SDPA, same bf16 weights)."""
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation("sdpa")
+def exactness(model, reference, samples: list[RolloutSample], attentions: list[str],
+              compile_layers: bool | str = False) -> list[dict[str, Any]]:  # fmt: skip
+    """Max and mean |packed - alone| log-probability per backend (alone: transformers' SDPA, same weights)."""
     device = next(model.parameters()).device
     results = []
     with torch.no_grad():
@@ -213,14 +218,14 @@ def exactness(model, samples: list[RolloutSample], attentions: list[str]) -> lis
                 row.add(sample)
             packed_row = row.pack(top_k=0)
             for attention in attentions:
+                result: dict[str, Any] = {"layout": name, "attention": attention, "dtype": str(model.dtype)}
                 try:
-                    logprobs = packed_forward(model, packed_row, 1.0, attention=attention).logprobs
+                    out = packed_forward(model, packed_row, 1.0, attention=attention, compile_layers=compile_layers)
+                    diff = (out.logprobs - expected_all).abs()
+                    result |= {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
                 except Exception as exc:  # reported, so that the other backends still get measured
-                    print(f"exactness {name}/{attention} failed: {type(exc).__name__}: {exc}", flush=True)
-                    continue
-                diff = (logprobs - expected_all).abs()
-                results.append((f"{name}/{attention}", float(diff.max()), float(diff.mean())))
-    del reference
+                    result["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                results.append(result)
     return results
 
 
@@ -235,83 +240,143 @@ def profile_top(run: Callable[[], None], device: torch.device, limit: int = 14) 
     return prof.key_averages().table(sort_by=key, row_limit=limit, max_name_column_width=60)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--groups", type=int, default=24, help="prompts, 8 completions each")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768])
-    parser.add_argument("--attention", nargs="+", default=["varlen", "flex"],
+    parser.add_argument("--attention", nargs="+", default=["varlen"],
                         help="backends timed for tree packing (flat uses the first)")  # fmt: skip
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, short samples")
-    parser.add_argument("--profile", action="store_true", help="print the top kernels of one tree row")
+    parser.add_argument("--exact-attention", nargs="+", default=["varlen", "flex"],
+                        help="backends checked for exactness")  # fmt: skip
+    parser.add_argument("--logit-chunk-tokens", type=int, default=4096, help="trainer.logit_chunk_tokens (0 = all)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the runs with torch.compile'd layers")
+    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny model, short samples, sdpa")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of one flat and one tree row")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--exactness-only", action="store_true", help="skip the timing table")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    return parser.parse_args()
 
+
+Run = tuple[str, str, list[Batch], float]
+
+
+def timing_runs(model, samples, budget: int, attentions: list[str], config, chunk: int,
+                compile_layers: bool | str) -> list[Run]:  # fmt: skip
+    """Padded (eager only), flat and tree batches; compile_layers as the trainer's packing.compile_layers."""
+    runs: list[Run] = []
+    if not compile_layers:
+        model.set_attn_implementation("sdpa")
+        runs.append(("padded", "sdpa", padded_batches(model, samples, budget, config, chunk), 0.0))
+    for mode, packer, names in (("flat", FlatRow, attentions[:1]), ("tree", TreeRow, attentions)):
+        for attention in names:
+            batches, pack_s = packed_batches(model, samples, packer, budget, attention, config, chunk, compile_layers)
+            runs.append((mode, attention, batches, pack_s))
+    return runs
+
+
+def time_runs(model, runs: list[Run], budget: int, layers: str, device, results: list[dict[str, Any]]) -> None:
+    for mode, attention, batches, pack_s in runs:
+        if mode == "padded":
+            model.set_attn_implementation("sdpa")
+        try:
+            stats: dict[str, Any] = measure(model, batches, device)
+        except Exception as exc:  # an OOM or a backend that fails here is a result of the table, not the end
+            stats = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            model.zero_grad(set_to_none=True)
+        results.append({"budget": budget, "mode": mode, "attention": attention, "layers": layers,
+                        "pack_s": pack_s, **stats})  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _print_row(results[-1], results, flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    started = time.perf_counter()
     device = torch.device("cpu" if args.tiny else "cuda")
     config = qwen3_0_6b(args.tiny)
     torch.manual_seed(args.seed)
     with device:
         model = Qwen3ForCausalLM(config).to(torch.float32 if args.tiny else torch.bfloat16)
     model.train()
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
     attentions = ["sdpa"] if args.tiny else args.attention
+    exact_attentions = ["sdpa", "flex"] if args.tiny else args.exact_attention
     scale = 1 / 16 if args.tiny else 1.0
+    budgets = [int(b * scale) for b in args.budgets]
+    chunk = args.logit_chunk_tokens
+    chunk = max(1, int(chunk * scale)) if chunk else 0
     samples = grpo_samples(args.groups, config.vocab_size, args.seed, scale)
+    exact_samples = grpo_samples(2, config.vocab_size, args.seed + 1, scale * 0.5)
+    header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "samples": len(samples), "raw_tokens": sum(s.num_tokens for s in samples),
+              "trained_tokens": sum(s.num_trained for s in samples), "logit_chunk_tokens": chunk}  # fmt: skip
+    print(" ".join(f"{k}={v}" for k, v in header.items()), flush=True)
+    print(_HEADER, flush=True)
 
-    print(f"device={torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} torch={torch.__version__} "
-          f"samples={len(samples)} raw_tokens={sum(s.num_tokens for s in samples)} "
-          f"trained_tokens={sum(s.num_trained for s in samples)}", flush=True)  # fmt: skip
-    results = []
-    for index, budget in enumerate([] if args.exactness_only else args.budgets):
-        budget = int(budget * scale) if args.tiny else budget
-        runs: list[tuple[str, str, list[Batch], float]] = []
-        model.set_attn_implementation("sdpa")
-        runs.append(("padded", "sdpa", padded_batches(model, samples, budget, config), 0.0))
-        runs.append(("flat", attentions[0], *packed_batches(model, samples, FlatRow, budget, attentions[0], config)))
-        for attention in attentions:
-            runs.append(("tree", attention, *packed_batches(model, samples, TreeRow, budget, attention, config)))
-        for mode, attention, batches, pack_s in runs:
-            if mode == "padded":
-                model.set_attn_implementation("sdpa")
-            try:
-                stats = measure(model, batches, device)
-            except Exception as exc:  # an OOM or a backend that fails here is a result of the table, not the end
-                stats = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                model.zero_grad(set_to_none=True)
-            results.append((budget, mode, attention, pack_s, stats))
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-            _print_row(results[-1], results, flush=True)
+    results: list[dict[str, Any]] = []
+    for index, budget in enumerate(budgets):
+        runs = timing_runs(model, samples, budget, attentions, config, chunk, compile_layers=False)
+        time_runs(model, runs, budget, "eager", device, results)
         if args.profile and index == 0:
-            for mode, attention, batches, _ in runs[1:3]:
-                print(f"profile: one {mode}/{attention} row of {batches[0].forwarded} tokens", flush=True)
-                print(profile_top(batches[0].run, device), flush=True)
-                model.zero_grad(set_to_none=True)
+            _profile(model, runs[1:3], device)
+    exact = exactness(model, reference, exact_samples, exact_attentions)
+    if not args.no_compile:
+        compile_started = time.perf_counter()
+        compile_layers = "aot_eager" if args.tiny else True  # aot_eager: no C++ code generation on CPU
+        for budget in budgets:
+            runs = timing_runs(model, samples, budget, attentions, config, chunk, compile_layers)
+            time_runs(model, runs, budget, "compiled", device, results)
+        print(f"compiled runs (compilation included) took {time.perf_counter() - compile_started:.0f} s", flush=True)
+        compiled = exactness(model, reference, exact_samples, attentions, compile_layers)
+        exact += [{**e, "layers": "compiled"} for e in compiled]
 
     print("\n" + _HEADER)
     for result in results:
         _print_row(result, results)
-    exact = exactness(model, grpo_samples(2, config.vocab_size, args.seed + 1, scale * 0.5), attentions)
-    for name, worst, mean in exact:
-        print(f"exactness {model.dtype} {name:14s} max|diff|={worst:.3e} mean|diff|={mean:.3e}", flush=True)
+    for e in exact:
+        label = f"{e['layout']}/{e['attention']}" + ("/compiled" if "layers" in e else "")
+        detail = e.get("error") or f"max|diff|={e['max_abs_diff']:.3e} mean|diff|={e['mean_abs_diff']:.3e}"
+        print(f"exactness {e['dtype']} {label:22s} {detail}", flush=True)
+    total_s = time.perf_counter() - started
+    print(f"total {total_s:.0f} s", flush=True)
+    _write_json({**header, "total_s": total_s, "runs": results, "exactness": exact})
+
+
+def _profile(model, runs: list[Run], device: torch.device) -> None:
+    for mode, attention, batches, _ in runs:
+        print(f"profile: one {mode}/{attention} row of {batches[0].forwarded} tokens", flush=True)
+        print(profile_top(batches[0].run, device), flush=True)
+        model.zero_grad(set_to_none=True)
+
+
+def _write_json(payload: dict[str, Any]) -> None:
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / "packing.json"
+        path.write_text(json.dumps(payload, indent=1, default=str, allow_nan=False))
+        print(f"wrote {path}", flush=True)
 
 
 _HEADER = (
-    f"{'budget':>6} {'mode':>6} {'attn':>6} {'rows':>5} {'smp/row':>7} {'ratio':>6} {'tok/row':>8} "
+    f"{'budget':>6} {'mode':>6} {'attn':>6} {'layers':>8} {'rows':>5} {'smp/row':>7} {'ratio':>6} {'tok/row':>8} "
     f"{'fwd+bwd s':>9} {'trained tok/s':>13} {'vs flat':>7} {'peak GiB':>8} {'MFU':>6} {'pack s':>6}"
 )
 
 
-def _print_row(result, results, flush: bool = False) -> None:
-    budget, mode, attention, pack_s, s = result
-    if "error" in s:
-        print(f"{budget:>6} {mode:>6} {attention:>6}  {s['error']}", flush=flush)
+def _print_row(r: dict[str, Any], results: list[dict[str, Any]], flush: bool = False) -> None:
+    lead = f"{r['budget']:>6} {r['mode']:>6} {r['attention']:>6} {r['layers']:>8}"
+    if "error" in r:
+        print(f"{lead}  {r['error']}", flush=flush)
         return
-    flat = next((r[4] for r in results if r[0] == budget and r[1] == "flat" and "error" not in r[4]), None)
-    speedup = s["trained_per_s"] / flat["trained_per_s"] if flat else float("nan")
+    flat = next((f for f in results if f["budget"] == r["budget"] and f["mode"] == "flat"
+                 and f["layers"] == r["layers"] and "error" not in f), None)  # fmt: skip
+    speedup = r["trained_per_s"] / flat["trained_per_s"] if flat else float("nan")
     print(
-        f"{budget:>6} {mode:>6} {attention:>6} {s['rows']:>5} {s['samples_per_row']:>7.2f} "
-        f"{s['packing_ratio']:>6.2f} {s['forwarded_per_row']:>8.0f} {s['seconds']:>9.2f} "
-        f"{s['trained_per_s']:>13,.0f} {speedup:>7.2f} {s['peak_gib']:>8.1f} {100 * s['mfu']:>5.1f}% {pack_s:>6.2f}",
+        f"{lead} {r['rows']:>5} {r['samples_per_row']:>7.2f} {r['packing_ratio']:>6.2f} {r['forwarded_per_row']:>8.0f} "
+        f"{r['seconds']:>9.2f} {r['trained_per_s']:>13,.0f} {speedup:>7.2f} {r['peak_gib'] or float('nan'):>8.1f} "
+        f"{100 * r['mfu']:>5.1f}% {r['pack_s']:>6.2f}",
         flush=flush,
     )
 

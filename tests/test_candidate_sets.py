@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.client import Completion, GenerationClient, SamplingParams
 from asyncrl.server.process import free_port
-from asyncrl.trainer.forward import _restrict_to_candidates
+from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
 
 def reference_logprobs(logits: np.ndarray, sets: list[list[int] | None], targets: list[int]) -> np.ndarray:
@@ -30,6 +30,14 @@ def reference_logprobs(logits: np.ndarray, sets: list[list[int] | None], targets
         support = np.arange(row.size) if candidates is None else np.asarray(candidates)
         out.append(row[target] - np.log(np.exp(row[support] - row.max()).sum()) - row.max())
     return np.asarray(out)
+
+
+def trainer_logprobs(logits: torch.Tensor, sets: list[list[int] | None], targets: list[int]) -> torch.Tensor:
+    """The trainer's renormalised log-probabilities of raw logits (through an identity LM head, 5 slots a chunk)."""
+    head = torch.nn.Linear(logits.shape[1], logits.shape[1], bias=False)
+    head.weight.data = torch.eye(logits.shape[1])
+    return compute_token_logprobs(logits, head, torch.tensor(targets), 1.0, sampling_masks=sets,
+                                  chunk_tokens=5).logprobs.detach()  # fmt: skip
 
 
 def test_renormalisation_over_candidate_sets_matches_float64():
@@ -44,8 +52,7 @@ def test_renormalisation_over_candidate_sets_matches_float64():
             continue
         others = rng.choice(np.setdiff1d(np.arange(vocab), [target]), size=rng.integers(0, 40), replace=False)
         sets.append(sorted([target, *others.tolist()]))
-    restricted = _restrict_to_candidates(torch.from_numpy(logits), sets)
-    ours = torch.log_softmax(restricted, -1).gather(1, torch.tensor(targets)[:, None]).squeeze(1).double().numpy()
+    ours = trainer_logprobs(torch.from_numpy(logits), sets, targets).double().numpy()
     np.testing.assert_allclose(ours, reference_logprobs(logits, sets, targets), rtol=0, atol=1e-5)
     full = torch.log_softmax(torch.from_numpy(logits), -1).gather(1, torch.tensor(targets)[:, None]).squeeze(1)
     restricted_slots = [i for i, s in enumerate(sets) if s is not None]
@@ -73,8 +80,7 @@ def test_sets_from_the_generate_endpoint_reproduce_the_samplers_logprobs(server,
     model = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float() / 0.8
-    trainer = torch.log_softmax(_restrict_to_candidates(logits, out.sampling_masks), -1)
-    trainer = trainer.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    trainer = trainer_logprobs(logits, out.sampling_masks, out.token_ids)
     np.testing.assert_allclose(trainer.numpy(), out.logprobs, atol=1e-4)
     np.testing.assert_allclose(out.logprobs, reference_logprobs(logits.numpy(), out.sampling_masks, out.token_ids),
                                atol=1e-4)  # fmt: skip

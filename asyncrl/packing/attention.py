@@ -93,6 +93,22 @@ class VarlenPlan:
         return out.unsqueeze(0)
 
 
+def half_precision(kernel: VarlenKernel) -> VarlenKernel:
+    """Flash kernels take fp16/bf16 only. Under autocast, Qwen3's q/k norms hand back float32 (float32 weight x
+    bf16 activations) beside a bf16 v: run in autocast's dtype (else a half input's, else bfloat16) and give the
+    result back in the query's dtype."""
+
+    @functools.wraps(kernel)
+    def run(q, k, v, *rest):  # type: ignore[no-untyped-def]
+        if torch.is_autocast_enabled(q.device.type):
+            dtype = torch.get_autocast_dtype(q.device.type)
+        else:
+            dtype = next((t.dtype for t in (q, v) if t.dtype in (torch.float16, torch.bfloat16)), torch.bfloat16)
+        return kernel(q.to(dtype), k.to(dtype), v.to(dtype), *rest).to(q.dtype)
+
+    return run
+
+
 @ATTENTION.register("varlen")
 def varlen_plan(row: PackedRow, device: torch.device, kernel: VarlenKernel | None = None) -> VarlenPlan:
     """Queries are the layout itself (segments are contiguous); keys are each segment's path, gathered."""
@@ -118,6 +134,7 @@ def _cumulative(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
+@half_precision
 def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
     """torch.nn.attention.varlen.varlen_attn, whichever of its signatures this torch has."""
     from torch.nn.attention.varlen import varlen_attn
@@ -163,13 +180,14 @@ class FlexPlan:
     """Real tokens; the block mask covers a length padded up to FLEX_BUCKET (pad tokens see and are seen by none)."""
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-        pad = self.block_mask.shape[-2] - self.length
+        dtype, pad = query.dtype, self.block_mask.shape[-2] - self.length
+        query, key = query.to(value.dtype), key.to(value.dtype)  # float32 q/k beside bf16 v under autocast
         if pad:
             query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
         gqa = query.shape[1] != key.shape[1]
         out = _flex_attention(query.device.type)(query, key, value, block_mask=self.block_mask, scale=scale,
                                                  enable_gqa=gqa)  # fmt: skip
-        return out[:, :, : self.length].transpose(1, 2)
+        return out[:, :, : self.length].transpose(1, 2).to(dtype)
 
 
 @ATTENTION.register("flex")
@@ -217,6 +235,7 @@ def _fa3_kernel() -> VarlenKernel | None:
     except Exception:  # unreachable Hub, missing package, no build for this GPU: all mean "use the fallback"
         return None
 
+    @half_precision
     def fa3(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
         out = module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
         return out[0] if isinstance(out, tuple) else out
@@ -244,8 +263,10 @@ def build_plan(attention: str, row: PackedRow, device: torch.device) -> TreePlan
     return ATTENTION.get(attention)(row, device)
 
 
+@torch.compiler.disable
 def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # type: ignore[no-untyped-def]
-    """transformers' attention-function contract; the row's structure arrives as the `tree_plan` keyword."""
+    """transformers' attention-function contract; the row's structure arrives as the `tree_plan` keyword.
+    Never traced by torch.compile: a plan is per-row Python data, and its kernels are already fused."""
     plan: TreePlan | None = kwargs.get("tree_plan")
     if plan is None:
         raise RuntimeError(
@@ -259,7 +280,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
 
 def attach_tree_attention(model: torch.nn.Module) -> None:
     """Route the model's attention through the tree plans (idempotent); rejects unsupported models first."""
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     if inner.config._attn_implementation == TREE_ATTENTION:
         return
     check_model(inner)
@@ -274,7 +295,8 @@ def _register() -> None:
     AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
 
 
-def _unwrap(model: torch.nn.Module) -> Any:
+def unwrap_model(model: torch.nn.Module) -> Any:
+    """The model inside DDP/FSDP1 wrappers (a peft model stays itself: it forwards attributes to its base)."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP, FSDP1
         model = model.module
     return model

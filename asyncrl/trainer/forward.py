@@ -1,20 +1,30 @@
 """The packed forward: per-token log-probabilities of the trained tokens of one row.
 
-Attention follows the row's segments through a tree attention backend (packing/attention.py). Logits are
-computed only at the positions that predict a trained token (``logits_to_keep`` with an index tensor),
-scaled by the sampling temperature, and, when the sampler drew from a truncated candidate set
+Attention follows the row's segments through a tree attention backend (packing/attention.py). The model is
+called whole, so whatever wraps it (accelerate's autocast, DDP, peft) still applies, with ``logits_to_keep``
+= the positions that predict a trained token; a hook on the LM head takes the hidden states it is handed and
+gives it none, and trainer/token_logprobs.py turns them into log-probabilities a chunk of tokens at a time:
+scaled by the sampling temperature and, when the sampler drew from a truncated candidate set
 (top-k/top-p/min-p), renormalised over that set as the sampler's processed logprobs were.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from asyncrl.packing.attention import attach_tree_attention, build_plan
+from asyncrl.packing.attention import attach_tree_attention, build_plan, unwrap_model
 from asyncrl.packing.row import PackedRow
+from asyncrl.trainer.token_logprobs import compute_token_logprobs
+
+DEFAULT_LOGIT_CHUNK_TOKENS = 4096
+_COMPILED = "_asyncrl_layers_compiled"
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+"""Config fields of models that change the LM head's output after it (Gemma, Granite, Cohere)."""
 
 
 @dataclass
@@ -26,40 +36,98 @@ class ForwardOutput:
 
 
 def packed_forward(
-    model: torch.nn.Module, row: PackedRow, temperature: float, *, attention: str = "auto"
+    model: torch.nn.Module,
+    row: PackedRow,
+    temperature: float,
+    *,
+    attention: str = "auto",
+    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS,
+    compile_layers: bool | str = False,
 ) -> ForwardOutput:
-    """``attention``: the tree attention backend, the packing config's ``attention`` (packing/attention.py)."""
+    """``attention``: the tree attention backend, ``compile_layers``: torch.compile the decoder layers and the
+    log-probability epilogues (see resolve_compile), both from the packing config; ``logit_chunk_tokens``:
+    trained tokens whose logits exist at once (0 = all), trainer.logit_chunk_tokens."""
     device = next(model.parameters()).device
     started = time.perf_counter()
     attach_tree_attention(model)
-    out = model(
-        input_ids=row.input_ids[None].to(device),
-        position_ids=row.position_ids[None].to(device),
-        logits_to_keep=row.token_index.to(device),
-        use_cache=False,
-        tree_plan=build_plan(attention, row, device),
-    )
-    logits = out.logits[0].float() / temperature  # [T, V]
-    if row.sampling_masks is not None:
-        logits = _restrict_to_candidates(logits, row.sampling_masks)
-    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-    logprobs_all = logits - log_z
-    targets = row.target_ids.to(device)
-    logprobs = logprobs_all.gather(1, targets[:, None]).squeeze(1)
-    top = None
-    if row.top_ids is not None:
-        top = logprobs_all.gather(1, row.top_ids.to(device))
-    with torch.no_grad():
-        probs = logprobs_all.exp()
-        entropy = -(probs * torch.where(probs > 0, logprobs_all, torch.zeros_like(logprobs_all))).sum(-1)
-    return ForwardOutput(logprobs, top, entropy, time.perf_counter() - started)
+    backend = resolve_compile(compile_layers, device)
+    if backend is not None:
+        compile_decoder_layers(model, backend)
+    inner = unwrap_model(model)
+    check_head(inner.config)
+    head = inner.get_output_embeddings()
+    with _head_input(head) as captured:
+        model(
+            input_ids=row.input_ids[None].to(device),
+            position_ids=row.position_ids[None].to(device),
+            logits_to_keep=row.token_index.to(device),
+            use_cache=False,
+            tree_plan=build_plan(attention, row, device),
+        )
+    out = compute_token_logprobs(
+        captured["hidden"][0], head, row.target_ids.to(device), temperature, top_ids=row.top_ids,
+        sampling_masks=row.sampling_masks, chunk_tokens=logit_chunk_tokens, compute_dtype=captured["dtype"],
+        compile_backend=backend,
+    )  # fmt: skip
+    return ForwardOutput(out.logprobs, out.top_logprobs, out.entropy, time.perf_counter() - started)
 
 
-def _restrict_to_candidates(logits: torch.Tensor, sets: list[list[int] | None]) -> torch.Tensor:
-    """-inf outside each slot's candidate set (slots without a set keep the full vocabulary)."""
-    keep = torch.ones_like(logits, dtype=torch.bool)
-    for slot, candidates in enumerate(sets):
-        if candidates is not None:
-            keep[slot] = False
-            keep[slot, torch.tensor(candidates, dtype=torch.long, device=logits.device)] = True
-    return logits.masked_fill(~keep, float("-inf"))
+def check_head(config: object) -> None:
+    """The log-probabilities are computed from the LM head's input: refuse models that transform its output."""
+    found = {key: getattr(config, key) for key in _LOGIT_TRANSFORMS if getattr(config, key, None) not in (None, 1.0)}
+    if found:
+        raise ValueError(f"packed_forward: {type(config).__name__} transforms the LM head's logits ({found}), which "
+                         "the chunked log-probabilities (trainer/token_logprobs.py) do not apply")  # fmt: skip
+
+
+@contextmanager
+def _head_input(head: torch.nn.Module) -> Iterator[dict]:
+    """Capture the LM head's input (the kept positions' final hidden states) and the autocast dtype it would
+    have computed in, and hand the head an empty slice instead, so no [tokens x vocabulary] logits are built."""
+    captured: dict = {}
+
+    def hook(module: torch.nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        device_type = hidden.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        captured["hidden"] = hidden
+        captured["dtype"] = torch.get_autocast_dtype(device_type) if autocast else None
+        return (hidden[..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+    if "hidden" not in captured:
+        raise RuntimeError(f"packed_forward: the model never called its output embedding {type(head).__name__}")
+
+
+def resolve_compile(compile_layers: bool | str, device: torch.device) -> str | None:
+    """The packing config's ``compile_layers`` as a torch.compile backend (None = eager): true = inductor,
+    auto = inductor on CUDA, or a backend's name (aot_eager traces as inductor does, without code generation)."""
+    if compile_layers == "auto":
+        return "inductor" if device.type == "cuda" else None
+    if isinstance(compile_layers, bool):
+        return "inductor" if compile_layers else None
+    from torch._dynamo import list_backends
+
+    if compile_layers not in list_backends(exclude_tags=()):
+        raise ValueError(f"packing.compile_layers={compile_layers!r} must be true, false, auto or a torch.compile "
+                         f"backend ({', '.join(list_backends())})")  # fmt: skip
+    return compile_layers
+
+
+def compile_decoder_layers(model: torch.nn.Module, backend: str) -> None:
+    """torch.compile each decoder layer once, for any row length (idempotent). The tree attention call is
+    excluded (packing/attention.py), so each layer compiles to the fused norms, RoPE, projections, SwiGLU and
+    residuals around one eager attention call."""
+    inner = unwrap_model(model)
+    if getattr(inner, _COMPILED, False):
+        return
+    layers = getattr(inner.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"packing.compile_layers: {type(inner).__name__}'s decoder has no `layers` list to compile")
+    for layer in layers:
+        layer.compile(dynamic=True, backend=backend)
+    setattr(inner, _COMPILED, True)

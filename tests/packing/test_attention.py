@@ -21,6 +21,7 @@ from asyncrl.packing.attention import (
     attach_tree_attention,
     build_plan,
     check_model,
+    half_precision,
     subtree_ends,
     tree_attention_mask,
     varlen_plan,
@@ -95,6 +96,22 @@ def test_varlen_plan_gathers_paths_and_skips_the_gather_for_flat_rows():
     flat.add(make_sample([1, 2, 3, 4], 1))
     plan = varlen_plan(flat.pack(0), CPU, kernel=lambda *a: a[0])
     assert isinstance(plan, VarlenPlan) and plan.kv_gather is None and plan.cu_k.tolist() == [0, 3, 7]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_flash_kernels_get_one_half_dtype_and_return_the_query_dtype(autocast):
+    """Under autocast Qwen3's q/k norms give float32 beside a bf16 v; flash kernels take fp16/bf16 only."""
+    seen = []
+
+    @half_precision
+    def kernel(q, k, v, *rest):
+        seen.append({q.dtype, k.dtype, v.dtype})
+        return q
+
+    query, key = torch.randn(8, 2, 4), torch.randn(8, 1, 4)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        out = kernel(query, key, key.to(torch.bfloat16), None)
+    assert seen == [{torch.float16 if autocast else torch.bfloat16}] and out.dtype == torch.float32
 
 
 def test_attach_is_idempotent_and_the_model_refuses_to_run_without_a_plan():

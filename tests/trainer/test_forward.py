@@ -1,0 +1,229 @@
+"""Chunked LM-head log-probabilities equal the full-logits computation (float64), values and gradients, directly
+and through `packed_forward` (plain, peft LoRA, tied embeddings); compiled decoder layers match eager ones."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from packing.packing_samples import build_tiny_qwen3, random_samples  # tests/packing
+
+from asyncrl.packing import TreeRow
+from asyncrl.packing.attention import attach_tree_attention, build_plan
+from asyncrl.trainer.forward import compile_decoder_layers, packed_forward, resolve_compile
+from asyncrl.trainer.token_logprobs import compute_token_logprobs
+
+TEMPERATURE = 0.7
+CHUNKS = [1, 4, 7, 0, 1000]  # 0 = one chunk; 7 does not divide the slot counts used here
+
+
+def reference(logits: torch.Tensor, targets, top_ids, sets, temperature: float):
+    """The unchunked computation on full [T, V] logits: log softmax over each slot's set, entropy without grad."""
+    z = logits / temperature
+    if sets is not None:
+        keep = torch.ones_like(z, dtype=torch.bool)
+        for slot, candidates in enumerate(sets):
+            if candidates is not None:
+                keep[slot] = False
+                keep[slot, candidates] = True
+        z = z.masked_fill(~keep, float("-inf"))
+    logprobs = z.log_softmax(-1)
+    with torch.no_grad():
+        probs = logprobs.exp()
+        entropy = -(probs * torch.where(probs > 0, logprobs, 0)).sum(-1)
+    top = logprobs.gather(1, top_ids) if top_ids is not None else None
+    return logprobs.gather(1, targets[:, None]).squeeze(1), top, entropy
+
+
+def random_problem(seed: int, slots: int = 23, dim: int = 6, vocab: int = 40, with_sets: bool = True):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(slots, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(dim, vocab, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, dim, generator=gen) * 2)
+    targets = torch.randint(vocab, (slots,), generator=gen)
+    top_ids = torch.randint(vocab, (slots, 3), generator=gen)
+    top_ids[:, 2] = 0  # padding repeats an id, as the packers pad
+    sets = None
+    if with_sets:
+        sets = [None if slot % 3 == 0 else sorted({int(targets[slot]), *rng.sample(range(vocab), rng.randint(0, 9))})
+                for slot in range(slots)]  # fmt: skip
+    return hidden, head, targets, top_ids, sets
+
+
+def loss_of(logprobs: torch.Tensor, top: torch.Tensor, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(logprobs.shape, generator=gen, dtype=logprobs.dtype), torch.randn(top.shape, generator=gen)
+    return (a * logprobs).sum() + torch.where(torch.isfinite(top), b.to(top.dtype) * top, 0).sum()
+
+
+def grads(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, tensors))
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("with_sets", [True, False])
+def test_chunked_logprobs_top_k_entropy_and_gradients_equal_full_logits(chunk, with_sets):
+    hidden, head, targets, top_ids, sets = random_problem(seed=chunk, with_sets=with_sets)
+    out = compute_token_logprobs(hidden, head, targets, TEMPERATURE, top_ids=top_ids, sampling_masks=sets,
+                                 chunk_tokens=chunk)  # fmt: skip
+    expected = reference(head(hidden), targets, top_ids, sets, TEMPERATURE)
+    torch.testing.assert_close(out.logprobs, expected[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(out.top_logprobs, expected[1], atol=1e-10, rtol=0)  # -inf outside a set, as before
+    torch.testing.assert_close(out.entropy, expected[2], atol=1e-10, rtol=0)
+    assert not out.entropy.requires_grad
+    assert with_sets == bool(torch.isinf(out.top_logprobs).any())
+    params = [hidden, head.weight, head.bias]
+    for got, want in zip(grads(loss_of(out.logprobs, out.top_logprobs, 1), params),
+                         grads(loss_of(expected[0], expected[1], 1), params), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def test_without_top_ids_and_without_weight_grad():
+    """LoRA freezes the head: only the hidden states get a gradient (the weight-gradient matmul is skipped)."""
+    hidden, head, targets, _, _ = random_problem(seed=3, with_sets=False)
+    head.requires_grad_(False)
+    out = compute_token_logprobs(hidden, head, targets, 1.0, chunk_tokens=5)
+    assert out.top_logprobs is None
+    expected = reference(head(hidden), targets, None, None, 1.0)[0]
+    torch.testing.assert_close(grads(out.logprobs.sum(), [hidden])[0], grads(expected.sum(), [hidden])[0],
+                               atol=1e-10, rtol=0)  # fmt: skip
+
+
+def test_bad_chunk_size_and_temperature_name_the_setting():
+    hidden, head, targets, _, _ = random_problem(seed=4, with_sets=False)
+    with pytest.raises(ValueError, match="logit_chunk_tokens=-1"):
+        compute_token_logprobs(hidden, head, targets, 1.0, chunk_tokens=-1)
+    with pytest.raises(ValueError, match="temperature=0"):
+        compute_token_logprobs(hidden, head, targets, 0, chunk_tokens=4)
+
+
+# ---- through packed_forward -----------------------------------------------------------------------------------
+
+
+def packed_row(seed: int, top_k: int = 2, with_sets: bool = True):
+    samples = random_samples(seed, num_groups=2, max_group=4)
+    row = TreeRow(10_000)
+    for sample in samples:
+        row.add(sample)
+    packed = row.pack(top_k=top_k)
+    if with_sets:
+        rng = random.Random(seed)
+        packed.sampling_masks = [None if rng.random() < 0.3 else sorted({int(t), *rng.sample(range(48), 6)})
+                                 for t in packed.target_ids]  # fmt: skip
+    return packed
+
+
+def full_logits_reference(model, row, temperature):
+    """packed_forward's result computed the unchunked way: the model's own [T, V] logits at the kept positions."""
+    attach_tree_attention(model)
+    plan = build_plan("sdpa", row, torch.device("cpu"))
+    out = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+                logits_to_keep=row.token_index, tree_plan=plan)  # fmt: skip
+    return reference(out.logits[0], row.target_ids, row.top_ids, row.sampling_masks, temperature)
+
+
+def assert_same_gradients(model, other, atol):
+    theirs = dict(other.named_parameters())
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param.grad, theirs[name].grad, atol=atol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_forward_equals_full_logits_in_float64(tied):
+    row = packed_row(seed=1)
+    model = build_tiny_qwen3(1).to(torch.float64)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    other = copy.deepcopy(model)
+    out = packed_forward(model, row, TEMPERATURE, attention="sdpa", logit_chunk_tokens=7)
+    expected = full_logits_reference(other, row, TEMPERATURE)
+    assert row.num_trained % 7 != 0 and torch.isinf(out.top_logprobs).any()
+    for got, want in zip((out.logprobs, out.top_logprobs, out.entropy), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    loss_of(out.logprobs, out.top_logprobs, 2).backward()
+    loss_of(expected[0], expected[1], 2).backward()
+    assert_same_gradients(model, other, atol=1e-10)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_packed_forward_through_a_peft_lora_model_with_tied_embeddings():
+    from peft import LoraConfig, get_peft_model
+
+    row = packed_row(seed=2, with_sets=False)
+    base = build_tiny_qwen3(2).to(torch.float64)
+    base.config.tie_word_embeddings = True
+    base.lm_head.weight = base.model.embed_tokens.weight
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, param in model.named_parameters():  # fresh adapters are zero: give B a value so the test can fail
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    other = copy.deepcopy(model)
+    out = packed_forward(model, row, 1.0, attention="sdpa", logit_chunk_tokens=3)
+    expected = full_logits_reference(other, row, 1.0)
+    torch.testing.assert_close(out.logprobs, expected[0], atol=1e-10, rtol=0)
+    loss_of(out.logprobs, out.top_logprobs, 3).backward()
+    loss_of(expected[0], expected[1], 3).backward()
+    assert_same_gradients(model, other, atol=1e-10)
+    assert model.get_output_embeddings().weight.grad is None
+
+
+def test_models_that_transform_the_head_output_are_refused():
+    model = build_tiny_qwen3(3)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        packed_forward(model, packed_row(seed=3), 1.0, attention="sdpa")
+
+
+# ---- compiled decoder layers ----------------------------------------------------------------------------------
+
+
+def test_compile_setting_resolves_per_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_compile("auto", cuda) == "inductor" and resolve_compile("auto", cpu) is None
+    assert resolve_compile(True, cpu) == "inductor" and resolve_compile(False, cuda) is None
+    assert resolve_compile("aot_eager", cpu) == "aot_eager"
+    with pytest.raises(ValueError, match="packing.compile_layers='yes'"):
+        resolve_compile("yes", cpu)
+
+
+def test_compiled_epilogues_equal_eager_ones():
+    hidden, head, targets, top_ids, sets = random_problem(seed=5)
+    kwargs = {"top_ids": top_ids, "sampling_masks": sets, "chunk_tokens": 7}
+    out = compute_token_logprobs(hidden, head, targets, TEMPERATURE, compile_backend="aot_eager", **kwargs)
+    eager = compute_token_logprobs(hidden, head, targets, TEMPERATURE, **kwargs)
+    for got, want in zip((out.logprobs, out.top_logprobs, out.entropy), (eager.logprobs, eager.top_logprobs,
+                                                                         eager.entropy), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    params = [hidden, head.weight, head.bias]
+    for got, want in zip(grads(loss_of(out.logprobs, out.top_logprobs, 5), params),
+                         grads(loss_of(eager.logprobs, eager.top_logprobs, 5), params), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager_and_do_not_recompile_per_row_length():
+    """aot_eager: Dynamo and AOTAutograd as on the GPU, without the C++ codegen that takes minutes on CPU
+    (tracing alone takes ~30 s here)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    rows = [packed_row(seed, with_sets=False) for seed in (4, 5)]
+    assert rows[0].num_forwarded != rows[1].num_forwarded
+    model = build_tiny_qwen3(4)
+    eager = copy.deepcopy(model)
+    compile_decoder_layers(model, backend="aot_eager")  # packed_forward's own call below is then a no-op
+    for index, row in enumerate(rows):
+        with torch._dynamo.config.patch(error_on_recompile=index == 1):  # a new length reuses the dynamic graphs
+            out = packed_forward(model, row, 1.0, attention="sdpa", compile_layers="aot_eager")
+        expected = packed_forward(eager, row, 1.0, attention="sdpa")
+        torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+        out.logprobs.sum().backward()
+        expected.logprobs.sum().backward()
+        assert_same_gradients(model, eager, atol=1e-5)
+    torch._dynamo.reset()
