@@ -5,6 +5,7 @@ Heavy imports (torch, transformers, hydra) happen inside the commands so `asyncr
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -104,6 +105,39 @@ def report(
     except FileNotFoundError as exc:
         typer.secho(f"report error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+
+
+class ExportDtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+@app.command()
+def export(
+    source: Annotated[Path, typer.Argument(help="Run dir (its model/, else newest checkpoint), checkpoint or model.")],
+    out: Annotated[Path, typer.Argument(help="The directory to write the standalone model to.")],
+    dtype: Annotated[ExportDtype, typer.Option(help="Dtype of the saved weights.")] = ExportDtype.bfloat16,
+    base: Annotated[str | None, typer.Option(help="Adapter's base (path or Hub id) if not its saved one.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+) -> None:
+    """Save a model any library loads: a LoRA adapter merged into its base, or a full model in DTYPE."""
+    from rich.console import Console
+
+    from asyncrl.export import ExportError
+    from asyncrl.export import export as export_model
+
+    console = Console()
+    try:
+        with console.status(f"exporting {source} ..."):
+            done = export_model(source, out, dtype.value, base, overwrite)
+    except ExportError as exc:
+        typer.secho(f"export error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    kind = f"LoRA adapter merged into [bold]{done.base}[/bold]" if done.base else "full model"
+    console.print(f"read [cyan]{done.model_dir}[/cyan] ({kind})", soft_wrap=True)
+    written = f"{done.num_parameters:,} parameters in {done.dtype}"
+    console.print(f"wrote [bold green]{done.out}[/bold green]: {written}", soft_wrap=True)
 
 
 def _checked(build):  # type: ignore[no-untyped-def]

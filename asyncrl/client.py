@@ -12,6 +12,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -25,6 +26,16 @@ _TOKEN_KEY = "token_id:"
 
 logger = logging.getLogger(__name__)
 
+ROLLOUT_MODEL: ContextVar[str | None] = ContextVar("asyncrl_rollout_model", default=None)
+"""The ``model`` this task's generation requests name instead of the client's: the LoRA adapter of the policy
+version a rollout started under (the rollout worker sets it per group; its rollouts' tasks inherit it)."""
+
+
+def policy_model(base: str, adapter_prefix: str | None, version: int) -> str:
+    """The ``model`` that requests for policy ``version`` name: that version's adapter under adapter-only sync
+    (``adapter_prefix`` set), else the base model. Version 0 is the base model itself: peft starts lora_B at 0."""
+    return base if adapter_prefix is None or version == 0 else f"{adapter_prefix}-v{version}"
+
 
 class ServerError(RuntimeError):
     """A request the server refused or could not answer; ``status`` is None when no response came."""
@@ -34,6 +45,10 @@ class ServerError(RuntimeError):
         self.status = status
         self.path = path
         self.message = message
+
+
+class PolicyRetired(ServerError):
+    """The LoRA adapter a rollout runs under was unloaded: it left the trainer's max_staleness window."""
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -172,7 +187,7 @@ class GenerationClient:
 
     async def complete(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         body = {
-            "model": self.model,
+            "model": ROLLOUT_MODEL.get() or self.model,
             "prompt": list(prompt_ids),
             **params.request_fields(),
             "return_token_ids": True,
@@ -183,17 +198,27 @@ class GenerationClient:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         """One /inference/v1/generate request (vLLM's tokens-in/tokens-out endpoint, with the sampling mask)."""
-        body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": params.generate_fields()}
+        model = ROLLOUT_MODEL.get() or self.model
+        body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": params.generate_fields()}
         response = await self._post("/inference/v1/generate", body)
         return Completion.from_generate_choice(response["choices"][0], prompt_ids)
 
     async def sample(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
-        """Generate one turn; candidate sets come from /inference/v1/generate when asked for and available."""
+        """Generate one turn; candidate sets come from /inference/v1/generate when asked for and available. A
+        rollout whose adapter was unloaded ends on an empty "abort" turn: its samples are more than max_staleness
+        versions old, so the trainer drops them anyway."""
+        try:
+            return await self._sample(prompt_ids, params)
+        except PolicyRetired as error:
+            logger.info("ending a rollout whose policy left the server: %s", error.message)
+            return Completion([], [], None, None, "abort", list(prompt_ids))
+
+    async def _sample(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         if params.return_sampling_mask and self.candidate_sets is not False:
             try:
                 completion = await self.generate(prompt_ids, params)
             except ServerError as error:
-                if error.status is None or error.status >= 500:
+                if error.status is None or error.status >= 500 or isinstance(error, PolicyRetired):
                     raise
                 # No route (404/405), route disabled (403), or a release whose endpoint rejects the request
                 # (400): /v1/completions below still reports a request that is wrong for every endpoint.
@@ -225,6 +250,8 @@ class GenerationClient:
                 if response.status_code < 400:
                     return response.json()
                 failure = ServerError(response.status_code, path, _error_message(response))
+                if response.status_code == 404 and body.get("model") != self.model:
+                    raise PolicyRetired(404, path, failure.message)
                 if not _retryable(response.status_code):
                     raise failure
             if attempt >= self.max_retries:
@@ -375,6 +402,12 @@ class ControlClient:
 
     def weight_version(self) -> str:
         return str(self._request("GET", "/weight_info").json()["weight_version"])
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     def close(self) -> None:
         self._client.close()

@@ -11,8 +11,10 @@ import torch
 import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.server.builtin import BuiltinServer, build_app
 from asyncrl.server.engine import Engine, EngineConfig
+from asyncrl.server.lora import AdapterSet, LoraLimits
 
 logger = logging.getLogger("asyncrl.server")
 
@@ -40,6 +42,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-logprobs", type=int, default=20, help="-1: no limit")
     parser.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed, in arrival order")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded at runtime (vLLM's)")
+    parser.add_argument("--max-loras", type=positive_int, default=1, help="most adapters resident at once")
+    parser.add_argument("--max-lora-rank", type=int, choices=VLLM_LORA_RANKS, default=16, help="highest adapter rank")
     return parser.parse_args(argv)
 
 
@@ -80,11 +85,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     logger.info("max_model_len %d, max_num_seqs %d, kv_cache_tokens %d, eos ids %s",
                 max_model_len, args.max_num_seqs, kv_cache_tokens, sorted(eos))  # fmt: skip
     config = EngineConfig(max_model_len, args.max_num_seqs, kv_cache_tokens, eos, seed=args.seed)
+    name = args.served_model_name or args.model
+    adapters = AdapterSet(LoraLimits(args.max_loras, args.max_lora_rank), name) if args.enable_lora else None
     try:
-        engine = Engine(model, config)
+        engine = Engine(model, config, adapters)
     except ValueError as error:
         raise SystemExit(f"cannot serve {args.model}: {error}") from error
-    name = args.served_model_name or args.model
     server = BuiltinServer(engine, tokenizer, served_model_name=name, model_path=args.model,
                            max_logprobs=args.max_logprobs)  # fmt: skip
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)

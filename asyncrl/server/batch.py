@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from asyncrl.server.lora import AdapterSet
 from asyncrl.server.rows import Row
 
 
@@ -35,8 +36,10 @@ def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 class RunningBatch:
     """Rows being decoded and their cache; only the engine thread touches it, under the engine's step lock."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._model = model
+    def __init__(self, model: torch.nn.Module, adapters: AdapterSet | None = None) -> None:
+        self.model = model
+        """Set anew by the engine when loading or unloading an adapter wraps or unwraps it."""
+        self._adapters = adapters
         self._device = next(model.parameters()).device
         # transformers renamed the forward's `past_key_values` argument to `cache`; accept either.
         forward_parameters = inspect.signature(model.forward).parameters
@@ -56,7 +59,7 @@ class RunningBatch:
         """Feed every row its pending token; return next-token logits [rows, vocab]."""
         lengths = torch.tensor([row.cached_len for row in self.rows], device=self._device)
         input_ids = torch.tensor([[row.output_ids[-1]] for row in self.rows], device=self._device)
-        logits = self._forward(input_ids, lengths + 1, lengths.unsqueeze(1), self._cache)
+        logits = self._forward(input_ids, lengths + 1, lengths.unsqueeze(1), self._cache, self.rows)
         for row in self.rows:
             row.cached_len += 1
         return logits
@@ -68,8 +71,8 @@ class RunningBatch:
         input_ids = torch.tensor([[0] * (width - len(s)) + s for s in sequences], device=self._device)
         lengths = torch.tensor([len(s) for s in sequences], device=self._device)
         positions = (torch.arange(width, device=self._device) - (width - lengths).unsqueeze(1)).clamp(min=0)
-        cache = DynamicCache(config=self._model.config)
-        logits = self._forward(input_ids, lengths, positions, cache)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, lengths, positions, cache, rows)
         for row, tokens in zip(rows, sequences, strict=True):
             row.cached_len = len(tokens)
         self._merge(cache)
@@ -109,17 +112,20 @@ class RunningBatch:
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
 
     def _forward(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
-    ) -> torch.Tensor:
-        """Run the model; ``lengths`` are the rows' real lengths in the cache after this forward."""
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+        rows: list[Row],
+    ) -> torch.Tensor:  # fmt: skip
+        """Run the model, each row under its adapter; ``lengths`` are the rows' lengths in the cache after it."""
         width = cache.get_seq_length() + input_ids.shape[1]
         mask = torch.arange(width, device=self._device).unsqueeze(0) >= (width - lengths).unsqueeze(1)
-        output = self._model(
+        adapters = self._adapters.select(self.model, [row.request.adapter for row in rows]) if self._adapters else {}
+        output = self.model(
             input_ids=input_ids,
             attention_mask=mask.long(),
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
+            **adapters,
             **{self._cache_argument: cache},
         )
         return output.logits[:, -1, :].float()

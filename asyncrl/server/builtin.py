@@ -2,7 +2,9 @@
 
 Weight updates use the built-in transport: ``update_info = {"path": "/abs/file.safetensors"}`` names a file
 of state_dict tensors written by the trainer (see ``weights.py``). Batch-size evidence in /metrics is the
-histogram ``asyncrl:batch_size`` (rows per model forward) and the gauge ``asyncrl:batch_rows_max``.
+histogram ``asyncrl:batch_size`` (rows per model forward) and the gauge ``asyncrl:batch_rows_max``. With
+``--enable-lora`` it also serves vLLM's runtime LoRA endpoints (``lora.py``) and a ``/server_info`` that
+reports the LoRA limits where vLLM's does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl import __version__
 from asyncrl.server.engine import Engine, EngineStats, EngineUnavailable
 from asyncrl.server.generate import generate_route
+from asyncrl.server.lora import AdapterNotFound
 from asyncrl.server.protocol import CompletionRequest, ModelNotFound, build_generation_request, completion_response
 from asyncrl.server.rows import GenerationResult
 from asyncrl.server.weights import WeightUpdater
@@ -67,6 +70,17 @@ class FinishWeightUpdateBody(BaseModel):
     weight_version: str | None = None
 
 
+class LoadLoraAdapterBody(BaseModel):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterBody(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class BuiltinServer:
     """Route handlers bound to one engine, tokenizer and served model name."""
 
@@ -94,6 +108,7 @@ class BuiltinServer:
             max_model_len=self.engine.config.max_model_len,
             max_logprobs=self.max_logprobs,
             vocab_size=self.engine.vocab_size,
+            adapters=self.adapter_names(),
         )
         future = self.engine.submit(generation)
         result = await self._wait(request, future, generation.request_id)
@@ -121,7 +136,28 @@ class BuiltinServer:
             "max_model_len": self.engine.config.max_model_len,
             "permission": [],
         }
-        return {"object": "list", "data": [card]}
+        adapters = self.engine.adapters.cards(created=0) if self.engine.adapters else []
+        return {"object": "list", "data": [card, *adapters]}
+
+    def adapter_names(self) -> list[str]:
+        return list(self.engine.adapters.adapters) if self.engine.adapters else []
+
+    def server_info(self) -> dict[str, Any]:
+        """The part of vLLM's dev-mode /server_info the trainer reads: the LoRA limits, or null without LoRA."""
+        adapters = self.engine.adapters
+        lora = None if adapters is None else {"max_loras": adapters.limits.max_loras,
+                                               "max_lora_rank": adapters.limits.max_lora_rank}  # fmt: skip
+        return {"vllm_config": {"lora_config": lora}}
+
+    def load_lora_adapter(self, body: LoadLoraAdapterBody) -> PlainTextResponse:
+        self.engine.load_adapter(body.lora_name, body.lora_path, body.load_inplace)
+        logger.info("loaded LoRA adapter %r from %s", body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    def unload_lora_adapter(self, body: UnloadLoraAdapterBody) -> PlainTextResponse:
+        self.engine.unload_adapter(body.lora_name)
+        logger.info("unloaded LoRA adapter %r", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> dict[str, str]:
         self.engine.pause(mode, clear_cache)
@@ -208,6 +244,7 @@ def build_app(server: BuiltinServer) -> FastAPI:
         RequestValidationError: lambda exc: error_response(400, _validation_message(exc)),
         ValueError: lambda exc: error_response(400, str(exc)),
         ModelNotFound: lambda exc: error_response(404, str(exc)),
+        AdapterNotFound: lambda exc: error_response(404, str(exc)),
         EngineUnavailable: lambda exc: error_response(503, str(exc)),
         Exception: lambda exc: error_response(500, f"{type(exc).__name__}: {exc}"),
     }
@@ -229,7 +266,11 @@ def build_app(server: BuiltinServer) -> FastAPI:
         ("/start_weight_update", "POST", server.start_weight_update),
         ("/update_weights", "POST", server.update_weights),
         ("/finish_weight_update", "POST", server.finish_weight_update),
+        ("/server_info", "GET", server.server_info),
     ]
+    if server.engine.adapters is not None:  # vLLM registers these only when runtime LoRA updating is allowed
+        routes += [("/v1/load_lora_adapter", "POST", server.load_lora_adapter),
+                   ("/v1/unload_lora_adapter", "POST", server.unload_lora_adapter)]  # fmt: skip
     for path, method, endpoint in routes:
         app.add_api_route(path, endpoint, methods=[method])
     return app

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 
-from asyncrl.config.schema import Config, ServerBackend
+from asyncrl.config.schema import Config, LoraSync, ServerBackend
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,10 @@ def builtin_command(config: Config) -> ServerCommand:
         argv += ["--max-model-len", str(sv.max_model_len)]
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
+    if config.lora.enabled and config.lora.sync != LoraSync.merged:  # auto means adapters here (sync/choice.py)
+        from asyncrl.server.vllm import max_lora_rank, max_loras
+
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
     return ServerCommand("builtin", argv + list(sv.extra_args), env={"OMP_NUM_THREADS": str(sv.cpu_threads)})
 
 

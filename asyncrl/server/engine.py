@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from asyncrl.server.batch import RunningBatch, check_cache_supported
+from asyncrl.server.lora import AdapterSet
+from asyncrl.server.protocol import ModelNotFound
 from asyncrl.server.rows import GenerationRequest, GenerationResult, Row
 from asyncrl.server.sampling import sample_step
 
@@ -65,7 +67,7 @@ class EngineStats:
 class Engine:
     """Owns the model for generation; HTTP handlers call submit/abort/pause/resume from any thread."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, adapters: AdapterSet | None = None) -> None:
         if config.kv_cache_tokens < config.max_model_len:
             raise ValueError(
                 f"kv_cache_tokens={config.kv_cache_tokens} must hold one max_model_len={config.max_model_len} request"
@@ -75,7 +77,9 @@ class Engine:
         self.config = config
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._device = next(model.parameters()).device
-        self._batch = RunningBatch(model)
+        self.adapters = adapters
+        """LoRA adapters loaded at runtime (``--enable-lora``); None: the server has no adapter support."""
+        self._batch = RunningBatch(model, adapters)
         self._waiting: deque[Row] = deque()
         self._abort_ids: set[str] = set()
         self._stats = EngineStats()
@@ -107,6 +111,8 @@ class Engine:
                 raise EngineUnavailable("the server is shutting down")
             if self._pause_mode in ("abort", "wait"):
                 raise EngineUnavailable(f"the server is paused (mode={self._pause_mode}); retry after /resume")
+            if request.adapter is not None:
+                self._check_adapter(request.adapter)
             if request.seed is None:
                 request = replace(request, seed=self._seeds.getrandbits(63))
             generator = torch.Generator(device=self._device).manual_seed(request.seed)
@@ -115,6 +121,14 @@ class Engine:
             self._stats.waiting = len(self._waiting)
             self._cond.notify_all()
         return row.future
+
+    def _check_adapter(self, name: str) -> None:
+        """A request's adapter must be resident now (not just when it was validated); log the first one under it."""
+        if self.adapters is None or name not in self.adapters.adapters:
+            raise ModelNotFound(f"The model `{name}` does not exist.")
+        if name not in self.adapters.requested:
+            self.adapters.requested.add(name)
+            logger.info("first request under LoRA adapter %r", name)
 
     def abort(self, request_id: str) -> None:
         """Finish one request early (its client went away); the engine thread applies it at the next step."""
@@ -161,6 +175,31 @@ class Engine:
                 raise ValueError("weights can only change while the server is paused: POST /pause first")
             with torch.no_grad():
                 yield self.model
+
+    def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Make adapter ``name`` resident; generation waits while it is read (in place: rows keep running on it)."""
+        if self.adapters is None:
+            raise ValueError("LoRA is not enabled on this server: start it with --enable-lora")
+        with self._step_lock:
+            adapter = self.adapters.check_load(name, path, load_inplace)
+            with torch.no_grad():
+                self.model = self._batch.model = self.adapters.attach(self.model, adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop adapter ``name``; its rows end now with finish_reason "abort" and their partial output."""
+        if self.adapters is None:
+            raise ValueError("LoRA is not enabled on this server: start it with --enable-lora")
+        with self._step_lock, self._cond:
+            self.adapters.check_unload(name)
+            running = [row for row in self._batch.rows if row.request.adapter == name]
+            queued = [row for row in self._waiting if row.request.adapter == name]
+            self._batch.remove(running)
+            for row in queued:
+                self._waiting.remove(row)
+            for row in running + queued:
+                row.finish("abort")
+            self.model = self._batch.model = self.adapters.detach(self.model, name)
+            self._publish()
 
     def _run(self) -> None:
         while True:

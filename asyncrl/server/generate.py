@@ -59,7 +59,7 @@ def generate_response(result: GenerationResult, body: CompletionRequest, served_
     return {
         "request_id": result.request_id,
         "output_mode": "tokens",
-        "model": served_model_name,
+        "model": body.model or served_model_name,
         "created": int(time.time()),
         "choices": [choice],
         "usage": {
@@ -84,7 +84,7 @@ def generate_route(server: BuiltinServer) -> Callable[[Request, GenerateRequest]
         generation = build_generation_request(
             completion, server.tokenizer, served_model_name=server.served_model_name,
             max_model_len=server.engine.config.max_model_len, max_logprobs=server.max_logprobs,
-            vocab_size=server.engine.vocab_size,
+            vocab_size=server.engine.vocab_size, adapters=server.adapter_names(),
         )  # fmt: skip
         future = server.engine.submit(generation)
         result = await server._wait(request, future, generation.request_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection
 from itertools import accumulate
 from typing import Annotated, Any
 
@@ -103,9 +104,11 @@ def build_generation_request(
     max_model_len: int,
     max_logprobs: int,
     vocab_size: int,
+    adapters: Collection[str] = (),
 ) -> GenerationRequest:
-    """Validate a request against this server and turn it into the engine's request."""
-    if body.model is not None and body.model != served_model_name:
+    """Validate a request against this server and turn it into the engine's request; a ``model`` naming a
+    loaded LoRA adapter runs under it."""
+    if body.model is not None and body.model != served_model_name and body.model not in adapters:
         raise ModelNotFound(f"The model `{body.model}` does not exist.")
     _check_supported(body)
     prompt = _prompt_ids(body, tokenizer, vocab_size)
@@ -130,6 +133,7 @@ def build_generation_request(
         stop_token_ids=frozenset(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        adapter=body.model if body.model in adapters else None,
     )
 
 
@@ -158,7 +162,7 @@ def completion_response(
         "id": f"cmpl-{result.request_id}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": served_model_name,
+        "model": body.model or served_model_name,
         "choices": [choice],
         "usage": {
             "prompt_tokens": len(result.prompt_ids),

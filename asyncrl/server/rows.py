@@ -22,6 +22,8 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0
+    adapter: str | None = None
+    """The LoRA adapter the request runs under (its ``model``); None: the base weights."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ with, which is what the startup checks quote when the server disagrees with the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -39,10 +40,15 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 
 def installed_vllm_version() -> str | None:
+    """The importable vLLM's release (package metadata, else the module's own, for unpacked copies)."""
     try:
         return metadata.version("vllm")
     except metadata.PackageNotFoundError:
-        return None
+        if importlib.util.find_spec("vllm") is None:
+            return None
+        from vllm import __version__
+
+        return str(__version__)
 
 
 def target_version(config: Config, version: str | None = None) -> str:
@@ -65,8 +71,9 @@ def truncating(config: Config) -> bool:
 
 
 def lora_adapters(config: Config) -> bool:
-    """Adapters are loaded into the server at runtime (not merged into full weights). ``auto`` means merged
-    until the adapter transport exists."""
+    """Adapters are loaded into the server at runtime (not merged into full weights). Under ``auto`` vLLM is
+    launched without LoRA (it generates slower with an adapter); auto syncs adapters only to a vLLM started with
+    --enable-lora (trainer/sync/choice.py)."""
     return config.lora.enabled and config.lora.sync == LoraSync.adapter
 
 

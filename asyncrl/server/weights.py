@@ -15,6 +15,7 @@ from typing import Any
 from safetensors import safe_open
 
 from asyncrl.server.engine import Engine
+from asyncrl.server.lora import base_state_dict
 
 
 class WeightUpdater:
@@ -68,7 +69,7 @@ class WeightUpdater:
         if not Path(path).is_file():
             raise ValueError(f"update_info.path {path!r} is not a file")
         with self._engine.paused_model() as model:
-            state = model.state_dict()
+            state = base_state_dict(model)  # the base names, also while LoRA adapters wrap the layers
             device = next(model.parameters()).device
             try:
                 handle = safe_open(path, framework="pt", device=str(device))

@@ -6,7 +6,8 @@ the backend's data plane (its /update_weights calls and the tensors) -> /finish_
 A backend (a ``Transport`` in ``WEIGHT_SYNC``) supplies only the data plane: a safetensors file for the
 built-in server (asyncrl/trainer/sync/builtin.py), CUDA IPC handles or an NCCL broadcast for vLLM, through
 vLLM's static trainer API on 0.26-0.27 (sync/vllm_static.py) or its trainer engines from 0.28
-(sync/vllm_factory.py), chosen by the installed vLLM.
+(sync/vllm_factory.py), chosen by the installed vLLM. LoRA runs whose lora.sync resolves to adapters
+(sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no pause, only the adapter is sent.
 
 The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
 aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the
@@ -21,6 +22,7 @@ watchdog; a failed round closes the half-finished update (best effort), resumes 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,8 +33,11 @@ import torch
 from asyncrl.client import ControlClient
 from asyncrl.config.schema import Config
 from asyncrl.registry import Registry
+from asyncrl.trainer.sync.adapter import AdapterSync
 from asyncrl.trainer.sync.base import Transport, WeightSyncError, run_step
 from asyncrl.trainer.sync.builtin import FileTransport
+from asyncrl.trainer.sync.choice import use_adapter_sync
+from asyncrl.trainer.sync.tensors import parameter_metadata
 from asyncrl.trainer.sync.vllm_common import ipc_transport, nccl_transport
 
 if TYPE_CHECKING:
@@ -43,7 +48,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODE = "keep"
 CLEAR_CACHE = True
 CLEANUP_TIMEOUT_S = 30.0
-__all__ = ["WEIGHT_SYNC", "Transport", "WeightSync", "WeightSyncError", "build_weight_sync"]
+__all__ = ["WEIGHT_SYNC", "AdapterSync", "Transport", "WeightSync", "WeightSyncError", "build_weight_sync"]
 
 
 WEIGHT_SYNC: Registry[Callable[..., Transport]] = Registry("weight sync backend")
@@ -52,6 +57,8 @@ WEIGHT_SYNC: Registry[Callable[..., Transport]] = Registry("weight sync backend"
 class WeightSync:
     """One backend's rounds: ``init()`` once, ``push(model, version)`` per sync, ``close()`` at the end."""
 
+    adapter_prefix: str | None = None  # the policy is served under the base model's name (AdapterSync's differs)
+
     def __init__(self, control: ControlClient, transport: Transport, facts: ServerFacts | None = None) -> None:
         self.control, self.transport, self.facts = control, transport, facts
 
@@ -59,7 +66,8 @@ class WeightSync:
         run_step("init_weight_transfer_engine", self.transport.init, self.control)
 
     def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
-        """One round; returns perf/weight_sync_s split into _pause_s, _barrier_s and _transfer_s."""
+        """One round; returns perf/weight_sync_s split into _pause_s, _barrier_s and _transfer_s, and the bytes of
+        the parameters sent (perf/weight_sync_bytes)."""
         started = time.perf_counter()
         failure: WeightSyncError | None = None
         pause_s = barrier_s = 0.0
@@ -79,8 +87,10 @@ class WeightSync:
         if resumed is not None:
             raise resumed
         total = time.perf_counter() - started
+        sent = parameter_metadata(model, getattr(self.transport, "dtype", None))
         return {
             "perf/weight_sync_s": total,
+            "perf/weight_sync_bytes": float(sum(math.prod(shape) * wire.itemsize for _, wire, shape in sent)),
             "perf/weight_sync_pause_s": pause_s,
             "perf/weight_sync_barrier_s": barrier_s,
             "perf/weight_sync_transfer_s": total - pause_s - barrier_s,
@@ -127,18 +137,21 @@ class WeightSync:
             log.warning("weight sync close: %s", error)
 
 
-def build_weight_sync(config: Config, control: ControlClient, run_dir: Path, prepared: Any = None) -> WeightSync:
-    """Check the running server against the config, then build the sync backend it speaks (not yet init'ed)."""
-    from asyncrl.config.schema import LoraSync
+def build_weight_sync(
+    config: Config, control: ControlClient, run_dir: Path, prepared: Any = None
+) -> WeightSync | AdapterSync:
+    """Check the running server against the config, then build the sync backend it speaks (not yet init'ed):
+    adapter-only sync when lora.sync resolves to it (``use_adapter_sync``), else a merged/full weight round."""
     from asyncrl.server.checks import check_server
 
-    if config.lora.enabled and config.lora.sync == LoraSync.adapter:
-        raise WeightSyncError("lora.sync=adapter: adapter-only sync is not implemented yet; use lora.sync=merged "
-                              "(or auto), which merges the adapter and sends full weights")  # fmt: skip
     facts = check_server(config, control, dataset=getattr(prepared, "dataset", None),
                          tokenizer=getattr(prepared, "tokenizer", None))  # fmt: skip
     log.info("server %s %s: max_model_len %d, weight transfer %s, candidate sets %s", facts.backend, facts.version,
              facts.max_model_len, facts.weight_transfer, facts.candidate_sets)  # fmt: skip
+    if use_adapter_sync(config, control, facts.backend):
+        output_dir = Path(config.trainer.output_dir or run_dir)
+        log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
+        return AdapterSync(control, config, output_dir, facts)
     transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir)
     return WeightSync(control, transport, facts)
 

@@ -1,10 +1,11 @@
 """LoRA with peft: the config becomes a LoraConfig, the trainer's model carries adapters, merged weights under
-the base names reach the built-in server (its logprobs then match the trainer's), and checkpoints hold the
-adapter and resume from it."""
+the base names or the adapter alone (a new name per version, a window of max_staleness + 1) reach the built-in
+server (its logprobs then match the trainer's), and checkpoints hold the adapter and resume from it."""
 
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,18 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from asyncrl.client import ControlClient
+from asyncrl.client import ControlClient, ServerError
 from asyncrl.config import compose, to_config
 from asyncrl.config.schema import Config
+from asyncrl.server.checks import ServerCheckError
+from asyncrl.server.process import ServerProcess, free_port
 from asyncrl.trainer import lora
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from asyncrl.trainer.model import build_optimizer, load_model
+from asyncrl.trainer.sync.adapter import AdapterSync
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.tensors import parameter_metadata, serving_parameters, unique_state_dict
-from asyncrl.trainer.weight_sync import WeightSync, WeightSyncError
+from asyncrl.trainer.weight_sync import WeightSync, WeightSyncError, build_weight_sync
 
 from .test_weight_sync import served_vs_local
 
@@ -118,14 +122,6 @@ def test_merged_sync_makes_the_server_match_the_trainer(server, peft_model, rand
     assert before > 1e-2 and after <= 1e-4, (before, after)
 
 
-def test_adapter_only_sync_is_refused_before_the_server_is_contacted(random_tiny_model_dir, tmp_path):
-    from asyncrl.trainer.weight_sync import build_weight_sync
-
-    config = lora_config(random_tiny_model_dir, "lora.sync=adapter")
-    with pytest.raises(WeightSyncError, match="lora.sync=adapter: adapter-only sync is not implemented yet"):
-        build_weight_sync(config, control=None, run_dir=tmp_path)  # type: ignore[arg-type]
-
-
 def test_checkpoint_holds_the_adapter_and_resumes_from_it(random_tiny_model_dir, peft_model, tmp_path):
     config = lora_config(random_tiny_model_dir)
     optimizer, scheduler = build_optimizer(config, peft_model)
@@ -154,3 +150,112 @@ def test_an_adapter_checkpoint_needs_lora_enabled(random_tiny_model_dir, peft_mo
     peft_model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="holds a LoRA adapter"):
         load_model(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"])), str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def lora_server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The built-in server with runtime LoRA, as asyncrl launches it for lora.sync=adapter and max_staleness=1."""
+    port = free_port()
+    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
+            "--device", "cpu", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]  # fmt: skip
+    log = tmp_path_factory.mktemp("lora-server") / "server.log"
+    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
+                       startup_timeout_s=120) as process:  # fmt: skip
+        yield process
+
+
+class RecordingControl(ControlClient):
+    """A ControlClient that records its adapter calls in order."""
+
+    calls: list[tuple[str, str]]
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        super().load_lora_adapter(name, path)
+        self.calls.append(("load", name))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        super().unload_lora_adapter(name)
+        self.calls.append(("unload", name))
+
+
+def adapter_config(model_dir: Path, output_dir: Path, sync: str = "adapter") -> Config:
+    return lora_config(model_dir, f"lora.sync={sync}", "staleness.max_staleness=1", f"trainer.output_dir={output_dir}")
+
+
+def test_adapter_sync_makes_the_server_match_the_trainer_under_the_new_name(
+    lora_server, peft_model, random_tiny_model_dir, tmp_path
+):
+    config = adapter_config(random_tiny_model_dir, tmp_path)
+    with ControlClient(lora_server.base_url, timeout_s=60) as control:
+        sync = build_weight_sync(config, control, tmp_path)
+        assert isinstance(sync, AdapterSync)
+        sync.init()
+        metrics = sync.push(peft_model, 1)
+        served = served_vs_local(lora_server.base_url, peft_model, sync.name(1))
+        base = served_vs_local(lora_server.base_url, peft_model, str(random_tiny_model_dir))
+        files = sorted(p.name for p in sync.path(1).iterdir())
+        sync.close()
+        assert [card["id"] for card in control.models()] == [str(random_tiny_model_dir)]
+    assert served <= 1e-4 and base > 1e-2, (served, base)
+    assert sync.name(1) == f"{sync.adapter_prefix}-v1" and sync.name(0) == str(random_tiny_model_dir)
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    full = (random_tiny_model_dir / "model.safetensors").stat().st_size
+    assert 0 < metrics["perf/weight_sync_bytes"] < full / 10 and metrics["perf/weight_sync_s"] > 0
+    assert not (tmp_path / ".vllm_lora").exists()
+
+
+def test_the_window_keeps_max_staleness_plus_one_versions(lora_server, peft_model, random_tiny_model_dir, tmp_path):
+    config = adapter_config(random_tiny_model_dir, tmp_path)
+    with RecordingControl(lora_server.base_url, timeout_s=60) as control:
+        control.calls = []
+        sync = AdapterSync(control, config, tmp_path)
+        sync.init()
+        for version in (1, 2, 3):
+            train_adapters(peft_model, seed=version)
+            sync.push(peft_model, version)
+        assert served_vs_local(lora_server.base_url, peft_model, sync.name(3)) <= 1e-4
+        assert served_vs_local(lora_server.base_url, peft_model, sync.name(2)) > 1e-3  # v2 is still served as v2
+        with pytest.raises(ServerError, match="does not exist"):
+            served_vs_local(lora_server.base_url, peft_model, sync.name(1))
+        assert sync.path(1).is_dir()  # unloaded at v3; its files go at the next sync
+        sync.push(peft_model, 4)
+        on_disk = sorted(p.name for p in (tmp_path / ".vllm_lora").iterdir())
+        calls = list(control.calls)
+        sync.close()
+    assert calls == [("load", sync.name(1)), ("load", sync.name(2)), ("load", sync.name(3)), ("unload", sync.name(1)),
+                     ("load", sync.name(4)), ("unload", sync.name(2))]  # fmt: skip
+    assert on_disk == [sync.name(2), sync.name(3), sync.name(4)]
+    assert control.calls[len(calls) :] == [("unload", sync.name(3)), ("unload", sync.name(4))]
+
+
+def test_lora_sync_auto_and_adapter_follow_what_the_server_can(lora_server, tiny_server, random_tiny_model_dir,
+                                                               tmp_path):  # fmt: skip
+    with ControlClient(lora_server.base_url, timeout_s=60) as control:
+        assert isinstance(build_weight_sync(adapter_config(random_tiny_model_dir, tmp_path, "auto"), control,
+                                            tmp_path), AdapterSync)  # fmt: skip
+        wide = lora_config(random_tiny_model_dir, "lora.sync=adapter", "lora.r=16", "staleness.max_staleness=1")
+        with pytest.raises(ServerCheckError, match="--max-lora-rank 16"):
+            build_weight_sync(wide, control, tmp_path)
+        many = lora_config(random_tiny_model_dir, "lora.sync=auto", "staleness.max_staleness=4")
+        assert isinstance(build_weight_sync(many, control, tmp_path), WeightSync)  # 3 < 4 + 2 adapters: merged
+    with ControlClient(tiny_server.base_url, timeout_s=60) as control:
+        assert isinstance(build_weight_sync(adapter_config(random_tiny_model_dir, tmp_path, "auto"), control,
+                                            tmp_path), WeightSync)  # fmt: skip
+        with pytest.raises(ServerCheckError, match="LoRA off: restart it with --enable-lora"):
+            build_weight_sync(adapter_config(random_tiny_model_dir, tmp_path), control, tmp_path)
+
+
+def test_a_refused_load_fails_the_sync_naming_the_step(lora_server, peft_model, random_tiny_model_dir, tmp_path):
+    config = lora_config(random_tiny_model_dir, "lora.sync=adapter", "staleness.max_staleness=3")  # keeps 4 of 3
+    with ControlClient(lora_server.base_url, timeout_s=60) as control:
+        sync = AdapterSync(control, config, tmp_path)
+        sync.init()
+        try:
+            for version in (1, 2, 3):
+                sync.push(peft_model, version)
+            with pytest.raises(WeightSyncError, match="at load_lora_adapter: .*--max-loras 3"):
+                sync.push(peft_model, 4)
+        finally:
+            sync.close()
+        assert [card["id"] for card in control.models()] == [str(random_tiny_model_dir)]
+    assert not (tmp_path / ".vllm_lora").exists()

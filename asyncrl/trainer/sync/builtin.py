@@ -33,7 +33,7 @@ class FileTransport(Transport):
 
     @classmethod
     def from_config(cls, *, config: Config, run_dir: Path) -> FileTransport:
-        """The serving dtype's file transport (``build_weight_sync`` refuses adapter-only sync before this)."""
+        """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
         return cls(run_dir, serving_dtype(config))
 
     def init(self, control: ControlClient) -> None:

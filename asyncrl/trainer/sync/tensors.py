@@ -34,9 +34,10 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _served(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Base-model names and tensors, merged when ``model`` carries adapters; each source storage once."""
     pairs = lora.merged_tensors(model, named) if lora.is_peft(model) else ((n, t, t) for n, t in named)
+    unique = getattr(model, "yields_unique_tensors", False)  # gathered shards (trainer/fsdp.py): addresses repeat
     seen: set[int] = set()
     for name, tensor, source in pairs:
-        if source.data_ptr() not in seen:
+        if unique or source.data_ptr() not in seen:
             seen.add(source.data_ptr())
             yield name, tensor
 
@@ -53,7 +54,8 @@ def parameter_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> lis
     model = _unwrap(model)
     peft = lora.is_peft(model)
     metadata = []
-    for name, param in model.named_parameters():
+    named = getattr(model, "sharded_parameters", model.named_parameters)  # shapes without gathering shards
+    for name, param in named():
         served = lora.base_name(name) if peft else name
         if served is not None:
             wire = dtype if dtype is not None and param.is_floating_point() else param.dtype

@@ -1,0 +1,123 @@
+"""Adapter-only weight sync: each policy version's LoRA adapter is written to disk and loaded under a new name.
+
+vLLM and the built-in server load adapters from a path (``POST /v1/load_lora_adapter``), so every sync writes
+the adapter (peft's format: ``adapter_config.json`` and the adapter tensors only, in the serving dtype) to
+``<output_dir>/.vllm_lora/<prefix>-v<version>/`` through a temporary directory and a rename, then loads it
+under that same new name: vLLM keys its prefix cache by adapter name and does not clear it when a path is
+reloaded. Requests select a version with ``model=<prefix>-v<version>`` (``client.policy_model``; version 0
+is the base model itself). ``max_staleness + 1`` versions stay registered, so a rollout that started under
+an older policy finishes under it; the next version is loaded before the oldest is unloaded, so
+``--max-loras`` must be at least ``max_staleness + 2``. A version's files are deleted one sync after it is
+unloaded, since vLLM may re-read them for requests still running under it. No pause is needed: adapters
+load beside running requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from asyncrl.client import ControlClient, policy_model
+from asyncrl.config.schema import Config
+from asyncrl.trainer.sync.base import WeightSyncError, run_step
+from asyncrl.trainer.sync.tensors import serving_dtype
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = ".vllm_lora"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def adapter_tensors(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (what save_pretrained writes), on the CPU in ``dtype``."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    model = getattr(model, "module", model)
+    if not isinstance(model, PeftModel):
+        raise WeightSyncError(f"lora.sync=adapter needs the trainer's peft model, got {type(model).__name__} "
+                              "(several trainer ranks are not supported yet: use lora.sync=merged)")  # fmt: skip
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    return {name: cast(t.detach()).contiguous().cpu() for name, t in state.items()}
+
+
+def write_adapter(model: torch.nn.Module, path: Path, dtype: torch.dtype | None) -> int:
+    """Write the adapter to ``path`` atomically (a sibling temporary directory, then a rename); its bytes."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    getattr(model, "module", model).peft_config["default"].save_pretrained(str(staging))
+    save_file(adapter_tensors(model, dtype), str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+    size = sum(f.stat().st_size for f in staging.iterdir())
+    shutil.rmtree(path, ignore_errors=True)
+    staging.rename(path)
+    return size
+
+
+class AdapterSync:
+    """``WeightSync``'s interface (init, push, close) for adapter-only sync; ``adapter_prefix`` names versions."""
+
+    def __init__(self, control: ControlClient, config: Config, output_dir: Path, facts: Any = None) -> None:
+        self.control, self.facts = control, facts
+        self.base_name = config.model.name_or_path
+        self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers
+        self.root = output_dir / CACHE_DIR
+        self.dtype = serving_dtype(config)
+        self.keep = config.staleness.max_staleness + 1
+        self.registered: deque[int] = deque()
+        self.unloaded: list[int] = []
+
+    def name(self, version: int) -> str:
+        return policy_model(self.base_name, self.adapter_prefix, version)
+
+    def path(self, version: int) -> Path:
+        return self.root / self.name(version)
+
+    def init(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+        """Write and load ``version``; unload what leaves the window, delete what left it at the last sync."""
+        started = time.perf_counter()
+        if version == 0:  # version 0 is served as the base model (policy_model): nothing to load
+            return {"perf/weight_sync_s": 0.0, "perf/weight_sync_bytes": 0.0}
+        size = run_step("write adapter", write_adapter, model, self.path(version), self.dtype)
+        try:
+            run_step("load_lora_adapter", self.control.load_lora_adapter, self.name(version), str(self.path(version)))
+        except WeightSyncError:
+            self._delete([version])
+            raise
+        self.registered.append(version)
+        self._delete(self.unloaded)
+        self.unloaded = []
+        while len(self.registered) > self.keep:
+            oldest = self.registered.popleft()
+            run_step("unload_lora_adapter", self.control.unload_lora_adapter, self.name(oldest))
+            self.unloaded.append(oldest)
+        return {"perf/weight_sync_s": time.perf_counter() - started, "perf/weight_sync_bytes": float(size)}
+
+    def _delete(self, versions: list[int]) -> None:
+        for version in versions:
+            shutil.rmtree(self.path(version), ignore_errors=True)
+
+    def close(self) -> None:
+        """Unload this run's adapters (best effort: the server may be gone) and delete their files."""
+        for version in self.registered:
+            try:
+                self.control.unload_lora_adapter(self.name(version))
+            except Exception as error:  # noqa: BLE001 - the end of the run must not fail on cleanup
+                log.info("unloading adapter %s at the end of the run: %s", self.name(version), error)
+        self._delete([*self.registered, *self.unloaded])
+        self.registered.clear()
+        self.unloaded = []
+        if self.root.is_dir() and not any(self.root.iterdir()):
+            self.root.rmdir()
