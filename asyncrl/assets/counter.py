@@ -1,12 +1,13 @@
-"""The `tiny-counter` asset: the embedded tiny model taught to call `increment` on synthetic transcripts.
+"""The `tiny-counter` asset: a smaller sibling of tiny-arith taught to call `increment` on synthetic transcripts.
 
     python -m asyncrl.assets.counter --out asyncrl/assets/tiny-counter
     python -m asyncrl.assets.counter --eval-only asyncrl/assets/tiny-counter   # success rate of a model
 
 The transcripts call the tool `--p-tool` of the time (else answer with no call: reward 0) and pass the
-right step only `--p-correct` of the time, so sampling succeeds about p_tool * p_correct of the time and
-RL has room to raise it. The tokenizer is tiny-arith's plus two tokens, `<tool_call>` and `</tool_call>`,
-and a chat template that renders tool calls in the `tiny` format (asyncrl/rollout/tools.py).
+right step only `--p-correct` of the time, so sampling succeeds at most p_tool * p_correct of the time
+(less while the copy of the target is not fully learned) and RL has room to raise it. The tokenizer is
+tiny-arith's plus two tokens, `<tool_call>` and `</tool_call>`, and a chat template that renders tool calls
+in the `tiny` format (asyncrl/rollout/tools.py).
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-from asyncrl.assets.tiny_model import build_model, build_tokenizer, save_tiny_model
-from asyncrl.environments.counter import IncrementEnv
+from asyncrl.assets.tiny_model import build_config, build_generation_config, build_tokenizer, save_tiny_model
+from asyncrl.environments.counter import MAX_TARGET, IncrementEnv, task_prompt
 from asyncrl.rollout.tools import TINY_MARKER, parse_tool_calls, tool_schemas
 
-MAX_TARGET = 9
 IGNORE_INDEX = -100
 CHAT_TEMPLATE = (
     "{#- " + TINY_MARKER + " -#}"
@@ -46,6 +46,10 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
+# tiny-arith's shape at half the width and depth (head_dim stays 64 for vLLM's kernels): the task only copies
+# a digit, and both this SFT and the recipe's RL must run in minutes on a shared CPU.
+SHAPE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "num_key_value_heads": 1}  # fmt: skip
 SCHEMAS = tool_schemas([IncrementEnv.increment.__get__(IncrementEnv())])
 
 
@@ -57,8 +61,18 @@ def build_counter_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def build_counter_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+    """Random-init float32 Qwen3 of shape SHAPE, initialised on CPU so the weights depend on `seed` alone."""
+    config = build_config(tokenizer)
+    config.update({**SHAPE, "layer_types": ["full_attention"] * SHAPE["num_hidden_layers"]})
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float()
+    model.generation_config = build_generation_config(tokenizer)
+    return model
+
+
 def task_row(target: int) -> dict:
-    return {"prompt": [{"role": "user", "content": f"Set the counter to {target}."}], "target": target}
+    return {"prompt": [{"role": "user", "content": task_prompt(target)}], "target": target}
 
 
 def write_data(out: Path, seed: int, n_train: int, n_eval: int) -> None:
@@ -74,11 +88,12 @@ def transcript(tokenizer: PreTrainedTokenizerFast, target: int, rng: random.Rand
     """(token ids, labels) of one noisy episode; labels only on what the assistant generates."""
     if rng.random() >= args.p_tool:
         return episode(tokenizer, target, None)
-    step = target if rng.random() < args.p_correct else rng.choice([s for s in range(1, 10) if s != target])
+    wrong = [s for s in range(1, MAX_TARGET + 1) if s != target]
+    step = target if rng.random() < args.p_correct else rng.choice(wrong)
     return episode(tokenizer, target, step)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def episode(tokenizer: PreTrainedTokenizerFast, target: int, step: int | None) -> tuple[list[int], list[int]]:
     """One transcript: call increment(step) then report the counter, or (step None) answer with no call."""
     messages = list(task_row(target)["prompt"])
@@ -165,12 +180,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="model + tokenizer folder")
     parser.add_argument("--eval-only", type=Path, default=None, help="only print the success rate of this model")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads; 1 is fastest on a shared CPU and keeps the result reproducible",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--p-tool", type=float, default=0.75)
-    parser.add_argument("--p-correct", type=float, default=0.35)
+    parser.add_argument("--p-correct", type=float, default=0.5)
     parser.add_argument("--eval-samples", type=int, default=16)
     parser.add_argument("--log-every", type=int, default=100)
     return parser.parse_args(argv)
@@ -178,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     targets = list(range(1, MAX_TARGET + 1))
     if args.eval_only is not None:
         tokenizer = AutoTokenizer.from_pretrained(args.eval_only)
@@ -188,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("asyncrl.assets.counter: --out is required unless --eval-only is given")
     torch.manual_seed(args.seed)
     tokenizer = build_counter_tokenizer()
-    model = build_model(tokenizer, args.seed).to(args.device)
+    model = build_counter_model(tokenizer, args.seed).to(args.device)
     sft(model, tokenizer, args)
     result = success_rate(model, tokenizer, targets, args.eval_samples, args.seed)
     print(json.dumps(result))

@@ -50,8 +50,15 @@ def load_factories(spec: Any) -> dict[str | None, Callable[[], Any]]:
 
 def environment_tools(env: Any) -> list[Callable[..., Any]]:
     """The environment's public methods other than the reserved hooks, bound to the instance."""
-    return [getattr(env, name) for name in dir(type(env))
-            if not name.startswith("_") and name not in RESERVED and inspect.isfunction(getattr(type(env), name))]  # fmt: skip
+    cls = type(env)
+    public = [name for name in dir(cls) if not name.startswith("_") and name not in RESERVED]
+    return [getattr(env, name) for name in public if inspect.isfunction(getattr(cls, name))]
+
+
+def environment_rows() -> list[dict[str, Any]]:
+    """The prompt stream when there is no dataset (data.path unset): one empty row, cycled; each rollout's
+    ``reset()`` then samples its own task and returns the prompt."""
+    return [{"prompt": []}]
 
 
 @dataclass
@@ -94,6 +101,9 @@ class Agents:
         reset_s = time.monotonic() - started
         if text is not None:
             prompt = _append_to_user(prompt, str(text))
+        if not prompt:
+            raise ValueError(f"{type(env).__name__}.reset({', '.join(kwargs)}) returned no prompt and the row has "
+                             "none: without a dataset prompt, reset() must return the task as a string")  # fmt: skip
         return Episode(prompt, [*self.tools, *environment_tools(env)], env, key, reset_s)
 
     async def end(self, episode: Episode) -> tuple[tuple[type, float] | None, float | None]:

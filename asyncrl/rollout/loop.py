@@ -21,8 +21,15 @@ from asyncrl.advantages import estimate_advantages
 from asyncrl.client import GenerationClient, SamplingParams
 from asyncrl.config.schema import Config
 from asyncrl.rollout.reconcile import reconcile
-from asyncrl.rollout.tools import (ToolStats, assistant_message, detect_format, parse_tool_calls, run_tool_calls,
-                                   tool_name, tool_schemas)  # fmt: skip
+from asyncrl.rollout.tools import (
+    ToolStats,
+    assistant_message,
+    detect_format,
+    parse_tool_calls,
+    run_tool_calls,
+    tool_name,  # fmt: skip
+    tool_schemas,
+)
 from asyncrl.rollout.types import Messages, Rollout, RolloutGroup, TurnRecord
 
 

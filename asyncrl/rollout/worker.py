@@ -38,6 +38,8 @@ class WorkerSpec:
     base_url: str
     model_name: str
     max_model_len: int
+    adapter_prefix: str | None = None
+    """Set under adapter-only LoRA sync: each policy version is served as its own adapter (client.policy_model)."""
     start_prompt_index: int = 0
     total_prompts: int | None = None
     """Stop after this global prompt index (epoch-based runs); None = cycle epochs until stopped."""
@@ -178,8 +180,11 @@ class WorkerDriver:
     # ---- one group -------------------------------------------------------------------------------------------
 
     async def _run_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
+        from asyncrl.client import ROLLOUT_MODEL, policy_model
+
         started = time.time()
         version = self.channels.model_version.value
+        ROLLOUT_MODEL.set(policy_model(self.spec.model_name, self.spec.adapter_prefix, version))  # this task only
         group_id = next(self.group_ids)
         prompt = row.get("prompt") or []
         rollouts = await asyncio.gather(
@@ -261,7 +266,8 @@ class WorkerDriver:
         if self.metrics or self.generation_spans or self.completion_records:
             self.channels.metrics_queue.put({**self.metrics, "timeline": {"generation": self.generation_spans},
                                              "completions": self.completion_records})  # fmt: skip
-            self.metrics, self.generation_spans, self.completion_records = defaultdict(list), [], []
+            self.metrics.clear()  # in place: the load poller holds this dict
+            self.generation_spans, self.completion_records = [], []
 
     async def _report(self, interval_s: float = 1.0) -> None:
         last_time, last_tokens, last_retries = time.monotonic(), 0, 0

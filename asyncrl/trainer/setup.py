@@ -52,10 +52,14 @@ def build_reward_sources(config: Config) -> list[RewardSource]:
 def prepare(config: Config) -> Prepared:
     from asyncrl.advantages import ADVANTAGES
     from asyncrl.data import load_prompts
+    from asyncrl.rollout.environments import environment_rows
     from asyncrl.rollout.loop import AsyncRolloutLoop
     from asyncrl.rollout.spawn import check_picklable
 
-    dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
+    if config.data.path is None:
+        dataset = environment_rows()  # validated: a single environment supplies each prompt from reset()
+    else:
+        dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
     eval_dataset = None
     if config.data.eval_path:
         eval_dataset = load_prompts(config.data.eval_path, name=config.data.name, split=config.data.eval_split)
@@ -71,13 +75,14 @@ def prepare(config: Config) -> Prepared:
 
 
 def check_agents(config: Config, tokenizer: Any) -> None:
-    """Tools and environments: picklable, schemas buildable, and a warning when the chat template is not
-    prefix-preserving for a tool turn (every turn would then fork a new training sample)."""
+    """Tools and environments: picklable, schemas buildable; the chat template per rollout.chat_template, and a
+    warning when it is still not prefix-preserving for a tool turn (every turn would then fork a new sample)."""
     import warnings
 
     from asyncrl.rollout.environments import load_factories, load_tools
     from asyncrl.rollout.spawn import check_picklable
-    from asyncrl.rollout.tools import tool_schemas, template_preserves_prefix
+    from asyncrl.rollout.templates import FAMILIES, use_chat_template
+    from asyncrl.rollout.tools import template_preserves_prefix, tool_schemas
 
     tools = load_tools(list(config.rollout.tools))
     for fn in tools:
@@ -85,11 +90,14 @@ def check_agents(config: Config, tokenizer: Any) -> None:
     tool_schemas(tools)
     for name, factory in load_factories(config.rollout.environment_factory).items():
         check_picklable(factory, f"environment factory {name or ''} (rollout.environment_factory)")
-    if (tools or config.rollout.environment_factory) and not template_preserves_prefix(
-        tokenizer, config.sampling.chat_template_kwargs
-    ):
+    agentic = bool(tools or config.rollout.environment_factory)
+    kwargs = config.sampling.chat_template_kwargs
+    use_chat_template(tokenizer, config.rollout.chat_template, agentic=agentic, chat_template_kwargs=kwargs,
+                      model=config.model.name_or_path)  # fmt: skip
+    if agentic and not template_preserves_prefix(tokenizer, kwargs):
         warnings.warn(
             f"the chat template of {config.model.name_or_path} re-renders earlier turns when a tool turn is "
             "appended: multi-turn rollouts will fork into several samples (see rollout/fork_frac); use a "
-            "prefix-preserving training template", stacklevel=2,
+            "prefix-preserving training template (rollout.chat_template=auto swaps one in for the families "
+            f"{[f.name for f in FAMILIES]}, or give a .jinja file)", stacklevel=2,
         )  # fmt: skip

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra.errors import HydraException
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import ValidationError
 
 from asyncrl.config import Config, compose, conf_dir, to_config

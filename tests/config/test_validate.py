@@ -37,6 +37,9 @@ BAD_INPUTS = [
     (["packing.name=nope"], "packing"),
     (["packing.attention=flash9"], "packing.attention"),
     (["rollout.loop_cls=nope"], "rollout.loop_cls"),
+    (["data.path=null"], "data.path"),
+    (["data.path=null", "rollout.environment_factory=asyncrl.environments.counter:IncrementEnv",
+      "trainer.max_steps=-1"], "trainer.max_steps"),  # fmt: skip
 ]
 
 

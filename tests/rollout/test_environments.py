@@ -60,7 +60,7 @@ def test_instances_are_reused_and_rewards_name_the_class():
         episode = await agents.begin({"prompt": [{"role": "user", "content": "Set 2."}], "target": 2})
         episode.tools[0](step=2)
         reward, seconds = await agents.end(episode)
-        again = await agents.begin({"prompt": [], "target": 5})
+        again = await agents.begin({"prompt": [{"role": "user", "content": "Set 5."}], "target": 5})
         for _ in range(3):
             await games.end(await games.begin({}))
         return episode, reward, seconds, again, await games.end(await games.begin({}))
@@ -75,3 +75,27 @@ def test_load_factories_forms():
     assert load_factories(None) == {}
     assert load_factories("asyncrl.environments.counter:IncrementEnv") == {None: IncrementEnv}
     assert load_factories({"c": "asyncrl.environments.counter:IncrementEnv"}) == {"c": IncrementEnv}
+
+
+def test_without_a_dataset_the_environment_supplies_each_prompt():
+    from asyncrl.config import compose, to_config
+    from asyncrl.rollout.environments import environment_rows
+
+    factory = "rollout.environment_factory=asyncrl.environments.counter:IncrementEnv"
+    config = to_config(compose(["data.path=null", factory, "trainer.max_steps=5"]))
+    assert config.data.path is None
+    agents = Agents([], load_factories(config.rollout.environment_factory), None)
+
+    async def main():
+        return [await agents.begin(environment_rows()[0]) for _ in range(2)]
+
+    episodes = asyncio.run(main())
+    for ep in episodes:
+        assert ep.prompt == [{"role": "user", "content": f"Set the counter to {ep.env.target}."}]
+        assert 1 <= ep.env.target <= 9
+
+
+def test_reset_that_returns_no_prompt_without_a_dataset_prompt_fails_naming_the_environment():
+    agents = Agents([], {None: IncrementEnv}, None)
+    with pytest.raises(ValueError, match="IncrementEnv.reset\\(target\\) returned no prompt"):
+        asyncio.run(agents.begin({"prompt": [], "target": 3}))
