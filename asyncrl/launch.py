@@ -27,8 +27,11 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.rollout.spawn import UnpicklableError
     from asyncrl.server.process import ServerStartError
     from asyncrl.trainer.assembler import RolloutWorkerError
+    from asyncrl.trainer.checkpoint import ResumeError
+    from asyncrl.trainer.supervise import TrainerRankError
 
-    return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError)
+    return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError, TrainerRankError,
+            ResumeError)  # fmt: skip
 
 
 EXPECTED_ERRORS = _expected_errors()
@@ -81,15 +84,40 @@ def run_job(config: Config, run_dir: Path) -> None:
         config.trainer.output_dir = str(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     _terminate_on_sigterm()
+    from asyncrl.trainer.distributed import world_size
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
     prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
+    world = world_size(config)
+    _check_resume(config, world)
     with start_server(config, run_dir) as server:
-        run_training(config, run_dir, server, prepared)
+        if world > 1:
+            from asyncrl.trainer.supervise import run_ranks
+
+            run_ranks(run_dir, world, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again
+        else:
+            run_training(config, run_dir, server, prepared)
     from asyncrl.report import write_report
 
     print(f"report: {write_report(run_dir)}", flush=True)
+
+
+def _check_resume(config: Config, world: int) -> None:
+    """A checkpoint resumes only on as many trainer ranks as wrote it: say so before the server starts."""
+    from asyncrl.trainer.checkpoint import check_world_size, resolve_checkpoint
+
+    spec = config.trainer.resume_from_checkpoint
+    if spec:
+        check_world_size(resolve_checkpoint(spec, Path(config.trainer.output_dir or ".")), world)
+
+
+def load_run_config(run_dir: Path) -> Config:
+    """The resolved config a job wrote to its run directory (what each of its child processes reads)."""
+    from omegaconf import OmegaConf
+
+    register_schema()
+    return to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
 
 
 def start_server(config: Config, run_dir: Path):  # type: ignore[no-untyped-def]

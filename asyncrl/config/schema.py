@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -40,7 +40,7 @@ class ModelConfig:
     """Weights dtype: auto|float32|bfloat16|float16. float32 keeps the trainer-sampler mismatch small."""
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    revision: Optional[str] = None
+    revision: str | None = None
     model_init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for from_pretrained; a dtype here wins over `dtype`."""
 
@@ -60,7 +60,7 @@ class SamplingConfig:
     num_sampler_logprobs: int = 8
     """Top log-probabilities requested per generated token (score centering needs them)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_tool_calling_iterations: Optional[int] = None
+    max_tool_calling_iterations: int | None = None
 
 
 @dataclass
@@ -83,7 +83,7 @@ class LoraConfig:
     target_modules: Any = "all-linear"
     """'all-linear' or a list of module names; lm_head is refused."""
     bias: str = "none"
-    modules_to_save: Optional[list[str]] = None
+    modules_to_save: list[str] | None = None
     sync: LoraSync = LoraSync.auto
     """merged: merge and send full weights; adapter: send only the adapter; auto: adapter if the server can."""
 
@@ -94,16 +94,16 @@ class ServerConfig:
     """auto: vLLM when importable and a GPU is present, else the built-in server."""
     launch: bool = True
     """false: attach to an already running server at base_url."""
-    base_url: Optional[str] = None
+    base_url: str | None = None
     """Defaults to http://{host}:{port}."""
     host: str = "127.0.0.1"
     port: int = 8000
     timeout: float = 1800.0
     """Seconds for server readiness, each generation request and each weight-sync call."""
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     """Built-in default: the model's max_position_embeddings. vLLM default: the longest prompt (data.max_prompt_length,
     else measured on the data) + sampling.max_completion_length; set it for multi-turn rollouts."""
-    dtype: Optional[str] = None
+    dtype: str | None = None
     """Serving dtype; defaults to model.dtype."""
     device: str = "auto"
     """Built-in server device: auto|cpu|cuda."""
@@ -111,30 +111,30 @@ class ServerConfig:
     """Built-in server: rows decoded together in one batch."""
     cpu_threads: int = 1
     """Built-in server on CPU: torch intra-op threads (the trainer keeps the other cores)."""
-    gpus: Optional[int] = None
+    gpus: int | None = None
     """vLLM: GPUs for the server, taken first from the visible ones (default tensor x data parallel size); the
     trainer gets the rest, or shares the server's first GPU when none is left."""
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    api_server_count: Optional[int] = None
+    api_server_count: int | None = None
     """vLLM API processes. Default: 1 with runtime LoRA adapters (vLLM refuses more), 8 on vLLM >= 0.32 (cheap
     top log-probabilities), else vLLM's own default."""
     weight_transfer: WeightTransfer = WeightTransfer.auto
     """vLLM weight sync: nccl (own GPUs), ipc (server and trainer share a GPU); auto picks from the GPU split,
     or from the attached server's --weight-transfer-config."""
-    vllm_version: Optional[str] = None
+    vllm_version: str | None = None
     """The vLLM release `vllm serve` runs, for its version-dependent flags; default: the installed vllm."""
     max_logprobs: int = 20
-    max_loras: Optional[int] = None
-    max_lora_rank: Optional[int] = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     extra_args: list[str] = field(default_factory=list)
     """Appended verbatim to the server command line."""
 
 
 @dataclass
 class TrainerConfig:
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
     """Defaults to the Hydra run directory."""
     seed: int = 42
     max_steps: int = -1
@@ -150,32 +150,41 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = True
-    bf16: Optional[bool] = None
+    logit_chunk_tokens: int = 4096
+    """Trained tokens whose LM-head logits exist at once (their [tokens x vocabulary] float32 buffers bound a
+    step's memory); 0 = all of a row's at once."""
+    bf16: bool | None = None
     """None: bf16 mixed precision on GPU, off on CPU."""
-    gpus: Optional[int] = None
+    gpus: int | None = None
+    num_processes: int | None = None
+    """Trainer ranks (FSDP2 data parallel); None: trainer.gpus on a GPU machine, else 1. On CPU (gloo) set it."""
+    fsdp_cpu_offload: bool = False
+    """With several ranks: keep the sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
     logging_steps: int = 1
     save_strategy: str = "steps"
     """steps|no"""
     save_steps: int = 500
-    save_total_limit: Optional[int] = None
-    resume_from_checkpoint: Optional[str] = None
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None
     """latest | a checkpoint directory."""
 
 
 @dataclass
 class DataConfig:
-    path: str = MISSING
-    """Hub id, local directory, or a .json/.jsonl/.parquet file with a conversational `prompt` column."""
-    name: Optional[str] = None
+    path: str | None = None
+    """Hub id, local directory, or a .json/.jsonl/.parquet file with a conversational `prompt` column; None: each
+    rollout's environment (a single rollout.environment_factory) returns its prompt from reset(), and
+    trainer.max_steps sets the run's length."""
+    name: str | None = None
     """Dataset configuration name (datasets' `name`)."""
     split: str = "train"
-    eval_path: Optional[str] = None
+    eval_path: str | None = None
     """Held-out prompts for the before/after accuracy (same forms as `path`); None = no evaluation."""
     eval_split: str = "train"
     num_eval_prompts: int = 200
     shuffle: bool = True
     """Seeded shuffle per epoch (seed = trainer.seed + epoch), reproduced on resume."""
-    max_prompt_length: Optional[int] = None
+    max_prompt_length: int | None = None
     """Prompts longer than this (tokens) are skipped and counted."""
 
 
@@ -193,6 +202,10 @@ class RolloutConfig:
     `environment` column; one instance per rollout, its public methods are tools."""
     tool_call_format: str = "auto"
     """auto|hermes|llama3|tiny: how tool calls are parsed from the model's output; auto reads the chat template."""
+    chat_template: str = "auto"
+    """auto|keep|path to a .jinja file. auto: with tools or environments, a known family (Qwen3) whose stock template
+    is not prefix-preserving gets asyncrl's training-safe one, which checkpoints and the final model keep; keep:
+    never swap (warn); a path: use that template."""
 
 
 @dataclass
@@ -200,7 +213,7 @@ class LoggingConfig:
     report_to: list[str] = field(default_factory=list)
     """Trackers through accelerate: tensorboard, wandb, trackio."""
     log_completions: bool = False
-    num_completions_to_print: Optional[int] = None
+    num_completions_to_print: int | None = None
     console: str = "auto"
     """auto|live|plain: live rich display when stdout is a terminal."""
     project: str = "asyncrl"
@@ -223,4 +236,4 @@ class Config:
     loss: dict[str, Any] = field(default_factory=lambda: {"name": "score_centering"})
     advantage: dict[str, Any] = field(default_factory=lambda: {"name": "group_zscore"})
     packing: dict[str, Any] = field(default_factory=lambda: {"name": "flat"})
-    run_name: Optional[str] = None
+    run_name: str | None = None

@@ -149,6 +149,7 @@ def check_vllm_server(config: Config) -> None:
         )
     if config.trainer.gpus is not None and config.trainer.gpus < 1:
         raise ConfigError(f"trainer.gpus={config.trainer.gpus} must be >= 1")
+    check_ranks(config)
     if sv.api_server_count is not None and sv.api_server_count < 1:
         raise ConfigError(f"server.api_server_count={sv.api_server_count} must be >= 1")
     adapters = config.lora.enabled and config.lora.sync != LoraSync.merged
@@ -249,6 +250,32 @@ def check_agents(config: Config) -> None:
                               "has no reset method")  # fmt: skip
 
 
+def check_data_source(config: Config) -> None:
+    """No dataset: a single environment supplies every prompt from reset(), and there are no epochs to count."""
+    if config.data.path is not None:
+        return
+    factory = config.rollout.environment_factory
+    if factory is None or hasattr(factory, "items"):
+        raise ConfigError(
+            "data.path is not set: without a dataset only a single rollout.environment_factory (whose reset() "
+            "returns the prompt) can supply prompts; a mapping routes by the dataset's `environment` column. "
+            "Set data.path=FILE_OR_HUB_ID"
+        )
+    if config.trainer.max_steps <= 0:
+        raise ConfigError(
+            f"data.path is not set, so the environment supplies the prompts and there are no epochs: "
+            f"trainer.max_steps={config.trainer.max_steps} must be > 0 (try trainer.max_steps=100)"
+        )
+    from asyncrl.server.command import resolve_backend
+
+    unsized = config.server.max_model_len is None and config.data.max_prompt_length is None
+    if unsized and resolve_backend(config) == "vllm":
+        raise ConfigError(
+            "data.path is not set, so vLLM's context cannot be sized from the longest prompt: set "
+            "server.max_model_len (or data.max_prompt_length)"
+        )
+
+
 CHECKS: tuple[Callable[[Config], None], ...] = (
     check_sampling_ranges,
     check_truncation_needs_top_k,
@@ -260,9 +287,21 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_rollout_loop,
     check_components,
     check_agents,
+    check_data_source,
     check_loss_requirements,
     check_loss_options,
 )
+
+
+def check_ranks(config: Config) -> None:
+    """Several trainer ranks: a count >= 1, full fine-tuning (the sharded path merges no adapter)."""
+    t = config.trainer
+    if t.num_processes is not None and t.num_processes < 1:
+        raise ConfigError(f"trainer.num_processes={t.num_processes} must be >= 1")
+    ranks = t.num_processes or t.gpus or 1
+    if ranks > 1 and config.lora.enabled:
+        raise ConfigError(f"trainer.num_processes={ranks} with lora.enabled=true: multi-rank (FSDP2) training is "
+                          "full fine-tuning only; train LoRA on one rank (trainer.num_processes=1)")  # fmt: skip
 
 
 def validate(config: Config) -> None:

@@ -3,8 +3,11 @@
 A checkpoint is written into ``step_NNNNNN.tmp`` and renamed when complete, so a crash never leaves a
 half checkpoint that resume would pick up. It holds the model (save_pretrained: with LoRA only the adapter,
 which resume puts back on model.name_or_path) and tokenizer, the optimizer and scheduler states, RNG states,
-``trainer_state.json`` (step, model_version, ...) and ``rollout_state.json``: the index of the first prompt
-not yet trained, where the worker resumes.
+``trainer_state.json`` (step, model_version, the number of trainer ranks, ...) and ``rollout_state.json``:
+the index of the first prompt not yet trained, where the worker resumes. A multi-rank (FSDP2) checkpoint
+holds instead of the model and optimizer states the sharded resume files (``sharded/``, fp32 master weights
+and optimizer state) plus a consolidated ``model.safetensors`` in the serving dtype (trainer/fsdp.py); it
+resumes only on as many ranks as wrote it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,10 @@ import numpy as np
 import torch
 
 CHECKPOINT_PREFIX = "step_"
+
+
+class ResumeError(ValueError):
+    """A checkpoint that this run cannot resume; the message says why and how."""
 
 
 @dataclass
@@ -39,20 +47,26 @@ def checkpoints_dir(output_dir: Path) -> Path:
 
 def save_checkpoint(
     output_dir: Path, state: TrainerState, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any,
-    total_limit: int | None,
+    total_limit: int | None, write_weights: Callable[[Path], None] | None = None, num_processes: int = 1,
 ) -> Path:  # fmt: skip
+    """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks)."""
     root = checkpoints_dir(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
+    states = {"scheduler": scheduler.state_dict()}
+    if write_weights is None:
+        model.save_pretrained(tmp)
+        states["optimizer"] = optimizer.state_dict()
+    else:
+        write_weights(tmp)
     tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    torch.save(states, tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(
         {"step": state.step, "model_version": state.model_version, "prompts_consumed": state.prompts_consumed,
-         "extra": state.extra}, indent=2))  # fmt: skip
+         "num_processes": num_processes, "extra": state.extra}, indent=2))  # fmt: skip
     (tmp / "rollout_state.json").write_text(json.dumps({"prompt_index": state.prompt_index}, indent=2))
     _fsync_dir(tmp)
     if final.exists():
@@ -95,13 +109,24 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
 def load_checkpoint(path: Path, optimizer: Any, scheduler: Any) -> TrainerState:
     """Restore optimizer, scheduler and RNG states (the model is loaded from ``path`` by the caller)."""
     states = torch.load(path / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(states["optimizer"])
+    if "optimizer" in states:  # a multi-rank checkpoint's optimizer state is in its sharded files
+        optimizer.load_state_dict(states["optimizer"])
     scheduler.load_state_dict(states["scheduler"])
     _set_rng_state(torch.load(path / "rng_state.pt", weights_only=False))
     trainer = json.loads((path / "trainer_state.json").read_text())
     rollout = json.loads((path / "rollout_state.json").read_text())
     return TrainerState(trainer["step"], trainer["model_version"], rollout["prompt_index"],
                         trainer["prompts_consumed"], trainer.get("extra", {}))  # fmt: skip
+
+
+def check_world_size(path: Path, num_processes: int) -> None:
+    """Refuse to resume on another number of trainer ranks than wrote the checkpoint."""
+    saved = json.loads((path / "trainer_state.json").read_text()).get("num_processes", 1)
+    if saved != num_processes:
+        raise ResumeError(
+            f"trainer.resume_from_checkpoint={path} was written by {saved} trainer rank(s) but this run has "
+            f"{num_processes} (trainer.num_processes): resume with trainer.num_processes={saved}"
+        )
 
 
 def _rng_state() -> dict[str, Any]:

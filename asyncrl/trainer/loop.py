@@ -1,7 +1,8 @@
 """The training loop: pull -> plan -> step -> sync -> checkpoint, with the rollout worker running beside it.
 
 `Trainer.train` reads top to bottom as the spec's loop. Rank-0-only parts (worker, weight sync, logging,
-checkpoints) are isolated in their own methods so that a multi-rank trainer can keep them on rank 0.
+checkpoints) are isolated in their own methods. With several trainer ranks this is rank 0: at each collective
+point (a step's rows, a weight sync, a checkpoint) it commands the other ranks (trainer/distributed.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.client import ControlClient
+from asyncrl.client import ControlClient, policy_model
 from asyncrl.config.schema import Config
+from asyncrl.evaluate import evaluate
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import JsonlSink, MetricWindow
@@ -21,23 +23,32 @@ from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import start_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.server.command import served_model_name
-from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
-from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, resolve_checkpoint, save_checkpoint
-from asyncrl.evaluate import evaluate
 from asyncrl.trackers import build_trackers
+from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
+from asyncrl.trainer.checkpoint import (
+    TrainerState,
+    check_world_size,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from asyncrl.trainer.console import Console
+from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
 from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model
+from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
+from asyncrl.trainer.sync.tensors import serving_dtype
 from asyncrl.trainer.timeline import Timeline
 from asyncrl.trainer.weight_sync import build_weight_sync
-from asyncrl.trainer.setup import Prepared
 
 log = logging.getLogger("asyncrl.trainer")
 
 
-def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared) -> None:
-    trainer = Trainer(config, run_dir, server, prepared)
+def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks | None = None) -> None:
+    """``ranks``: this is rank 0 of several (trainer/distributed.py); None: the single-process trainer."""
+    trainer = Trainer(config, run_dir, server, prepared, ranks)
     try:
         trainer.train()
     finally:
@@ -45,17 +56,15 @@ def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared)
 
 
 class Trainer:
-    def __init__(self, config: Config, run_dir: Path, server: Any, prepared: Prepared) -> None:
+    def __init__(
+        self, config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks | None = None
+    ) -> None:  # fmt: skip
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
+        self.ranks, self.world = ranks, ranks.world if ranks is not None else 1
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlClient(server.base_url, timeout_s=config.server.timeout)
         self.max_model_len = self.control.max_model_len()
-        self.accelerator = build_accelerator(config)
-        resume = resolve_checkpoint(config.trainer.resume_from_checkpoint, self.output_dir) \
-            if config.trainer.resume_from_checkpoint else None  # fmt: skip
-        model = load_model(config, str(resume) if resume else config.model.name_or_path)
-        optimizer, scheduler = build_optimizer(config, model)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        resume = self._build_model()
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})
         if resume is not None:
             self.state = load_checkpoint(resume, self.optimizer, self.scheduler)
@@ -73,9 +82,25 @@ class Trainer:
         self.sync = build_weight_sync(config, self.control, run_dir, prepared)
         self.sync.init()
         if resume is not None:
-            self.sync.push(self.model, self.state.model_version)  # the server starts from the base weights
+            self._push(self.state.model_version)  # the server starts from the base weights
         self.evaluations = {"before": self._evaluate()} if prepared.eval_dataset is not None else {}
         self._start_worker()
+
+    def _build_model(self) -> Path | None:
+        """Model, optimizer and scheduler, sharded over the ranks when there are several; the resume checkpoint."""
+        if self.ranks is not None:
+            self.accelerator: Any = FsdpAccelerator()
+            self.model, self.optimizer, self.scheduler, resume = build_sharded(self.config, self.run_dir, self.ranks)
+            return resume
+        spec = self.config.trainer.resume_from_checkpoint
+        resume = resolve_checkpoint(spec, self.output_dir) if spec else None
+        if resume is not None:
+            check_world_size(resume, 1)
+        self.accelerator = build_accelerator(self.config)
+        model = load_model(self.config, str(resume) if resume else self.config.model.name_or_path)
+        optimizer, scheduler = build_optimizer(self.config, model)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        return resume
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -106,6 +131,8 @@ class Trainer:
         if self.evaluations:
             self.evaluations["after"] = self._evaluate()
             self._report_evaluations()
+        if self.ranks is not None:
+            self.ranks.command("stop")
 
     def _finished(self) -> bool:
         t = self.config.trainer
@@ -118,17 +145,8 @@ class Trainer:
         rows = [row.pack(self.top_k) for row in step.rows]
         self.loss.start_step(rows)
         self.model.train()
-        fwd_s = fwd_bwd_s = 0.0
         started = time.time()
-        for row in rows:
-            t0 = time.perf_counter()
-            out = packed_forward(self.model, row, self.config.sampling.temperature, attention=self.attention)
-            loss, loss_metrics = self.loss(self.loss.batch(row, out))
-            fwd_s += time.perf_counter() - t0
-            self.accelerator.backward(loss)
-            fwd_bwd_s += time.perf_counter() - t0
-            self.window.update(loss_metrics)
-            self.window.add("entropy", float(out.entropy.mean()) if out.entropy.numel() else float("nan"))
+        fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows)
         t1 = time.perf_counter()
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
         self.optimizer.step()
@@ -136,6 +154,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - t1
         self.window.update(self.loss.end_step())
+        if self.ranks is not None:
+            for metrics in (m for rank in self.ranks.gather(rank_metrics) for m in rank):
+                self.window.add("entropy", metrics.pop("entropy"))
+                self.window.update(metrics)
         self.timeline.add("training", started, time.time())
         self.window.add("grad_norm", float(grad_norm))
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
@@ -145,6 +167,29 @@ class Trainer:
         self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue))
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
+
+    def _forward_backward(self, rows: list[Any]) -> tuple[float, float, list[dict[str, float]]]:
+        """Forward and backward of the step's rows: here, or one row per rank per micro-batch (the loss of each
+        row is its share of the step's, so the gradients add up to the step's). Returns the forward and
+        forward+backward seconds, and with several ranks this rank's per-row metrics (the others' come later)."""
+        if self.ranks is not None:
+            work = split_rows(rows, self.world, (self.loss.shift, self.loss.scale))
+            mine = self.ranks.command("step", work)
+            result = train_rows(self.model, self.loss, mine, self.ranks, self.config, self.attention)
+            return result.forward_s, result.forward_backward_s, result.metrics
+        fwd_s = fwd_bwd_s = 0.0
+        for row in rows:
+            t0 = time.perf_counter()
+            out = packed_forward(self.model, row, self.config.sampling.temperature, attention=self.attention,
+                                 logit_chunk_tokens=self.config.trainer.logit_chunk_tokens,
+                                 compile_layers=self.config.packing.get("compile_layers", "auto"))  # fmt: skip
+            loss, loss_metrics = self.loss(self.loss.batch(row, out))
+            fwd_s += time.perf_counter() - t0
+            self.accelerator.backward(loss)
+            fwd_bwd_s += time.perf_counter() - t0
+            self.window.update(loss_metrics)
+            self.window.add("entropy", float(out.entropy.mean()) if out.entropy.numel() else float("nan"))
+        return fwd_s, fwd_bwd_s, []
 
     def _record_step_time(self, step: Step, seconds: float) -> None:
         tokens = sum(s.num_tokens for s in step.samples)
@@ -163,14 +208,26 @@ class Trainer:
         consumed = sum(s.num_tokens for s in step.samples)
         if self.config.staleness.max_staleness == 0:
             forwarded = max(1, sum(r.num_forwarded for r in rows))
-            consumed = int(self.config.trainer.gradient_accumulation_steps * self.token_budget * consumed / forwarded)
+            rows_per_step = self.config.trainer.gradient_accumulation_steps * self.world
+            consumed = int(rows_per_step * self.token_budget * consumed / forwarded)
         self.channels.token_allowance.value = max(1, self.config.staleness.max_staleness) * max(consumed, 1)
 
     def _sync_weights(self) -> None:
         version = self.state.model_version + 1
-        self.window.update(self.sync.push(self.model, version))
+        self.window.update(self._push(version))
         self.state.model_version = version
         self.channels.model_version.value = version
+
+    def _push(self, version: int) -> dict[str, float]:
+        """One weight sync; with several ranks every parameter is gathered as the transport reads it."""
+        if self.ranks is None:
+            return self.sync.push(self.model, version)
+        self.ranks.command("sync")
+        view = GatheredModel(self.model, self.ranks, serving_dtype(self.config))
+        try:
+            return self.sync.push(view, version)
+        finally:
+            view.done()
 
     # ---- rank-0 services -------------------------------------------------------------------------------------
 
@@ -178,7 +235,7 @@ class Trainer:
         c = self.config
         self.progress = PromptProgress(cursor=self.state.prompt_index, consumed=self.state.prompts_consumed)
         self.num_tokens = int(self.state.extra.get("num_tokens", 0))
-        rows_per_step = c.trainer.gradient_accumulation_steps
+        rows_per_step = c.trainer.gradient_accumulation_steps * self.world
         self.channels = WorkerChannels.create(max(1, c.staleness.max_staleness) * rows_per_step * self.token_budget)
         self.channels.model_version.value = self.state.model_version
         spec = WorkerSpec(
@@ -186,6 +243,7 @@ class Trainer:
             reward_sources=self.prepared.reward_sources, loop_cls=self.prepared.loop_cls,
             advantage_fn=self.prepared.advantage_fn, base_url=self.server.base_url,
             model_name=served_model_name(c), max_model_len=self.max_model_len,
+            adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),
         )  # fmt: skip
         self.worker = start_worker(spec, self.channels)
@@ -230,7 +288,8 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         p = self.prepared
-        return evaluate(self.config, self.server.base_url, served_model_name(self.config), p.tokenizer,
+        model = policy_model(served_model_name(self.config), self.sync.adapter_prefix, self.state.model_version)
+        return evaluate(self.config, self.server.base_url, model, p.tokenizer,
                         p.eval_dataset, p.reward_sources, self.max_model_len)  # fmt: skip
 
     def _report_evaluations(self) -> None:
@@ -251,17 +310,27 @@ class Trainer:
         self.state.extra["num_tokens"] = self.num_tokens
         self.state.extra["loss"] = self.loss.state_dict()
         unwrapped = self.accelerator.unwrap_model(self.model)
+        write = None if self.ranks is None else (lambda directory: self._write_sharded(directory, "save"))
         path = save_checkpoint(self.output_dir, self.state, unwrapped, self.prepared.tokenizer, self.optimizer,
-                               self.scheduler, self.config.trainer.save_total_limit)  # fmt: skip
+                               self.scheduler, self.config.trainer.save_total_limit, write, self.world)  # fmt: skip
         log.info("checkpoint %s", path)
 
     def _save_final_model(self) -> None:
         final = self.output_dir / "model"
-        self.accelerator.unwrap_model(self.model).save_pretrained(final)
+        if self.ranks is None:
+            self.accelerator.unwrap_model(self.model).save_pretrained(final)
+        else:
+            self._write_sharded(final, "final")
         self.prepared.tokenizer.save_pretrained(final)
         self._drain_worker_metrics()
         self.timeline.write(self.run_dir / "timeline.json", self.run_started, time.time())
         self.console.finish(self.state.step, final)
+
+    def _write_sharded(self, directory: Path, command: str) -> None:
+        """With every rank: ``save`` the resume shards and the consolidated model, or the ``final`` model only."""
+        self.ranks.command(command, [str(directory)] * self.world)
+        save_weights(directory, self.model, self.optimizer, self.ranks, serving_dtype(self.config),
+                     resumable=command == "save")  # fmt: skip
 
     def close(self) -> None:
         """Stop the worker (it never outlives the trainer) and release the sync staging area."""

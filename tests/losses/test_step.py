@@ -218,7 +218,7 @@ def tokenizer():
 def trainer_for(overrides: list[str], model: torch.nn.Module) -> Trainer:
     config = to_config(compose(["trainer.weight_decay=0.0", "trainer.learning_rate=1e-3", *overrides]))
     trainer = Trainer.__new__(Trainer)
-    trainer.config = config
+    trainer.config, trainer.ranks, trainer.world = config, None, 1
     trainer.accelerator = build_accelerator(config)
     optimizer, scheduler = build_optimizer(config, model)
     trainer.model, trainer.optimizer, trainer.scheduler = trainer.accelerator.prepare(model, optimizer, scheduler)

@@ -1,0 +1,190 @@
+"""FSDP2 for the multi-rank trainer: shard the model, gather it for weight sync, checkpoint it.
+
+Each decoder layer (the model's ``_no_split_modules`` classes) and the root are ``fully_shard``ed. On GPU the
+master weights are fp32 and forward/backward run in bf16 with fp32 gradient reduction (MixedPrecisionPolicy);
+on CPU everything stays float32. FSDP averages gradients over the ranks (gloo cannot sum with a pre-scale),
+so each rank's loss is multiplied by the number of ranks (trainer/distributed.py::train_rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncrl.config.schema import Config
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.distributed import Ranks
+
+SHARDED_DIR = "sharded"
+"""The torch.distributed.checkpoint files (fp32 master weights and optimizer state) inside a checkpoint."""
+
+
+def shard(model: torch.nn.Module, config: Config, mixed_precision: bool) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root; the model is changed in place and returned."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {}
+    if mixed_precision:
+        model.float()  # fp32 master weights and optimizer state whatever model.dtype loaded
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.trainer.fsdp_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif torch.cuda.is_available():
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"trainer.num_processes>1: {type(model).__name__} names no decoder layer class "
+                         "(_no_split_modules), so FSDP2 has nothing to shard per layer")  # fmt: skip
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class FsdpAccelerator:
+    """The few Accelerator calls the Trainer makes, for a model that FSDP2 already shards."""
+
+    def prepare(self, *objects: Any) -> tuple[Any, ...]:
+        return objects
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+        return _full(norm)
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole on every rank (a collective); a plain tensor as is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
+def _gathered(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """One parameter whole, in the serving dtype, finished before anyone reads it.
+
+    The all-gather runs on the communication stream and the cast on the current one; a transport may read
+    the result from another stream or thread (vLLM's NCCL broadcast, CUDA IPC). Waiting here means no gather
+    is ever queued behind a transfer that waits for it, the FSDP-rank deadlock of TRL #6797/#7103."""
+    full = _cast(_full(tensor.detach()), dtype)
+    if full.is_cuda:
+        torch.cuda.current_stream().synchronize()
+    return full
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds (FSDP2 does not shard buffers: every rank has them whole)."""
+    persistent = set(model.state_dict().keys())
+    return [(name, buffer.detach()) for name, buffer in model.named_buffers() if name in persistent]
+
+
+class GatheredModel:
+    """Rank 0's view of the sharded model for the weight-sync transports: a parameter is gathered on every
+    rank when the transport reads it (rank 0 announces which one, the others ``serve_gathers``), one at a
+    time, never the whole model. Tied weights appear once, under their first name."""
+
+    yields_unique_tensors = True  # each tensor is a fresh gather: its address may repeat, its name does not
+
+    def __init__(self, model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | None) -> None:
+        self.model, self.ranks, self.dtype = model, ranks, dtype
+        self.params = list(model.named_parameters())
+        self.buffers = _buffers(model)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def sharded_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Names, global shapes and dtypes without a gather (the transports' metadata)."""
+        return iter(self.params)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for index, (name, _) in enumerate(self.params):
+            yield name, self.gather(index)
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        return _LazyState(self)
+
+    def gather(self, index: int) -> torch.Tensor:
+        self.ranks.announce(index)
+        return _gathered(self.params[index][1], self.dtype)
+
+    def done(self) -> None:
+        """Release the other ranks from ``serve_gathers``."""
+        self.ranks.announce(-1)
+
+
+class _LazyState(Mapping[str, torch.Tensor]):
+    """A state dict whose parameters are gathered when looked up, in iteration order."""
+
+    def __init__(self, view: GatheredModel) -> None:
+        self.view = view
+        self.index = {name: i for i, (name, _) in enumerate(view.params)}
+        self.buffers = dict(view.buffers)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.index:
+            return self.view.gather(self.index[name])
+        return _cast(self.buffers[name], self.view.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.index, *self.buffers])
+
+    def __len__(self) -> int:
+        return len(self.index) + len(self.buffers)
+
+
+def serve_gathers(model: torch.nn.Module, ranks: Ranks) -> None:
+    """A follower's side of one weight sync: take part in each gather rank 0 announces, until it says done."""
+    params = [p for _, p in model.named_parameters()]
+    while (index := ranks.announce()) >= 0:
+        _full(params[index].detach())
+
+
+def save_weights(directory: Path, model: torch.nn.Module, optimizer: Any, ranks: Ranks,
+                 dtype: torch.dtype | None, *, resumable: bool) -> None:  # fmt: skip
+    """On every rank: the sharded resume files (``resumable``) and, written by rank 0, a consolidated
+    ``model.safetensors`` in the serving dtype with the model's config."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if resumable:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory / SHARDED_DIR))
+    tensors = {}
+    for name, param in model.named_parameters():  # every rank gathers, in the same order
+        full = _gathered(param, dtype)
+        if ranks.rank == 0:
+            tensors[name] = full.contiguous().cpu()
+    if ranks.rank == 0:
+        tensors.update({name: _cast(buffer, dtype).contiguous().cpu() for name, buffer in _buffers(model)})
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(directory)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(directory)
+
+
+def load_sharded(directory: Path, model: torch.nn.Module, optimizer: Any) -> None:
+    """Restore the fp32 master weights and the optimizer state from a checkpoint's sharded files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,0 +1,49 @@
+"""The real CLI with two trainer ranks on CPU (gloo, FSDP2): it trains, syncs, checkpoints sharded and
+consolidated weights, refuses to resume on another rank count, and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.metrics import read_jsonl
+from asyncrl.server.process import free_port
+
+from .helpers import kill_marked, run_cli, wait_no_marked
+
+pytestmark = pytest.mark.e2e
+
+
+def args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "train", f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}", "data.eval_path=null",
+        "reward=length", "packing.token_budget=512", "trainer.max_steps=3", "trainer.save_steps=2",
+        "logging.console=plain", f"hydra.run.dir={run_dir}", f"server.port={free_port()}", *extra,
+    ]  # fmt: skip
+
+
+def test_two_ranks_train_sync_checkpoint_and_stop(random_tiny_model_dir, arithmetic_data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = run_cli(args(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.num_processes=2"), timeout_s=300)
+    try:
+        assert run.returncode == 0, run.output[-3000:]
+        assert wait_no_marked(run.marker) == []
+    finally:
+        kill_marked(run.marker)
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    assert all(row["perf/weight_sync_s"] > 0 and row["model_version"] == row["step"] for row in steps)
+    for step in ("step_000002", "step_000003"):
+        checkpoint = run_dir / "checkpoints" / step
+        assert any((checkpoint / "sharded").glob("*.distcp")) and (checkpoint / "model.safetensors").is_file()
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["num_processes"] == 2
+    assert (run_dir / "model" / "model.safetensors").is_file() and (run_dir / "logs" / "rank_1.log").is_file()
+
+    resume = args(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.resume_from_checkpoint=latest",
+                  "trainer.max_steps=4")  # fmt: skip
+    refused = run_cli(resume, timeout_s=120)
+    kill_marked(refused.marker)
+    assert refused.returncode == 1
+    assert "written by 2 trainer rank(s) but this run has 1 (trainer.num_processes)" in refused.output

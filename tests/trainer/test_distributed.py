@@ -1,0 +1,171 @@
+"""Two trainer ranks on CPU (gloo, FSDP2) against one process on the same rows: the same parameter update,
+the same weights on the built-in server after a sync, a consolidated checkpoint equal to the unsharded model.
+
+One 2-rank run (module fixture) serves every test: spawning ranks costs seconds each on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from packing.packing_samples import random_samples  # tests/packing
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from asyncrl.config import compose, to_config
+from asyncrl.config.schema import Config
+from asyncrl.losses import LOSSES
+from asyncrl.losses.step import StepLoss
+from asyncrl.packing.trie import TreeRow
+from asyncrl.server.process import free_port
+from asyncrl.trainer.checkpoint import ResumeError, check_world_size
+from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.model import build_optimizer
+
+from .test_weight_sync import served_vs_local
+
+WORLD = 2
+
+
+def make_config(model_dir: Path, data_dir: Path) -> Config:
+    return to_config(compose([
+        f"model.name_or_path={model_dir}", f"data.path={data_dir / 'train.jsonl'}", "model.dtype=float32",
+        "trainer.learning_rate=1e-3", "trainer.max_grad_norm=0.5", f"trainer.num_processes={WORLD}",
+        "trainer.gradient_checkpointing=false", "loss=clipped",
+    ]))  # fmt: skip
+
+
+def make_rows(model_dir: Path, count: int = 3, budget: int = 96) -> list:
+    """``count`` tree rows (odd, so one rank runs a zero-loss filler in the last micro-batch), sampled from the
+    model itself (sampler log-probabilities near its own, so that the clipped loss has a gradient)."""
+    rows, current = [], TreeRow(budget)
+    for sample in random_samples(seed=5, num_groups=6, max_group=6):
+        if sample.num_tokens > budget:
+            continue
+        if not current.fits(sample):
+            rows.append(current)
+            current = TreeRow(budget)
+        current.add(sample)
+    rows.append(current)
+    assert len(rows) >= count
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    packed = [row.pack(0) for row in rows[:count]]
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for row in packed:
+            own = packed_forward(model, row, 1.0).logprobs
+            row.sampler_logprobs = (own + 0.05 * torch.randn(own.shape, generator=generator)).to(row.sampler_logprobs)
+    return packed
+
+
+def single_process_step(config: Config, rows: list) -> torch.nn.Module:
+    """The reference: every row through one unsharded model, one optimizer step."""
+    model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32)
+    optimizer, _ = build_optimizer(config, model)
+    loss = StepLoss(LOSSES.build(config.loss))
+    loss.start_step(rows)
+    for row in rows:
+        out = packed_forward(model, row, config.sampling.temperature)
+        loss(loss.batch(row, out))[0].backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm)
+    optimizer.step()
+    return model.eval()
+
+
+def rank_main(rank: int, config: Config, rows: list, out: Path, port: int, server_url: str) -> None:
+    """One rank: rank 0 leads the trainer's step, sync and save sequence; rank 1 is a real Follower."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from asyncrl.client import ControlClient
+    from asyncrl.trainer import fsdp
+    from asyncrl.trainer.distributed import Follower, Ranks, build_sharded, split_rows, train_rows
+    from asyncrl.trainer.sync.builtin import FileTransport
+    from asyncrl.trainer.weight_sync import WeightSync
+
+    ranks = Ranks.from_env()
+    try:
+        if rank != 0:
+            Follower(config, out, ranks).serve()
+            return
+        model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
+        loss = StepLoss(LOSSES.build(config.loss))
+        loss.start_step(rows)
+        mine = ranks.command("step", split_rows(rows, WORLD, (loss.shift, loss.scale)))
+        result = train_rows(model, loss, mine, ranks, config, "auto")
+        fsdp.FsdpAccelerator().clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.end_step()
+        metrics = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
+        ranks.command("save", [str(out / "ckpt")] * WORLD)
+        fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
+        ranks.command("sync")
+        view = fsdp.GatheredModel(model, ranks, torch.float32)
+        with ControlClient(server_url, timeout_s=60) as control:
+            sync = WeightSync(control, FileTransport(out, torch.float32))
+            sync.init()
+            try:
+                sync.push(view, 1)
+            finally:
+                view.done()
+                sync.close()
+        ranks.command("stop")
+        (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
+            rows, WORLD, (0.0, 1.0))], "row_metrics": len(metrics)}))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(random_tiny_model_dir, arithmetic_data_dir, tiny_server, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    config = make_config(random_tiny_model_dir, arithmetic_data_dir)
+    rows = make_rows(random_tiny_model_dir)
+    mp.spawn(rank_main, args=(config, rows, out, free_port(), tiny_server.base_url), nprocs=WORLD)
+    return config, rows, out
+
+
+@pytest.fixture(scope="module")
+def reference(two_ranks) -> torch.nn.Module:
+    config, rows, _ = two_ranks
+    model = single_process_step(config, rows)
+    model.set_attn_implementation("sdpa")  # plain forwards from here on
+    return model.requires_grad_(False)
+
+
+def test_two_ranks_make_the_single_process_update(two_ranks, reference):
+    config, rows, out = two_ranks
+    saved = load_file(str(out / "ckpt" / "model.safetensors"))
+    names = [name for name, _ in reference.named_parameters()]
+    assert set(saved) >= set(names)
+    start = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32).requires_grad_(False)
+    moved = max(float((p - q).abs().max()) for (_, p), (_, q) in zip(reference.named_parameters(),
+                                                                   start.named_parameters(), strict=True))  # fmt: skip
+    worst = max(float((saved[name] - param).abs().max()) for name, param in reference.named_parameters())
+    assert moved > 1e-4 and worst <= 1e-5, (moved, worst)
+    result = json.loads((out / "result.json").read_text())
+    assert result == {"rows_per_rank": [2, 2], "row_metrics": len(rows)}
+
+
+def test_the_server_holds_the_gathered_weights(two_ranks, reference, tiny_server, fresh_server):
+    config, _, _ = two_ranks
+    try:
+        assert served_vs_local(tiny_server.base_url, reference, config.model.name_or_path) < 1e-4
+    finally:
+        fresh_server()
+
+
+def test_the_checkpoint_is_sharded_and_resumes_only_on_as_many_ranks(two_ranks, tmp_path):
+    _, _, out = two_ranks
+    assert any((out / "ckpt" / "sharded").glob("*.distcp")) and (out / "ckpt" / "config.json").is_file()
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 1, "num_processes": WORLD}))
+    check_world_size(tmp_path, WORLD)
+    with pytest.raises(ResumeError, match=r"written by 2 trainer rank\(s\) but this run has 1 \(trainer.num_proc"):
+        check_world_size(tmp_path, 1)

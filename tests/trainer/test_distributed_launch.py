@@ -1,0 +1,37 @@
+"""The CLI's supervision of the trainer ranks: one rank failing stops every rank, and the error names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import compose, to_config
+from asyncrl.config.compose import to_yaml
+from asyncrl.trainer.supervise import RankProcesses, TrainerRankError, run_ranks
+
+
+class HealthyServer:
+    base_url = "http://127.0.0.1:9"
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_a_failed_rank_stops_the_others_and_is_named(random_tiny_model_dir, tmp_path, monkeypatch):
+    """Rank 0 fails (its data is missing) while rank 1 has loaded the model and waits for it."""
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "trainer.num_processes=2",
+                                f"data.path={tmp_path / 'missing.jsonl'}"]))  # fmt: skip
+    (tmp_path / "config.yaml").write_text(to_yaml(config))
+    started: list[RankProcesses] = []
+    real_init = RankProcesses.__init__
+
+    def keep(self: RankProcesses, *args: object) -> None:
+        real_init(self, *args)
+        started.append(self)
+
+    monkeypatch.setattr(RankProcesses, "__init__", keep)
+    with pytest.raises(TrainerRankError, match=r"trainer rank \d exited with code"):
+        run_ranks(tmp_path, 2, HealthyServer())
+    assert [proc.poll() is not None for proc in started[0].procs] == [True, True]
+    assert Path(tmp_path / "logs" / "rank_1.log").is_file()
