@@ -41,7 +41,7 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True),
 }  # fmt: skip
 # (prompt words lo, hi), median completion tokens, sigma of log length, max completion tokens, token budget
-WORKLOAD = {"0.6b": ((128, 512), 384, 0.9, 2048, 16384), "tiny": ((8, 24), 12, 0.6, 48, 512)}
+WORKLOAD = {"0.6b": ((128, 512), 128, 0.9, 512, 16384), "tiny": ((8, 24), 12, 0.6, 48, 512)}
 
 
 class LengthControlledLoop(AsyncRolloutLoop):
@@ -105,7 +105,7 @@ def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> lis
         f"++rollout.options={{median_tokens:{median},sigma:{sigma}}}",
         f"staleness.max_concurrent_rollouts={args.concurrency}", "trainer.learning_rate=1e-6",
         "trainer.save_strategy=no", f"trainer.gradient_checkpointing={args.device == 'cuda'}",
-        f"packing.token_budget={budget}", "logging.console=plain", *server,
+        f"packing.token_budget={budget}", "logging.console=plain", *server, *args.extra,
     ]  # fmt: skip
 
 
@@ -149,7 +149,11 @@ def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, e
             f"trainer.max_steps={args.steps}", f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
     print("$ asyncrl train ... " + " ".join(extra), flush=True)
     started = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.run_timeout)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"[{name}] stopped after --run-timeout {args.run_timeout:.0f} s", flush=True)
+        return {"name": name, "failed": "timeout"}
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-5000:], flush=True)
@@ -214,6 +218,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--gpu-memory", type=float, default=0.3, help="vLLM --gpu-memory-utilization")
     parser.add_argument("--standalone-requests", type=int, default=512)
+    parser.add_argument("--no-flat", action="store_true", help="skip the flat-packing run")
+    parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     parser.add_argument("--builtin-too", action="store_true", help="also time the built-in server on the GPU")
     parser.add_argument("--run-timeout", type=float, default=300)
     parser.add_argument("--out", type=Path, default=None)
@@ -259,8 +265,8 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
             return out
         model_cfg = SHAPES[args.shape]
         variants = [(f"staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
-        variants.append(("flat_staleness2", ["staleness.max_staleness=2", "packing=flat",
-                                             f"packing.token_budget={WORKLOAD[args.shape][4]}"]))  # fmt: skip
+        variants += [] if args.no_flat else [("flat_staleness2", ["staleness.max_staleness=2", "packing=flat",
+                                             f"packing.token_budget={WORKLOAD[args.shape][4]}"])]  # fmt: skip
         out["runs"] = []
         for name_, extra in variants:
             run = train(args, base, server.base_url, name_, extra)

@@ -1,12 +1,16 @@
 """Session fixtures shared across test folders: a tiny random-init model with the embedded default's
-tokenizer and chat template, and arithmetic data in DeepMath's schema (nothing is downloaded)."""
+tokenizer and chat template, arithmetic data in DeepMath's schema (nothing is downloaded), and one built-in
+server on that model for the whole session (starting a server costs seconds; resetting its weights does not)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from asyncrl.server.process import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -28,15 +32,41 @@ def arithmetic_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def tiny_server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """`python -m asyncrl.server` on the random tiny model (served under its path), one per test module."""
-    from asyncrl.server.process import ServerProcess, free_port
+@pytest.fixture(scope="session")
+def session_server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`python -m asyncrl.server` on the random tiny model (served under its path), with the settings the CLI
+    launches it with; use it through `fresh_server` or `tiny_server`, which put the base weights back."""
+    from asyncrl.server.process import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu", "--max-num-seqs", "16"]  # fmt: skip
+            "--device", "cpu"]  # fmt: skip
     log = tmp_path_factory.mktemp("tiny-server") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
                        startup_timeout_s=120) as process:  # fmt: skip
         yield process
+
+
+@pytest.fixture(scope="session")
+def fresh_server(session_server: ServerProcess, random_tiny_model_dir: Path) -> Callable[[], ServerProcess]:
+    """Call it before each use: the session server reloads the model's own checkpoint and its weight version
+    goes back to "default", so every user sees the state of a newly started server whatever ran before."""
+    from asyncrl.client import ControlClient
+
+    def fresh() -> ServerProcess:
+        with ControlClient(session_server.base_url, timeout_s=60) as control:
+            control.init_weight_transfer({"backend": "builtin"})
+            control.pause("keep", clear_cache=True)
+            control.start_weight_update()
+            control.update_weights({"path": str(random_tiny_model_dir / "model.safetensors")})
+            control.finish_weight_update("default")
+            control.resume()
+        return session_server
+
+    return fresh
+
+
+@pytest.fixture(scope="module")
+def tiny_server(fresh_server: Callable[[], ServerProcess]) -> ServerProcess:
+    """The session server on the base weights, once per test module."""
+    return fresh_server()

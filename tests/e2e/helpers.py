@@ -1,5 +1,6 @@
 """Running the real CLI in tests: a subprocess with a marker in its environment, so that every process it
-started (server, rollout worker) can be found afterwards, whoever its parent is by then."""
+started (server, rollout worker) can be found afterwards, whoever its parent is by then; and what a server
+serves compared with a trained model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
+import torch
+
+from asyncrl.client import ControlClient
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,3 +78,16 @@ def kill_marked(marker: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def served_vs_trained(base_url: str, model: torch.nn.Module) -> float:
+    """Max |server logprob - local logprob| over a sampled completion (temperature 1: processed = raw)."""
+    prompt = [3, 40, 41, 42, 43]
+    body = {"model": ControlClient(base_url).served_model_name(), "prompt": prompt, "max_tokens": 12,
+            "temperature": 1.0, "logprobs": 0, "seed": 7, "return_token_ids": True}  # fmt: skip
+    choice = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    tokens, served = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    trained = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    return float((trained - torch.tensor(served)).abs().max())

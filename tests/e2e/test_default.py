@@ -1,7 +1,9 @@
 """The embedded default, shortened: the shipped tiny model really learns arithmetic on CPU.
 
 The full default (`asyncrl train`) runs 60 steps; this runs 24 and asks for a smaller, robust gain in the
-worker's `reward` (all scored groups) plus the held-out evaluation before/after.
+worker's `reward` (all scored groups) plus the held-out evaluation before/after. The same run checks the
+default's asynchrony: every step trains, no sample is staler than the default bound (4), generation and
+training overlap, and the launched server and worker are gone afterwards.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from .helpers import run_cli, wait_no_marked
 pytestmark = pytest.mark.e2e
 
 
-def test_shortened_default_raises_the_reward(tmp_path):
+def test_shortened_default_raises_the_reward_asynchronously(tmp_path):
     run_dir = tmp_path / "run"
     run = run_cli(["train", "trainer.max_steps=24", "trainer.save_strategy=no", "data.num_eval_prompts=100",
                    "logging.console=plain", f"hydra.run.dir={run_dir}", f"server.port={free_port()}"],
                   timeout_s=900)  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
-    rewards = [m["reward"] for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("reward") is not None]
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    rewards = [m["reward"] for m in steps if m.get("reward") is not None]
     first, last = rewards[:5], rewards[-5:]
     assert sum(last) / len(last) - sum(first) / len(first) >= 0.05, rewards
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert evaluation["after"]["eval/sampled_reward"] > evaluation["before"]["eval/sampled_reward"]
     assert (run_dir / "report" / "index.html").is_file()
+    assert [s["step"] for s in steps] == list(range(1, 25))
+    assert all(s["batch/trained_tokens_per_step"] > 0 for s in steps)
+    assert max(s["sample/staleness_max"] for s in steps) <= 4
+    assert json.loads((run_dir / "timeline.json").read_text())["summary"]["overlap_frac"] > 0.0
+    assert (run_dir / "model" / "model.safetensors").is_file()
     assert wait_no_marked(run.marker) == []

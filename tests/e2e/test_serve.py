@@ -40,7 +40,8 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
         body = {"model": str(random_tiny_model_dir), "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0,
                 "logprobs": 2, "seed": 1, "return_token_ids": True}  # fmt: skip
         choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
-        assert 1 <= len(choice["token_ids"]) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+        tokens = choice["token_ids"]
+        assert 1 <= len(tokens) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(tokens)
         proc.send_signal(stop_signal)
         proc.wait(timeout=30)
         if stop_signal == signal.SIGINT:

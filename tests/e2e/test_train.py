@@ -1,12 +1,18 @@
 """The real CLI end to end on CPU: processes start, overlap, train, sync, checkpoint, resume and stop.
 
 A tiny random-init model with the `length` reward (its completions vary in length, so groups carry signal).
+The runs attach to the session's built-in server; the launched server is covered by test_default.py (whose
+run also checks the default staleness bound, 4, with the default loss) and by the failing-reward run here.
+The async run uses a non-default loss and advantage estimator (CISPO, RLOO) with an adaptive entropy
+coefficient, so that its checkpoint and resume carry loss state too (the other losses are exercised through the
+real trainer step in tests/losses/test_trainer_step.py, which costs no server or worker start).
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,11 +23,13 @@ from asyncrl.client import ControlClient
 from asyncrl.metrics import read_jsonl
 from asyncrl.server.process import ServerProcess, free_port
 
-from .helpers import CliRun, kill_marked, run_cli, wait_no_marked
+from .helpers import CliRun, kill_marked, run_cli, served_vs_trained, wait_no_marked
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 10
+CISPO = ["loss=cispo", "advantage=rloo", "loss.entropy_coef=0.01", "loss.entropy_target=100.0"]
+ENTROPY_DELTA = 0.005  # the default loss.entropy_coef_delta
 
 
 def common_args(model: Path, data: Path, run_dir: Path) -> list[str]:
@@ -32,6 +40,10 @@ def common_args(model: Path, data: Path, run_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def attach(server: ServerProcess) -> list[str]:
+    return ["server.launch=false", f"server.base_url={server.base_url}"]
+
+
 def steps_of(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "metrics.jsonl")
 
@@ -40,81 +52,77 @@ def overlap(run_dir: Path) -> float:
     return json.loads((run_dir / "timeline.json").read_text())["summary"]["overlap_frac"]
 
 
-@pytest.fixture(scope="module")
-def external_server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A server the test owns, so it can be queried after the CLI (attached with server.launch=false) exits."""
-    port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu"]  # fmt: skip
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
-                       startup_timeout_s=120) as server:  # fmt: skip
-        yield server
+@dataclass
+class AttachedRun:
+    """A run and what the server served right after it (later runs share the server and change it)."""
+
+    run: CliRun
+    run_dir: Path
+    served_version: str
+    served_gap: float
 
 
 @pytest.fixture(scope="module")
-def async_run(random_tiny_model_dir, arithmetic_data_dir, external_server, tmp_path_factory) -> tuple[CliRun, Path]:
+def async_run(random_tiny_model_dir, arithmetic_data_dir, fresh_server, tmp_path_factory) -> AttachedRun:
+    server = fresh_server()
     run_dir = tmp_path_factory.mktemp("async") / "run"
-    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "staleness.max_staleness=4",
-            "server.launch=false", f"server.base_url={external_server.base_url}"]  # fmt: skip
-    return run_cli(args), run_dir
+    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "staleness.max_staleness=1",
+            *CISPO, *attach(server)]  # fmt: skip
+    run = run_cli(args)
+    version, gap = ControlClient(server.base_url).weight_version(), math.inf
+    if run.returncode == 0:
+        trained = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).eval()
+        gap = served_vs_trained(server.base_url, trained)
+    return AttachedRun(run, run_dir, version, gap)
 
 
 @pytest.fixture(scope="module")
-def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, external_server) -> tuple[CliRun, Path]:
-    first, run_dir = async_run
-    if first.returncode != 0:
+def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, session_server) -> tuple[CliRun, Path]:
+    """Resumed in synchronous mode (max_staleness=0), which its 3 steps also check. No fresh server: the resumed
+    trainer pushes its checkpoint's weights before generating."""
+    if async_run.run.returncode != 0:
         pytest.skip("the first run failed")
+    run_dir = async_run.run_dir
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "trainer.max_steps=13",
-            "trainer.resume_from_checkpoint=latest", "server.launch=false",
-            f"server.base_url={external_server.base_url}"]  # fmt: skip
+            "staleness.max_staleness=0", *CISPO, "trainer.resume_from_checkpoint=latest",
+            *attach(session_server)]  # fmt: skip
     return run_cli(args), run_dir
 
 
-@pytest.fixture(scope="module", params=[0, 1])
-def staleness_run(request, random_tiny_model_dir, arithmetic_data_dir, tmp_path_factory) -> tuple[int, CliRun, Path]:
-    run_dir = tmp_path_factory.mktemp(f"staleness{request.param}") / "run"
-    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir),
-            f"staleness.max_staleness={request.param}", "trainer.save_strategy=no"]  # fmt: skip
-    return request.param, run_cli(args), run_dir
-
-
-def test_async_run_trains_every_step_and_overlaps(async_run):
-    run, run_dir = async_run
+def test_async_run_trains_every_step_within_its_staleness_bound_and_overlaps(async_run):
+    run, run_dir = async_run.run, async_run.run_dir
     assert run.returncode == 0, run.output[-3000:]
     steps = steps_of(run_dir)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["batch/trained_tokens_per_step"] > 0 for s in steps)
-    assert max(s["sample/staleness_max"] for s in steps) <= 4
+    assert max(s["sample/staleness_max"] for s in steps) <= 1
     assert overlap(run_dir) > 0.0  # generation and training were busy at the same time
     assert (run_dir / "model" / "model.safetensors").is_file()
+    # the load poller's scrapes of the server's /metrics reach the logs (its dict outlives each flush)
+    usage = [s.get("rollout/vllm_kv_cache_usage_frac", math.nan) for s in steps]
+    assert any(not math.isnan(u) for u in usage)
 
 
-def test_weights_reached_the_server(async_run, external_server):
+def test_cispo_with_rloo_trains_and_checkpoints_the_entropy_coefficient(async_run):
+    run_dir = async_run.run_dir
+    assert async_run.run.returncode == 0, async_run.run.output[-3000:]
+    steps = steps_of(run_dir)
+    assert all(math.isfinite(s["cispo_clip_ratio"]) and math.isfinite(s["policy_loss"]) for s in steps)
+    # the tiny model's entropy is far below a 100-nat target: the coefficient rises by delta every step
+    assert [s["entropy_coef"] for s in steps] == pytest.approx([0.01 + ENTROPY_DELTA * i for i in range(STEPS)])
+    state = json.loads((run_dir / "checkpoints" / f"step_{STEPS:06d}" / "trainer_state.json").read_text())
+    assert state["extra"]["loss"] == {"entropy_coef": pytest.approx(0.01 + ENTROPY_DELTA * STEPS)}
+
+
+def test_weights_reached_the_server(async_run):
     """After the last sync the server's logprobs equal the trained model's (float32, 1e-4)."""
-    run, run_dir = async_run
-    assert run.returncode == 0
-    assert ControlClient(external_server.base_url).weight_version() == str(STEPS)
-    import httpx
-
-    prompt = [3, 40, 41, 42, 43]
-    body = {"model": external_server_model(external_server), "prompt": prompt, "max_tokens": 12, "temperature": 1.0,
-            "logprobs": 0, "seed": 7, "return_token_ids": True}  # fmt: skip
-    choice = httpx.post(f"{external_server.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
-    tokens, served = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    trained = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
-    assert torch.allclose(trained, torch.tensor(served), atol=1e-4)
-
-
-def external_server_model(server: ServerProcess) -> str:
-    return ControlClient(server.base_url).served_model_name()
+    assert async_run.run.returncode == 0
+    assert async_run.served_version == str(STEPS)
+    assert async_run.served_gap <= 1e-4
 
 
 def test_checkpoints_are_complete(async_run):
-    _, run_dir = async_run
+    run_dir = async_run.run_dir
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step_000005", "step_000010"]
     last = run_dir / "checkpoints" / "step_000010"
@@ -136,27 +144,26 @@ def test_resume_continues_at_the_recorded_prompt_and_version(resumed_run):
     resumed = [s for s in steps_of(run_dir) if s["step"] > STEPS]
     assert [s["step"] for s in resumed] == [11, 12, 13]
     assert resumed[0]["model_version"] == 11  # versions continue from the checkpoint
+    assert resumed[0]["entropy_coef"] == pytest.approx(0.01 + ENTROPY_DELTA * STEPS)  # and the loss state
     final = json.loads((run_dir / "checkpoints" / "step_000013" / "rollout_state.json").read_text())
     assert final["prompt_index"] > saved["prompt_index"]
 
 
 def test_no_process_remains_after_runs(async_run, resumed_run):
-    for run, _ in (async_run, resumed_run):
+    for run in (async_run.run, resumed_run[0]):
         assert wait_no_marked(run.marker) == []
 
 
-def test_staleness_bound_and_synchronous_mode(staleness_run):
-    limit, run, run_dir = staleness_run
+def test_synchronous_mode_waits_for_each_sync(resumed_run):
+    run, run_dir = resumed_run
     assert run.returncode == 0, run.output[-3000:]
-    steps = steps_of(run_dir)
-    assert len(steps) == STEPS
-    assert max(s["sample/staleness_max"] for s in steps) <= limit
-    if limit == 0:
-        assert overlap(run_dir) < 0.02  # synchronous GRPO: generation waits for each sync
-    assert wait_no_marked(run.marker) == []
+    resumed = [s for s in steps_of(run_dir) if s["step"] > STEPS]
+    assert max(s["sample/staleness_max"] for s in resumed) <= 0
+    assert overlap(run_dir) < 0.02  # synchronous GRPO: generation waits for each sync (timeline of this run)
 
 
 def test_a_failing_reward_ends_the_run_with_its_traceback(random_tiny_model_dir, arithmetic_data_dir, tmp_path):
+    """A launched server, so that its teardown after the failure is checked too."""
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, tmp_path / "run"),
             "reward_funcs=[{name: 'tests.e2e.rewards:exploding_reward'}]"]  # fmt: skip
     run = run_cli(args, timeout_s=120)
