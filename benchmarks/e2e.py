@@ -105,7 +105,9 @@ def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> lis
         f"++rollout.options={{median_tokens:{median},sigma:{sigma}}}",
         f"staleness.max_concurrent_rollouts={args.concurrency}", "trainer.learning_rate=1e-6",
         "trainer.save_strategy=no", f"trainer.gradient_checkpointing={args.device == 'cuda'}",
-        f"packing.token_budget={budget}", "logging.console=plain", *server, *args.extra,
+        f"packing.token_budget={budget}", "logging.console=plain", *server,
+        # 4 rows a step: a 1-row step waits on its longest rollout and measures the tail, not the pipeline
+        *([] if args.tiny else ["trainer.gradient_accumulation_steps=4"]), *args.extra,
     ]  # fmt: skip
 
 
