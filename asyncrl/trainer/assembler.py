@@ -1,9 +1,11 @@
 """Assemble one optimizer step from the rollout queue: pull, drop stale or oversize samples, plan rows.
 
-Asynchronous mode closes a step when ``gradient_accumulation_steps`` rows are full (a row is full when
-the next sample does not fit). Synchronous mode (max_staleness=0) takes everything up to the worker's
-``EndOfBatch`` marker. While waiting, the worker's failure, silence and the server's death are checked
-so a broken run fails within seconds with the reason, never hangs.
+A step is micro-batches of ``dp`` rows, one per trainer rank, planned by the load-balancing
+MicroBatchPlanner (packing/planner.py); with one rank a micro-batch is a row, closed when the next sample
+does not fit. Asynchronous mode closes a step after ``gradient_accumulation_steps`` micro-batches.
+Synchronous mode (max_staleness=0) takes everything up to the worker's ``EndOfBatch`` marker. While
+waiting, the worker's failure, silence and the server's death are checked so a broken run fails within
+seconds with the reason, never hangs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.metrics import MetricWindow
-from asyncrl.packing import Row, RowFactory
+from asyncrl.packing import MicroBatchPlanner, Row, RowFactory
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample
 
@@ -44,9 +46,29 @@ class PromptProgress:
 @dataclass
 class Step:
     rows: list[Row]
+    """The rows that hold samples, micro-batch by micro-batch."""
     wait_s: float
     final: bool = False
     """The worker has no more prompts: this is the last (possibly partial) step."""
+    placement: list[list[int | None]] = field(default_factory=list)
+    """Per micro-batch, per rank: the index in ``rows`` of that rank's row, None where the planner left it none.
+    Left empty: one rank, a row per micro-batch."""
+
+    def __post_init__(self) -> None:
+        self.placement = self.placement or [[index] for index in range(len(self.rows))]
+
+    @classmethod
+    def of(cls, micro_batches: list[list[Row]], wait_s: float, final: bool = False) -> Step:
+        """A step from the planner's micro-batches (one row per rank each, empty rows included)."""
+        rows: list[Row] = []
+        placement: list[list[int | None]] = []
+        for micro in micro_batches:
+            placement.append([])
+            for row in micro:
+                placement[-1].append(len(rows) if row.samples else None)
+                if row.samples:
+                    rows.append(row)
+        return cls(rows, wait_s, final, placement)
 
     @property
     def samples(self) -> list[RolloutSample]:
@@ -59,27 +81,24 @@ class StepAssembler:
         channels: WorkerChannels,
         row_factory: RowFactory,
         token_budget: int,
-        rows_per_step: int,
+        micro_batches_per_step: int,
         max_staleness: int,
         progress: PromptProgress,
         window: MetricWindow,
         health_check: Callable[[], None],
         worker_timeout_s: float,
+        dp: int = 1,
     ) -> None:
-        self.channels, self.row_factory, self.token_budget = channels, row_factory, token_budget
-        self.rows_per_step, self.max_staleness = rows_per_step, max_staleness
+        self.channels, self.token_budget = channels, token_budget
+        self.micro_batches_per_step, self.max_staleness = micro_batches_per_step, max_staleness
         self.sync_mode = max_staleness == 0
         self.progress, self.window = progress, window
         self.health_check, self.worker_timeout_s = health_check, worker_timeout_s
-        self._carry: RolloutSample | None = None
+        self.planner = MicroBatchPlanner(row_factory, dp, token_budget)
 
     def next_step(self) -> Step:
-        rows: list[Row] = []
-        current = self.row_factory()
-        if self._carry is not None:
-            current.add(self._carry)
-            self.progress.mark(self._carry.prompt_index)
-            self._carry = None
+        """The next step's micro-batches; the open one, where the sample that closed the last went, carries over."""
+        micro_batches: list[list[Row]] = []
         wait_s = 0.0
         while True:
             item, waited = self._get()
@@ -88,22 +107,25 @@ class StepAssembler:
                 self.progress.mark(item.prompt_index)
                 continue
             if isinstance(item, EndOfBatch):
-                if current.samples:
-                    rows.append(current)
-                    current = self.row_factory()
-                if rows or not self.sync_mode:
-                    return Step(rows, wait_s, final=not self.sync_mode)
+                self._close(micro_batches, self.planner.flush())
+                if micro_batches or not self.sync_mode:
+                    return Step.of(micro_batches, wait_s, final=not self.sync_mode)
                 continue
             if not self._admit(item):
                 continue
-            if not current.fits(item):
-                rows.append(current)
-                current = self.row_factory()
-                if len(rows) == self.rows_per_step and not self.sync_mode:
-                    self._carry = item
-                    return Step(rows, wait_s)
-            current.add(item)
-            self.progress.mark(item.prompt_index)
+            closed = self._close(micro_batches, self.planner.offer(item))
+            if closed and len(micro_batches) == self.micro_batches_per_step and not self.sync_mode:
+                return Step.of(micro_batches, wait_s)
+
+    def _close(self, micro_batches: list[list[Row]], closed: list[Row] | None) -> bool:
+        """Add a closed micro-batch to the step; its prompts count as consumed only now that they train."""
+        if closed is None:
+            return False
+        micro_batches.append(closed)
+        for row in closed:
+            for sample in row.samples:
+                self.progress.mark(sample.prompt_index)
+        return True
 
     def _admit(self, sample: RolloutSample) -> bool:
         """Count the sample as consumed; keep it unless it is too stale or too long for any row."""

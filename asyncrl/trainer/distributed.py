@@ -3,10 +3,11 @@
 Rank 0 alone owns the rollout worker, the queue, the server's control client, logging, evaluation and
 checkpoint metadata. At each collective point it scatters a command to the followers: ``step`` (this rank's
 rows of the step), ``sync`` (take part in the weight gathers), ``save``/``final`` (write the sharded
-checkpoint / take part in the consolidated model) or ``stop``. A step of n rows is m = ceil(n / ranks)
-micro-batches of one row per rank; a rank without a row in the last one runs a copy of another row with a zero
-loss, because every rank must run the same forwards for FSDP's collectives to pair up. Each rank divides its
-loss by the step's trained tokens summed over all ranks, so the summed gradient is the single-process one.
+checkpoint / take part in the consolidated model) or ``stop``. A step is micro-batches of one row per rank,
+balanced by attention cost (packing/planner.py); a rank whose row in one is empty runs a copy of another row
+with a zero loss, because every rank must run the same forwards for FSDP's collectives to pair up. Each rank
+divides its loss by the step's trained tokens summed over all ranks, so the summed gradient is the
+single-process one.
 
 ``python -m asyncrl.trainer.distributed RUN_DIR`` is one rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in its
 environment); asyncrl/trainer/supervise.py starts them.
@@ -14,7 +15,6 @@ environment); asyncrl/trainer/supervise.py starts them.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -103,13 +103,16 @@ class RankWork:
     affine: tuple[float, float]
 
 
-def split_rows(rows: list[PackedRow], world: int, affine: tuple[float, float]) -> list[RankWork]:
-    """Row i of the step goes to rank i % world; all ranks get ceil(n / world) rows."""
+def split_rows(rows: list[PackedRow], placement: list[list[int | None]], affine: tuple[float, float]) -> list[RankWork]:
+    """Each micro-batch's row r to rank r (``Step.placement``); a rank with none runs a zero-loss filler."""
+    world = len(placement[0]) if placement else 1
     work = [RankWork([], affine) for _ in range(world)]
-    for micro in range(math.ceil(len(rows) / world)):
-        for rank in range(world):
-            index = micro * world + rank
-            work[rank].rows.append((rows[index], 1.0) if index < len(rows) else (rows[micro * world], 0.0))
+    for micro in placement:
+        if len(micro) != world or all(index is None for index in micro):
+            raise ValueError(f"split_rows: micro-batch {micro} must name one row per rank ({world}), not all None")
+        filler = rows[next(index for index in micro if index is not None)]
+        for rank, index in enumerate(micro):
+            work[rank].rows.append((rows[index], 1.0) if index is not None else (filler, 0.0))
     return work
 
 

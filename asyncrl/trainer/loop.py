@@ -146,7 +146,7 @@ class Trainer:
         self.loss.start_step(rows)
         self.model.train()
         started = time.time()
-        fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows)
+        fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows, step)
         t1 = time.perf_counter()
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
         self.optimizer.step()
@@ -168,12 +168,12 @@ class Trainer:
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
 
-    def _forward_backward(self, rows: list[Any]) -> tuple[float, float, list[dict[str, float]]]:
-        """Forward and backward of the step's rows: here, or one row per rank per micro-batch (the loss of each
+    def _forward_backward(self, rows: list[Any], step: Step) -> tuple[float, float, list[dict[str, float]]]:
+        """Forward and backward of the step's rows: here, or each micro-batch's row r on rank r (the loss of each
         row is its share of the step's, so the gradients add up to the step's). Returns the forward and
         forward+backward seconds, and with several ranks this rank's per-row metrics (the others' come later)."""
         if self.ranks is not None:
-            work = split_rows(rows, self.world, (self.loss.shift, self.loss.scale))
+            work = split_rows(rows, step.placement, (self.loss.shift, self.loss.scale))
             mine = self.ranks.command("step", work)
             result = train_rows(self.model, self.loss, mine, self.ranks, self.config, self.attention)
             return result.forward_s, result.forward_backward_s, result.metrics
@@ -248,8 +248,9 @@ class Trainer:
         )  # fmt: skip
         self.worker = start_worker(spec, self.channels)
         self.assembler = StepAssembler(
-            self.channels, self.row_factory, self.token_budget, rows_per_step, c.staleness.max_staleness,
-            self.progress, self.window, self._check_processes, c.staleness.rollout_worker_timeout,
+            self.channels, self.row_factory, self.token_budget, c.trainer.gradient_accumulation_steps,
+            c.staleness.max_staleness, self.progress, self.window, self._check_processes,
+            c.staleness.rollout_worker_timeout, dp=self.world,
         )  # fmt: skip
 
     def _check_processes(self) -> None:

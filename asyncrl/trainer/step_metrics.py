@@ -13,23 +13,33 @@ def batch_metrics(step: Step, rows: list[PackedRow], token_budget: int) -> dict[
     forwarded = sum(r.num_forwarded for r in rows)
     raw = sum(r.num_raw_tokens for r in rows)
     trained = sum(r.num_trained for r in rows)
-    costs = [r.attention_cost() for r in rows]
     out = {
         "batch/forwarded_tokens_per_step": float(forwarded),
         "batch/trained_tokens_per_step": float(trained),
         "batch/samples_per_step": float(len(samples)),
         "batch/groups_per_step": float(len({s.group_id for s in samples})),
-        "batch/microbatches_per_step": float(len(rows)),
+        "batch/microbatches_per_step": float(len(step.placement)),
         "batch/masked_token_frac": 1.0 - trained / max(forwarded, 1),
         "batch/samples_per_row": len(samples) / max(len(rows), 1),
         "batch/row_tokens_mean": forwarded / max(len(rows), 1),
         "batch/row_tokens_max": float(max((r.num_forwarded for r in rows), default=0)),
         "batch/row_fill_frac": forwarded / max(len(rows) * token_budget, 1),
-        "batch/row_imbalance": max(costs) / (sum(costs) / len(costs)) if costs and sum(costs) else 1.0,
+        "batch/row_imbalance": row_imbalance(step, [r.attention_cost() for r in rows]),
         "batch/packing_ratio": raw / max(forwarded, 1),
         "batch/pad_frac": 0.0,
     }
     return out
+
+
+def row_imbalance(step: Step, costs: list[int]) -> float:
+    """The step's time on each micro-batch's most loaded rank over its time if every rank carried the mean load
+    (1.0 = balanced; an empty row is an idle rank): ``costs`` are the attention costs of ``step.rows``."""
+    slowest = balanced = 0.0
+    for micro in step.placement:
+        loads = [costs[index] if index is not None else 0 for index in micro]
+        slowest += max(loads)
+        balanced += sum(loads) / len(loads)
+    return slowest / balanced if balanced else 1.0
 
 
 def sample_events(step: Step) -> dict[str, list[float]]:

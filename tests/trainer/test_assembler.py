@@ -12,6 +12,8 @@ from asyncrl.packing import build_row_factory
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample, TrainingSequence
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, StepAssembler
+from asyncrl.trainer.distributed import split_rows
+from asyncrl.trainer.step_metrics import batch_metrics
 
 
 def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSample:
@@ -21,11 +23,11 @@ def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSa
 
 
 def assembler(channels: WorkerChannels, *, budget: int = 25, rows: int = 2, max_staleness: int = 1,
-              timeout_s: float = 60.0) -> tuple[StepAssembler, PromptProgress, MetricWindow]:  # fmt: skip
+              timeout_s: float = 60.0, dp: int = 1) -> tuple[StepAssembler, PromptProgress, MetricWindow]:  # fmt: skip
     factory, budget = build_row_factory({"name": "flat"}, budget)
     progress, window = PromptProgress(cursor=0), MetricWindow()
-    return (StepAssembler(channels, factory, budget, rows, max_staleness, progress, window, lambda: None, timeout_s),
-            progress, window)  # fmt: skip
+    return (StepAssembler(channels, factory, budget, rows, max_staleness, progress, window, lambda: None, timeout_s,
+                          dp=dp), progress, window)  # fmt: skip
 
 
 def put(channels: WorkerChannels, *items) -> None:
@@ -42,6 +44,37 @@ def test_rows_close_when_full_and_the_step_has_rows_per_step_rows():
     assert [len(r.samples) for r in step.rows] == [2, 2]
     assert progress.cursor == 4
     assert channels.tokens_consumed.value == 50
+
+
+def test_two_ranks_get_micro_batches_balanced_by_cost_and_an_idle_rank_a_filler():
+    channels = WorkerChannels.create(1000)
+    asm, progress, _ = assembler(channels, dp=2)
+    long, short, closer = sample(0, n_tokens=20), [sample(i, n_tokens=5) for i in (1, 2, 3)], sample(4, n_tokens=24)
+    put(channels, long, *short, closer, EndOfBatch(0))
+    step = asm.next_step()  # the 24-token sample fits neither row: the first micro-batch closes, it opens the 2nd
+    assert [row.samples for row in step.rows] == [[long], short, [closer]]
+    assert step.placement == [[0, 1], [2, None]]  # micro-batches of one row per rank; rank 1 has none in the 2nd
+    assert step.final and progress.cursor == 5
+    packed = [row.pack(0) for row in step.rows]
+    work = split_rows(packed, step.placement, (0.0, 1.0))
+    assert [[(row, weight) for row, weight in rank.rows] for rank in work] == [
+        [(packed[0], 1.0), (packed[2], 1.0)], [(packed[1], 1.0), (packed[2], 0.0)]]  # fmt: skip
+    costs = [row.attention_cost() for row in packed]
+    assert costs[0] > 4 * costs[1]
+    expected = (costs[0] + costs[2]) / ((costs[0] + costs[1]) / 2 + costs[2] / 2)
+    assert batch_metrics(step, packed, 25)["batch/row_imbalance"] == pytest.approx(expected)
+
+
+def test_one_rank_steps_report_balance_and_split_rejects_a_malformed_placement():
+    channels = WorkerChannels.create(1000)
+    asm, _, _ = assembler(channels)
+    put(channels, *(sample(i, n_tokens=n) for i, n in enumerate((20, 5, 10, 10, 5, 10))))
+    step = asm.next_step()
+    assert step.placement == [[0], [1]]
+    packed = [row.pack(0) for row in step.rows]
+    assert batch_metrics(step, packed, 25)["batch/row_imbalance"] == 1.0
+    with pytest.raises(ValueError, match=r"split_rows: micro-batch \[None\] must name one row per rank \(1\)"):
+        split_rows(packed, [[0], [None]], (0.0, 1.0))
 
 
 def test_stale_and_oversize_samples_are_dropped_and_counted():

@@ -21,8 +21,9 @@ from asyncrl.config import compose, to_config
 from asyncrl.config.schema import Config
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
-from asyncrl.packing.trie import TreeRow
+from asyncrl.packing import TreeRow, plan_micro_batches
 from asyncrl.server.process import free_port
+from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.checkpoint import ResumeError, check_world_size
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_optimizer
@@ -40,27 +41,23 @@ def make_config(model_dir: Path, data_dir: Path) -> Config:
     ]))  # fmt: skip
 
 
-def make_rows(model_dir: Path, count: int = 3, budget: int = 96) -> list:
-    """``count`` tree rows (odd, so one rank runs a zero-loss filler in the last micro-batch), sampled from the
-    model itself (sampler log-probabilities near its own, so that the clipped loss has a gradient)."""
-    rows, current = [], TreeRow(budget)
-    for sample in random_samples(seed=5, num_groups=6, max_group=6):
-        if sample.num_tokens > budget:
-            continue
-        if not current.fits(sample):
-            rows.append(current)
-            current = TreeRow(budget)
-        current.add(sample)
-    rows.append(current)
-    assert len(rows) >= count
+def make_step(model_dir: Path, budget: int = 96) -> tuple[list, list[list[int | None]]]:
+    """Packed tree rows and their placement on the ranks: the first micro-batch the planner makes for 2 ranks and
+    its last one, where rank 1's row is empty (it runs a zero-loss filler). Sampler log-probabilities are near
+    the model's own, so that the clipped loss has a gradient."""
+    samples = [s for s in random_samples(seed=8, num_groups=6, max_group=6) if s.num_tokens <= budget]
+    micro_batches, _ = plan_micro_batches(samples, lambda: TreeRow(budget), WORLD, budget)
+    step = Step.of([micro_batches[0], micro_batches[-1]], wait_s=0.0)
+    placement = step.placement
+    assert placement == [[0, 1], [2, None]]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    packed = [row.pack(0) for row in rows[:count]]
+    packed = [row.pack(0) for row in step.rows]
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for row in packed:
             own = packed_forward(model, row, 1.0).logprobs
             row.sampler_logprobs = (own + 0.05 * torch.randn(own.shape, generator=generator)).to(row.sampler_logprobs)
-    return packed
+    return packed, placement
 
 
 def single_process_step(config: Config, rows: list) -> torch.nn.Module:
@@ -77,7 +74,7 @@ def single_process_step(config: Config, rows: list) -> torch.nn.Module:
     return model.eval()
 
 
-def rank_main(rank: int, config: Config, rows: list, out: Path, port: int, server_url: str) -> None:
+def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path, port: int, server_url: str) -> None:
     """One rank: rank 0 leads the trainer's step, sync and save sequence; rank 1 is a real Follower."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -96,7 +93,7 @@ def rank_main(rank: int, config: Config, rows: list, out: Path, port: int, serve
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
         loss = StepLoss(LOSSES.build(config.loss))
         loss.start_step(rows)
-        mine = ranks.command("step", split_rows(rows, WORLD, (loss.shift, loss.scale)))
+        mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
         result = train_rows(model, loss, mine, ranks, config, "auto")
         fsdp.FsdpAccelerator().clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm)
         optimizer.step()
@@ -118,7 +115,7 @@ def rank_main(rank: int, config: Config, rows: list, out: Path, port: int, serve
                 sync.close()
         ranks.command("stop")
         (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
-            rows, WORLD, (0.0, 1.0))], "row_metrics": len(metrics)}))  # fmt: skip
+            rows, placement, (0.0, 1.0))], "row_metrics": len(metrics)}))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -127,8 +124,8 @@ def rank_main(rank: int, config: Config, rows: list, out: Path, port: int, serve
 def two_ranks(random_tiny_model_dir, arithmetic_data_dir, tiny_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     config = make_config(random_tiny_model_dir, arithmetic_data_dir)
-    rows = make_rows(random_tiny_model_dir)
-    mp.spawn(rank_main, args=(config, rows, out, free_port(), tiny_server.base_url), nprocs=WORLD)
+    rows, placement = make_step(random_tiny_model_dir)
+    mp.spawn(rank_main, args=(config, rows, placement, out, free_port(), tiny_server.base_url), nprocs=WORLD)
     return config, rows, out
 
 
