@@ -157,7 +157,7 @@ def test_unloading_ends_the_adapters_requests_with_abort(clean, adapters):
     for _ in range(3):  # the 400 tokens can finish before the unload lands (a loaded machine): try again
         assert load(base_url, "a", adapters["a"][0]).status_code == 200
         result: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: result.update(sample(base_url, "a", 400, ignore_eos=True)))
+        thread = threading.Thread(target=lambda out=result: out.update(sample(base_url, "a", 400, ignore_eos=True)))
         thread.start()
         deadline = time.monotonic() + 30
         while running(base_url) < 1:
