@@ -232,6 +232,9 @@ def main(run_dir: Path) -> int:
             run_rank_zero(config, run_dir, ranks)
         else:
             Follower(config, run_dir, ranks).serve()
+        # Tear the process group down together: a rank that destroys it while another still talks to the
+        # store can abort in gloo's threads ("terminate called without an active exception").
+        dist.barrier()
     except EXPECTED_ERRORS as exc:
         print(f"error ({type(exc).__name__}): {exc}", file=sys.stderr)
         return 1

@@ -89,6 +89,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
     try:
         if rank != 0:
             Follower(config, out, ranks).serve()
+            dist.barrier()  # leave together (see asyncrl.trainer.distributed.main)
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
         loss = StepLoss(LOSSES.build(config.loss))
@@ -116,6 +117,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
         ranks.command("stop")
         (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
             rows, placement, (0.0, 1.0))], "row_metrics": len(metrics)}))  # fmt: skip
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
