@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import Completion, GenerationClient, SamplingParams
-from asyncrl.server.process import free_port
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
 
@@ -86,22 +80,6 @@ def test_sets_from_the_generate_endpoint_reproduce_the_samplers_logprobs(server,
                                atol=1e-4)  # fmt: skip
 
 
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "stub server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def stub_app(bodies: list[tuple[str, dict[str, Any]]], generate: dict[str, Any] | None) -> FastAPI:
     app = FastAPI()
     choice = {"index": 0, "text": "", "finish_reason": "length", "token_ids": [7], "prompt_token_ids": [1],
@@ -124,7 +102,7 @@ def stub_app(bodies: list[tuple[str, dict[str, Any]]], generate: dict[str, Any] 
 
 @pytest.mark.parametrize("generate", [None, {"choices": [{"token_ids": [7], "finish_reason": "length"}]}],
                          ids=["no endpoint", "no mask"])  # fmt: skip
-def test_a_server_without_sets_is_warned_about_once(generate, caplog):
+def test_a_server_without_sets_is_warned_about_once(generate, caplog, serve_app):
     bodies: list[tuple[str, dict[str, Any]]] = []
     params = SamplingParams(top_k=5, max_tokens=1, return_sampling_mask=True)
 
@@ -132,7 +110,7 @@ def test_a_server_without_sets_is_warned_about_once(generate, caplog):
         async with GenerationClient(url, "m", timeout_s=10) as client:
             return [await client.sample([1], params), await client.sample([1], params)]
 
-    with serve(stub_app(bodies, generate)) as url, caplog.at_level(logging.WARNING, logger="asyncrl.client"):
+    with serve_app(stub_app(bodies, generate)) as url, caplog.at_level(logging.WARNING, logger="asyncrl.client"):
         outs = asyncio.run(two_turns(url))
     assert [o.token_ids for o in outs] == [[7], [7]] and all(o.sampling_masks is None for o in outs)
     expected = ["completions"] * 2 if generate is None else ["generate", "completions", "completions"]

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
@@ -17,24 +12,6 @@ from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 from asyncrl.client import ControlClient
 from asyncrl.config import compose, to_config
 from asyncrl.server.checks import ServerCheckError, check_server
-from asyncrl.server.process import free_port
-
-
-@contextmanager
-def serve_app(app: FastAPI) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def attached(url: str, *overrides: str) -> Any:
@@ -83,7 +60,7 @@ def test_launched_server_mismatch_names_the_config_key(live_server):
         run_checks(config)
 
 
-def test_builtin_server_without_dev_endpoints_names_dev_mode():
+def test_builtin_server_without_dev_endpoints_names_dev_mode(serve_app):
     from asyncrl.server.builtin import BuiltinServer, build_app
     from asyncrl.server.engine import Engine, EngineConfig
 
@@ -145,7 +122,7 @@ VLLM_CASES = {
 
 
 @pytest.mark.parametrize("case", VLLM_CASES)
-def test_vllm_config_disagreements_name_the_flag_and_the_restart_command(case, monkeypatch):
+def test_vllm_config_disagreements_name_the_flag_and_the_restart_command(case, monkeypatch, serve_app):
     info, overrides, message = VLLM_CASES[case]
     monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
     with serve_app(fake_vllm("0.26.0", info)) as url, pytest.raises(ServerCheckError) as raised:
@@ -155,7 +132,7 @@ def test_vllm_config_disagreements_name_the_flag_and_the_restart_command(case, m
         raised.value)  # fmt: skip
 
 
-def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog):
+def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog, serve_app):
     monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
     with serve_app(fake_vllm("0.26.0", vllm_info())) as url:
         facts = run_checks(attached_vllm(url, "sampling.top_k=20"))
@@ -168,7 +145,7 @@ def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog):
     ("0.26.0", "0.28.0", "server runs vLLM 0.26.0 but the trainer has 0.28.0.*pip install vllm==0.26.0"),
     ("0.26.0", None, "the trainer has no vLLM"),
 ])  # fmt: skip
-def test_version_rules(server, trainer, message, monkeypatch):
+def test_version_rules(server, trainer, message, monkeypatch, serve_app):
     monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: trainer)
     with serve_app(fake_vllm(server, vllm_info())) as url, pytest.raises(ServerCheckError, match=message):
         run_checks(attached_vllm(url, "server.vllm_version=0.33.0"))
@@ -179,7 +156,7 @@ def test_version_rules(server, trainer, message, monkeypatch):
     (JSONResponse({"error": "disabled"}, status_code=403), "answered HTTP 403.*--enable-scale-out"),
     ({"choices": [{"token_ids": [3], "sampling_mask": None}]}, "no sampling_mask.*--return-sampling-mask"),
 ])  # fmt: skip
-def test_candidate_set_flags_on_a_recent_vllm(generate, message, monkeypatch):
+def test_candidate_set_flags_on_a_recent_vllm(generate, message, monkeypatch, serve_app):
     monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.33.0")
     app = fake_vllm("0.33.0", vllm_info(), generate if generate is not None else None)
     with serve_app(app) as url, pytest.raises(ServerCheckError, match=message):
@@ -189,7 +166,7 @@ def test_candidate_set_flags_on_a_recent_vllm(generate, message, monkeypatch):
         assert run_checks(attached_vllm(url, "sampling.top_k=20")).candidate_sets
 
 
-def test_a_failing_server_is_reported_with_its_status():
+def test_a_failing_server_is_reported_with_its_status(serve_app):
     app = FastAPI()
     app.get("/version")(lambda: Response(status_code=500))
     with serve_app(app) as url, pytest.raises(Exception, match="HTTP 500"):
