@@ -93,7 +93,7 @@ def build_assets(out: Path, shape: str, num_prompts: int = 512) -> tuple[Path, P
 def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> list[str]:
     _, median, sigma, max_len, budget = WORKLOAD[args.shape]
     server = (["server.backend=vllm", "server.dtype=bfloat16", f"server.gpu_memory_utilization={args.gpu_memory}",
-               "server.extra_args=[--enforce-eager]"]
+               f"server.extra_args=[{'--enforce-eager' if args.eager else ''}]"]
               if args.backend == "vllm" else
               ["server.backend=builtin", f"server.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
                f"server.device={args.device}", f"server.max_num_seqs={args.concurrency}"])  # fmt: skip
@@ -105,7 +105,7 @@ def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> lis
         f"++rollout.options={{median_tokens:{median},sigma:{sigma}}}",
         f"staleness.max_concurrent_rollouts={args.concurrency}", "trainer.learning_rate=1e-6",
         "trainer.save_strategy=no", f"trainer.gradient_checkpointing={args.device == 'cuda'}",
-        f"packing.token_budget={budget}", "logging.console=plain", *server,
+        f"packing.token_budget={budget}", "logging.console=plain", f"server.port={args.port}", *server,
         # 4 rows a step: a 1-row step waits on its longest rollout and measures the tail, not the pipeline
         *([] if args.tiny else ["trainer.gradient_accumulation_steps=4"]), *args.extra,
     ]  # fmt: skip
@@ -144,7 +144,7 @@ def standalone_tokens_per_s(base_url: str, name: str, args: argparse.Namespace, 
 
 def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, extra: list[str]) -> dict[str, Any]:
     """One `asyncrl train` attached to the running server; its metrics rows and timeline summary."""
-    run_dir = args.out / "runs" / name
+    run_dir = args.work / "runs" / name
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     argv = [sys.executable, "-m", "asyncrl", "train", *base, "server.launch=false", f"server.base_url={base_url}",
@@ -165,8 +165,8 @@ def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, e
     return {"name": name, "cli_wall_s": wall, "rows": rows, "timeline": timeline}
 
 
-def summarise(run: dict[str, Any], model_cfg: dict[str, int]) -> dict[str, Any]:
-    """The table's quantities from one run's metrics rows."""
+def summarise(run: dict[str, Any], model_cfg: dict[str, int], profiled: bool = False) -> dict[str, Any]:
+    """The table's quantities from one run's metrics rows (a profiled last step is left out of the timing)."""
     rows = [r.get("metrics", r) for r in run["rows"]]
 
     def series(key: str) -> list[float]:
@@ -176,7 +176,7 @@ def summarise(run: dict[str, Any], model_cfg: dict[str, int]) -> dict[str, Any]:
         values = series(key)[skip:]
         return sum(values) / len(values) if values else float("nan")
 
-    times = series("time_s")
+    times = series("time_s")[: -1 if profiled else None]
     steady = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else float("nan")
     trained = series("batch/trained_tokens_per_step")
     forwarded = series("batch/forwarded_tokens_per_step")
@@ -188,7 +188,8 @@ def summarise(run: dict[str, Any], model_cfg: dict[str, int]) -> dict[str, Any]:
         "name": run["name"], "steps": len(rows), "time_to_last_step_s": times[-1], "steady_step_s": steady,
         "sync_s": mean("perf/weight_sync_s", 1), "sync_pause_s": mean("perf/weight_sync_pause_s", 1),
         "sync_transfer_s": mean("perf/weight_sync_transfer_s", 1),
-        "gen_tokens_per_s": mean("rollout/generated_tokens_per_s", 1),
+        "gen_tokens_per_s": mean("rollout/generated_tokens_per_s", 1), "concurrency": mean("rollout/concurrency", 1),
+        "samples_per_step": mean("batch/samples_per_step", 1), "backpressure_s": mean("rollout/backpressure_s", 1),
         "trained_tokens_per_s": sum(trained) / max(sum(fwd_bwd), 1e-9), "mfu": flops / max(sum(fwd_bwd), 1e-9)
         / (PEAK_TFLOPS * 1e12), "packing_ratio": mean("batch/packing_ratio"),
         "staleness_mean": mean("sample/staleness_mean"), "staleness_max": max(series("sample/staleness_max") or [0]),
@@ -223,40 +224,73 @@ def main() -> None:
     parser.add_argument("--no-flat", action="store_true", help="skip the flat-packing run")
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     parser.add_argument("--builtin-too", action="store_true", help="also time the built-in server on the GPU")
+    parser.add_argument("--eager", action="store_true", help="vLLM --enforce-eager (no CUDA graphs, faster start)")
+    parser.add_argument("--profile", default="staleness2", help="the run whose last step is profiled ('' = none)")
+    parser.add_argument("--table", type=Path, nargs="+", help="print one table from earlier e2e.json files; no run")
+    parser.add_argument("--assets", type=Path, default=None, help="where the model and prompts are built (reused)")
+    parser.add_argument("--serve", action="store_true", help="only run the workload's server in the foreground")
+    parser.add_argument("--server-url", default=None, help="attach to a server started with --serve")
+    parser.add_argument("--port", type=int, default=8000, help="the server's port (the built-in one's is +1)")
     parser.add_argument("--run-timeout", type=float, default=300)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.table:
+        print_table(merge([json.loads(path.read_text()) for path in args.table]))
+        return
     import torch
 
     args.shape = "tiny" if args.tiny else "0.6b"
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="e2e-"))
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="e2e-assets-"))
+    args.work = Path(tempfile.mkdtemp(prefix="e2e-work-"))  # runs and servers; only results go to --out
+    if args.server_url:
+        wait_healthy(args.server_url)  # its --serve process builds the assets first
     started = time.perf_counter()
-    model_dir, data = build_assets(work, args.shape)
+    model_dir, data = build_assets(args.assets or args.work, args.shape)
     print(f"[build] {args.shape} model + tokenizer + prompts in {time.perf_counter() - started:.0f} s", flush=True)
     base = base_overrides(args, model_dir, data)
+    if args.serve:
+        os.execv(sys.executable, [sys.executable, "-m", "asyncrl", "serve", *base,
+                                  f"trainer.output_dir={args.work / 'serve'}"])  # fmt: skip
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    result["server"] = serve_and_measure(args, base, args.backend)
+    result["server"] = serve_and_measure(args, base, args.backend, train_runs=bool(args.staleness), url=args.server_url)
     if args.builtin_too and args.backend == "vllm":
         args.backend = "builtin"
         result["builtin_server"] = serve_and_measure(args, base_overrides(args, model_dir, data), "builtin",
-                                                     train_runs=False)  # fmt: skip
+                                                     train_runs=False, port=args.port + 1)  # fmt: skip
     (args.out / "e2e.json").write_text(json.dumps(result, indent=1))
     print_table(result)
 
 
-def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, train_runs: bool = True) -> dict:
+def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(2.0)
+    raise SystemExit(f"no healthy server at {url} after {timeout_s:.0f} s")
+
+
+def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, train_runs: bool = True,
+                      url: str | None = None, port: int | None = None) -> dict:  # fmt: skip
+    """Start the server (or attach to ``url``), time it alone, then run the training variants against it."""
     from asyncrl.config import compose, to_config
     from asyncrl.launch import start_server
     from asyncrl.server.command import served_model_name
 
-    config = to_config(compose([*base, f"trainer.output_dir={args.out / ('server-' + backend)}"]))
+    server_dir = args.work / f"server-{backend}"
+    where = ["server.launch=false", f"server.base_url={url}"] if url else [f"server.port={port or args.port}"]
+    config = to_config(compose([*base, *where, f"trainer.output_dir={server_dir}"]))
     out: dict[str, Any] = {"backend": backend}
-    (args.out / f"server-{backend}").mkdir(parents=True, exist_ok=True)
+    server_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with start_server(config, args.out / f"server-{backend}") as server:
+    with start_server(config, server_dir) as server:
         out["startup_s"] = time.perf_counter() - started
         name = served_model_name(config)
         print(f"[{backend}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)
@@ -271,19 +305,41 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
                                              f"packing.token_budget={WORKLOAD[args.shape][4]}"])]  # fmt: skip
         out["runs"] = []
         for name_, extra in variants:
-            run = train(args, base, server.base_url, name_, extra)
+            profiled = name_ == args.profile
+            run = train(args, base, server.base_url, name_,
+                        [*extra, *([f"logging.profile_steps=[{args.steps}]"] if profiled else [])])  # fmt: skip
             if "failed" in run:
                 out["runs"].append(run)
                 continue
-            summary = summarise(run, model_cfg)
+            if profiled:
+                table = args.work / "runs" / name_ / "profile" / f"step_{args.steps}.txt"
+                (args.out / f"profile_{name_}.txt").write_text(table.read_text())
+            summary = summarise(run, model_cfg, profiled)
             out["runs"].append(summary)
             scalars = {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}
             print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
     return out
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several invocations (each started its own server): runs joined, standalone rates kept."""
+    merged = {"server": {**results[0]["server"], "runs": []}}
+    for result in results:
+        merged["server"]["runs"] += result["server"].get("runs", [])
+        if "builtin_server" in result:
+            merged["builtin_server"] = result["builtin_server"]
+    rates = [r["server"]["standalone_tokens_per_s"] for r in results]
+    merged["server"]["standalone_tokens_per_s"] = sum(rates) / len(rates)
+    merged["server"]["standalone_each"] = rates
+    return merged
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def samples_per_s(run: dict[str, Any]) -> float:
+    return run["samples_per_step"] / run["steady_step_s"]
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -291,20 +347,22 @@ def print_table(result: dict[str, Any]) -> None:
     by_name = {r["name"]: r for r in runs}
     sync = by_name.get("staleness0")
     print(
-        "\n| run | steps | to last step s | steady s/step | speedup vs sync | sync s (pause/transfer) | gen tok/s "
-        "| trained tok/s | MFU | pack ratio | stale mean/max | dropped | overlap |"
+        "\n| run | steps | samples/step | to last step s | steady s/step | samples/s | speedup vs sync | sync s (pause/transfer) "
+        "| gen tok/s (concurrency) | trained tok/s | MFU | pack ratio | stale mean/max | dropped | overlap |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
-        speedup = sync["steady_step_s"] / r["steady_step_s"] if sync else float("nan")
-        print(f"| {r['name']} | {r['steps']} | {r['time_to_last_step_s']:.1f} | {r['steady_step_s']:.2f} | "
-              f"{speedup:.2f}x | {r['sync_s']:.3f} ({r['sync_pause_s']:.3f}/{r['sync_transfer_s']:.3f}) | "
-              f"{r['gen_tokens_per_s']:,.0f} | {r['trained_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+        speedup = samples_per_s(r) / samples_per_s(sync) if sync else float("nan")  # sync steps can be larger
+        print(f"| {r['name']} | {r['steps']} | {r['samples_per_step']:.0f} | {r['time_to_last_step_s']:.1f} | "
+              f"{r['steady_step_s']:.2f} | {samples_per_s(r):.1f} | {speedup:.2f}x | {r['sync_s']:.3f} ({r['sync_pause_s']:.3f}/"
+              f"{r['sync_transfer_s']:.3f}) | {r['gen_tokens_per_s']:,.0f} ({r['concurrency']:.0f}) | "
+              f"{r['trained_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
               f"{r['packing_ratio']:.2f} | {r['staleness_mean']:.2f}/{r['staleness_max']:.0f} | "
               f"{r['dropped_stale_frac']:.1%} | {r['overlap_frac']:.2f} |")  # fmt: skip
     server = result["server"]
+    each = ", ".join(f"{r:,.0f}" for r in server.get("standalone_each", []))
     print(f"\nstandalone {server['backend']} server: {server['standalone_tokens_per_s']:,.0f} generated tokens/s "
-          f"(startup {server['startup_s']:.0f} s)")  # fmt: skip
+          f"{f'(mean of {each}) ' if each else ''}(startup {server['startup_s']:.0f} s)")  # fmt: skip
     if "builtin_server" in result:
         b = result["builtin_server"]
         print(

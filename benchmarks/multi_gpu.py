@@ -106,7 +106,8 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
         for step in range(args.steps):
             started = time.perf_counter()
             loss.start_step(rows)
-            mine = ranks.command("step", split_rows(rows, world, (loss.shift, loss.scale)))
+            placement = [list(range(start, start + world)) for start in range(0, len(rows), world)]  # row r -> rank r
+            mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
             result = train_rows(model, loss, mine, ranks, config, str(config.packing.get("attention", "auto")))
             grad_norm = float(fsdp.FsdpAccelerator().clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm))
             optimizer.step()

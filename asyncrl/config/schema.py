@@ -217,6 +217,8 @@ class LoggingConfig:
     console: str = "auto"
     """auto|live|plain: live rich display when stdout is a terminal."""
     project: str = "asyncrl"
+    profile_steps: list[int] = field(default_factory=list)
+    """Optimizer steps (1-based) to capture with torch.profiler: <run_dir>/profile/step_N.{txt,trace.json}."""
 
 
 @dataclass

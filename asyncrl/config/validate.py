@@ -81,6 +81,8 @@ def check_trainer_rates(config: Config) -> None:
         )
     if t.logging_steps < 1:
         raise ConfigError(f"trainer.logging_steps={t.logging_steps} must be >= 1")
+    if any(step < 1 for step in config.logging.profile_steps):
+        raise ConfigError(f"logging.profile_steps={list(config.logging.profile_steps)}: steps count from 1")
     if t.save_strategy not in ("steps", "no"):
         raise ConfigError(f"trainer.save_strategy={t.save_strategy!r} must be 'steps' or 'no'")
     if t.save_strategy == "steps" and t.save_steps < 1:

@@ -31,6 +31,7 @@ from asyncrl.losses.step import StepCounts, StepLoss
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.profiler import wait_for_device
 from asyncrl.trainer.supervise import SERVER_URL_ENV
 
 # Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the supervisor's to catch.
@@ -147,6 +148,7 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
             metrics.append({**row_metrics, "entropy": entropy})
         forward_s += time.perf_counter() - started
         (value * ranks.world).backward()  # FSDP averages over ranks; the step's gradient is their sum
+        wait_for_device()
         forward_backward_s += time.perf_counter() - started
     loss.policy_loss, loss.entropy = ranks.sum([loss.policy_loss, loss.entropy])
     return RowsResult(forward_s, forward_backward_s, metrics)

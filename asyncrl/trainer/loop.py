@@ -37,6 +37,7 @@ from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model
+from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
 from asyncrl.trainer.sync.tensors import serving_dtype
@@ -108,14 +109,17 @@ class Trainer:
         self.run_started = time.time()
         while not self._finished():
             step_started = time.perf_counter()
-            step = self.assembler.next_step()
-            if not step.rows:
-                break
-            rows = self._optimize(step)
-            self.state.step += 1
-            self._grant_allowance(step, rows)
-            if self.state.step % self.config.staleness.weight_sync_steps == 0:
-                self._sync_weights()
+            with profiled_step(self.state.step + 1, self.config.logging.profile_steps, self.run_dir / "profile"):
+                with phase("rollout_wait"):
+                    step = self.assembler.next_step()
+                if not step.rows:
+                    break
+                rows = self._optimize(step)
+                self.state.step += 1
+                self._grant_allowance(step, rows)
+                if self.state.step % self.config.staleness.weight_sync_steps == 0:
+                    with phase("weight_sync"):
+                        self._sync_weights()
             self._record_step_time(step, time.perf_counter() - step_started)
             if self.state.step % self.config.trainer.logging_steps == 0:
                 self._log()
@@ -148,10 +152,11 @@ class Trainer:
         started = time.time()
         fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows, step)
         t1 = time.perf_counter()
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - t1
         self.window.update(self.loss.end_step())
         if self.ranks is not None:
@@ -180,12 +185,15 @@ class Trainer:
         fwd_s = fwd_bwd_s = 0.0
         for row in rows:
             t0 = time.perf_counter()
-            out = packed_forward(self.model, row, self.config.sampling.temperature, attention=self.attention,
-                                 logit_chunk_tokens=self.config.trainer.logit_chunk_tokens,
-                                 compile_layers=self.config.packing.get("compile_layers", "auto"))  # fmt: skip
-            loss, loss_metrics = self.loss(self.loss.batch(row, out))
+            with phase("forward"):
+                out = packed_forward(self.model, row, self.config.sampling.temperature, attention=self.attention,
+                                     logit_chunk_tokens=self.config.trainer.logit_chunk_tokens,
+                                     compile_layers=self.config.packing.get("compile_layers", "auto"))  # fmt: skip
+                loss, loss_metrics = self.loss(self.loss.batch(row, out))
             fwd_s += time.perf_counter() - t0
-            self.accelerator.backward(loss)
+            with phase("backward"):
+                self.accelerator.backward(loss)
+                wait_for_device()
             fwd_bwd_s += time.perf_counter() - t0
             self.window.update(loss_metrics)
             self.window.add("entropy", float(out.entropy.mean()) if out.entropy.numel() else float("nan"))

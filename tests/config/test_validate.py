@@ -18,6 +18,7 @@ BAD_INPUTS = [
     (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
     (["trainer.max_steps=-1", "trainer.num_train_epochs=0"], "trainer.max_steps"),
     (["trainer.lr_scheduler_type=cosine", "trainer.max_steps=-1"], "trainer.lr_scheduler_type"),
+    (["logging.profile_steps=[0]"], "logging.profile_steps"),
     (["staleness.max_staleness=-1"], "staleness.max_staleness"),
     (["staleness.weight_sync_steps=0"], "staleness.weight_sync_steps"),
     (["staleness.max_staleness=0", "staleness.weight_sync_steps=2"], "staleness.weight_sync_steps"),

@@ -67,7 +67,7 @@ def async_run(random_tiny_model_dir, arithmetic_data_dir, fresh_server, tmp_path
     server = fresh_server()
     run_dir = tmp_path_factory.mktemp("async") / "run"
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "staleness.max_staleness=1",
-            *CISPO, *attach(server)]  # fmt: skip
+            *CISPO, "logging.profile_steps=[3]", *attach(server)]  # fmt: skip
     run = run_cli(args)
     version, gap = ControlClient(server.base_url).weight_version(), math.inf
     if run.returncode == 0:
@@ -101,6 +101,15 @@ def test_async_run_trains_every_step_within_its_staleness_bound_and_overlaps(asy
     # the load poller's scrapes of the server's /metrics reach the logs (its dict outlives each flush)
     usage = [s.get("rollout/vllm_kv_cache_usage_frac", math.nan) for s in steps]
     assert any(not math.isnan(u) for u in usage)
+
+
+def test_the_chosen_step_is_profiled_with_its_phases_labelled(async_run):
+    profile = async_run.run_dir / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["step_3.trace.json", "step_3.txt"]
+    trace = (profile / "step_3.trace.json").read_text()
+    for name in ("rollout_wait", "forward", "backward", "optimizer", "weight_sync"):
+        assert f'"asyncrl/{name}"' in trace
+    assert "aten::" in (profile / "step_3.txt").read_text()
 
 
 def test_cispo_with_rloo_trains_and_checkpoints_the_entropy_coefficient(async_run):
