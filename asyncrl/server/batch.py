@@ -3,6 +3,9 @@
 Rows join through a prefill of their tokens (prompt, plus what they generated before a preemption) and
 leave when they finish. Every row is left-padded to the batch width; the attention mask hides the padding
 and explicit position ids count only a row's own tokens, so a row's logits do not depend on its neighbours.
+Each row owns a slot (a row of the cache, see ``cache.py``). A leaving row frees its slot without moving the
+cache; the next joining row takes it. Free slots are decoded as one-token dummies whose logits are dropped,
+and the slots are compacted once at least half of them are free.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from asyncrl.server.cache import build_slack_cache
 from asyncrl.server.lora import AdapterSet
 from asyncrl.server.rows import Row
 
@@ -23,14 +27,6 @@ def check_cache_supported(model: torch.nn.Module) -> None:
     unsupported = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
     if unsupported:
         raise ValueError(f"the built-in server supports full-attention caches only; this model uses {unsupported}")
-
-
-def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - tensor.shape[2]
-    if missing == 0:
-        return tensor
-    padding = tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3])
-    return torch.cat([padding, tensor], dim=2)
 
 
 class RunningBatch:
@@ -45,6 +41,9 @@ class RunningBatch:
         forward_parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
         self.rows: list[Row] = []
+        """Running rows in the order they joined (the order of decode's logits)."""
+        self._slots: list[Row | None] = []
+        self._slot_of: dict[Row, int] = {}
         self._cache: DynamicCache | None = None
 
     @property
@@ -56,76 +55,94 @@ class RunningBatch:
         return sum(row.cached_len for row in self.rows)
 
     def decode(self) -> torch.Tensor:
-        """Feed every row its pending token; return next-token logits [rows, vocab]."""
-        lengths = torch.tensor([row.cached_len for row in self.rows], device=self._device)
-        input_ids = torch.tensor([[row.output_ids[-1]] for row in self.rows], device=self._device)
-        logits = self._forward(input_ids, lengths + 1, lengths.unsqueeze(1), self._cache, self.rows)
+        """Feed every row its pending token; return next-token logits [rows, vocab] in ``rows`` order."""
+        # A free slot decodes token 0 at position 0 under some row's adapter (so one adapter stays the fast path).
+        lengths = torch.tensor([0 if row is None else row.cached_len for row in self._slots], device=self._device)
+        tokens = [[0 if row is None else row.output_ids[-1]] for row in self._slots]
+        input_ids = torch.tensor(tokens, device=self._device)
+        adapters = [(row or self.rows[0]).request.adapter for row in self._slots]
+        logits = self._forward(input_ids, lengths + 1, lengths.unsqueeze(1), self._cache, adapters)
         for row in self.rows:
             row.cached_len += 1
-        return logits
+        if self._slots == self.rows:
+            return logits
+        return logits[torch.tensor([self._slot_of[row] for row in self.rows], device=self._device)]
 
     def join(self, rows: list[Row]) -> torch.Tensor:
-        """Prefill ``rows`` together, merge their cache into the batch; return their next-token logits."""
+        """Prefill ``rows`` together, write their cache into free slots; return their next-token logits."""
         sequences = [row.tokens() for row in rows]
         width = max(len(tokens) for tokens in sequences)
         input_ids = torch.tensor([[0] * (width - len(s)) + s for s in sequences], device=self._device)
         lengths = torch.tensor([len(s) for s in sequences], device=self._device)
         positions = (torch.arange(width, device=self._device) - (width - lengths).unsqueeze(1)).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, lengths, positions, cache, rows)
+        logits = self._forward(input_ids, lengths, positions, cache, [row.request.adapter for row in rows])
         for row, tokens in zip(rows, sequences, strict=True):
             row.cached_len = len(tokens)
-        self._merge(cache)
+        self._place(rows, cache)
         self.rows.extend(rows)
         return logits
 
     def remove(self, leaving: list[Row]) -> None:
-        """Drop rows from the batch and trim padding that no remaining row needs."""
+        """Drop rows from the batch, free their slots and forget padding that no remaining row needs."""
         if not leaving:
             return
+        gone = set(leaving)
         for row in leaving:
             row.cached_len = 0
-        keep = [i for i, row in enumerate(self.rows) if row not in leaving]
-        self.rows = [self.rows[i] for i in keep]
+            if (slot := self._slot_of.pop(row, None)) is not None:
+                self._slots[slot] = None
+        self.rows = [row for row in self.rows if row not in gone]
         if not self.rows or self._cache is None:
-            self._cache = None
+            self.clear()
             return
-        index = torch.tensor(keep, device=self._device)
-        start = self.width - max(row.cached_len for row in self.rows)
+        while self._slots[-1] is None:
+            self._slots.pop()
+        kept = list(range(len(self._slots)))
+        if 2 * len(self.rows) <= len(self._slots):
+            kept, self._slots = [self._slot_of[row] for row in self.rows], list(self.rows)
+            self._slot_of = {row: slot for slot, row in enumerate(self.rows)}
+        unused = self.width - max(row.cached_len for row in self.rows)
         for layer in self._cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
+            layer.keep_rows(kept)
+            layer.drop_columns(unused)
 
     def clear(self) -> list[Row]:
         """Drop every row and the cache (preemption): the rows must be prefilled again to continue."""
-        rows = self.rows
-        self.remove(list(rows))
+        rows, self.rows = self.rows, []
+        for row in rows:
+            row.cached_len = 0
+        self._cache, self._slots, self._slot_of = None, [], {}
         return rows
 
-    def _merge(self, cache: DynamicCache) -> None:
+    def _place(self, rows: list[Row], cache: DynamicCache) -> None:
+        """Give each joining row a slot (free ones first) and copy its prefilled cache there."""
         if self._cache is None:
-            self._cache = cache
-            return
-        width = max(self.width, cache.get_seq_length())
+            self._cache = build_slack_cache(self.model)
+        free = [slot for slot, row in enumerate(self._slots) if row is None]
+        slots = (free + list(range(len(self._slots), len(self._slots) + len(rows))))[: len(rows)]
         for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+            mine.write_rows(slots, theirs.keys, theirs.values)
+        self._slots.extend([None] * (max(slots) + 1 - len(self._slots)))
+        for row, slot in zip(rows, slots, strict=True):
+            self._slots[slot] = row
+            self._slot_of[row] = slot
 
     def _forward(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-        rows: list[Row],
+        adapters: list[str | None],
     ) -> torch.Tensor:  # fmt: skip
         """Run the model, each row under its adapter; ``lengths`` are the rows' lengths in the cache after it."""
         width = cache.get_seq_length() + input_ids.shape[1]
         mask = torch.arange(width, device=self._device).unsqueeze(0) >= (width - lengths).unsqueeze(1)
-        adapters = self._adapters.select(self.model, [row.request.adapter for row in rows]) if self._adapters else {}
+        extra = self._adapters.select(self.model, adapters) if self._adapters else {}
         output = self.model(
             input_ids=input_ids,
             attention_mask=mask.long(),
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
-            **adapters,
+            **extra,
             **{self._cache_argument: cache},
         )
         return output.logits[:, -1, :].float()

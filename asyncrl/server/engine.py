@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from asyncrl.server.attention import use_grouped_decode_attention
 from asyncrl.server.batch import RunningBatch, check_cache_supported
 from asyncrl.server.lora import AdapterSet
 from asyncrl.server.protocol import ModelNotFound
@@ -73,6 +74,7 @@ class Engine:
                 f"kv_cache_tokens={config.kv_cache_tokens} must hold one max_model_len={config.max_model_len} request"
             )
         check_cache_supported(model)
+        use_grouped_decode_attention(model)
         self.model = model
         self.config = config
         self.vocab_size = model.get_input_embeddings().num_embeddings

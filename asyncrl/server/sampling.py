@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -130,27 +131,37 @@ def sample_step(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Draw]:
     """Sample one token per row from ``logits`` [rows, vocab] and report what the response needs."""
     processed = process_logits(logits, rows)
     logprobs = processed.log_softmax(dim=-1)
-    vocab = logprobs.shape[1]
-    noise = torch.stack(
-        [
-            torch.ones(vocab, device=logprobs.device)
-            if row.settings.greedy
-            else torch.empty(vocab, device=logprobs.device).exponential_(generator=row.generator)
-            for row in rows
-        ]
-    )
+    noise = _exponential_noise(rows, logprobs.shape[1], logprobs.device)
     greedy = torch.tensor([row.settings.greedy for row in rows], device=logprobs.device)
     # Dividing probabilities by Exp(1) noise and taking the argmax draws from the categorical distribution.
     tokens = torch.where(greedy, processed.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
     sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top = _top_logprobs(logprobs, rows)
-    draws = []
-    for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), sampled.tolist(), strict=True)):
-        candidates = None
-        if row.settings.return_sampling_mask and row.settings.truncates:
-            candidates = torch.isfinite(processed[i]).nonzero().flatten().tolist()
-        draws.append(Draw(token, max(logprob, LOGPROB_FLOOR), top[i], candidates))
-    return draws
+    masked = [i for i, row in enumerate(rows) if row.settings.return_sampling_mask and row.settings.truncates]
+    candidates = dict(zip(masked, _candidate_ids(processed, masked), strict=True))
+    return [
+        Draw(token, max(logprob, LOGPROB_FLOOR), top[i], candidates.get(i))
+        for i, (token, logprob) in enumerate(zip(tokens.tolist(), sampled.tolist(), strict=True))
+    ]
+
+
+def _exponential_noise(rows: Sequence[RowInput], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab], each row drawn from its own generator (ones for greedy rows, which ignore it)."""
+    noise = torch.ones(len(rows), vocab, device=device)
+    for i, row in enumerate(rows):
+        if not row.settings.greedy:
+            noise[i].exponential_(generator=row.generator)
+    return noise
+
+
+def _candidate_ids(processed: torch.Tensor, indices: list[int]) -> list[list[int]]:
+    """The finite (candidate) token ids of each row in ``indices``, copied to the host once for all of them."""
+    if not indices:
+        return []
+    finite = torch.isfinite(processed[torch.tensor(indices, device=processed.device)])
+    counts = finite.sum(dim=1).tolist()
+    ids = finite.nonzero()[:, 1].tolist()
+    return [ids[end - count : end] for count, end in zip(counts, accumulate(counts), strict=True)]
 
 
 def _top_logprobs(logprobs: torch.Tensor, rows: Sequence[RowInput]) -> list[list[tuple[int, float]] | None]:

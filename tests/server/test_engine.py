@@ -66,6 +66,15 @@ def test_rows_decoded_together_match_rows_decoded_alone(make_engine):
     assert max(engine.stats().batch_sizes) > 1
 
 
+def test_rows_joining_into_freed_cache_slots_match_rows_decoded_alone(make_engine):
+    engine = make_engine(max_num_seqs=3)  # later requests take the slots of finished ones; the cache compacts
+    requests = REQUESTS + [make_request(6 + i, 4 + 3 * i, 5 + 4 * i) for i in range(4)]
+    together = generate(engine, requests)
+    alone = [generate(engine, [request])[0] for request in requests]
+    assert_same_generations(together, alone)
+    assert max(engine.stats().batch_sizes) == 3
+
+
 def test_preempted_rows_are_recomputed_without_changing_their_tokens(make_engine):
     roomy = generate(make_engine(), REQUESTS)
     tight = make_engine(kv_cache_tokens=64)

@@ -1,0 +1,117 @@
+"""A KV cache layer with spare capacity, so decoding writes one token in place instead of copying the cache.
+
+transformers' ``DynamicLayer`` concatenates the whole cache with every new token. ``SlackLayer`` keeps keys and
+values in preallocated buffers ``[row_capacity, heads, column_capacity, head_dim]`` and exposes the window
+``[:rows, :, start:start + width]`` as ``keys``/``values``: decoding writes the new column after the window,
+rows joining the running batch are written right-aligned into their slots, dropping leading columns only moves
+``start``. Buffers are reallocated (with slack, so amortised O(1) per token) only when the window outgrows them.
+Buffers start zeroed and only ever hold computed keys and values, so masked positions are always finite and
+contribute exactly nothing to attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_SLACK_COLUMNS = 256
+
+
+def build_slack_cache(model: torch.nn.Module) -> DynamicCache:
+    """The model's own DynamicCache with every layer replaced by a SlackLayer."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [SlackLayer() for _ in cache.layers]
+    return cache
+
+
+class SlackLayer(DynamicLayer):
+    """A full-attention cache layer whose ``keys``/``values`` are views of larger, reused buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._start = 0
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    def get_seq_length(self, *args: object) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states``/``value_states`` [rows, heads, new, head_dim] after the window, in place."""
+        self._initialize(key_states)
+        rows, width, new = key_states.shape[0], self.get_seq_length(), key_states.shape[2]
+        if self.rows not in (0, rows):
+            raise ValueError(f"SlackLayer.update got {rows} rows for a cache of {self.rows}")
+        self._make_room(rows, left=0, right=new)
+        end = self._start + width
+        self._key_buffer[:rows, :, end : end + new] = key_states
+        self._value_buffer[:rows, :, end : end + new] = value_states
+        self._set_window(rows, width + new)
+        return self.keys, self.values
+
+    def write_rows(self, slots: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows' keys/values [len(slots), heads, length, head_dim] right-aligned into cache rows ``slots``;
+        slots past the last row add rows, a length past the width widens every row on the left."""
+        self._initialize(keys)
+        rows = max(self.rows, max(slots) + 1)
+        width, length = self.get_seq_length(), keys.shape[2]
+        left = max(0, length - width)
+        self._make_room(rows, left=left, right=0)
+        self._start -= left
+        width += left
+        end = self._start + width
+        index = torch.tensor(slots, device=keys.device)
+        self._key_buffer[index, :, end - length : end] = keys
+        self._value_buffer[index, :, end - length : end] = values
+        self._set_window(rows, width)
+
+    def keep_rows(self, slots: list[int]) -> None:
+        """Keep cache rows ``slots``, in that order, as rows 0..len(slots)-1 (in place; a prefix costs nothing)."""
+        if slots != list(range(len(slots))):
+            index = torch.tensor(slots, device=self._key_buffer.device)
+            columns = slice(self._start, self._start + self.get_seq_length())
+            self._key_buffer[: len(slots), :, columns] = self._key_buffer[index, :, columns]
+            self._value_buffer[: len(slots), :, columns] = self._value_buffer[index, :, columns]
+        self._set_window(len(slots), self.get_seq_length())
+
+    def drop_columns(self, count: int) -> None:
+        """Forget the ``count`` leftmost columns (padding no row needs any more)."""
+        self._start += count
+        self._set_window(self.rows, self.get_seq_length() - count)
+
+    def _initialize(self, like: torch.Tensor) -> None:
+        if self.is_initialized:
+            return
+        self.dtype, self.device = like.dtype, like.device
+        self._key_buffer = like.new_zeros(0, like.shape[1], 0, like.shape[3])
+        self._value_buffer = like.new_zeros(0, like.shape[1], 0, like.shape[3])
+        self._start = 0
+        self._set_window(0, 0)
+        self.is_initialized = True
+
+    def _make_room(self, rows: int, left: int, right: int) -> None:
+        """Ensure ``rows`` rows and ``left``/``right`` free columns beside the window, reallocating with slack."""
+        capacity_rows, _, capacity_columns, _ = self._key_buffer.shape
+        width = self.get_seq_length()
+        if rows <= capacity_rows and left <= self._start and self._start + width + right <= capacity_columns:
+            return
+        if rows > capacity_rows:
+            capacity_rows = max(rows, capacity_rows + capacity_rows // 2)
+        needed = left + width + right
+        shape = (capacity_rows, self._key_buffer.shape[1], needed + max(MIN_SLACK_COLUMNS, needed // 2),
+                 self._key_buffer.shape[3])  # fmt: skip
+        keys, values = self._key_buffer.new_zeros(shape), self._value_buffer.new_zeros(shape)
+        keys[: self.rows, :, left : left + width] = self.keys
+        values[: self.rows, :, left : left + width] = self.values
+        self._key_buffer, self._value_buffer, self._start = keys, values, left
+
+    def _set_window(self, rows: int, width: int) -> None:
+        self.keys = self._key_buffer[:rows, :, self._start : self._start + width]
+        self.values = self._value_buffer[:rows, :, self._start : self._start + width]

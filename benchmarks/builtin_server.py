@@ -1,0 +1,153 @@
+"""The built-in server's engine alone (no HTTP): generated tokens/s and ms per decoding step, N requests at once.
+
+Random weights built from a config (nothing downloaded); every request asks for top-8 logprobs, temperature 1,
+ignores EOS and stops at its own length, so each run generates the same number of tokens. Steps that also
+prefill joining rows are timed apart from pure decoding steps. A second measurement times the KV cache alone:
+one decoding step's cache updates over all layers (rows x the mean final width), transformers' DynamicLayer
+(concatenation) against asyncrl's SlackLayer (in place). With $OUT set, the results also go to
+$OUT/builtin_server.json:
+
+    python benchmarks/builtin_server.py                                   # CPU, tiny model, 32 requests
+    python benchmarks/builtin_server.py --device cuda --model qwen3-0.6b --requests 256   # the H200 run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.cache_utils import DynamicLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl.server.cache import SlackLayer  # noqa: E402
+from asyncrl.server.engine import Engine, EngineConfig  # noqa: E402
+from asyncrl.server.rows import GenerationRequest  # noqa: E402
+from asyncrl.server.sampling import SamplingSettings  # noqa: E402
+
+MODELS = {
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+class TimedEngine(Engine):
+    """The engine, recording each step's wall time and whether rows joined in it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_times: list[tuple[float, bool]] = []
+
+    def _step(self) -> None:
+        prompts_before = self._stats.prompt_tokens_total
+        start = time.perf_counter()
+        super()._step()
+        if self._device.type == "cuda":
+            torch.cuda.synchronize()
+        self.step_times.append((time.perf_counter() - start, self._stats.prompt_tokens_total != prompts_before))
+
+
+def build_model(name: str, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    config = Qwen3Config(**MODELS[name], max_position_embeddings=4096, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Qwen3ForCausalLM(config).to(dtype).eval()
+
+
+def build_requests(args: argparse.Namespace, vocab: int, tag: str) -> list[GenerationRequest]:
+    rng = random.Random(0)
+    settings = SamplingSettings(num_logprobs=8)
+    requests = []
+    for i in range(args.requests):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+        max_tokens = rng.randint(args.completion_min, args.completion_max)
+        requests.append(GenerationRequest(f"{tag}{i}", prompt, max_tokens, settings, seed=i, ignore_eos=True))
+    return requests
+
+
+def run(engine: TimedEngine, requests: list[GenerationRequest]) -> dict[str, float]:
+    engine.step_times.clear()
+    start = time.perf_counter()
+    results = [future.result() for future in [engine.submit(request) for request in requests]]
+    wall_s = time.perf_counter() - start
+    tokens = sum(len(result.token_ids) for result in results)
+    decode = [seconds for seconds, joined in engine.step_times if not joined]
+    return {
+        "requests": len(requests),
+        "generated_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s,
+        "steps": len(engine.step_times),
+        "join_steps": len(engine.step_times) - len(decode),
+        "decode_step_ms_median": 1000 * statistics.median(decode) if decode else float("nan"),
+        "decode_step_ms_mean": 1000 * statistics.fmean(decode) if decode else float("nan"),
+    }
+
+
+def time_cache_step(
+    layer_type: type, config: Qwen3Config, rows: int, width: int, device: str, dtype: torch.dtype, steps: int = 20
+) -> float:
+    """Milliseconds of one decoding step's cache updates over every layer, starting from ``width`` columns."""
+    shape = (rows, config.num_key_value_heads, 1, config.head_dim)
+    token = torch.randn(shape, device=device).to(dtype)
+    layers = [layer_type() for _ in range(config.num_hidden_layers)]
+    for layer in layers:
+        layer.update(token.expand(-1, -1, width, -1).contiguous(), token.expand(-1, -1, width, -1).contiguous())
+    start = time.perf_counter()
+    for _ in range(steps):
+        for layer in layers:
+            layer.update(token, token)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on cuda")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-min", type=int, default=128)
+    parser.add_argument("--prompt-max", type=int, default=512)
+    parser.add_argument("--completion-min", type=int, default=128)
+    parser.add_argument("--completion-max", type=int, default=512)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    model = build_model(args.model, args.device, dtype)
+    max_len = args.prompt_max + args.completion_max
+    config = EngineConfig(max_model_len=max_len, max_num_seqs=max(args.requests, 1),
+                          kv_cache_tokens=max(args.requests, 1) * max_len, eos_token_ids=frozenset({1}))  # fmt: skip
+    engine = TimedEngine(model, config)
+    engine.start()
+    try:
+        warmup = argparse.Namespace(**{**vars(args), "requests": 4, "completion_min": 8, "completion_max": 8})
+        run(engine, build_requests(warmup, model.config.vocab_size, "warmup-"))
+        result = run(engine, build_requests(args, model.config.vocab_size, "r"))
+    finally:
+        engine.stop()
+    width = (args.prompt_min + args.prompt_max + args.completion_min + args.completion_max) // 2
+    for name, layer_type in (("dynamic", DynamicLayer), ("slack", SlackLayer)):
+        result[f"cache_step_ms_{name}"] = time_cache_step(layer_type, model.config, args.requests, width,
+                                                          args.device, dtype)  # fmt: skip
+    result = {"device": args.device, "model": args.model, "dtype": str(dtype).removeprefix("torch."), **result}
+    width = max(len(key) for key in result)
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value:.2f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    if out := os.environ.get("OUT"):
+        Path(out, "builtin_server.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
