@@ -23,7 +23,9 @@ def load_prompts(path: str, *, name: str | None = None, split: str = "train") ->
     if source.is_file():
         builder = _FILE_BUILDERS.get(source.suffix)
         if builder is None:
-            raise DatasetError(f"data file {path}: unsupported extension {source.suffix!r} (use .json, .jsonl, .parquet)")
+            raise DatasetError(
+                f"data file {path}: unsupported extension {source.suffix!r} (use .json, .jsonl, .parquet)"
+            )
         dataset = load_dataset(builder, data_files=str(source), split="train")
     elif source.is_dir() and any((source / f).exists() for f in ("dataset_dict.json", "state.json")):
         loaded = load_from_disk(str(source))

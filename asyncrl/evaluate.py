@@ -50,7 +50,9 @@ async def _evaluate(
     return results
 
 
-async def _mean_reward(rows: list[dict[str, Any]], outs: list[Any], tokenizer: Any, sources: list[RewardSource]) -> float:
+async def _mean_reward(
+    rows: list[dict[str, Any]], outs: list[Any], tokenizer: Any, sources: list[RewardSource]
+) -> float:
     group = RolloutGroup(
         prompts=[r["prompt"] for r in rows],
         reward_kwargs={k: [r[k] for r in rows] for k in rows[0] if k != "prompt"},

@@ -150,8 +150,9 @@ def serve_forever(config: Config) -> None:
     print(shell_line(command.argv, command.env), flush=True)
     run_dir = Path(config.trainer.output_dir or "runs/serve")
     _terminate_on_sigterm()
+    log_path = run_dir / "logs" / "server.log"
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
-        with LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout) as server:
+        with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
             print(f"serving {config.model.name_or_path} at {server.base_url} (log: {server.log_path})", flush=True)
             while server.is_alive():
                 time.sleep(0.5)

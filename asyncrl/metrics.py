@@ -2,8 +2,8 @@
 
 A window collects events since the last log. Reduction follows the spec: a name whose last part
 has the word ``count`` is summed, one with ``max``/``min`` keeps the extreme, anything else is the mean
-of its events (NaN events are ignored; a window with only NaN gives NaN). Sinks: ``metrics.jsonl`` in the run directory (one object per logging step) and
-accelerate trackers (tensorboard, wandb, trackio) when configured.
+of its events (NaN events are ignored; a window with only NaN gives NaN). Sinks: ``metrics.jsonl`` in the run
+directory (one object per logging step) and accelerate trackers (tensorboard, wandb, trackio) when configured.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class JsonlSink:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        record = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}}
+        finite = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+        record = {"step": step, **finite}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -347,16 +347,18 @@ def print_table(result: dict[str, Any]) -> None:
     by_name = {r["name"]: r for r in runs}
     sync = by_name.get("staleness0")
     print(
-        "\n| run | steps | samples/step | to last step s | steady s/step | samples/s | speedup vs sync | sync s (pause/transfer) "
-        "| gen tok/s (concurrency) | trained tok/s | MFU | pack ratio | stale mean/max | dropped | overlap |"
+        "\n| run | steps | samples/step | to last step s | steady s/step | samples/s | speedup vs sync "
+        "| sync s (pause/transfer) | gen tok/s (concurrency) | trained tok/s | MFU | pack ratio | stale mean/max "
+        "| dropped | overlap |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         speedup = samples_per_s(r) / samples_per_s(sync) if sync else float("nan")  # sync steps can be larger
         print(f"| {r['name']} | {r['steps']} | {r['samples_per_step']:.0f} | {r['time_to_last_step_s']:.1f} | "
-              f"{r['steady_step_s']:.2f} | {samples_per_s(r):.1f} | {speedup:.2f}x | {r['sync_s']:.3f} ({r['sync_pause_s']:.3f}/"
-              f"{r['sync_transfer_s']:.3f}) | {r['gen_tokens_per_s']:,.0f} ({r['concurrency']:.0f}) | "
-              f"{r['trained_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+              f"{r['steady_step_s']:.2f} | {samples_per_s(r):.1f} | {speedup:.2f}x | "
+              f"{r['sync_s']:.3f} ({r['sync_pause_s']:.3f}/{r['sync_transfer_s']:.3f}) | "
+              f"{r['gen_tokens_per_s']:,.0f} ({r['concurrency']:.0f}) | {r['trained_tokens_per_s']:,.0f} | "
+              f"{r['mfu']:.1%} | "
               f"{r['packing_ratio']:.2f} | {r['staleness_mean']:.2f}/{r['staleness_max']:.0f} | "
               f"{r['dropped_stale_frac']:.1%} | {r['overlap_frac']:.2f} |")  # fmt: skip
     server = result["server"]

@@ -178,8 +178,8 @@ def check_components(config: Config) -> None:
     registries = component_registries()
     if not config.reward_funcs and config.rollout.environment_factory is None:
         raise ConfigError(
-            "reward_funcs is empty (and no rollout.environment_factory supplies a reward): choose a preset (reward=accuracy) or list functions "
-            "(reward_funcs=[{name: accuracy}, {name: my_pkg.rewards:fn}])"
+            "reward_funcs is empty (and no rollout.environment_factory supplies a reward): choose a preset "
+            "(reward=accuracy) or list functions (reward_funcs=[{name: accuracy}, {name: my_pkg.rewards:fn}])"
         )
     for index, spec in enumerate(config.reward_funcs):
         _build(registries["reward"], spec, f"reward_funcs[{index}]")

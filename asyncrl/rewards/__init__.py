@@ -1,6 +1,7 @@
 """Reward functions, chosen by name (or "pkg.module:attr") in the ``reward`` config group.
 
-Importing this package registers the built-ins: ``accuracy`` (math-verify) and ``format`` (one ``\\boxed{}``), ``length``.
+Importing this package registers the built-ins: ``accuracy`` (math-verify), ``format`` (one ``\\boxed{}``) and
+``length``.
 """
 
 from __future__ import annotations
