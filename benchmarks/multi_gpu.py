@@ -124,7 +124,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
                 fsdp.save_weights(out / "after_step_1", model, optimizer, ranks, torch.float32, resumable=False)
         gathers = []
         for _ in range(3):
-            ranks.command("sync")
+            ranks.command("sync", [torch.bfloat16] * world)
             view = fsdp.GatheredModel(model, ranks, torch.bfloat16)
             started = time.perf_counter()
             for _name, _tensor in view.named_parameters():

@@ -178,8 +178,8 @@ class Follower:
                 return
             if name == "step":
                 self._step(payload)
-            elif name == "sync":
-                fsdp.serve_gathers(self.model, self.ranks)
+            elif name == "sync":  # payload: the serving dtype, which sets the buckets
+                fsdp.serve_gathers(self.model, self.ranks, payload)
             elif name in ("save", "final"):
                 fsdp.save_weights(Path(payload), self.model, self.optimizer, self.ranks, self.dtype,
                                   resumable=name == "save")  # fmt: skip

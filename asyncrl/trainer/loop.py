@@ -230,8 +230,9 @@ class Trainer:
         """One weight sync; with several ranks every parameter is gathered as the transport reads it."""
         if self.ranks is None:
             return self.sync.push(self.model, version)
-        self.ranks.command("sync")
-        view = GatheredModel(self.model, self.ranks, serving_dtype(self.config))
+        dtype = serving_dtype(self.config)
+        self.ranks.command("sync", [dtype] * self.world)
+        view = GatheredModel(self.model, self.ranks, dtype)
         try:
             return self.sync.push(view, version)
         finally:

@@ -104,7 +104,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
         metrics = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
         ranks.command("save", [str(out / "ckpt")] * WORLD)
         fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
-        ranks.command("sync")
+        ranks.command("sync", [torch.float32] * WORLD)
         view = fsdp.GatheredModel(model, ranks, torch.float32)
         with ControlClient(server_url, timeout_s=60) as control:
             sync = WeightSync(control, FileTransport(out, torch.float32))

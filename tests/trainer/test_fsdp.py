@@ -1,0 +1,57 @@
+"""Bucketed gathers of FSDP2-sharded parameters: whole, exact, in the serving dtype, whatever the row counts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from asyncrl.server.process import free_port
+from asyncrl.trainer.fsdp import buckets, gather_bucket
+
+WORLD = 2
+SHAPES = [(7, 3), (1, 5), (5,), (4, 4), (2, 3)]  # 7 and 5 rows split unevenly, 1 row leaves rank 1 empty
+
+
+def test_buckets_hold_consecutive_parameters_under_the_byte_limit():
+    params = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5)]
+    assert buckets(params, torch.float32, limit=80) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert buckets(params, torch.bfloat16, limit=80) == [range(0, 2), range(2, 4)]  # half the bytes
+    assert buckets(params, None) == [range(0, 4)]
+
+
+def test_buckets_split_where_the_gathered_dtype_changes():
+    params = [torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.zeros(3)]
+    assert buckets(params, torch.bfloat16) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+def rank_main(rank: int, port: int, out: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        module = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES])
+        fully_shard(module)
+        params = list(module.parameters())
+        whole = [p.full_tensor() for p in params]
+        got = [t for b in buckets(params, torch.bfloat16, limit=40) for t in gather_bucket([params[i] for i in b],
+                                                                                          torch.bfloat16)]  # fmt: skip
+        if rank == 0:
+            torch.save({"whole": whole, "got": got, "buckets": len(buckets(params, torch.bfloat16, limit=40))},
+                       out / "gathered.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bucket_gathers_uneven_shards_whole_in_the_serving_dtype(tmp_path):
+    mp.spawn(rank_main, args=(free_port(), tmp_path), nprocs=WORLD)
+    result = torch.load(tmp_path / "gathered.pt")
+    assert result["buckets"] > 1
+    for whole, got, shape in zip(result["whole"], result["got"], SHAPES, strict=True):
+        assert got.shape == shape and got.dtype == torch.bfloat16
+        assert torch.equal(got, whole.to(torch.bfloat16))
