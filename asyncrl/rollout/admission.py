@@ -2,38 +2,73 @@
 
 The trainer grants a token allowance of max(max_staleness, 1) steps' worth of consumed tokens; the worker
 starts a group only while its queued plus in-flight tokens are under it, and only while the rollouts in
-flight stay under the concurrency cap. Until the first group completes, the size of a rollout is unknown,
-so groups start one at a time.
+flight stay under the concurrency cap. A finished rollout whose group still waits on a longer sibling (or is
+being scored) is neither in flight nor queued, but its tokens still count: with long-tailed lengths most
+of a group can sit there, and leaving it out would start more groups than the allowance, whose samples then
+wait in the queue until they are too stale to train.
+
+In asynchronous mode the tokens held when a weight sync comes are what the next max_staleness steps must
+train before they go stale, so admission stays inside the allowance rather than at it: it counts the group
+about to start (a group that overshoots would be dropped at the far end; when nothing is queued or in
+flight a group starts whatever its size), and it holds the smallest of the last few grants, since a grant
+is max_staleness x the last step's tokens and the next steps may take fewer (rows of tree packing hold
+10-20% more or fewer sample tokens from step to step). Synchronous mode closes its batch at the allowance
+and trains the overshoot. Until the first group completes, the size of a rollout is unknown, so groups
+start one at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+
+RECENT_GRANTS = 4
 
 
 @dataclass
 class Admission:
     num_generations: int
     max_concurrent_rollouts: int
+    asynchronous: bool = False
     inflight_groups: int = 0
     inflight_rollouts: int = 0
     completed_groups: int = 0
     tokens_pushed: int = 0
     rollouts_seen: int = 0
     mean_rollout_tokens: float = 0.0
+    squared_rollout_tokens: float = 0.0
+    """Mean of the squared rollout sizes: with the mean, the size of a rollout caught in flight."""
+    unqueued_tokens: int = 0
+    """Tokens of finished rollouts whose group is not queued yet."""
+    grants: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_GRANTS))
 
     def inflight_tokens(self) -> float:
-        """Expected tokens of the groups in flight, from the rollouts seen so far."""
-        return self.inflight_rollouts * self.mean_rollout_tokens
+        """Expected tokens of the rollouts in flight, from the rollouts seen so far. A rollout caught in
+        flight is length-biased (long ones stay in flight longer): its expected size is E[L^2] / E[L], not
+        the mean, which under a long tail would undercount them."""
+        if self.mean_rollout_tokens == 0:
+            return 0.0
+        return self.inflight_rollouts * self.squared_rollout_tokens / self.mean_rollout_tokens
 
     def queued_tokens(self, tokens_consumed: int) -> int:
         return max(0, self.tokens_pushed - tokens_consumed)
+
+    def holdable(self, allowance: int) -> int:
+        """The tokens the worker may hold under the trainer's current ``allowance``."""
+        if not self.asynchronous:
+            return allowance
+        if not self.grants or self.grants[-1] != allowance:
+            self.grants.append(allowance)
+        return min(self.grants)
 
     def wait_reason(self, allowance: int, tokens_consumed: int, concurrency_cap: int) -> str | None:
         """None if a new group may start now, else what it waits on (the backpressure reason first)."""
         if self.completed_groups == 0 and self.inflight_groups > 0:
             return "first group"
-        if self.queued_tokens(tokens_consumed) + self.inflight_tokens() >= allowance:
+        allowance = self.holdable(allowance)
+        held = self.queued_tokens(tokens_consumed) + self.unqueued_tokens + self.inflight_tokens()
+        starting = self.num_generations * self.mean_rollout_tokens if self.asynchronous and held > 0 else 0.0
+        if held >= allowance or held + starting > allowance:
             return "backpressure"
         cap = min(concurrency_cap, self.max_concurrent_rollouts)
         if self.inflight_rollouts > 0 and self.inflight_rollouts + self.num_generations > cap:
@@ -48,8 +83,13 @@ class Admission:
         self.inflight_rollouts -= 1
         self.rollouts_seen += 1
         self.mean_rollout_tokens += (num_tokens - self.mean_rollout_tokens) / self.rollouts_seen
+        self.squared_rollout_tokens += (num_tokens**2 - self.squared_rollout_tokens) / self.rollouts_seen
+        self.unqueued_tokens += num_tokens
 
-    def on_group_done(self, pushed_tokens: int) -> None:
+    def on_group_done(self, pushed_tokens: int, rollout_tokens: int) -> None:
+        """The group is queued: ``rollout_tokens`` (its rollouts' tokens, as counted at ``on_rollout_done``)
+        leave the unqueued count, and its samples' ``pushed_tokens`` (none when dropped) join the queue."""
         self.inflight_groups -= 1
         self.completed_groups += 1
+        self.unqueued_tokens -= rollout_tokens
         self.tokens_pushed += pushed_tokens

@@ -6,6 +6,7 @@ max_model_len`` from ``vllm:cache_config_info``, at most ``max_concurrent_rollou
 below 0.6 and nothing waits, it grows by 25%, at most once per cap-many completed rollouts; above 0.8 it is
 cut by 30%, and not cut again until the rollouts in flight have drained below the new cap (running requests
 are never cancelled; admission just waits). A server without ``/metrics`` leaves the cap at the ceiling.
+Admission waits on the smaller of this cap and the staleness pacer's (pacing.py).
 ``LoadPoller`` scrapes ``/metrics`` every 5 s for it and records the rollout/vllm_* metrics.
 """
 

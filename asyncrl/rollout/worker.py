@@ -1,9 +1,10 @@
 """The rollout worker process: streams prompts through the loop's hooks, scores groups, queues samples.
 
 Spawned by trainer rank 0 (``start_worker``) with no GPU and no distributed variables. The driver walks
-the prompt stream in the recorded order, starts a group only when admission control allows it, scores
-each finished group, and pushes samples (or a ``PromptDone`` for a dropped/filtered prompt) to the
-trainer. Any exception reaches the trainer with its traceback; a dead parent ends the worker.
+the prompt stream in the recorded order, starts a group only when admission control allows it (the token
+allowance, and the smaller of the KV-load and staleness caps on rollouts in flight), scores each finished
+group, feeds its lag to the staleness pacer, and pushes samples (or a ``PromptDone`` for a dropped/filtered
+prompt) to the trainer. Any exception reaches the trainer with its traceback; a dead parent ends the worker.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from asyncrl.rollout.admission import Admission
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
+from asyncrl.rollout.pacing import StalenessPacer
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
 
@@ -53,14 +55,20 @@ def prompt_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> np.ndar
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
+def rollout_tokens(rollout: Rollout) -> int:
+    """Prompt and output tokens of every turn: what the rollout costs against the token allowance."""
+    return sum(len(t.prompt_ids) + len(t.output_ids) for t in rollout.turns)
+
+
 class WorkerDriver:
     def __init__(self, spec: WorkerSpec, channels: WorkerChannels, loop: Any) -> None:
         self.spec, self.channels, self.loop = spec, channels, loop
         self.config = spec.config
-        g = self.config.sampling.num_generations
-        self.admission = Admission(g, self.config.staleness.max_concurrent_rollouts)
-        self.concurrency = ConcurrencyController(self.config.staleness.max_concurrent_rollouts)
-        self.sync_mode = self.config.staleness.max_staleness == 0
+        g, limits = self.config.sampling.num_generations, self.config.staleness
+        self.admission = Admission(g, limits.max_concurrent_rollouts, asynchronous=limits.max_staleness > 0)
+        self.concurrency = ConcurrencyController(limits.max_concurrent_rollouts)
+        self.pacer = StalenessPacer(limits.max_concurrent_rollouts, g, limits.max_staleness)
+        self.sync_mode = limits.max_staleness == 0
         self.batch_start_tokens = 0
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self.generation_spans: list[tuple[float, float]] = []
@@ -141,8 +149,10 @@ class WorkerDriver:
         waited_since: float | None = None
         while True:
             reason = self.admission.wait_reason(
-                self.channels.token_allowance.value, self._tokens_released(), self.concurrency.cap,
+                self.channels.token_allowance.value, self._tokens_released(), min(self.concurrency.cap, self.pacer.cap),
             )  # fmt: skip
+            if reason == "concurrency" and self.pacer.cap < self.concurrency.cap:
+                reason = "staleness pacing"  # finished groups came back too late: fewer rollouts in flight
             if reason is None:
                 break
             waited_since = waited_since or time.monotonic()
@@ -201,15 +211,23 @@ class WorkerDriver:
 
         drop = group_drop_reason(group.rewards)
         self._record_group(group, per_source, drop, advantages)
+        self._pace(version)
+        generated = sum(map(rollout_tokens, rollouts))
         if drop is not None:
-            self.admission.on_group_done(0)
+            self.admission.on_group_done(0, generated)
             self._push(PromptDone(prompt_index, drop))
         else:
             samples = self._samples(group, advantages, per_source, prompt_index, epoch)
-            self.admission.on_group_done(sum(s.num_tokens for s in samples))
+            self.admission.on_group_done(sum(s.num_tokens for s in samples), generated)
             for sample in samples:
                 self._push(sample)
         self.channels.beat("group queued")
+
+    def _pace(self, start_version: int) -> None:
+        """Feed the group's lag to the staleness pacer, before its samples join the queue."""
+        if self.pacer.enabled:
+            late = self.pacer.on_group_done(start_version, self.channels.model_version.value, *self._rollout_counts())
+            self.metrics["rollout/late_group_count"].append(float(late))
 
     async def _one_rollout(self, row: dict[str, Any], group_id: int) -> Rollout:
         started = time.monotonic()
@@ -221,7 +239,7 @@ class WorkerDriver:
                 self.metrics[name].append(seconds)
         self.metrics["rollout/duration_s"].append(time.monotonic() - started)
         self.generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
-        self.admission.on_rollout_done(sum(len(t.prompt_ids) + len(t.output_ids) for t in rollout.turns))
+        self.admission.on_rollout_done(rollout_tokens(rollout))
         self.channels.beat("rollout done")
         return rollout
 
@@ -277,6 +295,8 @@ class WorkerDriver:
             self.metrics["rollout/generated_tokens_per_s"].append((self.generated_tokens - last_tokens) / (now - last_time))
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
             self.metrics["rollout/concurrency_cap"].append(self.concurrency.cap)
+            if self.pacer.enabled:
+                self.metrics["rollout/staleness_cap"].append(self.pacer.cap)
             retries = self.loop.client.retry_count
             self.metrics["rollout/vllm_retry_count"].append(retries - last_retries)
             last_time, last_tokens, last_retries = now, self.generated_tokens, retries

@@ -3,15 +3,20 @@
 A step is micro-batches of ``dp`` rows, one per trainer rank, planned by the load-balancing
 MicroBatchPlanner (packing/planner.py); with one rank a micro-batch is a row, closed when the next sample
 does not fit. Asynchronous mode closes a step after ``gradient_accumulation_steps`` micro-batches.
-Synchronous mode (max_staleness=0) takes everything up to the worker's ``EndOfBatch`` marker. While
+Synchronous mode (max_staleness=0) takes everything up to the worker's ``EndOfBatch`` marker. Of the samples
+that have arrived, the oldest policy version is taken first: groups finish out of their start order, and a
+sample one sync from its staleness limit must not wait behind younger ones that have time to spare. While
 waiting, the worker's failure, silence and the server's death are checked so a broken run fails within
 seconds with the reason, never hangs.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,6 +100,14 @@ class StepAssembler:
         self.progress, self.window = progress, window
         self.health_check, self.worker_timeout_s = health_check, worker_timeout_s
         self.planner = MicroBatchPlanner(row_factory, dp, token_budget)
+        self._samples: list[tuple[int, int, RolloutSample]] = []  # heap by (model_version, arrival)
+        self._markers: deque[PromptDone | EndOfBatch] = deque()
+        self._arrivals = itertools.count()
+
+    @property
+    def held(self) -> int:
+        """Samples taken off the rollout queue and not yet pulled into a step (they count in its size)."""
+        return len(self._samples)
 
     def next_step(self) -> Step:
         """The next step's micro-batches; the open one, where the sample that closed the last went, carries over."""
@@ -146,13 +159,29 @@ class StepAssembler:
         return True
 
     def _get(self) -> tuple[object, float]:
+        """The next item: a PromptDone first, then the oldest-version sample that arrived, an EndOfBatch last."""
         started = time.monotonic()
-        while True:
+        while not (self._samples or self._markers):
             try:
-                item = self.channels.rollout_queue.get(timeout=0.2)
-                return item, time.monotonic() - started
+                self._hold(self.channels.rollout_queue.get(timeout=0.2))
             except queue.Empty:
                 self._check_worker()
+        while True:
+            try:
+                self._hold(self.channels.rollout_queue.get_nowait())
+            except queue.Empty:
+                break
+        if self._markers and (isinstance(self._markers[0], PromptDone) or not self._samples):
+            return self._markers.popleft(), time.monotonic() - started
+        return heapq.heappop(self._samples)[2], time.monotonic() - started
+
+    def _hold(self, item: object) -> None:
+        if isinstance(item, RolloutSample):
+            heapq.heappush(self._samples, (item.model_version, next(self._arrivals), item))
+        elif isinstance(item, PromptDone):
+            self._markers.appendleft(item)  # before any EndOfBatch held: it only moves the prompt cursor
+        else:
+            self._markers.append(item)
 
     def _check_worker(self) -> None:
         if self.channels.failed_event.is_set():

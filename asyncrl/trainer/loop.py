@@ -116,10 +116,14 @@ class Trainer:
                     break
                 rows = self._optimize(step)
                 self.state.step += 1
-                self._grant_allowance(step, rows)
+                synchronous = self.config.staleness.max_staleness == 0
+                if synchronous:  # the worker starts the next batch on it as soon as the weights move
+                    self._grant_allowance(step, rows)
                 if self.state.step % self.config.staleness.weight_sync_steps == 0:
                     with phase("weight_sync"):
                         self._sync_weights()
+                if not synchronous:  # after the sync: the groups it lets start run under the new weights
+                    self._grant_allowance(step, rows)
             self._record_step_time(step, time.perf_counter() - step_started)
             if self.state.step % self.config.trainer.logging_steps == 0:
                 self._log()
@@ -169,7 +173,7 @@ class Trainer:
         self.window.update(batch_metrics(step, rows, self.token_budget))
         self.window.extend(sample_events(step))
         self.window.update(perf_metrics(rows, fwd_s, fwd_bwd_s, optimizer_s, step.wait_s, self.model.config))
-        self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue))
+        self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue) + self.assembler.held)
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
 

@@ -10,7 +10,7 @@ def test_one_group_at_a_time_until_the_first_completes():
     assert a.wait_reason(10_000, 0, 512) == "first group"
     for _ in range(4):
         a.on_rollout_done(num_tokens=25)
-    a.on_group_done(pushed_tokens=100)
+    a.on_group_done(pushed_tokens=100, rollout_tokens=100)
     assert a.wait_reason(10_000, 0, 512) is None
 
 
@@ -19,7 +19,7 @@ def test_backpressure_counts_queued_and_in_flight_tokens():
     a.on_group_start()
     for _ in range(4):
         a.on_rollout_done(num_tokens=25)  # mean rollout = 25 tokens
-    a.on_group_done(pushed_tokens=100)
+    a.on_group_done(pushed_tokens=100, rollout_tokens=100)
     # 100 queued (nothing consumed) + 0 in flight < 150: may start
     assert a.wait_reason(allowance=150, tokens_consumed=0, concurrency_cap=512) is None
     a.on_group_start()  # 4 rollouts x 25 = 100 in flight: 200 >= 150
@@ -35,7 +35,7 @@ def test_concurrency_cap_bounds_rollouts_in_flight():
     a.on_rollout_done(10)
     a.on_rollout_done(10)
     a.on_rollout_done(10)
-    a.on_group_done(40)
+    a.on_group_done(40, 40)
     a.on_group_start()  # 4 in flight; another group would make 8 > 6
     assert a.wait_reason(10**9, 40, concurrency_cap=512) == "concurrency"
     assert a.wait_reason(10**9, 40, concurrency_cap=5) == "concurrency"
@@ -44,3 +44,51 @@ def test_concurrency_cap_bounds_rollouts_in_flight():
 def test_a_group_larger_than_the_cap_still_starts_when_nothing_is_in_flight():
     a = Admission(num_generations=8, max_concurrent_rollouts=4)
     assert a.wait_reason(10**9, 0, 4) is None
+
+
+def test_finished_rollouts_of_a_running_group_still_count_against_the_allowance():
+    a = Admission(num_generations=4, max_concurrent_rollouts=512)
+    a.on_group_start()
+    for _ in range(4):
+        a.on_rollout_done(num_tokens=25)
+    a.on_group_done(pushed_tokens=100, rollout_tokens=100)
+    a.on_group_start()
+    for _ in range(3):  # 3 of 4 done; the 4th is a long tail: 1 x 25 in flight + 75 waiting for it
+        a.on_rollout_done(num_tokens=25)
+    assert a.wait_reason(allowance=200, tokens_consumed=0, concurrency_cap=512) == "backpressure"
+    assert a.wait_reason(allowance=201, tokens_consumed=0, concurrency_cap=512) is None
+    a.on_rollout_done(num_tokens=60)
+    a.on_group_done(pushed_tokens=120, rollout_tokens=135)  # scored and queued: only its samples count now
+    assert a.unqueued_tokens == 0
+    assert a.wait_reason(allowance=221, tokens_consumed=0, concurrency_cap=512) is None
+    assert a.wait_reason(allowance=220, tokens_consumed=0, concurrency_cap=512) == "backpressure"
+
+
+def test_rollouts_in_flight_count_at_their_length_biased_size():
+    a = Admission(num_generations=4, max_concurrent_rollouts=512)
+    a.on_group_start()
+    for tokens in (10, 30, 10, 30):
+        a.on_rollout_done(tokens)
+    a.on_group_done(pushed_tokens=80, rollout_tokens=80)
+    a.on_group_start()
+    # mean 20, but a rollout caught in flight is more likely a long one: E[L^2] / E[L] = 500 / 20 = 25 each
+    assert a.inflight_tokens() == 100
+    assert a.wait_reason(allowance=181, tokens_consumed=0, concurrency_cap=512) is None
+    assert a.wait_reason(allowance=180, tokens_consumed=0, concurrency_cap=512) == "backpressure"
+
+
+def test_asynchronous_admission_keeps_the_next_group_inside_the_smallest_recent_grant():
+    a = Admission(num_generations=4, max_concurrent_rollouts=512, asynchronous=True)
+    a.on_group_start()
+    for _ in range(4):
+        a.on_rollout_done(num_tokens=25)
+    a.on_group_done(pushed_tokens=100, rollout_tokens=100)
+    # 100 queued + the next group's expected 100 must fit
+    assert a.wait_reason(allowance=200, tokens_consumed=0, concurrency_cap=512) is None
+    assert a.wait_reason(allowance=199, tokens_consumed=0, concurrency_cap=512) == "backpressure"
+    # a larger grant does not help while a smaller one is among the last four: the next steps may be that small
+    for allowance in (300, 301, 302):
+        assert a.wait_reason(allowance, tokens_consumed=0, concurrency_cap=512) == "backpressure"
+    assert a.wait_reason(allowance=303, tokens_consumed=0, concurrency_cap=512) is None
+    # nothing held: a group starts whatever its size
+    assert a.wait_reason(allowance=50, tokens_consumed=100, concurrency_cap=512) is None

@@ -122,3 +122,15 @@ def test_a_silent_worker_fails_naming_what_it_waited_on():
     asm, _, _ = assembler(channels, timeout_s=1.0)
     with pytest.raises(RolloutWorkerError, match=r"no progress for \d+s(.|\n)*waiting for 16 rollouts in flight"):
         asm.next_step()
+
+
+def test_the_oldest_policy_version_that_arrived_is_taken_first():
+    channels = WorkerChannels.create(1000)
+    channels.model_version.value = 1
+    asm, progress, window = assembler(channels, rows=1)
+    put(channels, sample(0, version=1), sample(1, version=0), PromptDone(2, "zero_std"), sample(3, version=1),
+        sample(4, version=0))  # fmt: skip
+    step = asm.next_step()  # a row holds two: the version-0 samples, one sync from their limit, go first
+    assert [s.prompt_index for s in step.samples] == [1, 4]
+    assert asm.held == 1  # sample 3 waits; sample 0 opened the next row
+    assert 2 in progress.done and "sample/dropped_stale_count" not in window.reduce()
