@@ -100,7 +100,10 @@ def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> lis
     return [
         f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_path=null", "reward=length",
         f"reward_funcs=[{{name:length,target:{median},scale:0.01}}]",
-        "sampling.num_generations=8", f"sampling.max_completion_length={max_len}", "sampling.num_sampler_logprobs=8",
+        # GRPO's clipped loss needs only the sampled token's log-probability: top-k sets would make vLLM 0.26's one
+        # API process, not the GPU, the bound on generation
+        "loss=clipped", "sampling.num_generations=8", f"sampling.max_completion_length={max_len}",
+        "sampling.num_sampler_logprobs=0",
         "rollout.loop_cls=benchmarks.e2e:LengthControlledLoop",
         f"++rollout.options={{median_tokens:{median},sigma:{sigma}}}",
         f"staleness.max_concurrent_rollouts={args.concurrency}", "trainer.learning_rate=1e-6",
@@ -125,7 +128,7 @@ def standalone_tokens_per_s(base_url: str, name: str, args: argparse.Namespace, 
     for i in range(requests):
         prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))]
         length = int(min(WORKLOAD[args.shape][3], max(8, rng.lognormvariate(math.log(median), sigma))))
-        jobs.append((prompt, SamplingParams(max_tokens=length, min_tokens=length, logprobs=8, seed=i)))
+        jobs.append((prompt, SamplingParams(max_tokens=length, min_tokens=length, logprobs=0, seed=i)))
 
     async def run() -> float:
         gate = asyncio.Semaphore(args.concurrency)

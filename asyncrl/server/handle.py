@@ -31,8 +31,12 @@ class AttachedServer:
         self.timeout_s = timeout_s
 
     def is_alive(self) -> bool:
+        """Gone when it refuses or fails /health; a late answer means busy, not gone (a vLLM API process
+        streaming hundreds of completions can take seconds to answer; stalls are the worker timeout's job)."""
         try:
             return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
+        except httpx.TimeoutException:
+            return True
         except httpx.TransportError:
             return False
 
