@@ -181,9 +181,10 @@ def summarise(run: dict[str, Any], model_cfg: dict[str, int], profiled: bool = F
 
     times = series("time_s")[: -1 if profiled else None]
     steady = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else float("nan")
-    trained = series("batch/trained_tokens_per_step")
-    forwarded = series("batch/forwarded_tokens_per_step")
-    fwd_bwd = series("perf/fwd_bwd_s")
+    # the first step compiles the layers: speed is read from the steps after it
+    trained = series("batch/trained_tokens_per_step")[1:]
+    forwarded = series("batch/forwarded_tokens_per_step")[1:]
+    fwd_bwd = series("perf/fwd_bwd_s")[1:]
     dropped = sum(series("sample/dropped_stale_count"))
     used = sum(series("batch/samples_per_step"))
     flops = sum(train_flops(model_cfg, f, t) for f, t in zip(forwarded, trained, strict=False))
@@ -200,6 +201,7 @@ def summarise(run: dict[str, Any], model_cfg: dict[str, int], profiled: bool = F
         "phases_s": {k.split("/")[-1]: mean(k, 1) for k in ("perf/step_s", "perf/rollout_wait_s", "perf/fwd_bwd_s",
                                                               "perf/optimizer_s", "perf/weight_sync_s")},
         "cap": series("rollout/concurrency_cap"), "kv_usage": series("rollout/vllm_kv_cache_usage_frac"),
+        "rows": rows,
     }  # fmt: skip
 
 
@@ -319,7 +321,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
                 (args.out / f"profile_{name_}.txt").write_text(table.read_text())
             summary = summarise(run, model_cfg, profiled)
             out["runs"].append(summary)
-            scalars = {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}
+            scalars = {k: v for k, v in summary.items() if not isinstance(v, list | dict)}
             print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
     return out
 

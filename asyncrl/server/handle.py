@@ -25,6 +25,7 @@ class AttachedServer:
 
     backend = "external"
     log_path = None
+    health_timeout_s = 5.0
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
@@ -34,7 +35,7 @@ class AttachedServer:
         """Gone when it refuses or fails /health; a late answer means busy, not gone (a vLLM API process
         streaming hundreds of completions can take seconds to answer; stalls are the worker timeout's job)."""
         try:
-            return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
+            return httpx.get(f"{self.base_url}/health", timeout=self.health_timeout_s).status_code == 200
         except httpx.TimeoutException:
             return True
         except httpx.TransportError:

@@ -112,6 +112,7 @@ class Trainer:
             with profiled_step(self.state.step + 1, self.config.logging.profile_steps, self.run_dir / "profile"):
                 with phase("rollout_wait"):
                     step = self.assembler.next_step()
+                self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue) + self.assembler.held)
                 if not step.rows:
                     break
                 rows = self._optimize(step)
@@ -173,7 +174,6 @@ class Trainer:
         self.window.update(batch_metrics(step, rows, self.token_budget))
         self.window.extend(sample_events(step))
         self.window.update(perf_metrics(rows, fwd_s, fwd_bwd_s, optimizer_s, step.wait_s, self.model.config))
-        self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue) + self.assembler.held)
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
 
