@@ -41,6 +41,8 @@ class Admission:
     unqueued_tokens: int = 0
     """Tokens of finished rollouts whose group is not queued yet."""
     grants: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_GRANTS))
+    """The trainer's recent grants; until its first, the initial allowance alone."""
+    granted: bool = False
 
     def inflight_tokens(self) -> float:
         """Expected tokens of the rollouts in flight, from the rollouts seen so far. A rollout caught in
@@ -58,6 +60,11 @@ class Admission:
         if not self.asynchronous:
             return allowance
         if not self.grants or self.grants[-1] != allowance:
+            if self.grants and not self.granted:
+                # the initial allowance is a guess (rows x budget, blind to the packing ratio: tree rows hold
+                # 2-3x that in samples); kept among the recent grants it would starve the first steps
+                self.grants.clear()
+                self.granted = True
             self.grants.append(allowance)
         return min(self.grants)
 

@@ -92,3 +92,14 @@ def test_asynchronous_admission_keeps_the_next_group_inside_the_smallest_recent_
     assert a.wait_reason(allowance=303, tokens_consumed=0, concurrency_cap=512) is None
     # nothing held: a group starts whatever its size
     assert a.wait_reason(allowance=50, tokens_consumed=100, concurrency_cap=512) is None
+
+
+def test_the_initial_allowance_leaves_the_window_at_the_first_grant():
+    a = Admission(num_generations=4, max_concurrent_rollouts=512, asynchronous=True)
+    a.on_group_start()
+    for _ in range(4):
+        a.on_rollout_done(num_tokens=25)
+    a.on_group_done(pushed_tokens=100, rollout_tokens=100)
+    assert a.wait_reason(allowance=150, tokens_consumed=0, concurrency_cap=512) == "backpressure"  # the guess
+    # the first grant measured a step larger than the guess: the guess no longer bounds admission
+    assert a.wait_reason(allowance=400, tokens_consumed=0, concurrency_cap=512) is None
