@@ -269,17 +269,13 @@ def main() -> None:
 
 
 def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
-    import httpx
+    from asyncrl.server.handle import AttachedServer
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
+    server, deadline = AttachedServer(url, timeout_s), time.monotonic() + timeout_s
+    while not server.is_alive():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no healthy server at {url} after {timeout_s:.0f} s")
         time.sleep(2.0)
-    raise SystemExit(f"no healthy server at {url} after {timeout_s:.0f} s")
 
 
 def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, train_runs: bool = True,

@@ -77,12 +77,18 @@ def test_rollouts_in_flight_count_at_their_length_biased_size():
     assert a.wait_reason(allowance=180, tokens_consumed=0, concurrency_cap=512) == "backpressure"
 
 
-def test_asynchronous_admission_keeps_the_next_group_inside_the_smallest_recent_grant():
+def one_group_queued() -> Admission:
+    """Asynchronous admission with one finished group of 4 x 25 tokens queued."""
     a = Admission(num_generations=4, max_concurrent_rollouts=512, asynchronous=True)
     a.on_group_start()
     for _ in range(4):
         a.on_rollout_done(num_tokens=25)
     a.on_group_done(pushed_tokens=100, rollout_tokens=100)
+    return a
+
+
+def test_asynchronous_admission_keeps_the_next_group_inside_the_smallest_recent_grant():
+    a = one_group_queued()
     # 100 queued + the next group's expected 100 must fit
     assert a.wait_reason(allowance=200, tokens_consumed=0, concurrency_cap=512) is None
     assert a.wait_reason(allowance=199, tokens_consumed=0, concurrency_cap=512) == "backpressure"
@@ -95,11 +101,7 @@ def test_asynchronous_admission_keeps_the_next_group_inside_the_smallest_recent_
 
 
 def test_the_initial_allowance_leaves_the_window_at_the_first_grant():
-    a = Admission(num_generations=4, max_concurrent_rollouts=512, asynchronous=True)
-    a.on_group_start()
-    for _ in range(4):
-        a.on_rollout_done(num_tokens=25)
-    a.on_group_done(pushed_tokens=100, rollout_tokens=100)
+    a = one_group_queued()
     assert a.wait_reason(allowance=150, tokens_consumed=0, concurrency_cap=512) == "backpressure"  # the guess
     # the first grant measured a step larger than the guess: the guess no longer bounds admission
     assert a.wait_reason(allowance=400, tokens_consumed=0, concurrency_cap=512) is None
