@@ -5,13 +5,12 @@ server on that model for the whole session (starting a server costs seconds; res
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from serving import serve_in_thread
 
 from asyncrl.server.process import ServerProcess
 
@@ -75,31 +74,7 @@ def tiny_server(fresh_server: Callable[[], ServerProcess]) -> ServerProcess:
     return fresh_server()
 
 
-@contextmanager
-def _serve_in_thread(app: Any) -> Iterator[str]:
-    """A FastAPI stub served by uvicorn in a thread of this process, for scripted-server tests."""
-    import threading
-
-    import uvicorn
-
-    from asyncrl.server.process import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "stub server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture
 def serve_app() -> Callable[[Any], Any]:
     """`with serve_app(app) as base_url:` serves a FastAPI stub in a thread for the block."""
-    return _serve_in_thread
+    return serve_in_thread

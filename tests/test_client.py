@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from serving import serve_in_thread
 
 from asyncrl.client import (
     Completion,
@@ -83,20 +81,9 @@ def build_stub_app(stub: Stub) -> FastAPI:
 @pytest.fixture(scope="module")
 def stub_server():
     stub = Stub()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_stub_app(stub), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "stub server did not start"
-        time.sleep(0.01)
-    stub.base_url = f"http://127.0.0.1:{port}"
-    try:
+    with serve_in_thread(build_stub_app(stub)) as base_url:
+        stub.base_url = base_url
         yield stub
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture

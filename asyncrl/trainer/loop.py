@@ -363,5 +363,5 @@ class Trainer:
 def _qsize(q: Any) -> float:
     try:
         return float(q.qsize())
-    except NotImplementedError:  # macOS
+    except NotImplementedError:  # multiprocessing.Queue.qsize is unimplemented on macOS (no sem_getvalue)
         return float("nan")
