@@ -48,6 +48,8 @@ class TimedEngine(Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.step_times: list[tuple[float, bool]] = []
+        self.profiler: torch.profiler.profile | None = None
+        """Stepped once per engine step while set (its schedule picks which steps it records)."""
 
     def _step(self) -> None:
         prompts_before = self._stats.prompt_tokens_total
@@ -56,6 +58,8 @@ class TimedEngine(Engine):
         if self._device.type == "cuda":
             torch.cuda.synchronize()
         self.step_times.append((time.perf_counter() - start, self._stats.prompt_tokens_total != prompts_before))
+        if self.profiler is not None:
+            self.profiler.step()
 
 
 def build_model(name: str, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -113,6 +117,28 @@ def time_cache_step(
     return 1000 * (time.perf_counter() - start) / steps
 
 
+def start_profiler(steps: int, skip: int, device: str) -> torch.profiler.profile | None:
+    """A started profiler that records ``steps`` engine steps after the first ``skip`` (past the joining prefill)."""
+    if steps <= 0:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    schedule = torch.profiler.schedule(wait=skip, warmup=2, active=steps, repeat=1)
+    profiler = torch.profiler.profile(activities=activities, schedule=schedule, with_stack=False)
+    profiler.start()
+    return profiler
+
+
+def print_profile(profiler: torch.profiler.profile, device: str) -> None:
+    """Operators by device time (cuda) or host time, and the recorded steps' host time against device time."""
+    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    table = profiler.key_averages().table(sort_by=key, row_limit=30)
+    print(table)
+    if out := os.environ.get("OUT"):
+        Path(out, "builtin_server_profile.txt").write_text(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -123,6 +149,8 @@ def main() -> None:
     parser.add_argument("--prompt-max", type=int, default=512)
     parser.add_argument("--completion-min", type=int, default=128)
     parser.add_argument("--completion-max", type=int, default=512)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the operator table of N decoding steps from the middle of the run")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     model = build_model(args.model, args.device, dtype)
@@ -134,9 +162,13 @@ def main() -> None:
     try:
         warmup = argparse.Namespace(**{**vars(args), "requests": 4, "completion_min": 8, "completion_max": 8})
         run(engine, build_requests(warmup, model.config.vocab_size, "warmup-"))
+        engine.profiler = start_profiler(args.profile, args.completion_min // 2, args.device)
         result = run(engine, build_requests(args, model.config.vocab_size, "r"))
     finally:
         engine.stop()
+    if engine.profiler is not None:
+        engine.profiler.stop()
+        print_profile(engine.profiler, args.device)
     width = (args.prompt_min + args.prompt_max + args.completion_min + args.completion_max) // 2
     for name, layer_type in (("dynamic", DynamicLayer), ("slack", SlackLayer)):
         result[f"cache_step_ms_{name}"] = time_cache_step(layer_type, model.config, args.requests, width,

@@ -22,7 +22,6 @@ watchdog; a failed round closes the half-finished update (best effort), resumes 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,7 @@ from asyncrl.trainer.sync.adapter import AdapterSync
 from asyncrl.trainer.sync.base import Transport, WeightSyncError, run_step
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.choice import use_adapter_sync
-from asyncrl.trainer.sync.tensors import parameter_metadata
+from asyncrl.trainer.sync.tensors import serving_bytes
 from asyncrl.trainer.sync.vllm_common import ipc_transport, nccl_transport
 
 if TYPE_CHECKING:
@@ -87,10 +86,9 @@ class WeightSync:
         if resumed is not None:
             raise resumed
         total = time.perf_counter() - started
-        sent = parameter_metadata(model, getattr(self.transport, "dtype", None))
         return {
             "perf/weight_sync_s": total,
-            "perf/weight_sync_bytes": float(sum(math.prod(shape) * wire.itemsize for _, wire, shape in sent)),
+            "perf/weight_sync_bytes": float(serving_bytes(model, getattr(self.transport, "dtype", None))),
             "perf/weight_sync_pause_s": pause_s,
             "perf/weight_sync_barrier_s": barrier_s,
             "perf/weight_sync_transfer_s": total - pause_s - barrier_s,

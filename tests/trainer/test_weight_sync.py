@@ -22,7 +22,16 @@ from transformers import AutoModelForCausalLM
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config import compose, to_config
 from asyncrl.trainer.sync.builtin import FileTransport
-from asyncrl.trainer.sync.vllm_common import Background, ipc_json, ipc_transport, nccl_transport, run_watched
+from asyncrl.trainer.sync.tensors import serving_bytes, serving_parameters
+from asyncrl.trainer.sync.vllm_common import (
+    IPC_BUFFER_LIMIT,
+    Background,
+    ipc_buffer_bytes,
+    ipc_json,
+    ipc_transport,
+    nccl_transport,
+    run_watched,
+)
 from asyncrl.trainer.sync.vllm_factory import RoundClient, serving_source
 from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
 
@@ -209,6 +218,14 @@ def test_round_client_pickles_ipc_handles_and_leaves_start_and_finish_to_the_rou
     assert set(single) == {"names", "ipc_handles_pickled"}
     assert pickle.loads(base64.b64decode(single["ipc_handles_pickled"])) == handles
     assert recorder.calls[2][1][1] == {"names": ["v"]} and ipc_json({"names": []}) == {"names": []}
+
+
+def test_the_packed_ipc_buffer_holds_one_sync_up_to_its_limit(model):
+    payload = serving_bytes(model, torch.bfloat16)
+    assert payload == sum(2 * tensor.numel() for _, tensor in serving_parameters(model, torch.bfloat16))
+    assert serving_bytes(model, None) == 2 * payload  # float32 as trained
+    assert payload <= ipc_buffer_bytes(payload) < payload + (1 << 20)
+    assert ipc_buffer_bytes(1) == 1 << 20 and ipc_buffer_bytes(10 * IPC_BUFFER_LIMIT) == IPC_BUFFER_LIMIT
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ model's parameter names, so a server that knows nothing of adapters loads it lik
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -61,6 +62,11 @@ def parameter_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> lis
             wire = dtype if dtype is not None and param.is_floating_point() else param.dtype
             metadata.append((served, wire, list(param.shape)))
     return metadata
+
+
+def serving_bytes(model: torch.nn.Module, dtype: torch.dtype | None) -> int:
+    """Bytes of what ``serving_parameters`` yields: the payload of one full weight sync."""
+    return sum(math.prod(shape) * wire.itemsize for _, wire, shape in parameter_metadata(model, dtype))
 
 
 def unique_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

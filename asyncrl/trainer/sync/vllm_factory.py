@@ -10,6 +10,7 @@ class is built against the installed one.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from functools import cached_property
 from typing import Any
@@ -85,7 +86,9 @@ class FactoryTransport(Transport):
         if self.backend == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-            return IPCTrainerInitInfo(rank=0)
+            # packed: one IPC handle per 1 GiB buffer for the server to open, not one per tensor
+            packs = "packed" in {field.name for field in dataclasses.fields(IPCTrainerInitInfo)}
+            return IPCTrainerInitInfo(rank=0, packed=True) if packs else IPCTrainerInitInfo(rank=0)
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         address = rendezvous_address(control.base_url)

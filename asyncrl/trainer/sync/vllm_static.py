@@ -1,8 +1,9 @@
 """vLLM 0.26-0.27 transports: the static ``*WeightTransferEngine.trainer_send_weights(iterator, args)`` API.
 
-The round's HTTP calls are ours (checked, timed out); vLLM's code moves the tensors. IPC: vLLM builds the
-CUDA IPC handles and hands each payload to our callback, which POSTs /update_weights. NCCL: our
-/update_weights POST waits on a thread while vLLM broadcasts packed buffers from rank 0, under a watchdog.
+The round's HTTP calls are ours (checked, timed out); vLLM's code moves the tensors. IPC: vLLM packs the
+weights into one CUDA buffer (see ``ipc_buffer_bytes``), shares its IPC handle and hands each payload to our
+callback, which POSTs /update_weights. NCCL: our /update_weights POST waits on a thread while vLLM broadcasts
+packed buffers from rank 0, under a watchdog.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ import torch
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.server.process import free_port
 from asyncrl.trainer.sync.base import Transport
-from asyncrl.trainer.sync.tensors import parameter_metadata, serving_parameters
-from asyncrl.trainer.sync.vllm_common import Background, fields_of, ipc_json, rendezvous_address, run_watched
+from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
+from asyncrl.trainer.sync.vllm_common import (
+    Background,
+    fields_of,
+    ipc_buffer_bytes,
+    ipc_json,
+    rendezvous_address,
+    run_watched,
+)
 
 
 class StaticIpcTransport(Transport):
@@ -31,9 +39,9 @@ class StaticIpcTransport(Transport):
             control.update_weights(ipc_json(fields_of(update_info)))
 
         assert self.model is not None, "stage() runs before send()"
-        IPCWeightTransferEngine.trainer_send_weights(
-            serving_parameters(self.model, self.dtype), IPCTrainerSendWeightsArgs(send_mode=post)
-        )
+        buffer = ipc_buffer_bytes(serving_bytes(self.model, self.dtype))
+        args = IPCTrainerSendWeightsArgs(send_mode=post, packed=True, packed_buffer_size_bytes=buffer)
+        IPCWeightTransferEngine.trainer_send_weights(serving_parameters(self.model, self.dtype), args)
         return 0.0
 
 
