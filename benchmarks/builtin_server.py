@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--completion-min", type=int, default=128)
     parser.add_argument("--completion-max", type=int, default=512)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="print the operator table of N decoding steps from the middle of the run")
+                        help="print the operator table of N decoding steps from the middle of the run")  # fmt: skip
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     model = build_model(args.model, args.device, dtype)

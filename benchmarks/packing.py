@@ -233,11 +233,25 @@ def profile_top(run: Callable[[], None], device: torch.device, limit: int = 14) 
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         run()
         _sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=limit, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by=key, row_limit=limit, max_name_column_width=60)
+    return table + "\n" + _movement_by_shape(prof, device, limit)
+
+
+def _movement_by_shape(prof: Any, device: torch.device, limit: int) -> str:
+    """The data-movement operators (copies, casts, gathers) split by input shapes: which tensors they move."""
+    moving = ("aten::copy_", "aten::index", "aten::index_add_", "aten::index_select", "aten::gather", "aten::cat")
+    events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in moving]
+    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events.sort(key=lambda e: getattr(e, attribute, 0.0), reverse=True)
+    lines = [f"{'operator':<20} {'calls':>6} {'self ms':>9}  input shapes"]
+    for event in events[:limit]:
+        lines.append(f"{event.key:<20} {event.count:>6} {getattr(event, attribute, 0.0) / 1000:>9.2f}  "
+                     f"{str(event.input_shapes)[:150]}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def parse_args() -> argparse.Namespace:

@@ -3,9 +3,9 @@
 One function is registered with transformers' `AttentionInterface`, so Qwen3/Llama-family models run
 unmodified: `packed_forward` passes a row's plan as the `tree_plan` keyword, which the model hands to every
 attention layer. A plan is built once per row by a backend of the `attention` registry: `sdpa` (explicit
-mask; CPU and tests), `varlen` (K/V gathered along each segment's path, one varlen flash call; CUDA), `flex`
-(FlexAttention block mask from the ancestor relation), `kernels` (FA3 from the Hub, else `varlen` with one
-warning) and `auto` (sdpa on CPU, varlen on CUDA).
+mask; CPU and tests), `varlen` (K/V gathered along each segment's path, one varlen flash call per query group;
+CUDA), `flex` (FlexAttention block mask from the ancestor relation), `kernels` (FA3 from the Hub, else `varlen`
+with one warning) and `auto` (sdpa on CPU, varlen on CUDA).
 """
 
 from __future__ import annotations
@@ -141,17 +141,27 @@ def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-u
 
     params = _varlen_params()
     kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "scale" in params:
         kwargs["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         raise ValueError(f"this torch's varlen_attn has no 'scale' and the model's attention scale is {scale}")
+    if q.shape[1] != k.shape[1] and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    elif q.shape[1] != k.shape[1]:
+        return per_kv_group(lambda group: varlen_attn(group, k, v, cu_q, cu_k, max_q, max_k, **kwargs), q, k.shape[1])
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def per_kv_group(attend: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Grouped-query attention as one call per query group, each with ``kv_heads`` query heads, for kernels that
+    need equal head counts. Query head h reads K/V head h // groups, so group g is every groups-th head from g.
+    Expanding K/V instead copies them (and reduces their gradient) ``groups`` times: on tree rows K/V are already
+    gathered along every path, 3x the row's tokens, so that copy cost more than the attention it fed."""
+    tokens, heads, dim = q.shape
+    groups = heads // kv_heads
+    folded = q.view(tokens, kv_heads, groups, dim)
+    outputs = [attend(folded[:, :, g].contiguous()) for g in range(groups)]
+    return torch.stack(outputs, dim=2).reshape(tokens, heads, -1)
 
 
 @functools.cache

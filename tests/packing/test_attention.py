@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from packing_samples import build_tiny_qwen3, make_sample, random_samples
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -22,6 +23,7 @@ from asyncrl.packing.attention import (
     build_plan,
     check_model,
     half_precision,
+    per_kv_group,
     subtree_ends,
     tree_attention_mask,
     varlen_plan,
@@ -96,6 +98,27 @@ def test_varlen_plan_gathers_paths_and_skips_the_gather_for_flat_rows():
     flat.add(make_sample([1, 2, 3, 4], 1))
     plan = varlen_plan(flat.pack(0), CPU, kernel=lambda *a: a[0])
     assert isinstance(plan, VarlenPlan) and plan.kv_gather is None and plan.cu_k.tolist() == [0, 3, 7]
+
+
+def test_grouped_query_attention_runs_as_one_call_per_group_without_expanding_kv():
+    torch.manual_seed(0)
+    q = torch.randn(6, 8, 4, requires_grad=True)  # 8 query heads over 2 K/V heads: groups of 4
+    k, v = torch.randn(6, 2, 4, requires_grad=True), torch.randn(6, 2, 4, requires_grad=True)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+
+    def attend(query, key):
+        assert query.shape[1] == key.shape[1] == 2
+        out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=causal)  # fmt: skip
+        return out.transpose(0, 1)
+
+    grouped = per_kv_group(lambda group: attend(group, k), q, kv_heads=2)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=causal, enable_gqa=True).transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(grouped, expected)
+    grads = torch.autograd.grad(grouped.square().sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
