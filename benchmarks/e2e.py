@@ -317,6 +317,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
                 (args.out / f"profile_{name_}.txt").write_text(table.read_text())
             summary = summarise(run, model_cfg, profiled)
             out["runs"].append(summary)
+            (args.out / f"partial_{backend}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
             scalars = {k: v for k, v in summary.items() if not isinstance(v, list | dict)}
             print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
     return out
