@@ -13,12 +13,17 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from asyncrl.server.cache import build_slack_cache
 from asyncrl.server.lora import AdapterSet
 from asyncrl.server.rows import Row
+
+# Every SDPA backend but cuDNN: cuDNN builds an execution plan per input shape, and the cache grows a column every
+# decoding step, so each step rebuilt one per layer (1.7 ms of host time each: 80 ms steps for Qwen3-0.6B on an H200).
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def check_cache_supported(model: torch.nn.Module) -> None:
@@ -136,13 +141,14 @@ class RunningBatch:
         width = cache.get_seq_length() + input_ids.shape[1]
         mask = torch.arange(width, device=self._device).unsqueeze(0) >= (width - lengths).unsqueeze(1)
         extra = self._adapters.select(self.model, adapters) if self._adapters else {}
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=mask.long(),
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **extra,
-            **{self._cache_argument: cache},
-        )
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=mask.long(),
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **extra,
+                **{self._cache_argument: cache},
+            )
         return output.logits[:, -1, :].float()
