@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -141,8 +142,6 @@ def start_server(config: Config, run_dir: Path):  # type: ignore[no-untyped-def]
 
 def serve_forever(config: Config) -> None:
     """`asyncrl serve`: the server in the foreground until Ctrl-C."""
-    import time
-
     from asyncrl.server.command import base_url, server_command
     from asyncrl.server.handle import LaunchedServer
 
@@ -154,11 +153,22 @@ def serve_forever(config: Config) -> None:
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
         with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
             print(f"serving {config.model.name_or_path} at {server.base_url} (log: {server.log_path})", flush=True)
-            while server.is_alive():
-                time.sleep(0.5)
+            stopping = _stop_on_signals()
+            while server.is_alive() and not stopping.wait(0.5):
+                pass
     except KeyboardInterrupt:
         pass
     print("server stopped", flush=True)
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set from now on. Raising KeyboardInterrupt instead could land inside
+    ``Popen.poll`` between taking and releasing its waitpid lock, and the stop that follows could then never reap
+    the server."""
+    stopping = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.set())
+    return stopping
 
 
 def _terminate_on_sigterm() -> None:

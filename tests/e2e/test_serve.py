@@ -4,6 +4,7 @@ whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import httpx
@@ -43,7 +44,12 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
         tokens = choice["token_ids"]
         assert 1 <= len(tokens) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(tokens)
         proc.send_signal(stop_signal)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # say where it stuck: the CLI's output and the server's log
+            proc.kill()
+            log = (tmp_path / "logs" / "server.log").read_text(errors="replace")[-3000:]
+            pytest.fail(f"the CLI outlived {stop_signal.name} by 60 s; its output:\n{proc.stdout.read()}\nlog:\n{log}")
         if stop_signal == signal.SIGINT:
             assert "server stopped" in proc.stdout.read()
         assert wait_no_marked(marker) == []
