@@ -182,6 +182,7 @@ class DataConfig:
     """Held-out prompts for the before/after accuracy (same forms as `path`); None = no evaluation."""
     eval_split: str = "train"
     num_eval_prompts: int = 200
+    """The first N rows of the eval split are scored before and after training; 0 = no evaluation."""
     shuffle: bool = True
     """Seeded shuffle per epoch (seed = trainer.seed + epoch), reproduced on resume."""
     max_prompt_length: int | None = None

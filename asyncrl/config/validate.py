@@ -254,6 +254,8 @@ def check_agents(config: Config) -> None:
 
 def check_data_source(config: Config) -> None:
     """No dataset: a single environment supplies every prompt from reset(), and there are no epochs to count."""
+    if config.data.num_eval_prompts < 0:
+        raise ConfigError(f"data.num_eval_prompts={config.data.num_eval_prompts} must be >= 0 (0 = no evaluation)")
     if config.data.path is not None:
         return
     factory = config.rollout.environment_factory

@@ -61,7 +61,7 @@ def prepare(config: Config) -> Prepared:
     else:
         dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
     eval_dataset = None
-    if config.data.eval_path:
+    if config.data.eval_path and config.data.num_eval_prompts > 0:
         eval_dataset = load_prompts(config.data.eval_path, name=config.data.name, split=config.data.eval_split)
     loop_cls = import_object(config.rollout.loop_cls)
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):

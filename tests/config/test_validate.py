@@ -39,6 +39,7 @@ BAD_INPUTS = [
     (["packing.attention=flash9"], "packing.attention"),
     (["rollout.loop_cls=nope"], "rollout.loop_cls"),
     (["data.path=null"], "data.path"),
+    (["data.num_eval_prompts=-1"], "data.num_eval_prompts"),
     (["data.path=null", "rollout.environment_factory=asyncrl.environments.counter:IncrementEnv",
       "trainer.max_steps=-1"], "trainer.max_steps"),  # fmt: skip
 ]
