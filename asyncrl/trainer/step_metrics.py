@@ -13,13 +13,15 @@ def batch_metrics(step: Step, rows: list[PackedRow], token_budget: int) -> dict[
     forwarded = sum(r.num_forwarded for r in rows)
     raw = sum(r.num_raw_tokens for r in rows)
     trained = sum(r.num_trained for r in rows)
+    # forwarded positions whose logits train some token (a tree row's shared position can train several samples')
+    training_positions = sum(int(r.token_index.unique().numel()) for r in rows)
     out = {
         "batch/forwarded_tokens_per_step": float(forwarded),
         "batch/trained_tokens_per_step": float(trained),
         "batch/samples_per_step": float(len(samples)),
         "batch/groups_per_step": float(len({s.group_id for s in samples})),
         "batch/microbatches_per_step": float(len(step.placement)),
-        "batch/masked_token_frac": 1.0 - trained / max(forwarded, 1),
+        "batch/masked_token_frac": 1.0 - training_positions / max(forwarded, 1),
         "batch/samples_per_row": len(samples) / max(len(rows), 1),
         "batch/row_tokens_mean": forwarded / max(len(rows), 1),
         "batch/row_tokens_max": float(max((r.num_forwarded for r in rows), default=0)),
