@@ -8,6 +8,8 @@ promise above; a fork costs forward tokens (``rollout/drift_tokens_*``) but no t
 
 from __future__ import annotations
 
+import itertools
+
 from asyncrl.rollout.types import TrainingSequence, TurnRecord
 
 
@@ -31,7 +33,7 @@ def drift(turns: list[TurnRecord]) -> list[int]:
     """Per turn boundary: 0 when the next prompt extends the held tokens, else how many held tokens it
     re-rendered (held length minus the common prefix), which is what the fork adds to the forward."""
     out = []
-    for previous, turn in zip(turns, turns[1:]):
+    for previous, turn in itertools.pairwise(turns):
         held = previous.prompt_ids + previous.output_ids  # what the sequence holds after `previous`, fork or not
         out.append(len(held) - _common_prefix(held, turn.prompt_ids))
     return out
@@ -39,7 +41,7 @@ def drift(turns: list[TurnRecord]) -> list[int]:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

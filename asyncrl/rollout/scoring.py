@@ -40,7 +40,7 @@ def reward_name(fn: Callable[..., Any]) -> str:
 def _is_async(fn: Callable[..., Any]) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int) -> list[float | None]:
@@ -72,7 +72,8 @@ async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> d
     if any(r is not None for r in group.rollout_rewards):
         per_source["rollout"] = _as_array(group.rollout_rewards)
     for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
-        per_source[cls.__name__] = _as_array([e[1] if e is not None and e[0] is cls else None for e in group.env_rewards])
+        scores = [e[1] if e is not None and e[0] is cls else None for e in group.env_rewards]
+        per_source[cls.__name__] = _as_array(scores)
     stacked = np.stack(list(per_source.values())) if per_source else np.full((1, n), np.nan)
     scored = ~np.isnan(stacked)
     total = np.where(scored, stacked, 0.0).sum(axis=0)

@@ -292,7 +292,8 @@ class WorkerDriver:
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
-            self.metrics["rollout/generated_tokens_per_s"].append((self.generated_tokens - last_tokens) / (now - last_time))
+            rate = (self.generated_tokens - last_tokens) / (now - last_time)
+            self.metrics["rollout/generated_tokens_per_s"].append(rate)
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
             self.metrics["rollout/concurrency_cap"].append(self.concurrency.cap)
             if self.pacer.enabled:

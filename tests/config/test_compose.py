@@ -76,7 +76,9 @@ def test_deepmath_recipe_selects_the_real_model_data_and_vllm():
 
 
 def test_overrides_and_deletion():
-    cfg = compose(["trainer.learning_rate=3e-6", "~loss.is_clip_max", "+model.model_init_kwargs.low_cpu_mem_usage=true"])
+    cfg = compose(
+        ["trainer.learning_rate=3e-6", "~loss.is_clip_max", "+model.model_init_kwargs.low_cpu_mem_usage=true"]
+    )
     config = to_config(cfg)
     assert config.trainer.learning_rate == 3e-6
     assert "is_clip_max" not in config.loss  # the loss function's own default applies

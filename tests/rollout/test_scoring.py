@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 
 import numpy as np
 import pytest
 
-from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, score_group
+from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, _is_async, score_group
 from asyncrl.rollout.types import RolloutGroup
 
 
@@ -76,3 +77,16 @@ def test_raising_or_wrong_length_names_the_function():
         asyncio.run(score_group(make_group(), [RewardSource("broken", broken)]))
     with pytest.raises(RewardFunctionError, match="reward function 'short' returned 1 values; expected a list of 3"):
         asyncio.run(score_group(make_group(), [RewardSource("short", short)]))
+
+
+def test_async_callable_objects_and_partials_count_as_async():
+    class AsyncScorer:
+        async def __call__(self, completion_ids, **kw):
+            return [0.0] * len(completion_ids)
+
+    class SyncScorer:
+        def __call__(self, completion_ids, **kw):
+            return [0.0] * len(completion_ids)
+
+    assert _is_async(AsyncScorer()) and _is_async(functools.partial(AsyncScorer()))
+    assert not _is_async(SyncScorer()) and not _is_async(functools.partial(len))

@@ -25,8 +25,9 @@ def test_module_level_partial_and_instances_pickle():
 
 
 def test_lambda_fails_naming_it_and_the_fix():
-    with pytest.raises(UnpicklableError, match=r"reward function 'my_lambda' cannot be sent to the rollout worker(.|\n)*"
-                                               r"module-level function, functools.partial"):  # fmt: skip
+    expected = (r"reward function 'my_lambda' cannot be sent to the rollout worker(.|\n)*"
+                r"module-level function, functools.partial")  # fmt: skip
+    with pytest.raises(UnpicklableError, match=expected):
         check_picklable(lambda **kw: [1.0], "reward function 'my_lambda'")
 
 

@@ -115,9 +115,10 @@ VLLM_CASES = {
     "other transfer backend": (vllm_info(), ["server.weight_transfer=nccl"], "started with backend ipc"),
     "ipc without pickles": (vllm_info(vllm_env={}), [], "VLLM_ALLOW_INSECURE_SERIALIZATION=1"),
     "max logprobs": (vllm_info(vllm_config__model_config__max_logprobs=4), [], "--max-logprobs 8"),
-    "lora off": (vllm_info(), ["lora=default", "lora.sync=adapter"], "LoRA off.*--enable-lora --max-lora-rank 32 --max-loras 6"),
-    "lora rank": (vllm_info(vllm_config__lora_config={"max_lora_rank": 8, "max_loras": 6}), ["lora=default", "lora.sync=adapter"],
-                  "max_lora_rank 8 is below lora.r=32.*--max-lora-rank 32"),
+    "lora off": (vllm_info(), ["lora=default", "lora.sync=adapter"],
+                 "LoRA off.*--enable-lora --max-lora-rank 32 --max-loras 6"),
+    "lora rank": (vllm_info(vllm_config__lora_config={"max_lora_rank": 8, "max_loras": 6}),
+                  ["lora=default", "lora.sync=adapter"], "max_lora_rank 8 is below lora.r=32.*--max-lora-rank 32"),
 }  # fmt: skip
 
 
