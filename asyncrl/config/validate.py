@@ -306,6 +306,10 @@ def check_ranks(config: Config) -> None:
     if ranks > 1 and config.lora.enabled:
         raise ConfigError(f"trainer.num_processes={ranks} with lora.enabled=true: multi-rank (FSDP2) training is "
                           "full fine-tuning only; train LoRA on one rank (trainer.num_processes=1)")  # fmt: skip
+    if ranks > 1 and config.server.weight_transfer == "ipc":
+        # vLLM's IPC sender all-gathers the handles over the trainer's process group, where only rank 0 sends
+        raise ConfigError(f"server.weight_transfer=ipc with {ranks} trainer ranks: CUDA IPC shares one process's "
+                          "memory with a server on the same GPU; use server.weight_transfer=nccl")  # fmt: skip
 
 
 def validate(config: Config) -> None:
