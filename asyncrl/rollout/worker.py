@@ -60,6 +60,10 @@ def rollout_tokens(rollout: Rollout) -> int:
     return sum(len(t.prompt_ids) + len(t.output_ids) for t in rollout.turns)
 
 
+class StopRequested(Exception):
+    """The trainer set the stop event: the worker ends now, rollouts in flight included."""
+
+
 class WorkerDriver:
     def __init__(self, spec: WorkerSpec, channels: WorkerChannels, loop: Any) -> None:
         self.spec, self.channels, self.loop = spec, channels, loop
@@ -99,16 +103,27 @@ class WorkerDriver:
             await poller.start(self.spec.max_model_len)
             async with asyncio.TaskGroup() as tasks:
                 background = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_parent()),
-                              asyncio.create_task(poller.run())]  # fmt: skip
+                              asyncio.create_task(poller.run()), tasks.create_task(self._watch_stop())]  # fmt: skip
                 try:
                     await self._drive(tasks)
                 finally:
                     for task in background:
                         task.cancel()
+        except* StopRequested:
+            # nobody reads the queues any more: exiting must not wait for their buffered items to be flushed
+            self.channels.rollout_queue.cancel_join_thread()
+            self.channels.metrics_queue.cancel_join_thread()
         finally:
             await poller.aclose()
             await self.loop.close()
             self._flush_metrics()
+
+    async def _watch_stop(self) -> None:
+        """Raise StopRequested once the trainer sets the stop event: the task group then cancels the driver and
+        every group in flight, wherever they wait (admission backpressure waits for as long as nobody trains)."""
+        while not self.channels.stop_event.is_set():
+            await asyncio.sleep(0.05)
+        raise StopRequested
 
     def _rollout_counts(self) -> tuple[int, int]:
         """(rollouts in flight, rollouts completed so far), for the concurrency controller."""

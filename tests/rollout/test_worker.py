@@ -1,0 +1,45 @@
+"""The rollout worker process against a real built-in server: it stops when the trainer says so, even while
+admission holds it back because nobody consumes its samples."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from asyncrl.config import compose, to_config
+from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.spawn import start_worker
+from asyncrl.rollout.worker import WorkerSpec
+from asyncrl.server.command import served_model_name
+from asyncrl.trainer.setup import prepare
+
+
+def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tiny_model_dir, arithmetic_data_dir):
+    config = to_config(compose([
+        f"model.name_or_path={random_tiny_model_dir}", f"data.path={Path(arithmetic_data_dir) / 'train.jsonl'}",
+        "data.eval_path=null", "reward=length", "server.launch=false", f"server.base_url={tiny_server.base_url}",
+    ]))  # fmt: skip
+    prepared = prepare(config)
+    channels = WorkerChannels.create(64)  # a small allowance, and no trainer consumes: admission soon waits
+    spec = WorkerSpec(
+        config=config, tokenizer=prepared.tokenizer, dataset=prepared.dataset, reward_sources=prepared.reward_sources,
+        loop_cls=prepared.loop_cls, advantage_fn=prepared.advantage_fn, base_url=tiny_server.base_url,
+        model_name=served_model_name(config), max_model_len=256, adapter_prefix=None, start_prompt_index=0,
+        total_prompts=None,
+    )  # fmt: skip
+    worker = start_worker(spec, channels)
+    try:
+        deadline = time.monotonic() + 60
+        while "backpressure" not in channels.get_status():
+            assert time.monotonic() < deadline, f"the worker never waited on admission: {channels.get_status()!r}"
+            assert worker.is_alive(), "the worker exited early"
+            time.sleep(0.1)
+        stopped = time.monotonic()
+        channels.stop_event.set()
+        worker.join(timeout=10)
+        assert not worker.is_alive() and worker.exitcode == 0
+        assert time.monotonic() - stopped < 3.0  # it was waiting for room that would never come
+        assert not channels.failed_event.is_set()
+    finally:
+        if worker.is_alive():
+            worker.kill()
