@@ -92,10 +92,11 @@ def run_job(config: Config, run_dir: Path) -> None:
     prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
     world = world_size(config)
     _check_resume(config, world)
-    with start_server(config, run_dir) as server:
+    with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if world > 1:
             from asyncrl.trainer.supervise import run_ranks
 
+            server.ready()
             run_ranks(run_dir, world, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again
         else:
             run_training(config, run_dir, server, prepared)
@@ -121,8 +122,9 @@ def load_run_config(run_dir: Path) -> Config:
     return to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
 
 
-def start_server(config: Config, run_dir: Path):  # type: ignore[no-untyped-def]
-    """A context manager: the supervised server, or a handle on an existing one when server.launch=false."""
+def start_server(config: Config, run_dir: Path, wait: bool = True):  # type: ignore[no-untyped-def]
+    """A context manager: the supervised server, or a handle on an existing one when server.launch=false.
+    ``wait=False``: a launched server is only started on entry; its ``ready()`` waits for it."""
     from asyncrl.server.command import base_url, server_command
     from asyncrl.server.handle import AttachedServer, LaunchedServer
 
@@ -137,7 +139,7 @@ def start_server(config: Config, run_dir: Path):  # type: ignore[no-untyped-def]
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config))  # the server's GPUs are in its own env
     (run_dir / "commands").mkdir(exist_ok=True)
     (run_dir / "commands" / "server.sh").write_text(shell_line(command.argv, command.env))
-    return LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout)
+    return LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout, wait)
 
 
 def serve_forever(config: Config) -> None:

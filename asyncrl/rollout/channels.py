@@ -33,6 +33,7 @@ class WorkerChannels:
     tokens_consumed: Any  # mp.Value('q'): sample tokens the trainer pulled so far (trained or dropped)
     heartbeat: Any  # mp.Value('d'): time.time() of the worker's last progress
     status: Any  # mp.Array('c'): what the worker is doing or waiting on, for error messages
+    spec_queue: Any  # mp.Queue of the one WorkerSpec: the worker process starts before its spec is known
 
     @classmethod
     def create(cls, initial_allowance: int) -> WorkerChannels:
@@ -48,6 +49,7 @@ class WorkerChannels:
             tokens_consumed=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", time.time()),
             status=ctx.Array("c", 256),
+            spec_queue=ctx.Queue(),
         )
 
     def beat(self, status: str | None = None) -> None:

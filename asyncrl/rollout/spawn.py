@@ -1,4 +1,5 @@
-"""Start the rollout worker: check that everything it receives pickles, then spawn it without a GPU."""
+"""Start the rollout worker without a GPU: spawned early (it imports while the server boots), then handed its spec
+once everything in it is checked to pickle."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from asyncrl.rollout.channels import WorkerChannels
-from asyncrl.rollout.worker import WorkerSpec, worker_main
+from asyncrl.rollout.worker import WorkerSpec, worker_entry
 
 # Launcher variables the worker must not inherit: it is not a rank of the trainer's process group.
 _DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -58,10 +59,24 @@ def _worker_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def start_worker(spec: WorkerSpec, channels: WorkerChannels) -> mp.process.BaseProcess:
-    check_spec(spec)
-    process = mp.get_context("spawn").Process(target=worker_main, args=(spec, channels), name="asyncrl-rollout",
-                                              daemon=True)  # fmt: skip
+def spawn_worker(channels: WorkerChannels) -> mp.process.BaseProcess:
+    """Start the worker process before its spec exists: it imports what it runs while the server boots, then
+    waits for ``send_spec`` (and exits if the trainer stops or dies first)."""
+    process = mp.get_context("spawn").Process(target=worker_entry, args=(channels, os.getpid()),
+                                              name="asyncrl-rollout", daemon=True)  # fmt: skip
     with _worker_environment():
         process.start()
+    return process
+
+
+def send_spec(spec: WorkerSpec, channels: WorkerChannels) -> None:
+    """Hand the waiting worker its spec, after checking that all of it pickles."""
+    check_spec(spec)
+    channels.spec_queue.put(spec)
+
+
+def start_worker(spec: WorkerSpec, channels: WorkerChannels) -> mp.process.BaseProcess:
+    check_spec(spec)
+    process = spawn_worker(channels)
+    channels.spec_queue.put(spec)
     return process

@@ -1,8 +1,8 @@
 """The rollout worker process: streams prompts through the loop's hooks, scores groups, queues samples.
 
-Spawned by trainer rank 0 (``start_worker``) with no GPU and no distributed variables. The driver walks
-the prompt stream in the recorded order, starts a group only when admission control allows it (the token
-allowance, and the smaller of the KV-load and staleness caps on rollouts in flight), scores each finished
+Spawned by trainer rank 0 (``spawn_worker``, then ``send_spec``) with no GPU and no distributed variables. The
+driver walks the prompt stream in the recorded order, starts a group only when admission control allows it (the
+token allowance, and the smaller of the KV-load and staleness caps on rollouts in flight), scores each finished
 group, feeds its lag to the staleness pacer, and pushes samples (or a ``PromptDone`` for a dropped/filtered
 prompt) to the trainer. Any exception reaches the trainer with its traceback; a dead parent ends the worker.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import time
 import traceback
 from collections import defaultdict
@@ -323,6 +324,24 @@ class WorkerDriver:
             if os.getppid() != self.spec.parent_pid:
                 os._exit(3)  # the trainer died without stopping us: never outlive it
             await asyncio.sleep(0.5)
+
+
+def worker_entry(channels: WorkerChannels, parent_pid: int) -> None:
+    """Process entry: import what the rollouts run, wait for the spec, run. Without a spec it ends when the
+    trainer sets the stop event or dies."""
+    import transformers  # noqa: F401 - the tokenizer and the loop need it: import it before the spec comes
+
+    import asyncrl.client  # noqa: F401
+    import asyncrl.rollout.loop  # noqa: F401
+
+    while True:
+        try:
+            spec = channels.spec_queue.get(timeout=0.2)
+            break
+        except queue.Empty:
+            if channels.stop_event.is_set() or os.getppid() != parent_pid:
+                return
+    worker_main(spec, channels)
 
 
 def worker_main(spec: WorkerSpec, channels: WorkerChannels) -> None:

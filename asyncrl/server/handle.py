@@ -12,12 +12,31 @@ from asyncrl.server.process import ServerProcess, ServerStartError
 
 
 class LaunchedServer(ServerProcess):
-    """A server this run started; stopped when the run ends."""
+    """A server this run started; stopped when the run ends. With ``wait=False`` entering only starts it, so the
+    trainer can load its model while the server boots, and ``ready()`` waits for its health before first use."""
 
-    def __init__(self, command: ServerCommand, base_url: str, log_path: Path, timeout_s: float) -> None:
+    def __init__(
+        self, command: ServerCommand, base_url: str, log_path: Path, timeout_s: float, wait: bool = True
+    ) -> None:  # fmt: skip
         super().__init__(command.argv, base_url=base_url, log_path=log_path, env=command.env,
                          startup_timeout_s=timeout_s)  # fmt: skip
         self.backend = command.backend
+        self.wait = wait
+        self._healthy = False
+
+    def __enter__(self) -> LaunchedServer:
+        if self.wait:
+            super().__enter__()
+            self._healthy = True
+        else:
+            self.start()
+        return self
+
+    def ready(self) -> None:
+        """Return once the server answers /health (at once after the first time); a failed start raises."""
+        if not self._healthy:
+            self.wait_healthy()
+            self._healthy = True
 
 
 class AttachedServer:
@@ -43,6 +62,9 @@ class AttachedServer:
 
     def log_tail(self, lines: int = 30) -> str:
         return "(external server: no log)"
+
+    def ready(self) -> None:
+        """Checked healthy on entry."""
 
     def __enter__(self) -> AttachedServer:
         if not self.is_alive():

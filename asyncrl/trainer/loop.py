@@ -20,7 +20,7 @@ from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing import build_row_factory
 from asyncrl.rollout.channels import WorkerChannels
-from asyncrl.rollout.spawn import start_worker
+from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.server.command import served_model_name
 from asyncrl.trackers import build_trackers
@@ -64,27 +64,40 @@ class Trainer:
         self.ranks, self.world = ranks, ranks.world if ranks is not None else 1
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlClient(server.base_url, timeout_s=config.server.timeout)
-        self.max_model_len = self.control.max_model_len()
+        self.channels = WorkerChannels.create(1)
+        self.worker = spawn_worker(self.channels)  # it imports, and the model loads, while a launched server boots
+        try:
+            self._set_up()
+        except BaseException:
+            self._stop_worker()
+            raise
+
+    def _set_up(self) -> None:
+        """Everything after the worker's spawn: the model (while a launched server boots), the server's limits,
+        the loss, packing, logging, the weight-sync channel, the first evaluation, and the worker's spec."""
+        c = self.config
         resume = self._build_model()
+        self.server.ready()
+        self.max_model_len = self.control.max_model_len()
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})
         if resume is not None:
             self.state = load_checkpoint(resume, self.optimizer, self.scheduler)
             log.info("resumed from %s at step %d, prompt %d", resume, self.state.step, self.state.prompt_index)
-        self.loss = StepLoss(LOSSES.build(config.loss), prepared.advantage_fn, config.sampling.max_completion_length)
+        self.loss = StepLoss(LOSSES.build(c.loss), self.prepared.advantage_fn, c.sampling.max_completion_length)
         self.loss.load_state_dict(self.state.extra.get("loss", {}))
-        self.top_k = config.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
-        self.row_factory, self.token_budget = build_row_factory(dict(config.packing), self.max_model_len)
-        self.attention = str(config.packing.get("attention", "auto"))
+        self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
+        self.row_factory, self.token_budget = build_row_factory(dict(c.packing), self.max_model_len)
+        self.attention = str(c.packing.get("attention", "auto"))
         self.window, self.timeline = MetricWindow(), Timeline()
-        self.sink = JsonlSink(run_dir / "metrics.jsonl")
-        self.console = Console(config)
-        self.trackers = build_trackers(config, run_dir)
+        self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
+        self.console = Console(c)
+        self.trackers = build_trackers(c, self.run_dir)
         self.completions: list[dict[str, Any]] = []
-        self.sync = build_weight_sync(config, self.control, run_dir, prepared)
+        self.sync = build_weight_sync(c, self.control, self.run_dir, self.prepared)
         self.sync.init()
         if resume is not None:
             self._push(self.state.model_version)  # the server starts from the base weights
-        self.evaluations = {"before": self._evaluate()} if prepared.eval_dataset is not None else {}
+        self.evaluations = {"before": self._evaluate()} if self.prepared.eval_dataset is not None else {}
         self._start_worker()
 
     def _build_model(self) -> Path | None:
@@ -249,7 +262,7 @@ class Trainer:
         self.progress = PromptProgress(cursor=self.state.prompt_index, consumed=self.state.prompts_consumed)
         self.num_tokens = int(self.state.extra.get("num_tokens", 0))
         rows_per_step = c.trainer.gradient_accumulation_steps * self.world
-        self.channels = WorkerChannels.create(max(1, c.staleness.max_staleness) * rows_per_step * self.token_budget)
+        self.channels.token_allowance.value = max(1, c.staleness.max_staleness) * rows_per_step * self.token_budget
         self.channels.model_version.value = self.state.model_version
         spec = WorkerSpec(
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
@@ -259,7 +272,7 @@ class Trainer:
             adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),
         )  # fmt: skip
-        self.worker = start_worker(spec, self.channels)
+        send_spec(spec, self.channels)
         self.assembler = StepAssembler(
             self.channels, self.row_factory, self.token_budget, c.trainer.gradient_accumulation_steps,
             c.staleness.max_staleness, self.progress, self.window, self._check_processes,
@@ -346,8 +359,7 @@ class Trainer:
         save_weights(directory, self.model, self.optimizer, self.ranks, serving_dtype(self.config),
                      resumable=command == "save")  # fmt: skip
 
-    def close(self) -> None:
-        """Stop the worker (it never outlives the trainer) and release the sync staging area."""
+    def _stop_worker(self) -> None:
         self.channels.stop_event.set()
         self.worker.join(timeout=5)
         if self.worker.is_alive():
@@ -355,6 +367,10 @@ class Trainer:
             self.worker.join(timeout=5)
         if self.worker.is_alive():
             self.worker.kill()
+
+    def close(self) -> None:
+        """Stop the worker (it never outlives the trainer) and release the sync staging area."""
+        self._stop_worker()
         self.sync.close()
         self.trackers.close()
         self.console.close()

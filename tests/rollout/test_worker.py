@@ -8,7 +8,7 @@ from pathlib import Path
 
 from asyncrl.config import compose, to_config
 from asyncrl.rollout.channels import WorkerChannels
-from asyncrl.rollout.spawn import start_worker
+from asyncrl.rollout.spawn import spawn_worker, start_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.server.command import served_model_name
 from asyncrl.trainer.setup import prepare
@@ -40,6 +40,21 @@ def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tin
         assert not worker.is_alive() and worker.exitcode == 0
         assert time.monotonic() - stopped < 3.0  # it was waiting for room that would never come
         assert not channels.failed_event.is_set()
+    finally:
+        if worker.is_alive():
+            worker.kill()
+
+
+def test_a_worker_spawned_ahead_of_its_spec_ends_when_stopped_without_one():
+    """The trainer spawns the worker before the server is up; a run that fails before sending the spec stops it."""
+    channels = WorkerChannels.create(1)
+    worker = spawn_worker(channels)
+    try:
+        time.sleep(0.5)
+        assert worker.is_alive()  # waiting for its spec
+        channels.stop_event.set()
+        worker.join(timeout=30)  # its imports may still be running
+        assert not worker.is_alive() and worker.exitcode == 0 and not channels.failed_event.is_set()
     finally:
         if worker.is_alive():
             worker.kill()
