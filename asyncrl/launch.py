@@ -151,6 +151,8 @@ def serve_forever(config: Config) -> None:
     print(shell_line(command.argv, command.env), flush=True)
     run_dir = Path(config.trainer.output_dir or "runs/serve")
     _terminate_on_sigterm()
+    # Ctrl-C stops it even when started from a script's background job, which inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     log_path = run_dir / "logs" / "server.log"
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
         with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
