@@ -73,10 +73,3 @@ def send_spec(spec: WorkerSpec, channels: WorkerChannels) -> None:
     """Hand the waiting worker its spec, after checking that all of it pickles."""
     check_spec(spec)
     channels.spec_queue.put(spec)
-
-
-def start_worker(spec: WorkerSpec, channels: WorkerChannels) -> mp.process.BaseProcess:
-    check_spec(spec)
-    process = spawn_worker(channels)
-    channels.spec_queue.put(spec)
-    return process

@@ -21,11 +21,11 @@ class LaunchedServer(ServerProcess):
         super().__init__(command.argv, base_url=base_url, log_path=log_path, env=command.env,
                          startup_timeout_s=timeout_s)  # fmt: skip
         self.backend = command.backend
-        self.wait = wait
+        self._wait_on_enter = wait
         self._healthy = False
 
     def __enter__(self) -> LaunchedServer:
-        if self.wait:
+        if self._wait_on_enter:
             super().__enter__()
             self._healthy = True
         else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from asyncrl.config import compose, to_config
 from asyncrl.rollout.channels import WorkerChannels
-from asyncrl.rollout.spawn import spawn_worker, start_worker
+from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.server.command import served_model_name
 from asyncrl.trainer.setup import prepare
@@ -27,7 +27,8 @@ def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tin
         model_name=served_model_name(config), max_model_len=256, adapter_prefix=None, start_prompt_index=0,
         total_prompts=None,
     )  # fmt: skip
-    worker = start_worker(spec, channels)
+    worker = spawn_worker(channels)
+    send_spec(spec, channels)
     try:
         deadline = time.monotonic() + 60
         while "backpressure" not in channels.get_status():
