@@ -388,6 +388,11 @@ class ControlClient:
     def shutdown_weight_transfer(self) -> None:
         self._request("POST", "/shutdown_weight_transfer_engine")
 
+    def collective_rpc(self, method: str, **kwargs: str) -> list[Any]:
+        """Call ``method`` on every server worker (vLLM dev mode; a worker extension's method); their results."""
+        response = self._request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        return list(response.json().get("results", [])) if response.content else []
+
     def world_size(self) -> int:
         """Server ranks a weight transfer reaches (tensor x pipeline x data parallel)."""
         return int(self._request("GET", "/get_world_size").json()["world_size"])

@@ -73,7 +73,8 @@ def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.launch import start_server
     from asyncrl.server.command import served_model_name
     from asyncrl.trainer.setup import prepare
-    from asyncrl.trainer.weight_sync import build_weight_sync
+    from asyncrl.trainer.sync.vllm_common import ipc_transport
+    from asyncrl.trainer.weight_sync import WeightSync, build_weight_sync
 
     out.mkdir(parents=True, exist_ok=True)
     config = to_config(compose([*overrides(backend), f"trainer.output_dir={out}"]))
@@ -89,7 +90,7 @@ def phase_sync(backend: str, out: Path) -> None:
             print("[sync] /server_info: logprobs_mode", model_info["logprobs_mode"], "| max_model_len",
                   model_info["max_model_len"], "| weight_transfer_config", info["weight_transfer_config"])  # fmt: skip
         sync = build_weight_sync(config, control, out, prepared)
-        print(f"[sync] startup checks passed: {sync.facts}")
+        print(f"[sync] startup checks passed: {sync.facts}; transport {type(sync.transport).__name__}")
         sync.init()
         model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32).to(device).eval()
         serving = torch.bfloat16 if config.server.dtype == "bfloat16" else torch.float32
@@ -103,20 +104,23 @@ def phase_sync(backend: str, out: Path) -> None:
             f"[sync] before any change: max |server - trainer| logprob = {max_diff(base, first):.4f} "
             f"(trainer in {serving}), {max_diff(model, first):.4f} (trainer in float32)"
         )
-        for version in (1, 2, 3):
-            with torch.no_grad():
-                generator = torch.Generator(device=device).manual_seed(version)
-                for param in model.parameters():
-                    param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
-            metrics = sync.push(model, version)
-            print(f"[sync] round {version}: " + ", ".join(f"{k.removeprefix('perf/weight_sync')}={v:.3f}"
-                                                          for k, v in metrics.items()))  # fmt: skip
-        after = asyncio.run(sample(server.base_url, name, prompts, seed=100))
-        trained = copy.deepcopy(model).to(serving)
-        print(
-            f"[sync] after 3 syncs: max |server - trainer| = {max_diff(trained, after):.4f} (trainer in {serving}); "
-            f"against the never-synced weights it would be {max_diff(base, after):.4f}"
-        )
+        syncs = [sync]
+        if type(sync.transport).__name__ == "DirectIpcTransport":  # vLLM's own ipc engine too, on the same server
+            syncs.append(WeightSync(control, ipc_transport(config=config, run_dir=out), sync.facts))
+        for round_, sync_ in enumerate(syncs):
+            for version in range(3 * round_ + 1, 3 * round_ + 4):
+                with torch.no_grad():
+                    generator = torch.Generator(device=device).manual_seed(version)
+                    for param in model.parameters():
+                        param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
+                metrics = sync_.push(model, version)
+                print(f"[sync] {type(sync_.transport).__name__} round {version}: " + ", ".join(
+                    f"{k.removeprefix('perf/weight_sync')}={v:.3f}" for k, v in metrics.items()))  # fmt: skip
+            after = asyncio.run(sample(server.base_url, name, prompts, seed=100 + round_))
+            trained = copy.deepcopy(model).to(serving)
+            print(f"[sync] after 3 syncs by {type(sync_.transport).__name__}: max |server - trainer| = "
+                  f"{max_diff(trained, after):.4f} (trainer in {serving}); against the never-synced weights it would "
+                  f"be {max_diff(base, after):.4f}")  # fmt: skip
 
         async def truncated() -> tuple[object, object]:
             async with GenerationClient(server.base_url, name, timeout_s=120) as client:
@@ -127,7 +131,8 @@ def phase_sync(backend: str, out: Path) -> None:
 
         candidate_sets, masks = asyncio.run(truncated())
         print(f"[sync] top-k/top-p turns: client.candidate_sets={candidate_sets}, masks returned={masks}")
-        sync.close()
+        for sync_ in syncs:
+            sync_.close()
     print(f"[sync] server stopped; leftovers: {leftovers()}")
 
 

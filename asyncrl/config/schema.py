@@ -123,6 +123,11 @@ class ServerConfig:
     weight_transfer: WeightTransfer = WeightTransfer.auto
     """vLLM weight sync: nccl (own GPUs), ipc (server and trainer share a GPU); auto picks from the GPU split,
     or from the attached server's --weight-transfer-config."""
+    ipc_direct_load: bool = True
+    """ipc sync loads weights in place from one buffer shared once, through asyncrl's vLLM worker extension
+    (added to the vLLM asyncrl launches; an attached server needs --worker-extension-cls
+    asyncrl.server.vllm_extension.WeightBufferExtension). false: vLLM's own ipc engine, which re-processes the
+    weights after loading, as quantized serving needs."""
     vllm_version: str | None = None
     """The vLLM release `vllm serve` runs, for its version-dependent flags; default: the installed vllm."""
     max_logprobs: int = 20

@@ -37,6 +37,8 @@ class ServerFacts:
     """The sync backend the server speaks: builtin, ipc or nccl."""
     candidate_sets: bool
     """Whether /inference/v1/generate returns each token's candidate set."""
+    worker_extension: str = ""
+    """vLLM's --worker-extension-cls (asyncrl's loads ipc weights in place: server/vllm_extension.py)."""
 
 
 def check_server(config: Config, control: ControlClient, *, dataset: Any = None, tokenizer: Any = None) -> ServerFacts:
@@ -55,7 +57,9 @@ def check_server(config: Config, control: ControlClient, *, dataset: Any = None,
     info = control.server_info()
     transfer = _check_vllm_config(config, info, fix)
     can_mask = vllm.parse_version(version)[:2] >= vllm.SAMPLING_MASK_SINCE
-    return ServerFacts(backend, version, max_model_len, transfer, _candidate_sets(config, control, fix, can_mask))
+    extension = ((info.get("vllm_config") or {}).get("parallel_config") or {}).get("worker_extension_cls") or ""
+    return ServerFacts(backend, version, max_model_len, transfer, _candidate_sets(config, control, fix, can_mask),
+                       str(extension))  # fmt: skip
 
 
 class _Fix:

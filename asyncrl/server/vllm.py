@@ -29,6 +29,7 @@ SAMPLING_MASK_SINCE = (0, 28)  # --return-sampling-mask
 SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generate
 MANY_API_SERVERS_SINCE = (0, 32)  # top log-probabilities stop costing throughput with 8 API servers
 MANY_API_SERVERS = 8
+WORKER_EXTENSION = "asyncrl.server.vllm_extension.WeightBufferExtension"  # in-place ipc loads (not imported here)
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -220,6 +221,8 @@ def vllm_command(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.server)
     if transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled over HTTP
+        if sv.ipc_direct_load:
+            argv += ["--worker-extension-cls", WORKER_EXTENSION]
     if sv.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(sv.tensor_parallel_size)]
     if sv.data_parallel_size > 1:

@@ -6,7 +6,9 @@ the backend's data plane (its /update_weights calls and the tensors) -> /finish_
 A backend (a ``Transport`` in ``WEIGHT_SYNC``) supplies only the data plane: a safetensors file for the
 built-in server (asyncrl/trainer/sync/builtin.py), CUDA IPC handles or an NCCL broadcast for vLLM, through
 vLLM's static trainer API on 0.26-0.27 (sync/vllm_static.py) or its trainer engines from 0.28
-(sync/vllm_factory.py), chosen by the installed vLLM. LoRA runs whose lora.sync resolves to adapters
+(sync/vllm_factory.py), chosen by the installed vLLM. On a vLLM running asyncrl's worker extension, ipc loads in
+place instead (sync/vllm_direct.py): one /collective_rpc per chunk of a buffer shared once, and no
+start/finish session (``Transport.session``), which is where vLLM re-materialises every layer. LoRA runs whose lora.sync resolves to adapters
 (sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no pause, only the adapter is sent.
 
 The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
@@ -95,12 +97,16 @@ class WeightSync:
         }
 
     def _update(self, version: int) -> float:
-        run_step("start_weight_update", self.control.start_weight_update)
+        session = self.transport.session
+        if session:
+            run_step("start_weight_update", self.control.start_weight_update)
         try:
             barrier_s = run_step("update_weights", self.transport.send, self.control)
-            run_step("finish_weight_update", self.control.finish_weight_update, str(version))
+            if session:
+                run_step("finish_weight_update", self.control.finish_weight_update, str(version))
         except WeightSyncError as error:
-            self._abandon_update()
+            if session:
+                self._abandon_update()
             raise WeightSyncError(f"{error} (the server may hold partly updated weights until a full sync)") from error
         return barrier_s
 
@@ -150,7 +156,7 @@ def build_weight_sync(
         output_dir = Path(config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
         return AdapterSync(control, config, output_dir, facts)
-    transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir)
+    transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)
     return WeightSync(control, transport, facts)
 
 

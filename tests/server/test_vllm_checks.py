@@ -12,6 +12,7 @@ from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 from asyncrl.client import ControlClient
 from asyncrl.config import compose, to_config
 from asyncrl.server.checks import ServerCheckError, check_server
+from asyncrl.server.vllm import WORKER_EXTENSION
 
 
 def attached(url: str, *overrides: str) -> Any:
@@ -139,6 +140,10 @@ def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog, serv
         facts = run_checks(attached_vllm(url, "sampling.top_k=20"))
     assert (facts.backend, facts.weight_transfer, facts.candidate_sets) == ("vllm", "ipc", False)
     assert "cannot return per-token candidate sets" in caplog.text  # 0.26 has no sampling mask: warned
+    assert facts.worker_extension == ""
+    extended = vllm_info(vllm_config__parallel_config={"worker_extension_cls": WORKER_EXTENSION})
+    with serve_app(fake_vllm("0.26.0", extended)) as url:
+        assert run_checks(attached_vllm(url)).worker_extension == WORKER_EXTENSION
 
 
 @pytest.mark.parametrize(("server", "trainer", "message"), [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from asyncrl.config import ConfigError, compose, to_config
 from asyncrl.server.command import server_command
 from asyncrl.server.vllm import (
+    WORKER_EXTENSION,
     api_server_count,
     longest_prompt_tokens,
     parse_version,
@@ -16,6 +18,7 @@ from asyncrl.server.vllm import (
     split_gpus,
     vllm_command,
 )
+from asyncrl.server.vllm_extension import WeightBufferExtension
 
 BASE = ["server=vllm", "model.name_or_path=Qwen/Qwen3-4B", "sampling.max_completion_length=1024"]
 SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-4B",
@@ -130,6 +133,8 @@ GOLDEN = {
             '{"backend": "ipc"}',
             "--gpu-memory-utilization",
             "0.3",
+            "--worker-extension-cls",
+            "asyncrl.server.vllm_extension.WeightBufferExtension",
         ),
         {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "3", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
     ),
@@ -276,3 +281,12 @@ def test_the_trainer_gets_the_gpus_after_the_servers():
     config = to_config(compose([*BASE, "server.tensor_parallel_size=2"]))
     assert trainer_gpus(config, ["0", "1", "2", "3"]) == ["2", "3"]
     assert trainer_gpus(to_config(compose(BASE)), ["5"]) == ["5"]  # one GPU: shared, so ipc
+
+
+def test_ipc_launches_vllm_with_the_in_place_loader_unless_turned_off():
+    shared = ["server.dtype=bfloat16"]
+    assert "--worker-extension-cls" in command(shared, "0.26.0", ("0",)).argv
+    assert "--worker-extension-cls" not in command([*shared, "server.ipc_direct_load=false"], "0.26.0", ("0",)).argv
+    assert "--worker-extension-cls" not in command(shared, "0.26.0", ("0", "1")).argv  # nccl: own GPUs
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is WeightBufferExtension

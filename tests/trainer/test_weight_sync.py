@@ -21,6 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config import compose, to_config
+from asyncrl.server.checks import ServerFacts
+from asyncrl.server.vllm import WORKER_EXTENSION
+from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.tensors import serving_bytes, serving_parameters
 from asyncrl.trainer.sync.vllm_common import (
@@ -32,6 +35,7 @@ from asyncrl.trainer.sync.vllm_common import (
     nccl_transport,
     run_watched,
 )
+from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
 from asyncrl.trainer.sync.vllm_factory import RoundClient, serving_source
 from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
 
@@ -272,3 +276,111 @@ def test_the_weight_source_fits_either_vllm_interface(base, monkeypatch, model):
     assert [m.name for m in meta] == [name for name, _ in pairs] == names  # tied lm_head travels once
     assert all(m.dtype == torch.bfloat16 == t.dtype for m, (_, t) in zip(meta, pairs, strict=True))
     assert "lm_head.weight" not in names and model.config.tie_word_embeddings
+
+
+# ---- in-place ipc sync: the trainer's transport against asyncrl's vLLM worker extension, on a CPU buffer -----
+
+
+class ServedModel(torch.nn.Module):
+    """A served model with vLLM's ``load_weights(iterable of (checkpoint name, tensor))``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def load_weights(self, weights: Any) -> None:
+        params = dict(self.inner.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+
+class Worker(WeightBufferExtension):
+    """vLLM's worker as the extension sees it: get_model() is the served model."""
+
+    def __init__(self, served: torch.nn.Module) -> None:
+        self.served = ServedModel(served)
+
+    def get_model(self) -> torch.nn.Module:
+        return self.served
+
+
+class ExtensionServer:
+    """A control client whose /collective_rpc calls the extension in this process; it records every call.
+    Opening the buffer is what a CUDA IPC handle gives a GPU worker: the trainer's own memory."""
+
+    base_url = "http://in-process"
+
+    def __init__(self, worker: Worker, transport: DirectIpcTransport) -> None:
+        self.worker, self.transport, self.calls = worker, transport, []
+
+    def __getattr__(self, step: str) -> Any:  # pause, resume, start/finish_weight_update: recorded only
+        return lambda *args, **kwargs: self.calls.append(step)
+
+    def collective_rpc(self, method: str, **kwargs: str) -> list[Any]:
+        self.calls.append(method)
+        if method == MAP:
+            self.worker._asyncrl_buffer = self.transport.buffer
+            return [None]
+        return [getattr(self.worker, method)(**kwargs)]
+
+
+class CpuDirectTransport(DirectIpcTransport):
+    def share(self, buffer: torch.Tensor) -> str:
+        return "a CPU buffer has no CUDA IPC handle"
+
+
+@pytest.mark.parametrize("limit", [IPC_BUFFER_LIMIT, 64 << 10])
+def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_session(
+    limit, model, random_tiny_model_dir
+):
+    served = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
+    transport = CpuDirectTransport(torch.bfloat16, limit)
+    control = ExtensionServer(Worker(served), transport)
+    sync = WeightSync(control, transport)  # type: ignore[arg-type]
+    sync.init()
+    for version in (1, 2):
+        perturb(model, seed=version)
+        metrics = sync.push(model, version)
+        for (name, trained), (_, loaded) in zip(model.named_parameters(), served.named_parameters(), strict=True):
+            assert torch.equal(trained.to(torch.bfloat16), loaded), name
+        buffer = transport.buffer
+    assert transport.buffer is buffer and metrics["perf/weight_sync_bytes"] == serving_bytes(model, torch.bfloat16)
+    loads = [LOAD] * len(transport.chunks)
+    assert (len(loads) == 1) == (limit == IPC_BUFFER_LIMIT) and buffer.numel() <= max(limit, 1 << 20)
+    assert control.calls == ["pause", MAP, *loads, "resume", "pause", *loads, "resume"]  # shared once, no session
+    sync.close()
+    assert control.calls[-1] == UNMAP and control.worker._asyncrl_buffer is None
+
+
+def test_in_place_ipc_sync_refuses_a_model_that_no_longer_fits_its_layout(model, random_tiny_model_dir):
+    served = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
+    transport = CpuDirectTransport(torch.bfloat16, IPC_BUFFER_LIMIT)
+    control = ExtensionServer(Worker(served), transport)
+    sync = WeightSync(control, transport)  # type: ignore[arg-type]
+    sync.push(model, 1)
+    with pytest.raises(WeightSyncError, match="no longer match the shared weight buffer"):
+        sync.push(torch.nn.Linear(3, 3), 2)
+    assert control.calls[-1] == "resume"
+
+
+def test_the_worker_extension_refuses_what_it_cannot_load(monkeypatch, model):
+    worker = Worker(model)
+    with pytest.raises(RuntimeError, match="before asyncrl_map_weight_buffer"):
+        worker.asyncrl_load_weights("[]")
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    with pytest.raises(RuntimeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        worker.asyncrl_map_weight_buffer("handle")
+
+
+@pytest.mark.parametrize(("extension", "direct_load", "expected"), [
+    (WORKER_EXTENSION, "true", "DirectIpcTransport"),
+    ("", "true", "StaticIpcTransport"),
+    (WORKER_EXTENSION, "false", "StaticIpcTransport"),
+])  # fmt: skip
+def test_ipc_loads_in_place_when_the_server_runs_the_extension(extension, direct_load, expected, monkeypatch,
+                                                                 tmp_path):  # fmt: skip
+    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
+    config = to_config(compose([f"server.ipc_direct_load={direct_load}"]))
+    facts = ServerFacts("vllm", "0.26.0", 4096, "ipc", False, extension)
+    assert type(ipc_transport(config=config, run_dir=tmp_path, facts=facts)).__name__ == expected

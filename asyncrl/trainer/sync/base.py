@@ -21,6 +21,8 @@ class Transport(ABC):
     """The data plane of one weight-sync backend; ``WeightSync`` makes the round's control calls around it."""
 
     model: torch.nn.Module | None = None
+    session = True
+    """Whether the round opens vLLM's weight-update session (/start_weight_update ... /finish_weight_update)."""
 
     def init(self, control: ControlClient) -> None:
         """Rendezvous with the server, POST /init_weight_transfer_engine included."""

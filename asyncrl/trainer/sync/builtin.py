@@ -32,7 +32,7 @@ class FileTransport(Transport):
         self._round = 0
 
     @classmethod
-    def from_config(cls, *, config: Config, run_dir: Path) -> FileTransport:
+    def from_config(cls, *, config: Config, run_dir: Path, facts: object = None) -> FileTransport:
         """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
         return cls(run_dir, serving_dtype(config))
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import pickle
 import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import httpx
 import torch
@@ -20,6 +21,11 @@ from asyncrl.config.schema import Config
 from asyncrl.server import vllm
 from asyncrl.trainer.sync.base import Transport, WeightSyncError
 from asyncrl.trainer.sync.tensors import serving_dtype
+
+if TYPE_CHECKING:
+    from asyncrl.server.checks import ServerFacts
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 FACTORY_API_SINCE = (0, 28)  # WeightTransferTrainerFactory.trainer_init + engine.send_weights()
@@ -33,8 +39,16 @@ def _uses_factory_api() -> bool:
     return vllm.parse_version(version)[:2] >= FACTORY_API_SINCE
 
 
-def ipc_transport(*, config: Config, run_dir: Path) -> Transport:
-    """CUDA IPC handles over HTTP: server and trainer share one GPU."""
+def ipc_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:
+    """CUDA IPC: server and trainer share one GPU. In place through asyncrl's worker extension when the server
+    runs it (server.ipc_direct_load), else vLLM's ipc engine, through the installed vLLM's trainer API."""
+    if config.server.ipc_direct_load and facts is not None:
+        if facts.worker_extension == vllm.WORKER_EXTENSION:
+            from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
+
+            return DirectIpcTransport(serving_dtype(config), IPC_BUFFER_LIMIT)
+        log.info("ipc sync through vLLM's engine (layerwise reload): start the server with --worker-extension-cls "
+                 "%s to load weights in place", vllm.WORKER_EXTENSION)  # fmt: skip
     if _uses_factory_api():
         from asyncrl.trainer.sync.vllm_factory import FactoryTransport
 
@@ -44,7 +58,7 @@ def ipc_transport(*, config: Config, run_dir: Path) -> Transport:
     return StaticIpcTransport(serving_dtype(config), config.server.timeout)
 
 
-def nccl_transport(*, config: Config, run_dir: Path) -> Transport:
+def nccl_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:
     """An NCCL broadcast from the trainer (rank 0) to every server worker: they have their own GPUs."""
     if _uses_factory_api():
         from asyncrl.trainer.sync.vllm_factory import FactoryTransport
