@@ -83,34 +83,36 @@ class VarlenPlan:
     kv_gather: torch.Tensor | None
     """Layout positions of every segment's path, concatenated; None when each path is the segment itself."""
     kernel: VarlenKernel
+    half_precision: bool = True
+    """The kernel takes fp16/bf16 only (flash); False for a reference kernel that computes in the inputs' dtype."""
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        """Cast, lay out [tokens, heads, dim] and gather in one pass each: the cast comes before the gather, so
+        the float32 keys of Qwen3's q/k norms are copied along every path (3x a tree row's tokens), and their
+        gradient summed back, in half precision."""
+        dtype, autocast = flash_dtype(query, value) if self.half_precision else (query.dtype, False)
+        q, k, v = (t[0].transpose(0, 1).to(dtype, memory_format=torch.contiguous_format).contiguous()
+                   for t in (query, key, value))  # fmt: skip
         if self.kv_gather is not None:
             k, v = k.index_select(0, self.kv_gather), v.index_select(0, self.kv_gather)
-        out = self.kernel(q.contiguous(), k.contiguous(), v.contiguous(), self.cu_q, self.cu_k, self.max_q,
-                          self.max_k, scale)  # fmt: skip
-        return out.unsqueeze(0)
+        out = self.kernel(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, scale).unsqueeze(0)
+        return out if autocast else out.to(query.dtype)  # under autocast the next projection casts to half anyway
 
 
-def half_precision(kernel: VarlenKernel) -> VarlenKernel:
-    """Flash kernels take fp16/bf16 only. Under autocast, Qwen3's q/k norms hand back float32 (float32 weight x
-    bf16 activations) beside a bf16 v: run in autocast's dtype (else a half input's, else bfloat16) and give the
-    result back in the query's dtype."""
-
-    @functools.wraps(kernel)
-    def run(q, k, v, *rest):  # type: ignore[no-untyped-def]
-        if torch.is_autocast_enabled(q.device.type):
-            dtype = torch.get_autocast_dtype(q.device.type)
-        else:
-            dtype = next((t.dtype for t in (q, v) if t.dtype in (torch.float16, torch.bfloat16)), torch.bfloat16)
-        return kernel(q.to(dtype), k.to(dtype), v.to(dtype), *rest).to(q.dtype)
-
-    return run
+def flash_dtype(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """The half dtype flash kernels run in, and whether autocast is on. Under autocast Qwen3's q/k norms hand back
+    float32 (float32 weight x bf16 activations) beside a bf16 v: autocast's dtype, else a half input's, else
+    bfloat16."""
+    if torch.is_autocast_enabled(query.device.type):
+        return torch.get_autocast_dtype(query.device.type), True
+    halves = (t.dtype for t in (query, value) if t.dtype in (torch.float16, torch.bfloat16))
+    return next(halves, torch.bfloat16), False
 
 
 @ATTENTION.register("varlen")
-def varlen_plan(row: PackedRow, device: torch.device, kernel: VarlenKernel | None = None) -> VarlenPlan:
+def varlen_plan(
+    row: PackedRow, device: torch.device, kernel: VarlenKernel | None = None, half_precision: bool = True
+) -> VarlenPlan:
     """Queries are the layout itself (segments are contiguous); keys are each segment's path, gathered."""
     if kernel is None:
         if device.type != "cuda":
@@ -127,6 +129,7 @@ def varlen_plan(row: PackedRow, device: torch.device, kernel: VarlenKernel | Non
         max_k=max(k_lens, default=0),
         kv_gather=None if identity else gather.to(device),
         kernel=kernel,
+        half_precision=half_precision,
     )
 
 
@@ -134,7 +137,6 @@ def _cumulative(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-@half_precision
 def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
     """torch.nn.attention.varlen.varlen_attn, whichever of its signatures this torch has."""
     from torch.nn.attention.varlen import varlen_attn
@@ -245,7 +247,6 @@ def _fa3_kernel() -> VarlenKernel | None:
     except Exception:  # unreachable Hub, missing package, no build for this GPU: all mean "use the fallback"
         return None
 
-    @half_precision
     def fa3(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
         out = module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
         return out[0] if isinstance(out, tuple) else out

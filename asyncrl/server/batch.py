@@ -74,19 +74,29 @@ class RunningBatch:
         return logits[torch.tensor([self._slot_of[row] for row in self.rows], device=self._device)]
 
     def join(self, rows: list[Row]) -> torch.Tensor:
-        """Prefill ``rows`` together, write their cache into free slots; return their next-token logits."""
+        """Prefill ``rows`` together, write their cache into free slots; return their next-token logits.
+
+        Rows with the same tokens under the same adapter (a GRPO group's rollouts arrive together with one
+        prompt) are prefilled once and their cache copied, so a group of G costs one prompt's prefill, not G."""
         sequences = [row.tokens() for row in rows]
-        width = max(len(tokens) for tokens in sequences)
-        input_ids = torch.tensor([[0] * (width - len(s)) + s for s in sequences], device=self._device)
-        lengths = torch.tensor([len(s) for s in sequences], device=self._device)
+        distinct: dict[tuple[tuple[int, ...], str | None], int] = {}
+        source = [distinct.setdefault((tuple(tokens), row.request.adapter), len(distinct))
+                  for tokens, row in zip(sequences, rows, strict=True)]  # fmt: skip
+        leaders = [source.index(index) for index in range(len(distinct))]  # the first row of each distinct sequence
+        unique = [sequences[leader] for leader in leaders]
+        adapters = [rows[leader].request.adapter for leader in leaders]
+        width = max(len(tokens) for tokens in unique)
+        input_ids = torch.tensor([[0] * (width - len(s)) + s for s in unique], device=self._device)
+        lengths = torch.tensor([len(s) for s in unique], device=self._device)
         positions = (torch.arange(width, device=self._device) - (width - lengths).unsqueeze(1)).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, lengths, positions, cache, [row.request.adapter for row in rows])
+        logits = self._forward(input_ids, lengths, positions, cache, adapters)
         for row, tokens in zip(rows, sequences, strict=True):
             row.cached_len = len(tokens)
-        self._place(rows, cache)
+        copies = None if len(unique) == len(rows) else torch.tensor(source, device=self._device)
+        self._place(rows, cache, copies)
         self.rows.extend(rows)
-        return logits
+        return logits if copies is None else logits[copies]
 
     def remove(self, leaving: list[Row]) -> None:
         """Drop rows from the batch, free their slots and forget padding that no remaining row needs."""
@@ -120,14 +130,18 @@ class RunningBatch:
         self._cache, self._slots, self._slot_of = None, [], {}
         return rows
 
-    def _place(self, rows: list[Row], cache: DynamicCache) -> None:
-        """Give each joining row a slot (free ones first) and copy its prefilled cache there."""
+    def _place(self, rows: list[Row], cache: DynamicCache, copies: torch.Tensor | None) -> None:
+        """Give each joining row a slot (free ones first) and copy its prefilled cache there (``copies``: which
+        prefilled sequence each row takes, when several rows share one)."""
         if self._cache is None:
             self._cache = build_slack_cache(self.model)
         free = [slot for slot, row in enumerate(self._slots) if row is None]
         slots = (free + list(range(len(self._slots), len(self._slots) + len(rows))))[: len(rows)]
         for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-            mine.write_rows(slots, theirs.keys, theirs.values)
+            keys, values = theirs.keys, theirs.values
+            if copies is not None:
+                keys, values = keys[copies], values[copies]
+            mine.write_rows(slots, keys, values)
         self._slots.extend([None] * (max(slots) + 1 - len(self._slots)))
         for row, slot in zip(rows, slots, strict=True):
             self._slots[slot] = row

@@ -8,8 +8,9 @@ built-in server (asyncrl/trainer/sync/builtin.py), CUDA IPC handles or an NCCL b
 vLLM's static trainer API on 0.26-0.27 (sync/vllm_static.py) or its trainer engines from 0.28
 (sync/vllm_factory.py), chosen by the installed vLLM. On a vLLM running asyncrl's worker extension, ipc loads in
 place instead (sync/vllm_direct.py): one /collective_rpc per chunk of a buffer shared once, and no
-start/finish session (``Transport.session``), which is where vLLM re-materialises every layer. LoRA runs whose lora.sync resolves to adapters
-(sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no pause, only the adapter is sent.
+start/finish session (``Transport.session``), which is where vLLM re-materialises every layer. LoRA runs
+whose lora.sync resolves to adapters (sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no
+pause, only the adapter is sent.
 
 The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
 aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the

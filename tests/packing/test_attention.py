@@ -22,7 +22,6 @@ from asyncrl.packing.attention import (
     attach_tree_attention,
     build_plan,
     check_model,
-    half_precision,
     per_kv_group,
     subtree_ends,
     tree_attention_mask,
@@ -122,19 +121,24 @@ def test_grouped_query_attention_runs_as_one_call_per_group_without_expanding_kv
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_flash_kernels_get_one_half_dtype_and_return_the_query_dtype(autocast):
-    """Under autocast Qwen3's q/k norms give float32 beside a bf16 v; flash kernels take fp16/bf16 only."""
+def test_flash_kernels_get_one_half_dtype_and_the_gather_moves_half_precision_keys(autocast):
+    """Under autocast Qwen3's q/k norms give float32 beside a bf16 v; flash kernels take fp16/bf16 only, and the
+    keys are cast before they are gathered along the paths. The result stays half under autocast (the output
+    projection casts to it anyway), else it is the query's dtype."""
     seen = []
 
-    @half_precision
     def kernel(q, k, v, *rest):
-        seen.append({q.dtype, k.dtype, v.dtype})
+        seen.append(({q.dtype, k.dtype, v.dtype}, q.is_contiguous() and k.is_contiguous(), k.shape[0]))
         return q
 
-    query, key = torch.randn(8, 2, 4), torch.randn(8, 1, 4)
+    plan = varlen_plan(spec_row(), CPU, kernel=kernel)
+    length = spec_row().num_forwarded
+    query, key = torch.randn(1, 2, length, 4), torch.randn(1, 1, length, 4)
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-        out = kernel(query, key, key.to(torch.bfloat16), None)
-    assert seen == [{torch.float16 if autocast else torch.bfloat16}] and out.dtype == torch.float32
+        out = plan.attend(query, key, key.to(torch.bfloat16), 0.5)
+    half = torch.float16 if autocast else torch.bfloat16
+    assert seen == [({half}, True, plan.kv_gather.numel())]
+    assert out.shape == (1, length, 2, 4) and out.dtype == (half if autocast else torch.float32)
 
 
 def test_attach_is_idempotent_and_the_model_refuses_to_run_without_a_plan():

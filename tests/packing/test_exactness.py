@@ -91,7 +91,11 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 @pytest.mark.parametrize("seed", [6, 7])
 def test_varlen_gather_of_segment_paths_is_exact(seed, monkeypatch):
     """The varlen plan (K/V gathered along each path, one call) with a reference kernel standing in for CUDA's."""
-    monkeypatch.setitem(ATTENTION._entries, "varlen", lambda row, dev: varlen_plan(row, dev, kernel=reference_varlen))
+    monkeypatch.setitem(
+        ATTENTION._entries,
+        "varlen",
+        lambda row, dev: varlen_plan(row, dev, kernel=reference_varlen, half_precision=False),
+    )
     row = pack(random_samples(seed))
     model, reference = models(seed)
     packed = packed_forward(model, row, TEMPERATURE, attention="varlen").logprobs

@@ -75,6 +75,29 @@ def test_rows_joining_into_freed_cache_slots_match_rows_decoded_alone(make_engin
     assert max(engine.stats().batch_sizes) == 3
 
 
+def test_a_group_sharing_one_prompt_is_prefilled_once_and_samples_as_if_alone(make_engine, tiny_model):
+    engine = make_engine()
+    group = [replace(make_request(0, 9, 10), request_id=f"g{k}", seed=200 + k) for k in range(6)]
+    requests = [*group[:3], make_request(1, 9, 8), *group[3:]]
+    prefills: list[tuple[int, ...]] = []
+
+    def record(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:
+            prefills.append(tuple(kwargs["input_ids"].shape))
+
+    engine.pause("keep", clear_cache=False)  # all seven join at the next step
+    futures = [engine.submit(request) for request in requests]
+    handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        engine.resume()
+        together = [future.result(timeout=60) for future in futures]
+    finally:
+        handle.remove()
+    assert prefills == [(2, 9)]  # the group's prompt once, the other request's once
+    assert_same_generations(together, [generate(engine, [request])[0] for request in requests])
+    assert len({tuple(result.token_ids) for result in together}) == 7  # each row still samples with its own seed
+
+
 def test_preempted_rows_are_recomputed_without_changing_their_tokens(make_engine):
     roomy = generate(make_engine(), REQUESTS)
     tight = make_engine(kv_cache_tokens=64)
