@@ -50,6 +50,10 @@ class MicroBatchPlanner:
         self._place(sample, target)
         return closed
 
+    def fits(self, sample: RolloutSample) -> bool:
+        """Whether ``offer`` would place the sample without closing the open micro-batch."""
+        return sample.num_tokens <= self.token_budget and self._choose(sample) is not None
+
     def flush(self) -> list[Row] | None:
         """Close the open micro-batch (None if it holds nothing); ranks without a sample get an empty row."""
         rows = self.rows

@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+NONE_INFLIGHT = 1 << 62
+"""``oldest_inflight_version`` when no group is generating."""
+
 
 @dataclass(frozen=True)
 class PromptDone:
@@ -31,6 +34,7 @@ class WorkerChannels:
     model_version: Any  # mp.Value('q'): weight syncs done
     token_allowance: Any  # mp.Value('q'): tokens the worker may hold queued or in flight
     tokens_consumed: Any  # mp.Value('q'): sample tokens the trainer pulled so far (trained or dropped)
+    oldest_inflight_version: Any  # mp.Value('q'): the oldest policy version generating now (NONE_INFLIGHT: none)
     heartbeat: Any  # mp.Value('d'): time.time() of the worker's last progress
     status: Any  # mp.Array('c'): what the worker is doing or waiting on, for error messages
     spec_queue: Any  # mp.Queue of the one WorkerSpec: the worker process starts before its spec is known
@@ -47,6 +51,7 @@ class WorkerChannels:
             model_version=ctx.Value("q", 0),
             token_allowance=ctx.Value("q", int(initial_allowance)),
             tokens_consumed=ctx.Value("q", 0),
+            oldest_inflight_version=ctx.Value("q", NONE_INFLIGHT),
             heartbeat=ctx.Value("d", time.time()),
             status=ctx.Array("c", 256),
             spec_queue=ctx.Queue(),

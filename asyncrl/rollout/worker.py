@@ -14,14 +14,14 @@ import os
 import queue
 import time
 import traceback
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from asyncrl.rollout.admission import Admission
-from asyncrl.rollout.channels import PromptDone, WorkerChannels
+from asyncrl.rollout.channels import NONE_INFLIGHT, PromptDone, WorkerChannels
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
 from asyncrl.rollout.pacing import StalenessPacer
 from asyncrl.rollout.scoring import RewardSource, score_group
@@ -73,6 +73,8 @@ class WorkerDriver:
         self.admission = Admission(g, limits.max_concurrent_rollouts, asynchronous=limits.max_staleness > 0)
         self.concurrency = ConcurrencyController(limits.max_concurrent_rollouts)
         self.pacer = StalenessPacer(limits.max_concurrent_rollouts, g, limits.max_staleness)
+        self.inflight_versions: Counter[int] = Counter()
+        """Groups generating, by the policy version they started under."""
         self.sync_mode = limits.max_staleness == 0
         self.batch_start_tokens = 0
         self.metrics: dict[str, list[float]] = defaultdict(list)
@@ -206,10 +208,26 @@ class WorkerDriver:
     # ---- one group -------------------------------------------------------------------------------------------
 
     async def _run_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
+        version = self.channels.model_version.value
+        self._generating(version, +1)
+        try:
+            await self._generate_group(prompt_index, row_index, row, epoch, version)
+        finally:
+            self._generating(version, -1)  # after its samples are queued: the trainer may stop waiting for them
+
+    def _generating(self, version: int, change: int) -> None:
+        """Count a group in flight under ``version`` and publish the oldest version in flight (the trainer waits
+        for a group that must train in its next step rather than drop it: trainer/assembler.py)."""
+        self.inflight_versions[version] += change
+        if not self.inflight_versions[version]:
+            del self.inflight_versions[version]
+        self.channels.oldest_inflight_version.value = min(self.inflight_versions, default=NONE_INFLIGHT)
+
+    async def _generate_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int,
+                              version: int) -> None:  # fmt: skip
         from asyncrl.client import ROLLOUT_MODEL, policy_model
 
         started = time.time()
-        version = self.channels.model_version.value
         ROLLOUT_MODEL.set(policy_model(self.spec.model_name, self.spec.adapter_prefix, version))  # this task only
         group_id = next(self.group_ids)
         prompt = row.get("prompt") or []

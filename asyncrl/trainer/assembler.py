@@ -5,7 +5,9 @@ MicroBatchPlanner (packing/planner.py); with one rank a micro-batch is a row, cl
 does not fit. Asynchronous mode closes a step after ``gradient_accumulation_steps`` micro-batches.
 Synchronous mode (max_staleness=0) takes everything up to the worker's ``EndOfBatch`` marker. Of the samples
 that have arrived, the oldest policy version is taken first: groups finish out of their start order, and a
-sample one sync from its staleness limit must not wait behind younger ones that have time to spare. While
+sample one sync from its staleness limit must not wait behind younger ones that have time to spare. For the
+same reason a step waits (bounded) for a group still generating at its last version. A step never carries a
+sample into the next one: that one trains after a sync, so the sample is checked again when it is pulled. While
 waiting, the worker's failure, silence and the server's death are checked so a broken run fails within
 seconds with the reason, never hangs.
 """
@@ -24,6 +26,9 @@ from asyncrl.metrics import MetricWindow
 from asyncrl.packing import MicroBatchPlanner, Row, RowFactory
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample
+
+EXPIRING_GRACE_S = 0.05
+"""After waiting for expiring groups: how long their last samples may take through the queue's pipe."""
 
 
 class RolloutWorkerError(RuntimeError):
@@ -103,6 +108,8 @@ class StepAssembler:
         self._samples: list[tuple[int, int, RolloutSample]] = []  # heap by (model_version, arrival)
         self._markers: deque[PromptDone | EndOfBatch] = deque()
         self._arrivals = itertools.count()
+        self._step_started: float | None = None
+        self._expiring_deadline = self._expiring_wait_s = 0.0
 
     @property
     def held(self) -> int:
@@ -113,6 +120,9 @@ class StepAssembler:
         """The next step's micro-batches; the open one, where the sample that closed the last went, carries over."""
         micro_batches: list[list[Row]] = []
         wait_s = 0.0
+        now = time.monotonic()
+        self._expiring_deadline = now + (now - self._step_started if self._step_started is not None else 0.0)
+        self._step_started, self._expiring_wait_s = now, 0.0
         while True:
             item, waited = self._get()
             wait_s += waited
@@ -122,13 +132,21 @@ class StepAssembler:
             if isinstance(item, EndOfBatch):
                 self._close(micro_batches, self.planner.flush())
                 if micro_batches or not self.sync_mode:
-                    return Step.of(micro_batches, wait_s, final=not self.sync_mode)
+                    return self._step(micro_batches, wait_s, final=not self.sync_mode)
                 continue
-            if not self._admit(item):
+            if self._dropped(item):
                 continue
-            closed = self._close(micro_batches, self.planner.offer(item))
-            if closed and len(micro_batches) == self.micro_batches_per_step and not self.sync_mode:
-                return Step.of(micro_batches, wait_s)
+            if self._opens_next_step(micro_batches, item):
+                self._hold(item)  # checked again, at that step's version, when it is pulled
+                self._close(micro_batches, self.planner.flush())
+                return self._step(micro_batches, wait_s)
+            self._take(item)
+            self._close(micro_batches, self.planner.offer(item))
+
+    def _step(self, micro_batches: list[list[Row]], wait_s: float, final: bool = False) -> Step:
+        if not self.sync_mode:
+            self.window.add("sample/expiring_wait_s", self._expiring_wait_s)
+        return Step.of(micro_batches, wait_s, final)
 
     def _close(self, micro_batches: list[list[Row]], closed: list[Row] | None) -> bool:
         """Add a closed micro-batch to the step; its prompts count as consumed only now that they train."""
@@ -140,40 +158,76 @@ class StepAssembler:
                 self.progress.mark(sample.prompt_index)
         return True
 
-    def _admit(self, sample: RolloutSample) -> bool:
-        """Count the sample as consumed; keep it unless it is too stale or too long for any row."""
-        with self.channels.tokens_consumed.get_lock():
-            self.channels.tokens_consumed.value += sample.num_tokens
+    def _opens_next_step(self, micro_batches: list[list[Row]], sample: RolloutSample) -> bool:
+        """The sample would close the step's last micro-batch and open the next step's first. That step trains
+        after the next weight sync, one version later, so the sample goes back among the held ones instead of
+        waiting in a row where its staleness would no longer be checked."""
+        last = len(micro_batches) == self.micro_batches_per_step - 1
+        return last and not self.sync_mode and not self.planner.fits(sample)
+
+    def _dropped(self, sample: RolloutSample) -> bool:
+        """Drop (and count as consumed) a sample too stale to train now or too long for any row."""
         staleness = self.channels.model_version.value - sample.model_version
         if staleness > self.max_staleness:
             self.window.add("sample/dropped_stale_count", 1)
-            self.progress.mark(sample.prompt_index)
-            return False
-        if sample.num_tokens > self.token_budget:
+        elif sample.num_tokens > self.token_budget:
             self.window.add("batch/dropped_oversize_count", 1)
-            self.progress.mark(sample.prompt_index)
+        else:
             return False
+        self._consume(sample)
+        self.progress.mark(sample.prompt_index)
+        return True
+
+    def _take(self, sample: RolloutSample) -> None:
+        """Count the sample as consumed: it trains in this step, at the current version."""
+        self._consume(sample)
+        staleness = self.channels.model_version.value - sample.model_version
         self.window.add("sample/staleness_mean", staleness)
         self.window.add("sample/staleness_max", staleness)
         self.window.add("sample/time_in_queue_s", time.time() - sample.queued_at)
-        return True
+
+    def _consume(self, sample: RolloutSample) -> None:
+        with self.channels.tokens_consumed.get_lock():
+            self.channels.tokens_consumed.value += sample.num_tokens
 
     def _get(self) -> tuple[object, float]:
         """The next item: a PromptDone first, then the oldest-version sample that arrived, an EndOfBatch last."""
         started = time.monotonic()
-        while not (self._samples or self._markers):
+        waited_on_expiring = False
+        while True:
+            expiring = self._expiring_in_flight()
+            if self._markers or (self._samples and not expiring):
+                break
+            waited_on_expiring |= expiring
             try:
-                self._hold(self.channels.rollout_queue.get(timeout=0.2))
+                self._hold(self.channels.rollout_queue.get(timeout=0.05 if expiring else 0.2))
             except queue.Empty:
                 self._check_worker()
+        if waited_on_expiring:
+            self._expiring_wait_s += time.monotonic() - started
+        grace_s = EXPIRING_GRACE_S if waited_on_expiring else 0.0  # the last group's samples may still be in transit
         while True:
             try:
-                self._hold(self.channels.rollout_queue.get_nowait())
+                self._hold(self.channels.rollout_queue.get(timeout=grace_s) if grace_s else
+                           self.channels.rollout_queue.get_nowait())  # fmt: skip
             except queue.Empty:
                 break
+            grace_s = 0.0
         if self._markers and (isinstance(self._markers[0], PromptDone) or not self._samples):
             return self._markers.popleft(), time.monotonic() - started
         return heapq.heappop(self._samples)[2], time.monotonic() - started
+
+    def _expiring_in_flight(self) -> bool:
+        """Whether to wait for groups still generating whose samples train in this step or never, rather than fill
+        the step with younger samples that can wait a step (at most one step's time per step). Short groups
+        finish first, so without this a long group started just before a sync misses the last step it may train
+        in, and its generation is wasted."""
+        if self.sync_mode or time.monotonic() >= self._expiring_deadline:
+            return False
+        last_chance = self.channels.model_version.value - self.max_staleness  # this version trains now or never
+        if self._samples and self._samples[0][0] <= last_chance:
+            return False  # one of them is here: take it first
+        return bool(self.channels.oldest_inflight_version.value <= last_chance)
 
     def _hold(self, item: object) -> None:
         if isinstance(item, RolloutSample):

@@ -3,13 +3,14 @@ and a worker that fails or goes silent turning into an error instead of a hang."
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing import build_row_factory
-from asyncrl.rollout.channels import PromptDone, WorkerChannels
+from asyncrl.rollout.channels import NONE_INFLIGHT, PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample, TrainingSequence
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, StepAssembler
 from asyncrl.trainer.distributed import split_rows
@@ -40,10 +41,10 @@ def test_rows_close_when_full_and_the_step_has_rows_per_step_rows():
     channels = WorkerChannels.create(1000)
     asm, progress, _ = assembler(channels)
     put(channels, *(sample(i) for i in range(5)))
-    step = asm.next_step()  # rows of 2 samples (20 of 25 tokens); the 5th sample opens the next step
+    step = asm.next_step()  # rows of 2 samples (20 of 25 tokens); the 5th sample waits for the next step
     assert [len(r.samples) for r in step.rows] == [2, 2]
     assert progress.cursor == 4
-    assert channels.tokens_consumed.value == 50
+    assert channels.tokens_consumed.value == 40 and asm.held == 1
 
 
 def test_two_ranks_get_micro_batches_balanced_by_cost_and_an_idle_rank_a_filler():
@@ -132,5 +133,50 @@ def test_the_oldest_policy_version_that_arrived_is_taken_first():
         sample(4, version=0))  # fmt: skip
     step = asm.next_step()  # a row holds two: the version-0 samples, one sync from their limit, go first
     assert [s.prompt_index for s in step.samples] == [1, 4]
-    assert asm.held == 1  # sample 3 waits; sample 0 opened the next row
+    assert asm.held == 2  # samples 0 and 3 wait for the next step
     assert 2 in progress.done and "sample/dropped_stale_count" not in window.reduce()
+
+
+def test_a_sample_that_would_open_the_next_step_is_checked_at_that_steps_version():
+    """The next step trains after a weight sync: a sample at the staleness limit now must not train then."""
+    channels = WorkerChannels.create(1000)
+    channels.model_version.value = 1
+    asm, _, window = assembler(channels, rows=1, max_staleness=1)
+    put(channels, *(sample(i, version=0) for i in range(3)))
+    first = asm.next_step()
+    assert [s.prompt_index for s in first.samples] == [0, 1] and window.reduce()["sample/staleness_max"] == 1
+    channels.model_version.value = 2  # the sync after the first step
+    put(channels, sample(3, version=2), sample(4, version=2), EndOfBatch(2))
+    second = asm.next_step()
+    assert [s.prompt_index for s in second.samples] == [3, 4]
+    reduced = window.reduce()
+    assert reduced["sample/dropped_stale_count"] == 1 and reduced["sample/staleness_max"] == 0
+
+
+def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_one_steps_time():
+    channels = WorkerChannels.create(1000)
+    channels.model_version.value = 2
+    asm, _, window = assembler(channels, rows=1, max_staleness=1)
+    put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
+    asm.next_step()  # the first step: nothing to time the wait by
+    assert window.reduce()["sample/expiring_wait_s"] == 0
+    time.sleep(0.6)  # the previous step's time bounds the next step's wait
+    channels.oldest_inflight_version.value = 1  # a version-1 group is generating: it trains in this step or never
+    put(channels, sample(3, version=2))
+
+    def finish_the_group() -> None:
+        time.sleep(0.2)
+        put(channels, sample(4, version=1), sample(5, version=1))
+        channels.oldest_inflight_version.value = NONE_INFLIGHT
+
+    threading.Thread(target=finish_the_group).start()
+    step = asm.next_step()
+    assert [s.prompt_index for s in step.samples] == [4, 5]  # not the younger ones that arrived first
+    assert 0.15 < window.reduce()["sample/expiring_wait_s"] < 0.6
+
+    time.sleep(0.3)
+    channels.oldest_inflight_version.value = 1  # a group that never finishes: the step goes on after ~0.3 s
+    put(channels, sample(6, version=2))  # the sample that closes the step
+    started = time.monotonic()
+    step = asm.next_step()
+    assert [s.model_version for s in step.samples] == [2, 2] and 0.2 < time.monotonic() - started < 2
