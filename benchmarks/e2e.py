@@ -41,6 +41,7 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True),
 }  # fmt: skip
 # (prompt words lo, hi), median completion tokens, sigma of log length, max completion tokens, token budget
+GROUP_SIZE = 8  # rollouts per prompt
 WORKLOAD = {"0.6b": ((128, 512), 128, 0.9, 512, 16384), "tiny": ((8, 24), 12, 0.6, 48, 512)}
 
 
@@ -102,7 +103,7 @@ def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> lis
         f"reward_funcs=[{{name:length,target:{median},scale:0.01}}]",
         # GRPO's clipped loss needs only the sampled token's log-probability: top-k sets would make vLLM 0.26's one
         # API process, not the GPU, the bound on generation
-        "loss=clipped", "sampling.num_generations=8", f"sampling.max_completion_length={max_len}",
+        "loss=clipped", f"sampling.num_generations={GROUP_SIZE}", f"sampling.max_completion_length={max_len}",
         "sampling.num_sampler_logprobs=0",
         "rollout.loop_cls=benchmarks.e2e:LengthControlledLoop",
         f"++rollout.options={{median_tokens:{median},sigma:{sigma}}}",
@@ -118,7 +119,8 @@ def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> lis
 
 
 def standalone_tokens_per_s(base_url: str, name: str, args: argparse.Namespace, requests: int) -> float:
-    """The server alone: `requests` rollouts of the workload's length tail at the run's concurrency."""
+    """The server alone: `requests` rollouts of the workload's length tail at the run's concurrency, in groups of
+    GROUP_SIZE sharing a prompt, as GRPO asks (a server with prefix caching prefills each prompt once)."""
     from asyncrl.client import GenerationClient, SamplingParams
 
     (lo, hi), median, sigma, _, _ = WORKLOAD[args.shape]
@@ -126,7 +128,8 @@ def standalone_tokens_per_s(base_url: str, name: str, args: argparse.Namespace, 
     rng = random.Random(1)
     jobs = []
     for i in range(requests):
-        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))]
+        if i % GROUP_SIZE == 0:
+            prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))]
         length = int(min(WORKLOAD[args.shape][3], max(8, rng.lognormvariate(math.log(median), sigma))))
         jobs.append((prompt, SamplingParams(max_tokens=length, min_tokens=length, logprobs=0, seed=i)))
 
