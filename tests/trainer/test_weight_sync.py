@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import pickle
 import sys
 import time
@@ -362,6 +363,10 @@ def test_in_place_ipc_sync_refuses_a_model_that_no_longer_fits_its_layout(model,
     with pytest.raises(WeightSyncError, match="no longer match the shared weight buffer"):
         sync.push(torch.nn.Linear(3, 3), 2)
     assert control.calls[-1] == "resume"
+    grown = copy.deepcopy(model)
+    grown.model.norm.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))  # after every laid-out one
+    with pytest.raises(WeightSyncError, match="model.norm.extra was not laid out"):
+        sync.push(grown, 3)
 
 
 def test_the_worker_extension_refuses_what_it_cannot_load(monkeypatch, model):

@@ -68,6 +68,9 @@ class DirectIpcTransport(Transport):
                     raise WeightSyncError(f"the model's parameters no longer match the shared weight buffer "
                                           f"({name} where {slot_name} was laid out)")  # fmt: skip
                 view.copy_(tensor)
+        if chunk is self.chunks[-1] and (extra := next(self._pending, None)) is not None:
+            raise WeightSyncError(f"the model's parameters no longer match the shared weight buffer ({extra[0]} "
+                                  "was not laid out)")  # fmt: skip
         if self.buffer.is_cuda:
             torch.cuda.current_stream().synchronize()  # the server reads the buffer from another process
 
