@@ -117,7 +117,8 @@ class StepAssembler:
         return len(self._samples)
 
     def next_step(self) -> Step:
-        """The next step's micro-batches; the open one, where the sample that closed the last went, carries over."""
+        """The next step's micro-batches. Nothing carries over: the sample that would open the next step's first
+        micro-batch goes back among the held ones (``_opens_next_step``)."""
         micro_batches: list[list[Row]] = []
         wait_s = 0.0
         now = time.monotonic()
