@@ -6,8 +6,9 @@ does not fit. Asynchronous mode closes a step after ``gradient_accumulation_step
 Synchronous mode (max_staleness=0) takes everything up to the worker's ``EndOfBatch`` marker. Of the samples
 that have arrived, the oldest policy version is taken first: groups finish out of their start order, and a
 sample one sync from its staleness limit must not wait behind younger ones that have time to spare. For the
-same reason a step waits (bounded) for a group still generating at its last version. A step never carries a
-sample into the next one: that one trains after a sync, so the sample is checked again when it is pulled. While
+same reason a step waits (bounded) for a group still generating at its last version, and a full step takes one
+more micro-batch of samples at their last version instead of dropping them. A step never carries a sample into
+the next one: that one trains after a sync, so the sample is checked again when it is pulled. While
 waiting, the worker's failure, silence and the server's death are checked so a broken run fails within
 seconds with the reason, never hangs.
 """
@@ -120,7 +121,7 @@ class StepAssembler:
         """The next step's micro-batches. Nothing carries over: the sample that would open the next step's first
         micro-batch goes back among the held ones (``_opens_next_step``)."""
         micro_batches: list[list[Row]] = []
-        wait_s = 0.0
+        wait_s, overflow = 0.0, False
         now = time.monotonic()
         self._expiring_deadline = now + (now - self._step_started if self._step_started is not None else 0.0)
         self._step_started, self._expiring_wait_s = now, 0.0
@@ -137,16 +138,20 @@ class StepAssembler:
                 continue
             if self._dropped(item):
                 continue
-            if self._opens_next_step(micro_batches, item):
+            full = self._opens_next_step(micro_batches, item, overflow)
+            if full and not overflow and self._last_chance(item):
+                overflow = True  # one more micro-batch, for samples that train in this step or never
+            elif full or (overflow and not self._last_chance(item)):
                 self._hold(item)  # checked again, at that step's version, when it is pulled
                 self._close(micro_batches, self.planner.flush())
-                return self._step(micro_batches, wait_s)
+                return self._step(micro_batches, wait_s, overflow=overflow)
             self._take(item)
             self._close(micro_batches, self.planner.offer(item))
 
-    def _step(self, micro_batches: list[list[Row]], wait_s: float, final: bool = False) -> Step:
+    def _step(self, micro_batches: list[list[Row]], wait_s: float, final: bool = False, overflow: bool = False) -> Step:
         if not self.sync_mode:
             self.window.add("sample/expiring_wait_s", self._expiring_wait_s)
+            self.window.add("batch/overflow_micro_batch_count", float(overflow))
         return Step.of(micro_batches, wait_s, final)
 
     def _close(self, micro_batches: list[list[Row]], closed: list[Row] | None) -> bool:
@@ -159,12 +164,18 @@ class StepAssembler:
                 self.progress.mark(sample.prompt_index)
         return True
 
-    def _opens_next_step(self, micro_batches: list[list[Row]], sample: RolloutSample) -> bool:
+    def _opens_next_step(self, micro_batches: list[list[Row]], sample: RolloutSample, overflow: bool) -> bool:
         """The sample would close the step's last micro-batch and open the next step's first. That step trains
         after the next weight sync, one version later, so the sample goes back among the held ones instead of
         waiting in a row where its staleness would no longer be checked."""
-        last = len(micro_batches) == self.micro_batches_per_step - 1
+        last = len(micro_batches) == self.micro_batches_per_step - 1 + overflow
         return last and not self.sync_mode and not self.planner.fits(sample)
+
+    def _last_chance(self, sample: RolloutSample) -> bool:
+        """The sample trains in this step or is dropped by the next: a step that is full takes one more
+        micro-batch of such samples rather than waste their generation (the loss is normalised per step, so a
+        step of more rows is a larger batch, as a synchronous step's overshoot is)."""
+        return self.channels.model_version.value - sample.model_version >= self.max_staleness
 
     def _dropped(self, sample: RolloutSample) -> bool:
         """Drop (and count as consumed) a sample too stale to train now or too long for any row."""

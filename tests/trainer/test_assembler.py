@@ -138,19 +138,33 @@ def test_the_oldest_policy_version_that_arrived_is_taken_first():
 
 
 def test_a_sample_that_would_open_the_next_step_is_checked_at_that_steps_version():
-    """The next step trains after a weight sync: a sample at the staleness limit now must not train then."""
+    """The next step trains after a weight sync: a sample within the limit now may be past it then."""
     channels = WorkerChannels.create(1000)
     channels.model_version.value = 1
-    asm, _, window = assembler(channels, rows=1, max_staleness=1)
+    asm, _, window = assembler(channels, rows=1, max_staleness=2)
     put(channels, *(sample(i, version=0) for i in range(3)))
     first = asm.next_step()
     assert [s.prompt_index for s in first.samples] == [0, 1] and window.reduce()["sample/staleness_max"] == 1
-    channels.model_version.value = 2  # the sync after the first step
-    put(channels, sample(3, version=2), sample(4, version=2), EndOfBatch(2))
+    channels.model_version.value = 3  # two syncs later
+    put(channels, sample(3, version=3), sample(4, version=3), EndOfBatch(3))
     second = asm.next_step()
     assert [s.prompt_index for s in second.samples] == [3, 4]
     reduced = window.reduce()
     assert reduced["sample/dropped_stale_count"] == 1 and reduced["sample/staleness_max"] == 0
+
+
+def test_a_full_step_takes_one_more_micro_batch_of_samples_at_their_last_version():
+    channels = WorkerChannels.create(1000)
+    channels.model_version.value = 1
+    asm, _, window = assembler(channels, rows=1, max_staleness=1)
+    put(channels, *(sample(i, version=0) for i in range(5)), sample(5, version=1))
+    step = asm.next_step()  # rows hold two: [0, 1] fills the step, [2, 3] trains rather than expire, 4 cannot
+    assert [[s.prompt_index for s in row.samples] for row in step.rows] == [[0, 1], [2, 3]]
+    assert window.reduce()["batch/overflow_micro_batch_count"] == 1 and asm.held == 2
+    channels.model_version.value = 2
+    put(channels, sample(6, version=2), EndOfBatch(2))
+    assert [s.prompt_index for s in asm.next_step().samples] == [5, 6]  # only one extra micro-batch: 4 expired
+    assert window.reduce()["sample/dropped_stale_count"] == 1
 
 
 def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_one_steps_time():
