@@ -154,6 +154,8 @@ class TrainerConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1
+    """Micro-batches (one row per rank each) per optimizer step. An asynchronous step that is full takes one more
+    when samples at their last trainable version would otherwise be dropped (batch/overflow_micro_batch_count)."""
     gradient_checkpointing: bool = True
     logit_chunk_tokens: int = 4096
     """Trained tokens whose LM-head logits exist at once (their [tokens x vocabulary] float32 buffers bound a
