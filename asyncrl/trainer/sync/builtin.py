@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -16,6 +17,9 @@ from asyncrl.client import ControlClient
 from asyncrl.config.schema import Config
 from asyncrl.trainer.sync.base import Transport
 from asyncrl.trainer.sync.tensors import serving_dtype, unique_state_dict
+
+if TYPE_CHECKING:
+    from asyncrl.server.checks import ServerFacts
 
 
 def _staging_dir(run_dir: Path) -> Path:
@@ -32,7 +36,7 @@ class FileTransport(Transport):
         self._round = 0
 
     @classmethod
-    def from_config(cls, *, config: Config, run_dir: Path, facts: object = None) -> FileTransport:
+    def from_config(cls, *, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> FileTransport:
         """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
         return cls(run_dir, serving_dtype(config))
 
