@@ -44,6 +44,7 @@ def rank_main(rank: int, port: int, out: Path) -> None:
         if rank == 0:
             torch.save({"whole": whole, "got": got, "buckets": len(buckets(params, torch.bfloat16, limit=40))},
                        out / "gathered.pt")  # fmt: skip
+        dist.barrier()  # tear down together: gloo aborts a rank that destroys the group while the other still talks
     finally:
         dist.destroy_process_group()
 
