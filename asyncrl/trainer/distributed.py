@@ -15,13 +15,15 @@ environment); asyncrl/trainer/supervise.py starts them.
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import os
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -228,6 +230,7 @@ def main(run_dir: Path) -> int:
 
     config = load_run_config(run_dir)
     _terminate_on_sigterm()
+    faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
     ranks = Ranks.from_env()
     try:
         if ranks.rank == 0:
@@ -256,5 +259,18 @@ def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
     run_training(config, run_dir, server, prepare(config), ranks=ranks)
 
 
+def leave(code: int) -> NoReturn:
+    """End this rank's process after its process group is destroyed, without the interpreter's teardown.
+
+    Process-group threads can outlive ``destroy_process_group`` (FSDP2 keeps its device meshes), and one that
+    touches a Python object while the interpreter tears down aborts the process ("terminate called without an
+    active exception"): a rank that finished its work would exit with SIGABRT. Exit handlers still run.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(Path(sys.argv[1])))
+    leave(main(Path(sys.argv[1])))

@@ -6,6 +6,7 @@ One 2-rank run (module fixture) serves every test: spawning ranks costs seconds 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 from pathlib import Path
@@ -77,11 +78,12 @@ def single_process_step(config: Config, rows: list) -> torch.nn.Module:
 def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path, port: int, server_url: str) -> None:
     """One rank: rank 0 leads the trainer's step, sync and save sequence; rank 1 is a real Follower."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.enable()  # a crashed rank prints its Python stack
     import torch.distributed as dist
 
     from asyncrl.client import ControlClient
     from asyncrl.trainer import fsdp
-    from asyncrl.trainer.distributed import Follower, Ranks, build_sharded, split_rows, train_rows
+    from asyncrl.trainer.distributed import Follower, Ranks, build_sharded, leave, split_rows, train_rows
     from asyncrl.trainer.sync.builtin import FileTransport
     from asyncrl.trainer.weight_sync import WeightSync
 
@@ -120,6 +122,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave(0)
 
 
 @pytest.fixture(scope="module")

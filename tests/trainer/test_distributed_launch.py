@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,12 @@ def test_a_failed_rank_stops_the_others_and_is_named(random_tiny_model_dir, tmp_
         run_ranks(tmp_path, 2, HealthyServer())
     assert [proc.poll() is not None for proc in started[0].procs] == [True, True]
     assert Path(tmp_path / "logs" / "rank_1.log").is_file()
+
+
+def test_a_leaving_rank_runs_its_exit_handlers_flushes_and_keeps_its_code():
+    """``leave`` skips the interpreter's teardown, not what a normal exit does before it."""
+    script = ("import atexit, sys; from asyncrl.trainer.distributed import leave; "
+              "atexit.register(print, 'handler ran'); print('buffered', end=' '); leave(3)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "buffered handler ran\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.server.process import free_port
+from asyncrl.trainer.distributed import leave
 from asyncrl.trainer.fsdp import buckets, gather_bucket
 
 WORLD = 2
@@ -29,6 +31,7 @@ def test_buckets_split_where_the_gathered_dtype_changes():
 
 def rank_main(rank: int, port: int, out: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.enable()  # a crashed rank prints its Python stack
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -47,6 +50,7 @@ def rank_main(rank: int, port: int, out: Path) -> None:
         dist.barrier()  # tear down together: gloo aborts a rank that destroys the group while the other still talks
     finally:
         dist.destroy_process_group()
+    leave(0)
 
 
 def test_a_bucket_gathers_uneven_shards_whole_in_the_serving_dtype(tmp_path):
