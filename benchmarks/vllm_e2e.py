@@ -106,7 +106,9 @@ def phase_sync(backend: str, out: Path) -> None:
         )
         syncs = [sync]
         if type(sync.transport).__name__ == "DirectIpcTransport":  # vLLM's own ipc engine too, on the same server
-            syncs.append(WeightSync(control, ipc_transport(config=config, run_dir=out), sync.facts))
+            engine = WeightSync(control, ipc_transport(config=config, run_dir=out), sync.facts)
+            engine.init()
+            syncs.append(engine)
         for round_, sync_ in enumerate(syncs):
             for version in range(3 * round_ + 1, 3 * round_ + 4):
                 with torch.no_grad():
