@@ -297,12 +297,17 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
 )
 
 
+def trainer_ranks(config: Config) -> int:
+    """The trainer's rank count as configured: trainer.num_processes, else trainer.gpus, else 1."""
+    return config.trainer.num_processes or config.trainer.gpus or 1
+
+
 def check_ranks(config: Config) -> None:
     """Several trainer ranks: a count >= 1, full fine-tuning (the sharded path merges no adapter)."""
     t = config.trainer
     if t.num_processes is not None and t.num_processes < 1:
         raise ConfigError(f"trainer.num_processes={t.num_processes} must be >= 1")
-    ranks = t.num_processes or t.gpus or 1
+    ranks = trainer_ranks(config)
     if ranks > 1 and config.lora.enabled:
         raise ConfigError(f"trainer.num_processes={ranks} with lora.enabled=true: multi-rank (FSDP2) training is "
                           "full fine-tuning only; train LoRA on one rank (trainer.num_processes=1)")  # fmt: skip

@@ -9,18 +9,21 @@ length, dev-mode endpoints, candidate sets). The result says which weight-sync b
 from __future__ import annotations
 
 import logging
+import math
 import shlex
 from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, WeightTransfer
+from asyncrl.config.validate import trainer_ranks
 from asyncrl.server import vllm
 from asyncrl.server.command import resolve_backend, served_model_name
 
 log = logging.getLogger(__name__)
 
 BUILTIN_VERSION_PREFIX = "asyncrl-builtin"
+NCCL_FLAG = '--weight-transfer-config \'{"backend":"nccl"}\''
 
 
 class ServerCheckError(RuntimeError):
@@ -39,6 +42,10 @@ class ServerFacts:
     """Whether /inference/v1/generate returns each token's candidate set."""
     worker_extension: str = ""
     """vLLM's --worker-extension-cls (asyncrl's loads ipc weights in place: server/vllm_extension.py)."""
+    quantization: str = ""
+    """vLLM's --quantization: weights it re-processes after loading, which an in-place load would not redo."""
+    gpus: int = 1
+    """The GPUs one server spans (tensor x pipeline x data parallel)."""
 
 
 def check_server(config: Config, control: ControlClient, *, dataset: Any = None, tokenizer: Any = None) -> ServerFacts:
@@ -57,9 +64,12 @@ def check_server(config: Config, control: ControlClient, *, dataset: Any = None,
     info = control.server_info()
     transfer = _check_vllm_config(config, info, fix)
     can_mask = vllm.parse_version(version)[:2] >= vllm.SAMPLING_MASK_SINCE
-    extension = ((info.get("vllm_config") or {}).get("parallel_config") or {}).get("worker_extension_cls") or ""
+    engine = info.get("vllm_config") or {}
+    parallel = engine.get("parallel_config") or {}
+    gpus = math.prod(int(parallel.get(f"{kind}_parallel_size") or 1) for kind in ("tensor", "pipeline", "data"))
     return ServerFacts(backend, version, max_model_len, transfer, _candidate_sets(config, control, fix, can_mask),
-                       str(extension))  # fmt: skip
+                       str(parallel.get("worker_extension_cls") or ""),
+                       str((engine.get("model_config") or {}).get("quantization") or ""), gpus)  # fmt: skip
 
 
 class _Fix:
@@ -162,6 +172,9 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
         raise fix(f"weight-transfer backend {transfer} is not supported", "--weight-transfer-config with nccl or ipc")
     if transfer == "ipc" and not _truthy(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION")):
         raise fix("ipc weight transfer sends pickled CUDA IPC handles", "VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+    if transfer == "ipc" and (ranks := trainer_ranks(config)) > 1:
+        raise fix(f"the server takes weights over ipc, which shares one process's GPU memory, but the trainer has "
+                  f"{ranks} ranks (trainer.num_processes)", NCCL_FLAG)  # fmt: skip
     if vllm.lora_adapters(config):
         _check_lora(config, engine.get("lora_config"), env, fix)
     return str(transfer)

@@ -81,6 +81,9 @@ class WeightSync:
             barrier_s = self._update(version)
         except WeightSyncError as error:
             failure = error
+        except BaseException:  # Ctrl-C or SystemExit mid-round: the server must not stay paused
+            self._resume(after_failure=True)
+            raise
         finally:
             self.transport.discard()
         resumed = self._resume(after_failure=failure is not None)

@@ -118,6 +118,8 @@ VLLM_CASES = {
     "max logprobs": (vllm_info(vllm_config__model_config__max_logprobs=4), [], "--max-logprobs 8"),
     "lora off": (vllm_info(), ["lora=default", "lora.sync=adapter"],
                  "LoRA off.*--enable-lora --max-lora-rank 32 --max-loras 6"),
+    "ipc to several trainer ranks": (vllm_info(), ["trainer.num_processes=2"],
+                                     "ipc.*the trainer has 2 ranks.*--weight-transfer-config '{\"backend\":\"nccl\"}'"),
     "lora rank": (vllm_info(vllm_config__lora_config={"max_lora_rank": 8, "max_loras": 6}),
                   ["lora=default", "lora.sync=adapter"], "max_lora_rank 8 is below lora.r=32.*--max-lora-rank 32"),
 }  # fmt: skip
@@ -140,10 +142,13 @@ def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog, serv
         facts = run_checks(attached_vllm(url, "sampling.top_k=20"))
     assert (facts.backend, facts.weight_transfer, facts.candidate_sets) == ("vllm", "ipc", False)
     assert "cannot return per-token candidate sets" in caplog.text  # 0.26 has no sampling mask: warned
-    assert facts.worker_extension == ""
-    extended = vllm_info(vllm_config__parallel_config={"worker_extension_cls": WORKER_EXTENSION})
+    assert (facts.worker_extension, facts.quantization, facts.gpus) == ("", "", 1)
+    extended = vllm_info(vllm_config__parallel_config={"worker_extension_cls": WORKER_EXTENSION,
+                                                       "tensor_parallel_size": 2, "data_parallel_size": 2},
+                         vllm_config__model_config__quantization="fp8")  # fmt: skip
     with serve_app(fake_vllm("0.26.0", extended)) as url:
-        assert run_checks(attached_vllm(url)).worker_extension == WORKER_EXTENSION
+        facts = run_checks(attached_vllm(url))
+    assert (facts.worker_extension, facts.quantization, facts.gpus) == (WORKER_EXTENSION, "fp8", 4)
 
 
 @pytest.mark.parametrize(("server", "trainer", "message"), [

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import logging
 import pickle
+import re
 import sys
 import time
 import types
@@ -151,6 +153,21 @@ def test_a_failure_at_each_step_is_an_error_and_the_server_is_resumed(step, serv
         again.push(model, 8)  # no half-open update is left behind
         again.close()
         assert plain.weight_version() == "8"
+
+
+class InterruptedSend(FileTransport):
+    def send(self, control: ControlClient) -> float:
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_round_resumes_the_server_before_it_ends(server, model, tmp_path):
+    with ControlClient(server.base_url, timeout_s=30) as control:
+        sync = WeightSync(control, InterruptedSend(tmp_path))
+        sync.init()
+        with pytest.raises(KeyboardInterrupt):
+            sync.push(model, 9)
+        assert not control.is_paused()
+        sync.close()
 
 
 def test_build_weight_sync_checks_the_server_and_picks_the_file_transport(server, random_tiny_model_dir, tmp_path):
@@ -349,7 +366,8 @@ def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_
     assert transport.buffer is buffer and metrics["perf/weight_sync_bytes"] == serving_bytes(model, torch.bfloat16)
     loads = [LOAD] * len(transport.chunks)
     assert (len(loads) == 1) == (limit == IPC_BUFFER_LIMIT) and buffer.numel() <= max(limit, 1 << 20)
-    assert control.calls == ["pause", MAP, *loads, "resume", "pause", *loads, "resume"]  # shared once, no session
+    assert control.calls == [UNMAP, "pause", MAP, *loads, "resume", "pause", *loads, "resume"]  # shared once,
+    # no session; init released what an earlier trainer may have left mapped
     sync.close()
     assert control.calls[-1] == UNMAP and control.worker._asyncrl_buffer is None
 
@@ -378,14 +396,18 @@ def test_the_worker_extension_refuses_what_it_cannot_load(monkeypatch, model):
         worker.asyncrl_map_weight_buffer("handle")
 
 
-@pytest.mark.parametrize(("extension", "direct_load", "expected"), [
-    (WORKER_EXTENSION, "true", "DirectIpcTransport"),
-    ("", "true", "StaticIpcTransport"),
-    (WORKER_EXTENSION, "false", "StaticIpcTransport"),
+@pytest.mark.parametrize(("facts", "direct_load", "expected", "why"), [
+    ({}, "true", "DirectIpcTransport", None),
+    ({"worker_extension": ""}, "true", "StaticIpcTransport", "--worker-extension-cls"),
+    ({}, "false", "StaticIpcTransport", None),
+    ({"quantization": "fp8"}, "true", "StaticIpcTransport", r"quantizes its weights \(fp8\)"),
+    ({"gpus": 2}, "true", "StaticIpcTransport", "spans 2 GPUs"),
 ])  # fmt: skip
-def test_ipc_loads_in_place_when_the_server_runs_the_extension(extension, direct_load, expected, monkeypatch,
-                                                                 tmp_path):  # fmt: skip
+def test_ipc_loads_in_place_where_the_extension_can(facts, direct_load, expected, why, monkeypatch, caplog, tmp_path):
     monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
     config = to_config(compose([f"server.ipc_direct_load={direct_load}"]))
-    facts = ServerFacts("vllm", "0.26.0", 4096, "ipc", False, extension)
-    assert type(ipc_transport(config=config, run_dir=tmp_path, facts=facts)).__name__ == expected
+    server = ServerFacts("vllm", "0.26.0", 4096, "ipc", False, **{"worker_extension": WORKER_EXTENSION, **facts})
+    with caplog.at_level(logging.INFO, logger="asyncrl.trainer.sync.vllm_common"):
+        assert type(ipc_transport(config=config, run_dir=tmp_path, facts=server)).__name__ == expected
+    if why is not None:
+        assert re.search(f"through vLLM's engine.*{why}", caplog.text)

@@ -43,12 +43,12 @@ def ipc_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = 
     """CUDA IPC: server and trainer share one GPU. In place through asyncrl's worker extension when the server
     runs it (server.ipc_direct_load), else vLLM's ipc engine, through the installed vLLM's trainer API."""
     if config.server.ipc_direct_load and facts is not None:
-        if facts.worker_extension == vllm.WORKER_EXTENSION:
+        refusal = in_place_refusal(facts)
+        if refusal is None:
             from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
 
             return DirectIpcTransport(serving_dtype(config), IPC_BUFFER_LIMIT)
-        log.info("ipc sync through vLLM's engine (layerwise reload): start the server with --worker-extension-cls "
-                 "%s to load weights in place", vllm.WORKER_EXTENSION)  # fmt: skip
+        log.info("ipc sync through vLLM's engine (layerwise reload): %s", refusal)
     if _uses_factory_api():
         from asyncrl.trainer.sync.vllm_factory import FactoryTransport
 
@@ -56,6 +56,18 @@ def ipc_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = 
     from asyncrl.trainer.sync.vllm_static import StaticIpcTransport
 
     return StaticIpcTransport(serving_dtype(config), config.server.timeout)
+
+
+def in_place_refusal(facts: ServerFacts) -> str | None:
+    """Why asyncrl's worker extension cannot load this server's weights in place; None when it can."""
+    if facts.worker_extension != vllm.WORKER_EXTENSION:
+        return f"start the server with --worker-extension-cls {vllm.WORKER_EXTENSION} to load weights in place"
+    if facts.quantization:
+        return (f"the server quantizes its weights ({facts.quantization}) after loading them, which an in-place "
+                "load would not redo")  # fmt: skip
+    if facts.gpus > 1:
+        return f"the server spans {facts.gpus} GPUs and the shared weight buffer lives on one"
+    return None
 
 
 def nccl_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:

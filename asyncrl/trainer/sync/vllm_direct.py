@@ -32,7 +32,10 @@ class DirectIpcTransport(Transport):
         self._pending: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def init(self, control: ControlClient) -> None:
-        """Nothing to set up before the first round: the buffer is sized from the model in ``stage``."""
+        """Release a buffer that an earlier trainer left mapped on the server (one that crashed, or a run resumed
+        against the same server), so its memory is not held until this trainer's first round; this trainer's
+        buffer is sized from the model in ``stage``."""
+        control.collective_rpc(UNMAP)
 
     def stage(self, model: torch.nn.Module) -> None:
         super().stage(model)
