@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollout.admission import Admission
-from asyncrl.rollout.channels import NONE_INFLIGHT, PromptDone, WorkerChannels
+from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
 from asyncrl.rollout.pacing import StalenessPacer
 from asyncrl.rollout.scoring import RewardSource, score_group
@@ -213,15 +213,15 @@ class WorkerDriver:
         try:
             await self._generate_group(prompt_index, row_index, row, epoch, version)
         finally:
-            self._generating(version, -1)  # after its samples are queued: the trainer may stop waiting for them
+            self._generating(version, -1)  # after its samples are sent (and counted): the trainer drains them
 
     def _generating(self, version: int, change: int) -> None:
-        """Count a group in flight under ``version`` and publish the oldest version in flight (the trainer waits
-        for a group that must train in its next step rather than drop it: trainer/assembler.py)."""
+        """Count a group in flight under ``version`` and publish the counts (the trainer waits for a group that
+        must train in its next step rather than drop it: trainer/assembler.py)."""
         self.inflight_versions[version] += change
         if not self.inflight_versions[version]:
             del self.inflight_versions[version]
-        self.channels.oldest_inflight_version.value = min(self.inflight_versions, default=NONE_INFLIGHT)
+        self.channels.publish_inflight(self.inflight_versions)
 
     async def _generate_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int,
                               version: int) -> None:  # fmt: skip
@@ -312,7 +312,7 @@ class WorkerDriver:
     # ---- plumbing --------------------------------------------------------------------------------------------
 
     def _push(self, item: Any) -> None:
-        self.channels.rollout_queue.put(item)
+        self.channels.send(item)
 
     def _flush_metrics(self) -> None:
         if self.metrics or self.generation_spans or self.completion_records:

@@ -28,8 +28,9 @@ from asyncrl.packing import MicroBatchPlanner, Row, RowFactory
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample
 
-EXPIRING_GRACE_S = 0.05
-"""After waiting for expiring groups: how long their last samples may take through the queue's pipe."""
+IN_TRANSIT_TIMEOUT_S = 5.0
+"""After waiting for expiring groups: how long the items the worker has sent may take through the queue's pipe
+before the step goes on without them."""
 
 
 class RolloutWorkerError(RuntimeError):
@@ -111,20 +112,25 @@ class StepAssembler:
         self._arrivals = itertools.count()
         self._step_started: float | None = None
         self._expiring_deadline = self._expiring_wait_s = 0.0
+        self._sync_follows = True
+        self._received = 0  # items taken off the rollout queue (the worker counts those it sent)
 
     @property
     def held(self) -> int:
         """Samples taken off the rollout queue and not yet pulled into a step (they count in its size)."""
         return len(self._samples)
 
-    def next_step(self) -> Step:
+    def next_step(self, sync_follows: bool = True) -> Step:
         """The next step's micro-batches. Nothing carries over: the sample that would open the next step's first
-        micro-batch goes back among the held ones (``_opens_next_step``)."""
+        micro-batch goes back among the held ones (``_opens_next_step``). ``sync_follows``: the weights move after
+        this step (staleness.weight_sync_steps); if not, the next step trains at the same version, so no sample
+        is at its last chance in this one."""
         micro_batches: list[list[Row]] = []
         wait_s, overflow = 0.0, False
         now = time.monotonic()
-        self._expiring_deadline = now + (now - self._step_started if self._step_started is not None else 0.0)
-        self._step_started, self._expiring_wait_s = now, 0.0
+        previous_s = now - self._step_started - self._expiring_wait_s if self._step_started is not None else 0.0
+        self._expiring_deadline = now + previous_s  # the last step's time, not counting its own expiring wait
+        self._step_started, self._expiring_wait_s, self._sync_follows = now, 0.0, sync_follows
         while True:
             item, waited = self._get()
             wait_s += waited
@@ -134,7 +140,7 @@ class StepAssembler:
             if isinstance(item, EndOfBatch):
                 self._close(micro_batches, self.planner.flush())
                 if micro_batches or not self.sync_mode:
-                    return self._step(micro_batches, wait_s, final=not self.sync_mode)
+                    return self._step(micro_batches, wait_s, final=not self.sync_mode, overflow=overflow)
                 continue
             if self._dropped(item):
                 continue
@@ -175,7 +181,7 @@ class StepAssembler:
         """The sample trains in this step or is dropped by the next: a step that is full takes one more
         micro-batch of such samples rather than waste their generation (the loss is normalised per step, so a
         step of more rows is a larger batch, as a synchronous step's overshoot is)."""
-        return self.channels.model_version.value - sample.model_version >= self.max_staleness
+        return self._sync_follows and self.channels.model_version.value - sample.model_version >= self.max_staleness
 
     def _dropped(self, sample: RolloutSample) -> bool:
         """Drop (and count as consumed) a sample too stale to train now or too long for any row."""
@@ -211,35 +217,49 @@ class StepAssembler:
             if self._markers or (self._samples and not expiring):
                 break
             waited_on_expiring |= expiring
-            try:
-                self._hold(self.channels.rollout_queue.get(timeout=0.05 if expiring else 0.2))
-            except queue.Empty:
-                self._check_worker()
-        if waited_on_expiring:
-            self._expiring_wait_s += time.monotonic() - started
-        grace_s = EXPIRING_GRACE_S if waited_on_expiring else 0.0  # the last group's samples may still be in transit
-        while True:
-            try:
-                self._hold(self.channels.rollout_queue.get(timeout=grace_s) if grace_s else
-                           self.channels.rollout_queue.get_nowait())  # fmt: skip
-            except queue.Empty:
-                break
-            grace_s = 0.0
+            passed, held_back = time.monotonic(), expiring and bool(self._samples)
+            self._receive(timeout_s=0.05 if expiring else 0.2)
+            if held_back:  # samples were here to train: the time is the expiring group's
+                self._expiring_wait_s += time.monotonic() - passed
+        if waited_on_expiring:  # the group is done, but its last samples may still be in the queue's pipe
+            self._drain_sent()
+        while self._receive(timeout_s=0.0):
+            pass
         if self._markers and (isinstance(self._markers[0], PromptDone) or not self._samples):
             return self._markers.popleft(), time.monotonic() - started
         return heapq.heappop(self._samples)[2], time.monotonic() - started
+
+    def _receive(self, timeout_s: float) -> bool:
+        """Hold the next item off the rollout queue (waiting up to ``timeout_s``); False if none came."""
+        try:
+            item = self.channels.rollout_queue.get(timeout=timeout_s) if timeout_s else \
+                self.channels.rollout_queue.get_nowait()  # fmt: skip
+        except queue.Empty:
+            if timeout_s:
+                self._check_worker()
+            return False
+        self._received += 1
+        self._hold(item)
+        return True
+
+    def _drain_sent(self) -> None:
+        """Receive every item the worker had sent by now (bounded by IN_TRANSIT_TIMEOUT_S)."""
+        sent = self.channels.items_sent.value
+        deadline = time.monotonic() + IN_TRANSIT_TIMEOUT_S
+        while self._received < sent and time.monotonic() < deadline:
+            self._receive(timeout_s=0.05)
 
     def _expiring_in_flight(self) -> bool:
         """Whether to wait for groups still generating whose samples train in this step or never, rather than fill
         the step with younger samples that can wait a step (at most one step's time per step). Short groups
         finish first, so without this a long group started just before a sync misses the last step it may train
         in, and its generation is wasted."""
-        if self.sync_mode or time.monotonic() >= self._expiring_deadline:
+        if self.sync_mode or not self._sync_follows or time.monotonic() >= self._expiring_deadline:
             return False
         last_chance = self.channels.model_version.value - self.max_staleness  # this version trains now or never
         if self._samples and self._samples[0][0] <= last_chance:
             return False  # one of them is here: take it first
-        return bool(self.channels.oldest_inflight_version.value <= last_chance)
+        return self.channels.inflight_at(last_chance) > 0  # older groups are past saving: not waited for
 
     def _hold(self, item: object) -> None:
         if isinstance(item, RolloutSample):

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing import build_row_factory
-from asyncrl.rollout.channels import NONE_INFLIGHT, PromptDone, WorkerChannels
+from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample, TrainingSequence
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, StepAssembler
 from asyncrl.trainer.distributed import split_rows
@@ -33,7 +33,7 @@ def assembler(channels: WorkerChannels, *, budget: int = 25, rows: int = 2, max_
 
 def put(channels: WorkerChannels, *items) -> None:
     for item in items:
-        channels.rollout_queue.put(item)
+        channels.send(item)
     time.sleep(0.05)  # let the queue's feeder thread flush
 
 
@@ -165,6 +165,9 @@ def test_a_full_step_takes_one_more_micro_batch_of_samples_at_their_last_version
     put(channels, sample(6, version=2), EndOfBatch(2))
     assert [s.prompt_index for s in asm.next_step().samples] == [5, 6]  # only one extra micro-batch: 4 expired
     assert window.reduce()["sample/dropped_stale_count"] == 1
+    put(channels, *(sample(i, version=1) for i in (7, 8, 9, 10)), EndOfBatch(3))
+    last = asm.next_step()  # the run's last step takes its extra micro-batch too, and says so
+    assert last.final and len(last.rows) == 2 and window.reduce()["batch/overflow_micro_batch_count"] == 1
 
 
 def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_one_steps_time():
@@ -175,13 +178,14 @@ def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_on
     asm.next_step()  # the first step: nothing to time the wait by
     assert window.reduce()["sample/expiring_wait_s"] == 0
     time.sleep(0.6)  # the previous step's time bounds the next step's wait
-    channels.oldest_inflight_version.value = 1  # a version-1 group is generating: it trains in this step or never
+    channels.publish_inflight({1: 1, 2: 3})  # a version-1 group is generating: it trains in this step or never
     put(channels, sample(3, version=2))
 
     def finish_the_group() -> None:
         time.sleep(0.2)
-        put(channels, sample(4, version=1), sample(5, version=1))
-        channels.oldest_inflight_version.value = NONE_INFLIGHT
+        for item in (sample(4, version=1), sample(5, version=1)):
+            channels.send(item)
+        channels.publish_inflight({2: 3})
 
     threading.Thread(target=finish_the_group).start()
     step = asm.next_step()
@@ -189,8 +193,59 @@ def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_on
     assert 0.15 < window.reduce()["sample/expiring_wait_s"] < 0.6
 
     time.sleep(0.3)
-    channels.oldest_inflight_version.value = 1  # a group that never finishes: the step goes on after ~0.3 s
+    channels.publish_inflight({1: 1})  # a group that never finishes: the step goes on after ~0.3 s
     put(channels, sample(6, version=2))  # the sample that closes the step
     started = time.monotonic()
     step = asm.next_step()
     assert [s.model_version for s in step.samples] == [2, 2] and 0.2 < time.monotonic() - started < 2
+    waited = window.reduce()["sample/expiring_wait_s"]
+    assert 0.2 < waited < 2
+    put(channels, sample(7, version=2), sample(8, version=2))
+    started = time.monotonic()
+    asm.next_step()  # the last step's time, without its own wait, bounds this one: the wait does not grow
+    assert time.monotonic() - started < 0.5 * waited
+
+
+def test_no_wait_for_groups_past_saving_or_when_the_weights_do_not_move():
+    channels = WorkerChannels.create(1000)
+    channels.model_version.value = 2
+    asm, _, window = assembler(channels, rows=1, max_staleness=1)
+    put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
+    asm.next_step()
+    time.sleep(0.5)
+    channels.publish_inflight({0: 1, 2: 1})  # the version-0 group's samples will be dropped whenever they come
+    put(channels, sample(3, version=2), sample(4, version=2))
+    started = time.monotonic()
+    asm.next_step()
+    assert time.monotonic() - started < 0.2 and window.reduce()["sample/expiring_wait_s"] == 0
+    time.sleep(0.5)
+    channels.publish_inflight({1: 1})  # at its last version if a sync followed this step, but none does
+    put(channels, *(sample(i, version=1) for i in (5, 6, 7)))
+    started = time.monotonic()
+    step = asm.next_step(sync_follows=False)
+    assert time.monotonic() - started < 0.2 and [s.prompt_index for s in step.samples] == [5, 6]
+    assert window.reduce()["batch/overflow_micro_batch_count"] == 0  # 7 can train at this version next step
+
+
+def test_samples_still_in_the_queues_pipe_when_their_group_ends_join_the_step():
+    """``put`` returns before the item reaches the pipe: the trainer counts what the worker sent."""
+    channels = WorkerChannels.create(1000)
+    channels.model_version.value = 2
+    asm, _, _ = assembler(channels, rows=1, max_staleness=1)
+    put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
+    asm.next_step()
+    time.sleep(0.5)
+    channels.publish_inflight({1: 1})
+    put(channels, sample(3, version=2))
+
+    def finish_with_a_slow_pipe() -> None:
+        time.sleep(0.1)
+        with channels.items_sent.get_lock():
+            channels.items_sent.value += 2  # sent, not yet through the pipe
+        channels.publish_inflight({})
+        time.sleep(0.3)
+        for item in (sample(4, version=1), sample(5, version=1)):
+            channels.rollout_queue.put(item)  # counted above
+
+    threading.Thread(target=finish_with_a_slow_pipe).start()
+    assert [s.prompt_index for s in asm.next_step().samples] == [4, 5]
