@@ -170,14 +170,21 @@ def test_a_full_step_takes_one_more_micro_batch_of_samples_at_their_last_version
     assert last.final and len(last.rows) == 2 and window.reduce()["batch/overflow_micro_batch_count"] == 1
 
 
-def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_one_steps_time():
+def after_one_step(sleep_s: float) -> tuple[WorkerChannels, StepAssembler, MetricWindow]:
+    """At version 2 with max_staleness 1, one step done ``sleep_s`` ago: that time bounds the next step's wait
+    for expiring groups. Sample 2 is held for the next step."""
     channels = WorkerChannels.create(1000)
     channels.model_version.value = 2
     asm, _, window = assembler(channels, rows=1, max_staleness=1)
     put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
-    asm.next_step()  # the first step: nothing to time the wait by
-    assert window.reduce()["sample/expiring_wait_s"] == 0
-    time.sleep(0.6)  # the previous step's time bounds the next step's wait
+    asm.next_step()
+    time.sleep(sleep_s)
+    return channels, asm, window
+
+
+def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_one_steps_time():
+    channels, asm, window = after_one_step(0.6)
+    assert window.reduce()["sample/expiring_wait_s"] == 0  # the first step: nothing to time the wait by
     channels.publish_inflight({1: 1, 2: 3})  # a version-1 group is generating: it trains in this step or never
     put(channels, sample(3, version=2))
 
@@ -207,12 +214,7 @@ def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_on
 
 
 def test_no_wait_for_groups_past_saving_or_when_the_weights_do_not_move():
-    channels = WorkerChannels.create(1000)
-    channels.model_version.value = 2
-    asm, _, window = assembler(channels, rows=1, max_staleness=1)
-    put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
-    asm.next_step()
-    time.sleep(0.5)
+    channels, asm, window = after_one_step(0.5)
     channels.publish_inflight({0: 1, 2: 1})  # the version-0 group's samples will be dropped whenever they come
     put(channels, sample(3, version=2), sample(4, version=2))
     started = time.monotonic()
@@ -229,12 +231,7 @@ def test_no_wait_for_groups_past_saving_or_when_the_weights_do_not_move():
 
 def test_samples_still_in_the_queues_pipe_when_their_group_ends_join_the_step():
     """``put`` returns before the item reaches the pipe: the trainer counts what the worker sent."""
-    channels = WorkerChannels.create(1000)
-    channels.model_version.value = 2
-    asm, _, _ = assembler(channels, rows=1, max_staleness=1)
-    put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
-    asm.next_step()
-    time.sleep(0.5)
+    channels, asm, _ = after_one_step(0.5)
     channels.publish_inflight({1: 1})
     put(channels, sample(3, version=2))
 
