@@ -88,12 +88,16 @@ class VarlenPlan:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """Lay out [tokens, heads, dim] in the kernel's dtype, one copy per tensor where the dtype already fits.
-        A cast comes before the gather, so the float32 keys of Qwen3's q/k norms under autocast are copied along
-        every path (3x a tree row's tokens), and their gradient summed back, in half precision."""
+        Under autocast the cast comes before the gather, so the float32 keys of Qwen3's q/k norms are copied along
+        every path (3x a tree row's tokens), and their gradient summed back, in half precision (about one bf16
+        rounding on shared-prompt keys). A float32 model without autocast, chosen for precision, gathers in
+        float32 and sums those gradients in float32."""
         dtype, autocast = flash_dtype(query, value) if self.half_precision else (query.dtype, False)
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         if self.kv_gather is not None:
-            k, v = k.to(dtype).index_select(0, self.kv_gather), v.to(dtype).index_select(0, self.kv_gather)
+            if autocast:
+                k, v = k.to(dtype), v.to(dtype)
+            k, v = k.index_select(0, self.kv_gather), v.index_select(0, self.kv_gather)
         q, k, v = (t.to(dtype, memory_format=torch.contiguous_format).contiguous() for t in (q, k, v))
         out = self.kernel(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, scale).unsqueeze(0)
         return out if autocast else out.to(query.dtype)  # under autocast the next projection casts to half anyway

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from packing_samples import build_tiny_qwen3, make_sample, random_samples
+from torch.overrides import TorchFunctionMode
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncrl.packing import PACKERS, FlatRow, TreeRow
@@ -123,22 +124,31 @@ def test_grouped_query_attention_runs_as_one_call_per_group_without_expanding_kv
 @pytest.mark.parametrize("autocast", [False, True])
 def test_flash_kernels_get_one_half_dtype_and_the_gather_moves_half_precision_keys(autocast):
     """Under autocast Qwen3's q/k norms give float32 beside a bf16 v; flash kernels take fp16/bf16 only, and the
-    keys are cast before they are gathered along the paths. The result stays half under autocast (the output
-    projection casts to it anyway), else it is the query's dtype."""
+    keys are cast before they are gathered along the paths (without autocast, after). The result stays half under
+    autocast (the output projection casts to it anyway), else it is the query's dtype."""
     seen = []
 
     def kernel(q, k, v, *rest):
         seen.append(({q.dtype, k.dtype, v.dtype}, q.is_contiguous() and k.is_contiguous(), k.shape[0]))
         return q
 
+    class Gathers(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.index_select:
+                gathered.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
     plan = varlen_plan(spec_row(), CPU, kernel=kernel)
     length = spec_row().num_forwarded
     query, key = torch.randn(1, 2, length, 4), torch.randn(1, 1, length, 4)
-    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+    gathered: list[torch.dtype] = []
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast), Gathers():
         out = plan.attend(query, key, key.to(torch.bfloat16), 0.5)
     half = torch.float16 if autocast else torch.bfloat16
     assert seen == [({half}, True, plan.kv_gather.numel())]
     assert out.shape == (1, length, 2, 4) and out.dtype == (half if autocast else torch.float32)
+    # autocast: gathered (and their gradients summed over paths) in half; a float32 model keeps float32 keys
+    assert gathered == ([half, half] if autocast else [torch.float32, torch.bfloat16])
 
 
 def test_attach_is_idempotent_and_the_model_refuses_to_run_without_a_plan():
