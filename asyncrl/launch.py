@@ -106,12 +106,16 @@ def run_job(config: Config, run_dir: Path) -> None:
 
 
 def _check_resume(config: Config, world: int) -> None:
-    """A checkpoint resumes only on as many trainer ranks as wrote it: say so before the server starts."""
-    from asyncrl.trainer.checkpoint import check_world_size, resolve_checkpoint
+    """Before the server starts: a checkpoint resumes only on as many trainer ranks as wrote it, and not under
+    later checkpoints of another history."""
+    from asyncrl.trainer.checkpoint import check_no_later_checkpoints, check_world_size, resolve_checkpoint
 
     spec = config.trainer.resume_from_checkpoint
     if spec:
-        check_world_size(resolve_checkpoint(spec, Path(config.trainer.output_dir or ".")), world)
+        output_dir = Path(config.trainer.output_dir or ".")
+        resume = resolve_checkpoint(spec, output_dir)
+        check_world_size(resume, world)
+        check_no_later_checkpoints(resume, output_dir)
 
 
 def load_run_config(run_dir: Path) -> Config:

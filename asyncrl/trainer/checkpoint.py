@@ -69,10 +69,13 @@ def save_checkpoint(
          "num_processes": num_processes, "extra": state.extra}, indent=2))  # fmt: skip
     (tmp / "rollout_state.json").write_text(json.dumps({"prompt_index": state.prompt_index}, indent=2))
     _fsync_dir(tmp)
+    replaced = final.with_name(final.name + ".old")  # never a half-deleted checkpoint under its final name
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
     os.replace(tmp, final)
     _fsync_dir(root)
+    shutil.rmtree(replaced, ignore_errors=True)
     if total_limit:
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
@@ -83,8 +86,13 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and not p.name.endswith(".tmp")]
-    return sorted(done, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+    done = [p for p in root.iterdir()  # not the .tmp or .old of a save in progress
+            if p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX) :].isdigit()]  # fmt: skip
+    return sorted(done, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name[len(CHECKPOINT_PREFIX) :])
 
 
 def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
@@ -117,6 +125,20 @@ def load_checkpoint(path: Path, optimizer: Any, scheduler: Any) -> TrainerState:
     rollout = json.loads((path / "rollout_state.json").read_text())
     return TrainerState(trainer["step"], trainer["model_version"], rollout["prompt_index"],
                         trainer["prompts_consumed"], trainer.get("extra", {}))  # fmt: skip
+
+
+def check_no_later_checkpoints(path: Path, output_dir: Path) -> None:
+    """Refuse to resume from an earlier step than checkpoints already in the output directory: the two histories
+    would mix (pruning keeps the highest steps, so it would delete the new checkpoints first, and ``latest``
+    would pick the abandoned ones)."""
+    step = json.loads((path / "trainer_state.json").read_text())["step"]
+    later = [p.name for p in list_checkpoints(output_dir) if checkpoint_step(p) > step]
+    if later:
+        raise ResumeError(
+            f"trainer.resume_from_checkpoint={path} is at step {step} but {checkpoints_dir(output_dir)} already "
+            f"holds later checkpoints ({', '.join(later)}) from the run being replaced: move them out of that "
+            "directory, or resume into a new run directory (hydra.run.dir / trainer.output_dir)"
+        )
 
 
 def check_world_size(path: Path, num_processes: int) -> None:

@@ -19,6 +19,7 @@ import atexit
 import faulthandler
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +39,9 @@ from asyncrl.trainer.supervise import SERVER_URL_ENV
 
 # Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the supervisor's to catch.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
+ORPHAN_GRACE_S = 10.0
+"""How long a rank whose CLI died may take to end by itself before ``watch_parent`` ends it."""
+ORPHANED_EXIT = 3
 
 
 def world_size(config: Config) -> int:
@@ -231,6 +235,7 @@ def main(run_dir: Path) -> int:
     config = load_run_config(run_dir)
     _terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
+    watch_parent(os.getppid())
     ranks = Ranks.from_env()
     try:
         if ranks.rank == 0:
@@ -257,6 +262,23 @@ def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
 
     server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout)
     run_training(config, run_dir, server, prepare(config), ranks=ranks)
+
+
+def watch_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S) -> threading.Thread:
+    """A rank never outlives the CLI. The kernel sends SIGTERM when the CLI dies, but a rank waiting inside a
+    collective never runs its handler (Python handles signals between bytecodes, in the main thread), so this
+    thread ends the rank ``grace_s`` after the parent is gone if it has not ended by itself."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        time.sleep(grace_s)
+        print(f"trainer rank: the CLI (pid {parent_pid}) is gone; leaving", file=sys.stderr, flush=True)
+        os._exit(ORPHANED_EXIT)
+
+    thread = threading.Thread(target=watch, name="asyncrl-watch-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def leave(code: int) -> NoReturn:

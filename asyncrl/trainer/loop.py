@@ -251,10 +251,9 @@ class Trainer:
         dtype = serving_dtype(self.config)
         self.ranks.command("sync", [dtype] * self.world)
         view = GatheredModel(self.model, self.ranks, dtype)
-        try:
-            return self.sync.push(view, version)
-        finally:
-            view.done()
+        metrics = self.sync.push(view, version)
+        view.done()  # not after a failure: rank 0 may have stopped between two collectives, and the run ends
+        return metrics
 
     # ---- rank-0 services -------------------------------------------------------------------------------------
 

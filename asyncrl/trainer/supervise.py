@@ -8,11 +8,14 @@ server. Rank 0 writes to the CLI's console; the other ranks to logs/rank_N.log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +79,12 @@ class RankProcesses:
         return f"; end of {self.log_path(rank)}:\n" + "\n".join(text)
 
     def stop(self) -> None:
-        """Terminate every rank still running (its session: the rollout worker too), then kill stragglers."""
+        """Terminate every rank still running (its session: the rollout worker too), then kill stragglers. A
+        second Ctrl-C or SIGTERM meanwhile is ignored: it would skip the kill of a rank stuck in a collective."""
+        with _signals_ignored():
+            self._terminate_then_kill()
+
+    def _terminate_then_kill(self) -> None:
         for proc in self.procs:
             _signal_session(proc, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
@@ -88,6 +96,20 @@ class RankProcesses:
                 proc.wait()
         for proc in self.procs:  # a rank that exited may have left its session's children behind
             _signal_session(proc, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored inside (main thread only: elsewhere signals cannot be set, nor arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _signal_session(proc: subprocess.Popen[bytes], sig: int) -> None:
