@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -46,7 +47,9 @@ def parse_boxed(text: str, timeout_s: int) -> list:
 
 
 def serve() -> None:
-    """Child loop: one JSON ``[gold, answer, timeout_s]`` per stdin line -> one JSON verdict line."""
+    """Child loop: one JSON ``[gold, answer, timeout_s]`` per stdin line -> one JSON verdict line. It ends when
+    its parent closes stdin; a terminal's Ctrl-C, which reaches it too, is ignored (no traceback per child)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints from sympy must not corrupt the replies
     logging.getLogger("math_verify").setLevel(logging.ERROR)

@@ -1,13 +1,13 @@
 """Atomic checkpoints and resume.
 
-A checkpoint is written into ``step_NNNNNN.tmp`` and renamed when complete, so a crash never leaves a
-half checkpoint that resume would pick up. It holds the model (save_pretrained: with LoRA only the adapter,
-which resume puts back on model.name_or_path) and tokenizer, the optimizer and scheduler states, RNG states,
-``trainer_state.json`` (step, model_version, the number of trainer ranks, ...) and ``rollout_state.json``:
-the index of the first prompt not yet trained, where the worker resumes. A multi-rank (FSDP2) checkpoint
-holds instead of the model and optimizer states the sharded resume files (``sharded/``, fp32 master weights
-and optimizer state) plus a consolidated ``model.safetensors`` in the serving dtype (trainer/fsdp.py); it
-resumes only on as many ranks as wrote it.
+A checkpoint (and the final model) is written into ``NAME.tmp`` and renamed when complete (``publish``), so
+a crash never leaves a half checkpoint that resume would pick up. It holds the model (save_pretrained: with
+LoRA only the adapter, which resume puts back on model.name_or_path) and tokenizer, the optimizer and
+scheduler states, RNG states, ``trainer_state.json`` (step, model_version, the number of trainer ranks, ...)
+and ``rollout_state.json``: the index of the first prompt not yet trained, where the worker resumes. A
+multi-rank (FSDP2) checkpoint holds instead of the model and optimizer states the sharded resume files
+(``sharded/``, fp32 master weights and optimizer state) plus a consolidated ``model.safetensors`` in the
+serving dtype (trainer/fsdp.py); it resumes only on as many ranks as wrote it.
 """
 
 from __future__ import annotations
@@ -68,18 +68,24 @@ def save_checkpoint(
         {"step": state.step, "model_version": state.model_version, "prompts_consumed": state.prompts_consumed,
          "num_processes": num_processes, "extra": state.extra}, indent=2))  # fmt: skip
     (tmp / "rollout_state.json").write_text(json.dumps({"prompt_index": state.prompt_index}, indent=2))
-    _fsync_dir(tmp)
-    replaced = final.with_name(final.name + ".old")  # never a half-deleted checkpoint under its final name
-    if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(final, replaced)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    shutil.rmtree(replaced, ignore_errors=True)
+    publish(tmp, final)
     if total_limit:
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Give a fully written directory its final name. One already there is renamed aside first and deleted
+    after, so a crash leaves the old or the new directory under the name, never a half-deleted one."""
+    _fsync_dir(tmp)
+    replaced = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:

@@ -8,6 +8,7 @@ point (a step's rows, a weight sync, a checkpoint) it commands the other ranks (
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from asyncrl.trainer.checkpoint import (
     TrainerState,
     check_world_size,
     load_checkpoint,
+    publish,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -344,11 +346,14 @@ class Trainer:
 
     def _save_final_model(self) -> None:
         final = self.output_dir / "model"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
         if self.ranks is None:
-            self.accelerator.unwrap_model(self.model).save_pretrained(final)
+            self.accelerator.unwrap_model(self.model).save_pretrained(tmp)
         else:
-            self._write_sharded(final, "final")
-        self.prepared.tokenizer.save_pretrained(final)
+            self._write_sharded(tmp, "final")
+        self.prepared.tokenizer.save_pretrained(tmp)
+        publish(tmp, final)
         self._drain_worker_metrics()
         self.timeline.write(self.run_dir / "timeline.json", self.run_started, time.time())
         self.console.finish(self.state.step, final)
