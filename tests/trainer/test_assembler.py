@@ -199,14 +199,14 @@ def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_on
     assert [s.prompt_index for s in step.samples] == [4, 5]  # not the younger ones that arrived first
     assert 0.15 < window.reduce()["sample/expiring_wait_s"] < 0.6
 
-    time.sleep(0.3)
-    channels.publish_inflight({1: 1})  # a group that never finishes: the step goes on after ~0.3 s
+    time.sleep(1.0)
+    channels.publish_inflight({1: 1})  # a group that never finishes: the step goes on after ~1 s
     put(channels, sample(6, version=2))  # the sample that closes the step
     started = time.monotonic()
     step = asm.next_step()
-    assert [s.model_version for s in step.samples] == [2, 2] and 0.2 < time.monotonic() - started < 2
+    assert [s.model_version for s in step.samples] == [2, 2] and 0.8 < time.monotonic() - started < 3
     waited = window.reduce()["sample/expiring_wait_s"]
-    assert 0.2 < waited < 2
+    assert 0.8 < waited < 3
     put(channels, sample(7, version=2), sample(8, version=2))
     started = time.monotonic()
     asm.next_step()  # the last step's time, without its own wait, bounds this one: the wait does not grow
@@ -214,18 +214,18 @@ def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_on
 
 
 def test_no_wait_for_groups_past_saving_or_when_the_weights_do_not_move():
-    channels, asm, window = after_one_step(0.5)
+    channels, asm, window = after_one_step(1.0)
     channels.publish_inflight({0: 1, 2: 1})  # the version-0 group's samples will be dropped whenever they come
     put(channels, sample(3, version=2), sample(4, version=2))
     started = time.monotonic()
     asm.next_step()
-    assert time.monotonic() - started < 0.2 and window.reduce()["sample/expiring_wait_s"] == 0
-    time.sleep(0.5)
+    assert time.monotonic() - started < 0.4 and window.reduce()["sample/expiring_wait_s"] == 0
+    time.sleep(1.0)
     channels.publish_inflight({1: 1})  # at its last version if a sync followed this step, but none does
     put(channels, *(sample(i, version=1) for i in (5, 6, 7)))
     started = time.monotonic()
     step = asm.next_step(sync_follows=False)
-    assert time.monotonic() - started < 0.2 and [s.prompt_index for s in step.samples] == [5, 6]
+    assert time.monotonic() - started < 0.4 and [s.prompt_index for s in step.samples] == [5, 6]
     assert window.reduce()["batch/overflow_micro_batch_count"] == 0  # 7 can train at this version next step
 
 

@@ -74,7 +74,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_second_interrupt_does_not_cut_the_ranks_stop_short(monkeypatch):
-    monkeypatch.setattr("asyncrl.trainer.supervise.GRACE_S", 1.0)
+    monkeypatch.setattr("asyncrl.trainer.supervise.GRACE_S", 2.0)
     stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
                               "signal.SIG_IGN); print(flush=True); time.sleep(120)"], stdout=subprocess.PIPE,
                              start_new_session=True)  # fmt: skip
