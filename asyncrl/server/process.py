@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -26,12 +26,20 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message carries the end of its log."""
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask the kernel for SIGTERM when the parent dies."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn``: in the child, before exec, start a session and ask the kernel for SIGTERM when the
+    parent dies; a parent already gone by then (it died between fork and the request) ends the child at once."""
+    parent = os.getpid()
+
+    def in_child() -> None:
+        os.setsid()
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return in_child
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -81,7 +89,7 @@ class ServerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its whole life
         try:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent()
             )
         finally:
             log.close()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.server.process import _die_with_parent, free_port
+from asyncrl.server.process import die_with_parent, free_port
 
 SERVER_URL_ENV = "ASYNCRL_SERVER_URL"
 GRACE_S = 10.0
@@ -51,7 +51,7 @@ class RankProcesses:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "asyncrl.trainer.distributed", str(run_dir)],
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out,
-                stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent,
+                stderr=subprocess.STDOUT if out else None, preexec_fn=die_with_parent(),
             ))  # fmt: skip
             if out is not None:
                 out.close()

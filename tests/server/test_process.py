@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.server.process import ServerProcess, ServerStartError, free_port
+from asyncrl.server.process import ServerProcess, ServerStartError, die_with_parent, free_port
 
 # A stand-in server process: answers /health, and forks a grandchild so group cleanup is exercised.
 HEALTH_SERVER = textwrap.dedent(
@@ -127,3 +127,11 @@ def test_server_dies_with_its_parent_even_on_sigkill(tmp_path):
                 os.kill(int(pid), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_ends_at_once(monkeypatch):
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # the parent it is to die with: already gone when it looks
+    preexec = die_with_parent()
+    monkeypatch.undo()
+    assert subprocess.run([sys.executable, "-c", "pass"], preexec_fn=preexec, timeout=60).returncode == 1
+    assert subprocess.run([sys.executable, "-c", "pass"], preexec_fn=die_with_parent(), timeout=60).returncode == 0
