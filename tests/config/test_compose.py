@@ -29,9 +29,10 @@ def test_defaults_are_the_embedded_default_with_spec_values():
     assert config.staleness.max_concurrent_rollouts == 512
     assert config.staleness.rollout_worker_timeout == 300
     assert config.sampling.num_sampler_logprobs == 8
-    assert config.loss["name"] == "score_centering"
+    assert config.loss["name"] == "clipped"  # the embedded default's (conf/loss/tiny_arith.yaml says why)
     assert config.loss["is_clip_min"] == 0.5 and config.loss["is_clip_max"] == 5.0
     assert config.server.timeout == 1800
+    assert to_config(compose(["+recipe=deepmath"])).loss["name"] == "score_centering"  # the spec's default loss
 
 
 def test_spec_defaults_of_groups_that_the_embedded_default_overrides():

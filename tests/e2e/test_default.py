@@ -32,6 +32,8 @@ def test_shortened_default_raises_the_reward_asynchronously(tmp_path):
     assert sum(last) / len(last) - sum(first) / len(first) >= 0.05, rewards
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert evaluation["after"]["eval/sampled_reward"] > evaluation["before"]["eval/sampled_reward"]
+    assert evaluation["after"]["eval/greedy_reward"] >= evaluation["before"]["eval/greedy_reward"] - 0.05  # no
+    # unlearning of what the model already got right greedily (it answers every eval prompt right greedily)
     assert (run_dir / "report" / "index.html").is_file()
     assert [s["step"] for s in steps] == list(range(1, 25))
     assert all(s["batch/trained_tokens_per_step"] > 0 for s in steps)
