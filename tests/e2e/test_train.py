@@ -27,7 +27,9 @@ from .helpers import CliRun, kill_marked, run_cli, served_vs_trained, wait_no_ma
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 10
+STEPS = 6
+SAVE_STEPS = STEPS // 2
+RESUMED = [STEPS + 1, STEPS + 2, STEPS + 3]
 CISPO = ["loss=cispo", "advantage=rloo", "loss.entropy_coef=0.01", "loss.entropy_target=100.0"]
 ENTROPY_DELTA = 0.005  # the default loss.entropy_coef_delta
 
@@ -35,7 +37,7 @@ ENTROPY_DELTA = 0.005  # the default loss.entropy_coef_delta
 def common_args(model: Path, data: Path, run_dir: Path) -> list[str]:
     return [
         f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}", "data.eval_path=null", "reward=length",
-        "packing.token_budget=512", f"trainer.max_steps={STEPS}", "trainer.save_steps=5",
+        "packing.token_budget=512", f"trainer.max_steps={STEPS}", f"trainer.save_steps={SAVE_STEPS}",
         "logging.console=plain", f"hydra.run.dir={run_dir}", f"server.port={free_port()}",
     ]  # fmt: skip
 
@@ -83,7 +85,7 @@ def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, session_s
     if async_run.run.returncode != 0:
         pytest.skip("the first run failed")
     run_dir = async_run.run_dir
-    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "trainer.max_steps=13",
+    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), f"trainer.max_steps={RESUMED[-1]}",
             "staleness.max_staleness=0", *CISPO, "trainer.resume_from_checkpoint=latest",
             *attach(session_server)]  # fmt: skip
     return run_cli(args), run_dir
@@ -133,8 +135,8 @@ def test_weights_reached_the_server(async_run):
 def test_checkpoints_are_complete(async_run):
     run_dir = async_run.run_dir
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert checkpoints == ["step_000005", "step_000010"]
-    last = run_dir / "checkpoints" / "step_000010"
+    assert checkpoints == [f"step_{SAVE_STEPS:06d}", f"step_{STEPS:06d}"]
+    last = run_dir / "checkpoints" / f"step_{STEPS:06d}"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "rng_state.pt",
                  "trainer_state.json", "rollout_state.json"):  # fmt: skip
         assert (last / name).is_file(), name
@@ -146,15 +148,16 @@ def test_checkpoints_are_complete(async_run):
 def test_resume_continues_at_the_recorded_prompt_and_version(resumed_run):
     run, run_dir = resumed_run
     assert run.returncode == 0, run.output[-3000:]
-    saved = json.loads((run_dir / "checkpoints" / "step_000010" / "rollout_state.json").read_text())
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_000010'} at step 10, prompt {saved['prompt_index']}" in (
+    last = run_dir / "checkpoints" / f"step_{STEPS:06d}"
+    saved = json.loads((last / "rollout_state.json").read_text())
+    assert f"resumed from {last} at step {STEPS}, prompt {saved['prompt_index']}" in (
         (run_dir / "launch.log").read_text() + run.output
     )
     resumed = [s for s in steps_of(run_dir) if s["step"] > STEPS]
-    assert [s["step"] for s in resumed] == [11, 12, 13]
-    assert resumed[0]["model_version"] == 11  # versions continue from the checkpoint
+    assert [s["step"] for s in resumed] == RESUMED
+    assert resumed[0]["model_version"] == RESUMED[0]  # versions continue from the checkpoint
     assert resumed[0]["entropy_coef"] == pytest.approx(0.01 + ENTROPY_DELTA * STEPS)  # and the loss state
-    final = json.loads((run_dir / "checkpoints" / "step_000013" / "rollout_state.json").read_text())
+    final = json.loads((run_dir / "checkpoints" / f"step_{RESUMED[-1]:06d}" / "rollout_state.json").read_text())
     assert final["prompt_index"] > saved["prompt_index"]
 
 
