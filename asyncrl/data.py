@@ -18,8 +18,11 @@ class DatasetError(ValueError):
     """The dataset cannot be trained on; the message names the source and what was found."""
 
 
-def load_prompts(path: str, *, name: str | None = None, split: str = "train") -> Dataset:
+def load_prompts(path: str, *, name: str | None = None, split: str = "train", key: str = "data.path") -> Dataset:
+    """``key`` is the config key that named ``path``, for the error when nothing is found there."""
     source = Path(path)
+    if source.suffix in _FILE_BUILDERS and not source.exists():
+        raise DatasetError(f"{key}={path}: no such file")
     if source.is_file():
         builder = _FILE_BUILDERS.get(source.suffix)
         if builder is None:
@@ -31,7 +34,10 @@ def load_prompts(path: str, *, name: str | None = None, split: str = "train") ->
         loaded = load_from_disk(str(source))
         dataset = loaded[split] if hasattr(loaded, "keys") else loaded
     else:
-        dataset = load_dataset(path, name, split=split)
+        try:
+            dataset = load_dataset(path, name, split=split)
+        except (FileNotFoundError, ConnectionError) as exc:  # not a directory, file or reachable hub dataset
+            raise DatasetError(f"{key}={path}: {exc}") from exc
     check_prompts(dataset, path)
     return dataset
 

@@ -77,3 +77,10 @@ def test_unsupported_file_type(tmp_path):
     path.write_text("prompt\nx\n")
     with pytest.raises(DatasetError, match="unsupported extension '.csv'"):
         load_prompts(str(path))
+
+
+def test_a_missing_file_or_directory_names_the_key(tmp_path):
+    with pytest.raises(DatasetError, match=r"^data.eval_path=.*missing.jsonl: no such file$"):
+        load_prompts(str(tmp_path / "missing.jsonl"), key="data.eval_path")
+    with pytest.raises(DatasetError, match=r"^data.path=.*nothing-here: Couldn't find any data file"):
+        load_prompts(str(tmp_path / "nothing-here"))

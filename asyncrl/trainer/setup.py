@@ -62,7 +62,9 @@ def prepare(config: Config) -> Prepared:
         dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
     eval_dataset = None
     if config.data.eval_path and config.data.num_eval_prompts > 0:
-        eval_dataset = load_prompts(config.data.eval_path, name=config.data.name, split=config.data.eval_split)
+        eval_dataset = load_prompts(
+            config.data.eval_path, name=config.data.name, split=config.data.eval_split, key="data.eval_path"
+        )
     loop_cls = import_object(config.rollout.loop_cls)
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
         raise TypeError(f"rollout.loop_cls={config.rollout.loop_cls} is not a subclass of AsyncRolloutLoop")
