@@ -96,8 +96,8 @@ def run_job(config: Config, run_dir: Path) -> None:
         if world > 1:
             from asyncrl.trainer.supervise import run_ranks
 
-            server.ready()
-            run_ranks(run_dir, world, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again
+            run_ranks(run_dir, world, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and
+            # waits for the server's health after building its shard of the model
         else:
             run_training(config, run_dir, server, prepared)
     from asyncrl.report import write_report

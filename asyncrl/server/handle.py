@@ -8,7 +8,7 @@ from types import TracebackType
 import httpx
 
 from asyncrl.server.command import ServerCommand
-from asyncrl.server.process import ServerProcess, ServerStartError
+from asyncrl.server.process import ServerProcess, ServerStartError, wait_for_health
 
 
 class LaunchedServer(ServerProcess):
@@ -40,15 +40,18 @@ class LaunchedServer(ServerProcess):
 
 
 class AttachedServer:
-    """A server somebody else runs (server.launch=false): checked at entry, never stopped by us."""
+    """A server somebody else runs (server.launch=false): checked at entry, never stopped by us. ``booting``:
+    one that another process launched and may still be starting (a trainer rank's view of the CLI's server);
+    ``ready()`` waits up to ``timeout_s`` for its health, and the launching process watches it die."""
 
     backend = "external"
     log_path = None
     health_timeout_s = 5.0
 
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, booting: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.booting = booting
 
     def is_alive(self) -> bool:
         """Gone when it refuses or fails /health; a late answer means busy, not gone (a vLLM API process
@@ -64,7 +67,12 @@ class AttachedServer:
         return "(external server: no log)"
 
     def ready(self) -> None:
-        """Checked healthy on entry."""
+        """At once, unless ``booting``: then once the server answers /health."""
+        if self.booting and not wait_for_health(self.base_url, self.timeout_s):
+            raise ServerStartError(
+                f"server not healthy at {self.base_url} after {self.timeout_s:.0f}s (server.timeout)"
+            )
+        self.booting = False
 
     def __enter__(self) -> AttachedServer:
         if not self.is_alive():

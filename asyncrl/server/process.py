@@ -58,6 +58,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_for_health(base_url: str, timeout_s: float, check: Callable[[], None] = lambda: None) -> bool:
+    """Poll ``base_url``/health until it answers 200 (True) or ``timeout_s`` passes (False); ``check`` runs
+    between polls and raises when waiting is pointless (the server process exited)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            check()
+            try:
+                if client.get(f"{base_url.rstrip('/')}/health").status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+    return False
+
+
 class ServerProcess:
     """A supervised server subprocess; use as a context manager so it is always stopped."""
 
@@ -95,24 +111,18 @@ class ServerProcess:
             log.close()
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        with httpx.Client(timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise ServerStartError(
-                        f"server exited with code {self.proc.returncode} during startup; log {self.log_path}:\n"
-                        + self.log_tail()
-                    )
-                try:
-                    if client.get(f"{self.base_url}/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.25)
-        raise ServerStartError(
-            f"server not healthy at {self.base_url} after {self.startup_timeout_s:.0f}s (server.timeout); "
-            f"log {self.log_path}:\n" + self.log_tail()
-        )
+        if not wait_for_health(self.base_url, self.startup_timeout_s, self._check_running):
+            raise ServerStartError(
+                f"server not healthy at {self.base_url} after {self.startup_timeout_s:.0f}s (server.timeout); "
+                f"log {self.log_path}:\n" + self.log_tail()
+            )
+
+    def _check_running(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServerStartError(
+                f"server exited with code {self.proc.returncode} during startup; log {self.log_path}:\n"
+                + self.log_tail()
+            )
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

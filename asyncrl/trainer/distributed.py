@@ -260,7 +260,7 @@ def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
-    server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout)
+    server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout, booting=True)
     run_training(config, run_dir, server, prepare(config), ranks=ranks)
 
 

@@ -85,9 +85,9 @@ def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, session_s
     if async_run.run.returncode != 0:
         pytest.skip("the first run failed")
     run_dir = async_run.run_dir
-    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), f"trainer.max_steps={RESUMED[-1]}",
-            "staleness.max_staleness=0", *CISPO, "trainer.resume_from_checkpoint=latest",
-            *attach(session_server)]  # fmt: skip
+    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir),
+            f"trainer.max_steps={RESUMED[-1]}", "staleness.max_staleness=0", *CISPO,
+            "trainer.resume_from_checkpoint=latest", *attach(session_server)]  # fmt: skip
     return run_cli(args), run_dir
 
 

@@ -1,4 +1,5 @@
-"""The CLI's supervision of the trainer ranks: one rank failing stops every rank, and the error names it."""
+"""The CLI's supervision of the trainer ranks: one rank failing, or the server exiting, stops every rank, and the
+error names what failed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from asyncrl.config import compose, to_config
 from asyncrl.config.compose import to_yaml
+from asyncrl.server.process import ServerStartError
 from asyncrl.trainer.supervise import RankProcesses, TrainerRankError, run_ranks
 
 
@@ -41,6 +43,25 @@ def test_a_failed_rank_stops_the_others_and_is_named(random_tiny_model_dir, tmp_
         run_ranks(tmp_path, 2, HealthyServer())
     assert [proc.poll() is not None for proc in started[0].procs] == [True, True]
     assert Path(tmp_path / "logs" / "rank_1.log").is_file()
+
+
+class ExitedServer(HealthyServer):
+    def is_alive(self) -> bool:
+        return False
+
+    def log_tail(self) -> str:
+        return "CUDA out of memory"
+
+
+def test_a_server_that_exits_while_the_ranks_start_stops_them(random_tiny_model_dir, tmp_path, monkeypatch):
+    """The ranks start while the launched server boots (rank 0 waits for its health): its exit ends them."""
+    (tmp_path / "config.yaml").write_text(to_yaml(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))))
+    started: list[RankProcesses] = []
+    real_init = RankProcesses.__init__
+    monkeypatch.setattr(RankProcesses, "__init__", lambda self, *a: (real_init(self, *a), started.append(self))[0])
+    with pytest.raises(ServerStartError, match="the generation server exited; end of its log:\nCUDA out of memory"):
+        run_ranks(tmp_path, 2, ExitedServer())
+    assert [proc.poll() is not None for proc in started[0].procs] == [True, True]
 
 
 def test_a_leaving_rank_runs_its_exit_handlers_flushes_and_keeps_its_code():
