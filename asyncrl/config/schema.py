@@ -165,6 +165,10 @@ class TrainerConfig:
     gpus: int | None = None
     num_processes: int | None = None
     """Trainer ranks (FSDP2 data parallel); None: trainer.gpus on a GPU machine, else 1. On CPU (gloo) set it."""
+    cpu_threads: int | None = None
+    """Trainer without a GPU: torch intra-op threads per rank; None: the cores that a launched built-in server on
+    the CPU leaves (cores - server.cpu_threads), split over the ranks. More threads than free cores slow every op:
+    each parallel region waits for the thread that shares its core with the server."""
     fsdp_cpu_offload: bool = False
     """With several ranks: keep the sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
     logging_steps: int = 1

@@ -81,6 +81,10 @@ def check_trainer_rates(config: Config) -> None:
         )
     if t.logging_steps < 1:
         raise ConfigError(f"trainer.logging_steps={t.logging_steps} must be >= 1")
+    if t.cpu_threads is not None and t.cpu_threads < 1:
+        raise ConfigError(f"trainer.cpu_threads={t.cpu_threads} must be >= 1 (or null: the cores the server leaves)")
+    if config.server.cpu_threads < 1:
+        raise ConfigError(f"server.cpu_threads={config.server.cpu_threads} must be >= 1")
     if any(step < 1 for step in config.logging.profile_steps):
         raise ConfigError(f"logging.profile_steps={list(config.logging.profile_steps)}: steps count from 1")
     if t.save_strategy not in ("steps", "no"):

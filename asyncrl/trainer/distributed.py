@@ -34,6 +34,7 @@ from asyncrl.losses.step import StepCounts, StepLoss
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.profiler import wait_for_device
 from asyncrl.trainer.supervise import SERVER_URL_ENV
 
@@ -169,6 +170,7 @@ class Follower:
         from asyncrl.trainer.checkpoint import load_checkpoint
 
         self.config, self.ranks = config, ranks
+        use_cpu_threads(config, ranks.world)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
         self.loss = StepLoss(LOSSES.build(config.loss), ADVANTAGES.build(config.advantage),
                              config.sampling.max_completion_length)  # fmt: skip

@@ -38,7 +38,7 @@ from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
-from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model
+from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
 from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
@@ -64,6 +64,7 @@ class Trainer:
     ) -> None:  # fmt: skip
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
         self.ranks, self.world = ranks, ranks.world if ranks is not None else 1
+        use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlClient(server.base_url, timeout_s=config.server.timeout)
         self.channels = WorkerChannels.create(1)

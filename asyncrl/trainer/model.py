@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.server.command import resolve_backend
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
 def use_bf16(config: Config) -> bool:
     return bool(config.trainer.bf16) if config.trainer.bf16 is not None else torch.cuda.is_available()
+
+
+def trainer_cpu_threads(config: Config, world: int, cores: int) -> int:
+    """trainer.cpu_threads, else the ``cores`` that a launched built-in server on the CPU leaves, split over the
+    ``world`` ranks (at least one each). The embedded default on 2 cores, trainer at 2 threads beside the server's
+    one: 2.35 s of fwd+bwd a step; at 1 thread: 0.75 s, and the server generated 1.8x faster."""
+    if config.trainer.cpu_threads is not None:
+        return config.trainer.cpu_threads
+    sv = config.server
+    server_here = sv.launch and sv.device != "cuda" and resolve_backend(config) == "builtin"
+    return max(1, (cores - (sv.cpu_threads if server_here else 0)) // world)
+
+
+def use_cpu_threads(config: Config, world: int) -> None:
+    """Set this rank's torch threads when it trains on the CPU (see trainer_cpu_threads)."""
+    if torch.cuda.is_available():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = trainer_cpu_threads(config, world, cores)
+    torch.set_num_threads(threads)
+    log.info("trainer on the CPU: %d torch thread(s) per rank (%d cores, trainer.cpu_threads)", threads, cores)
 
 
 def build_accelerator(config: Config) -> Any:

@@ -16,6 +16,8 @@ BAD_INPUTS = [
     (["trainer.learning_rate=-1e-6"], "trainer.learning_rate"),
     (["trainer.weight_decay=-0.1"], "trainer.weight_decay"),
     (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
+    (["trainer.cpu_threads=0"], "trainer.cpu_threads"),
+    (["server.cpu_threads=0"], "server.cpu_threads"),
     (["trainer.max_steps=-1", "trainer.num_train_epochs=0"], "trainer.max_steps"),
     (["trainer.lr_scheduler_type=cosine", "trainer.max_steps=-1"], "trainer.lr_scheduler_type"),
     (["logging.profile_steps=[0]"], "logging.profile_steps"),
