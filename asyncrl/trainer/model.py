@@ -31,11 +31,16 @@ def trainer_cpu_threads(config: Config, world: int, cores: int) -> int:
     return max(1, (cores - (sv.cpu_threads if server_here else 0)) // world)
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def use_cpu_threads(config: Config, world: int) -> None:
     """Set this rank's torch threads when it trains on the CPU (see trainer_cpu_threads)."""
     if torch.cuda.is_available():
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = available_cores()
     threads = trainer_cpu_threads(config, world, cores)
     torch.set_num_threads(threads)
     log.info("trainer on the CPU: %d torch thread(s) per rank (%d cores, trainer.cpu_threads)", threads, cores)
