@@ -119,7 +119,7 @@ class LoadPoller:
                      self.controller.ceiling)  # fmt: skip
             return
         self.controller.adapt(initial, self.counts()[1])
-        self._preemptions = load.preemptions_total
+        self._record(load)  # a run shorter than one poll interval still logs the server's load
         log.info("concurrency cap starts at %d (KV cache / max_model_len %d)", self.controller.cap, max_model_len)
 
     async def run(self, interval_s: float = POLL_INTERVAL_S) -> None:
@@ -134,6 +134,9 @@ class LoadPoller:
             return
         inflight, completed = self.counts()
         self.controller.observe(load, inflight, completed)
+        self._record(load)
+
+    def _record(self, load: LoadSample) -> None:
         self.metrics["rollout/vllm_kv_cache_usage_frac"].append(load.kv_cache_usage)
         self.metrics["rollout/vllm_running_requests"].append(load.running)
         self.metrics["rollout/vllm_queued_requests"].append(load.waiting)

@@ -43,7 +43,8 @@ def common_args(model: Path, data: Path, run_dir: Path) -> list[str]:
 
 
 def attach(server: ServerProcess) -> list[str]:
-    return ["server.launch=false", f"server.base_url={server.base_url}"]
+    """The session's server runs on this machine's CPU: the trainer leaves it its core, as with a launched one."""
+    return ["server.launch=false", f"server.base_url={server.base_url}", "trainer.cpu_threads=1"]
 
 
 def steps_of(run_dir: Path) -> list[dict]:

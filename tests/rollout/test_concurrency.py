@@ -103,6 +103,8 @@ def test_the_poller_follows_the_built_in_servers_real_metrics(small_server):
         poller = LoadPoller(small_server.base_url, controller, lambda: (state["inflight"], state["completed"]), metrics)
         await poller.start(max_model_len=64)
         assert controller.adaptive and controller.cap == 4
+        assert metrics["rollout/vllm_kv_cache_usage_frac"] == [0.0]  # the first scrape is logged too: a run
+        # shorter than one poll interval still shows the server's load
         polls = 0
         async with GenerationClient(small_server.base_url, "m", timeout_s=60) as client:
             params = SamplingParams(max_tokens=20, logprobs=None, seed=1)
@@ -116,7 +118,7 @@ def test_the_poller_follows_the_built_in_servers_real_metrics(small_server):
         state.update(inflight=0, completed=6)
         await poller.poll()  # idle, 6 >= 4 completed since the start: the cap grows by a quarter
         await poller.aclose()
-        return controller, metrics, polls + 1
+        return controller, metrics, polls + 2  # the first scrape, the polls while busy, the idle one
 
     controller, metrics, polls = asyncio.run(run())
     assert max(metrics["rollout/vllm_running_requests"]) > 0 and max(metrics["rollout/vllm_queued_requests"]) > 0
