@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -83,3 +84,9 @@ class AttachedServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         return None
+
+
+def check_alive(server: Any) -> None:
+    """Raise with the end of its log when a server the run depends on (launched or attached) is gone."""
+    if not server.is_alive():
+        raise ServerStartError(f"the generation server exited; end of its log:\n{server.log_tail()}")

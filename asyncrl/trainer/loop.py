@@ -24,6 +24,7 @@ from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.server.command import served_model_name
+from asyncrl.server.handle import check_alive
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
 from asyncrl.trainer.checkpoint import (
@@ -283,8 +284,7 @@ class Trainer:
         )  # fmt: skip
 
     def _check_processes(self) -> None:
-        if not self.server.is_alive():
-            raise RuntimeError(f"the generation server died; end of its log:\n{self.server.log_tail()}")
+        check_alive(self.server)
         if not self.worker.is_alive() and not self.channels.failed_event.is_set():
             raise RolloutWorkerError(f"the rollout worker exited with code {self.worker.exitcode} without an error")
 

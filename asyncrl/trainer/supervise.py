@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.server.process import ServerStartError, die_with_parent, free_port
+from asyncrl.server.handle import check_alive
+from asyncrl.server.process import die_with_parent, free_port
 
 SERVER_URL_ENV = "ASYNCRL_SERVER_URL"
 GRACE_S = 10.0
@@ -68,8 +69,7 @@ class RankProcesses:
                     raise TrainerRankError(f"trainer rank {rank} exited with code {code}{self._tail(rank)}")
             if all(code == 0 for code in codes):
                 return
-            if not server.is_alive():
-                raise ServerStartError(f"the generation server exited; end of its log:\n{server.log_tail()}")
+            check_alive(server)
             time.sleep(POLL_S)
 
     def _tail(self, rank: int, lines: int = 30) -> str:

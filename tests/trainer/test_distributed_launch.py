@@ -19,6 +19,20 @@ from asyncrl.server.process import ServerStartError
 from asyncrl.trainer.supervise import RankProcesses, TrainerRankError, run_ranks
 
 
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[RankProcesses]:
+    """The RankProcesses that run_ranks starts, kept to check their processes afterwards."""
+    kept: list[RankProcesses] = []
+    real_init = RankProcesses.__init__
+
+    def keep(self: RankProcesses, *args: object) -> None:
+        real_init(self, *args)
+        kept.append(self)
+
+    monkeypatch.setattr(RankProcesses, "__init__", keep)
+    return kept
+
+
 class HealthyServer:
     base_url = "http://127.0.0.1:9"
 
@@ -26,19 +40,11 @@ class HealthyServer:
         return True
 
 
-def test_a_failed_rank_stops_the_others_and_is_named(random_tiny_model_dir, tmp_path, monkeypatch):
+def test_a_failed_rank_stops_the_others_and_is_named(random_tiny_model_dir, tmp_path, started):
     """Rank 0 fails (its data is missing) while rank 1 has loaded the model and waits for it."""
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "trainer.num_processes=2",
                                 f"data.path={tmp_path / 'missing.jsonl'}"]))  # fmt: skip
     (tmp_path / "config.yaml").write_text(to_yaml(config))
-    started: list[RankProcesses] = []
-    real_init = RankProcesses.__init__
-
-    def keep(self: RankProcesses, *args: object) -> None:
-        real_init(self, *args)
-        started.append(self)
-
-    monkeypatch.setattr(RankProcesses, "__init__", keep)
     with pytest.raises(TrainerRankError, match=r"trainer rank \d exited with code"):
         run_ranks(tmp_path, 2, HealthyServer())
     assert [proc.poll() is not None for proc in started[0].procs] == [True, True]
@@ -53,12 +59,9 @@ class ExitedServer(HealthyServer):
         return "CUDA out of memory"
 
 
-def test_a_server_that_exits_while_the_ranks_start_stops_them(random_tiny_model_dir, tmp_path, monkeypatch):
+def test_a_server_that_exits_while_the_ranks_start_stops_them(random_tiny_model_dir, tmp_path, started):
     """The ranks start while the launched server boots (rank 0 waits for its health): its exit ends them."""
     (tmp_path / "config.yaml").write_text(to_yaml(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))))
-    started: list[RankProcesses] = []
-    real_init = RankProcesses.__init__
-    monkeypatch.setattr(RankProcesses, "__init__", lambda self, *a: (real_init(self, *a), started.append(self))[0])
     with pytest.raises(ServerStartError, match="the generation server exited; end of its log:\nCUDA out of memory"):
         run_ranks(tmp_path, 2, ExitedServer())
     assert [proc.poll() is not None for proc in started[0].procs] == [True, True]
