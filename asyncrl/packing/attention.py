@@ -318,21 +318,34 @@ def unwrap_model(model: torch.nn.Module) -> Any:
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Tree packing needs every decoder layer to be plain full attention; say which layers are not."""
+    """Packed rows need every decoder layer to be full attention or a gated-DeltaNet layer of a family that
+    packing/deltanet.py wraps; name what is not (attention sinks, sliding windows, other token mixers)."""
+    from asyncrl.packing.deltanet import unsupported_deltanet
+
     config = model.config
     name = getattr(config, "model_type", type(model).__name__)
-    others = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention"})
+    text = config.get_text_config()
+    others = sorted(set(getattr(text, "layer_types", None) or []) - {"full_attention", "linear_attention"})
     if others:
-        raise ValueError(
-            f"tree packing supports full-attention decoder layers only, and {name} has layer_types {others}: "
-            "models with non-attention layers (linear attention / Gated DeltaNet hybrids such as Qwen3.5 or "
-            "Qwen3-Next) or sliding-window layers are not supported yet"
-        )
+        raise ValueError(f"packing: {name} has layer_types {others}; packed rows support full attention and gated "
+                         "DeltaNet layers (Qwen3.5, Qwen3.6, Qwen3-Next) only")  # fmt: skip
+    sinks = sorted({type(m).__name__ for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)})
+    if sinks:
+        raise ValueError(f"packing: {name} has attention sinks ({', '.join(sinks)}), which packed rows do not support")
+    unwrapped = unsupported_deltanet(model)
+    if unwrapped:
+        raise ValueError(f"packing: {name}'s gated DeltaNet layers {unwrapped} come from a modeling module asyncrl "
+                         "does not wrap (supported: Qwen3.5, Qwen3.5-MoE, Qwen3-Next)")  # fmt: skip
     for layers_name, layers in model.named_modules():
         if layers_name.endswith("layers") and isinstance(layers, torch.nn.ModuleList):
-            missing = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")]
+            missing = [i for i, layer in enumerate(layers) if not _mixes_tokens(layer)]
             if missing:
-                raise ValueError(f"tree packing: {name} decoder layers {missing} have no self_attn (non-attention "
-                                 "layers are not supported)")  # fmt: skip
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(f"tree packing: {name} has attention_dropout={config.attention_dropout}; it must be 0")
+                raise ValueError(f"packing: {name} decoder layers {missing} have neither self_attn nor a gated "
+                                 "DeltaNet linear_attn (unsupported token mixer)")  # fmt: skip
+    if getattr(text, "attention_dropout", 0.0):
+        raise ValueError(f"tree packing: {name} has attention_dropout={text.attention_dropout}; it must be 0")
+
+
+def _mixes_tokens(layer: torch.nn.Module) -> bool:
+    linear = getattr(layer, "linear_attn", None)
+    return hasattr(layer, "self_attn") or type(linear).__name__.endswith("GatedDeltaNet")

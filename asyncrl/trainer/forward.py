@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.packing.attention import attach_tree_attention, build_plan, unwrap_model
+from asyncrl.packing.deltanet import PLAN_KEYWORD, build_recurrent_plan, conv_kernel_size, deltanet_layers
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
@@ -63,6 +64,7 @@ def packed_forward(
             logits_to_keep=row.token_index.to(device),
             use_cache=False,
             tree_plan=build_plan(attention, row, device),
+            **recurrent_kwargs(inner, row, device),
         )
     out = compute_token_logprobs(
         captured["hidden"][0], head, row.target_ids.to(device), temperature, top_ids=row.top_ids,
@@ -70,6 +72,13 @@ def packed_forward(
         compile_backend=backend,
     )  # fmt: skip
     return ForwardOutput(out.logprobs, out.top_logprobs, out.entropy, time.perf_counter() - started)
+
+
+def recurrent_kwargs(model: torch.nn.Module, row: PackedRow, device: torch.device) -> dict:
+    """The row's plan for the gated-DeltaNet layers of a hybrid model (packing/deltanet.py); none for others."""
+    if not deltanet_layers(model):
+        return {}
+    return {PLAN_KEYWORD: build_recurrent_plan(row, conv_kernel_size(model), device)}
 
 
 def check_head(config: object) -> None:

@@ -67,3 +67,33 @@ def build_tiny_qwen3(seed: int = 0, head_dim: int = 8, dtype: torch.dtype = torc
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return Qwen3ForCausalLM(config).to(dtype)
+
+
+def build_tiny_hybrid(seed: int = 0, vision: bool = False) -> torch.nn.Module:
+    """Qwen3.5's gated-DeltaNet hybrid (DeltaNet, attention, DeltaNet, DeltaNet; 4 value heads over 2 key heads),
+    with a one-block vision tower when ``vision``. Decay drawn mild (A in [0.05, 0.37], dt_bias in [-1, 0]) so a
+    segment's recurrent state still carries its parent's tokens: with the initializer's A up to 16 the state
+    forgets within a few tokens, and the parent's state would hardly be tested."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    text = Qwen3_5TextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if vision:
+            vision_config = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                 num_position_embeddings=16)  # fmt: skip
+            config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision_config)
+            model = Qwen3_5ForConditionalGeneration(config).float()
+        else:
+            model = Qwen3_5ForCausalLM(text).float()
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.uniform_(-3.0, -1.0)
+                    module.dt_bias.uniform_(-1.0, 0.0)
+    return model

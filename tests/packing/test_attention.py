@@ -176,17 +176,17 @@ def tiny_config(**overrides) -> Qwen3Config:
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, **overrides)  # fmt: skip
 
 
-def test_model_check_rejects_linear_attention_layers():
+def test_model_check_rejects_other_layer_types():
     model = Qwen3ForCausalLM(tiny_config())
-    model.config.layer_types = ["linear_attention", "full_attention"]  # a Gated DeltaNet hybrid's shape
-    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\].*Gated DeltaNet"):
+    model.config.layer_types = ["mamba", "full_attention"]  # gated DeltaNet hybrids: tests/packing/test_deltanet.py
+    with pytest.raises(ValueError, match=r"layer_types \['mamba'\].*gated DeltaNet"):
         check_model(model)
 
 
 def test_model_check_rejects_layers_without_self_attention():
     model = Qwen3ForCausalLM(tiny_config())
     del model.model.layers[1].self_attn
-    with pytest.raises(ValueError, match=r"decoder layers \[1\] have no self_attn"):
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] have neither self_attn"):
         attach_tree_attention(model)
 
 
