@@ -43,6 +43,9 @@ class ModelConfig:
     revision: str | None = None
     model_init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for from_pretrained; a dtype here wins over `dtype`."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-Experts load-balancing loss weight (logged as aux_loss): null = the model config's value, 0 =
+    off; set on a dense model it is a config error."""
 
 
 @dataclass

@@ -61,6 +61,8 @@ class StepLoss:
         self.entropy_coef = self.options.entropy_coef
         # Counting a micro-batch's tokens syncs the device, so only where the result depends on it.
         self.needs_tokens = self.options.normalization == "micro_batch" or self.options.entropy_bonus
+        self.router_aux_coef = 0.0
+        """The MoE load-balancing weight (trainer/moe.py), set once the model is known."""
         self.start_step([])
 
     # ---- per step ------------------------------------------------------------------------------------------
@@ -91,8 +93,9 @@ class StepLoss:
             truncated=truncated[row.sequence_index].to(device),
         )
 
-    def __call__(self, batch: LossBatch) -> tuple[Tensor, dict[str, float]]:
-        """This micro-batch's part of the step loss (to backpropagate) and the loss's metrics."""
+    def __call__(self, batch: LossBatch, aux_loss: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """This micro-batch's part of the step loss (to backpropagate) and the loss's metrics; ``aux_loss``: the
+        row's MoE load-balancing loss, added with router_aux_coef as this row's share of the step's mean."""
         result = self.loss_fn(batch)
         trained = batch.mask > 0
         if self.options.mask_truncated_completions and batch.truncated is not None:
@@ -105,7 +108,10 @@ class StepLoss:
             entropy = float(result.entropy_mean.detach())
             self.entropy += share * entropy
             loss = loss - self._coefficient(entropy) * share * result.entropy_mean
-        return loss, result.metrics
+        if aux_loss is None or not self.router_aux_coef:
+            return loss, result.metrics
+        loss = loss + self.router_aux_coef * aux_loss / max(self.counts.micro_batches, 1)
+        return loss, {**result.metrics, "aux_loss": float(aux_loss.detach())}
 
     def end_step(self) -> dict[str, float]:
         """Step metrics (policy_loss, entropy_coef when a bonus is on); moves the adaptive coefficient."""

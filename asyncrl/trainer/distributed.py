@@ -31,10 +31,12 @@ import torch.distributed as dist
 
 from asyncrl.config.schema import Config
 from asyncrl.losses.step import StepCounts, StepLoss
+from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import use_cpu_threads
+from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import wait_for_device
 from asyncrl.trainer.supervise import SERVER_URL_ENV
 
@@ -146,11 +148,12 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
         started = time.perf_counter()
         out = packed_forward(model, row, config.sampling.temperature, attention=attention,
                              logit_chunk_tokens=config.trainer.logit_chunk_tokens,
-                             compile_layers=config.packing.get("compile_layers", "auto"))  # fmt: skip
+                             compile_layers=config.packing.get("compile_layers", "auto"),
+                             router_aux=bool(loss.router_aux_coef))  # fmt: skip
         if weight == 0:
             value = out.logprobs.sum() * 0.0
         else:
-            value, row_metrics = loss(loss.batch(row, out))
+            value, row_metrics = loss(loss.batch(row, out), out.aux_loss)
             entropy = float(out.entropy.mean()) if out.entropy.numel() else float("nan")
             metrics.append({**row_metrics, "entropy": entropy})
         forward_s += time.perf_counter() - started
@@ -176,6 +179,7 @@ class Follower:
                              config.sampling.max_completion_length)  # fmt: skip
         if resume is not None:
             self.loss.load_state_dict(load_checkpoint(resume, self.optimizer, self.scheduler).extra.get("loss", {}))
+        self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
         self.attention = str(config.packing.get("attention", "auto"))
         self.dtype = serving_dtype(config)
 

@@ -34,6 +34,8 @@ class ForwardOutput:
     top_logprobs: torch.Tensor | None  # [T, K] for the sampler's top-K ids
     entropy: torch.Tensor  # [T], no grad
     seconds: float
+    aux_loss: torch.Tensor | None = None
+    """The MoE router's load-balancing loss over the row's forwarded tokens (trainer/moe.py), when asked for."""
 
 
 def packed_forward(
@@ -44,10 +46,12 @@ def packed_forward(
     attention: str = "auto",
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS,
     compile_layers: bool | str = False,
+    router_aux: bool = False,
 ) -> ForwardOutput:
     """``attention``: the tree attention backend, ``compile_layers``: torch.compile the decoder layers and the
     log-probability epilogues (see resolve_compile), both from the packing config; ``logit_chunk_tokens``:
-    trained tokens whose logits exist at once (0 = all), trainer.logit_chunk_tokens."""
+    trained tokens whose logits exist at once (0 = all), trainer.logit_chunk_tokens; ``router_aux``: also return
+    an MoE model's load-balancing loss."""
     device = next(model.parameters()).device
     started = time.perf_counter()
     attach_tree_attention(model)
@@ -57,21 +61,24 @@ def packed_forward(
     inner = unwrap_model(model)
     check_head(inner.config)
     head = inner.get_output_embeddings()
+    extra = {"output_router_logits": True} if router_aux else {}
     with _head_input(head) as captured:
-        model(
+        output = model(
             input_ids=row.input_ids[None].to(device),
             position_ids=row.position_ids[None].to(device),
             logits_to_keep=row.token_index.to(device),
             use_cache=False,
             tree_plan=build_plan(attention, row, device),
             **recurrent_kwargs(inner, row, device),
+            **extra,
         )
     out = compute_token_logprobs(
         captured["hidden"][0], head, row.target_ids.to(device), temperature, top_ids=row.top_ids,
         sampling_masks=row.sampling_masks, chunk_tokens=logit_chunk_tokens, compute_dtype=captured["dtype"],
         compile_backend=backend,
     )  # fmt: skip
-    return ForwardOutput(out.logprobs, out.top_logprobs, out.entropy, time.perf_counter() - started)
+    aux_loss = output.aux_loss if router_aux else None
+    return ForwardOutput(out.logprobs, out.top_logprobs, out.entropy, time.perf_counter() - started, aux_loss)
 
 
 def recurrent_kwargs(model: torch.nn.Module, row: PackedRow, device: torch.device) -> dict:

@@ -40,6 +40,7 @@ from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
+from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
@@ -89,6 +90,7 @@ class Trainer:
             log.info("resumed from %s at step %d, prompt %d", resume, self.state.step, self.state.prompt_index)
         self.loss = StepLoss(LOSSES.build(c.loss), self.prepared.advantage_fn, c.sampling.max_completion_length)
         self.loss.load_state_dict(self.state.extra.get("loss", {}))
+        self.loss.router_aux_coef = router_aux_coef(c, self.accelerator.unwrap_model(self.model).config)
         self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
         self.row_factory, self.token_budget = build_row_factory(dict(c.packing), self.max_model_len)
         self.attention = str(c.packing.get("attention", "auto"))
@@ -210,8 +212,9 @@ class Trainer:
             with phase("forward"):
                 out = packed_forward(self.model, row, self.config.sampling.temperature, attention=self.attention,
                                      logit_chunk_tokens=self.config.trainer.logit_chunk_tokens,
-                                     compile_layers=self.config.packing.get("compile_layers", "auto"))  # fmt: skip
-                loss, loss_metrics = self.loss(self.loss.batch(row, out))
+                                     compile_layers=self.config.packing.get("compile_layers", "auto"),
+                                     router_aux=bool(self.loss.router_aux_coef))  # fmt: skip
+                loss, loss_metrics = self.loss(self.loss.batch(row, out), out.aux_loss)
             fwd_s += time.perf_counter() - t0
             with phase("backward"):
                 self.accelerator.backward(loss)

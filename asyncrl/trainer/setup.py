@@ -55,6 +55,7 @@ def prepare(config: Config) -> Prepared:
     from asyncrl.rollout.environments import environment_rows
     from asyncrl.rollout.loop import AsyncRolloutLoop
     from asyncrl.rollout.spawn import check_picklable
+    from asyncrl.trainer.moe import check_router_aux_coef
 
     if config.data.path is None:
         dataset = environment_rows()  # validated: a single environment supplies each prompt from reset()
@@ -73,6 +74,7 @@ def prepare(config: Config) -> Prepared:
         check_picklable(source.fn, f"reward function '{source.name}'")
     tokenizer = load_tokenizer(config)
     check_agents(config, tokenizer)
+    check_router_aux_coef(config)
     return Prepared(dataset, eval_dataset, tokenizer, sources, loop_cls, ADVANTAGES.build(config.advantage))
 
 
