@@ -27,7 +27,7 @@ def test_recipes_table_lists_deepmath_with_its_description():
 def test_config_prints_composed_yaml_with_overrides():
     result = runner.invoke(app, ["config", "+recipe=deepmath", "sampling.temperature=0.7"])
     assert result.exit_code == 0, result.output
-    assert "name_or_path: Qwen/Qwen3-4B" in result.output
+    assert "name_or_path: Qwen/Qwen3.5-2B" in result.output
     assert "temperature: 0.7" in result.output
 
 

@@ -68,7 +68,7 @@ def test_recipe_composes_and_validates(recipe):
 
 def test_deepmath_recipe_selects_the_real_model_data_and_vllm():
     config = to_config(compose(["+recipe=deepmath", "sampling.temperature=0.7"]))
-    assert config.model.name_or_path == "Qwen/Qwen3-4B"
+    assert config.model.name_or_path == "Qwen/Qwen3.5-2B"
     assert config.data.path == "trl-lib/DeepMath-103K"
     assert config.server.backend == ServerBackend.vllm
     assert config.reward_funcs == [{"name": "accuracy"}]
