@@ -137,10 +137,8 @@ def packed_delta_rule(
     beta: torch.Tensor, use_qk_l2norm_in_kernel: bool, plan: RecurrentPlan,
 ) -> torch.Tensor:  # fmt: skip
     """[1, L, H, D] inputs -> [1, L, H_v, D_v]: the chunked gated delta rule per segment, level by level, each
-    segment from its parent's final state."""
-    heads = value.shape[2]
-    if key.shape[2] != heads:  # grouped values: each key head serves heads // key heads value heads
-        query, key = (t.repeat_interleave(heads // key.shape[2], dim=2) for t in (query, key))
+    segment from its parent's final state. Grouped values (more value than key heads) pass through as they came:
+    both kernels take them."""
     run = _fla_level if query.is_cuda and _fla_rule() is not None else functools.partial(_torch_level, original)
     outputs, finals = [], None
     for level in plan.levels:
