@@ -28,8 +28,8 @@ def check_cache_supported(model: torch.nn.Module) -> None:
     for index, layer in enumerate(DynamicCache(config=model.config).layers):
         if type(layer) not in (DynamicLayer, LinearAttentionLayer):
             kind = f"{layer_types[index]!r} ({type(layer).__name__})" if layer_types else type(layer).__name__
-            raise ValueError(f"the built-in server serves full_attention and linear_attention (gated DeltaNet) "
-                             f"layers only; layer {index} is {kind}: serve this model with server.backend=vllm")  # fmt: skip
+            raise ValueError(f"the built-in server serves full_attention and linear_attention (gated DeltaNet) layers "
+                             f"only; layer {index} is {kind}: serve this model with server.backend=vllm")  # fmt: skip
 
 
 def build_slack_cache(model: torch.nn.Module) -> DynamicCache:

@@ -12,6 +12,7 @@ from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.server.batch import RunningBatch
 from asyncrl.server.cache import StateLayer, build_slack_cache
 from asyncrl.server.engine import Engine, EngineConfig
+from asyncrl.server.lora import AdapterSet, LoraLimits
 from asyncrl.server.rows import GenerationRequest, Row
 from asyncrl.server.sampling import SamplingSettings
 
@@ -105,26 +106,58 @@ def test_left_padding_leaves_the_delta_net_states_of_a_fresh_prefill(hybrid):
             torch.testing.assert_close(padded.recurrent_states[0][:1], alone.recurrent_states[0], atol=1e-6, rtol=0)
 
 
+def greedy_request(name: str, tokens: list[int], max_tokens: int, adapter: str | None = None) -> GenerationRequest:
+    settings = SamplingSettings(temperature=0.0, num_logprobs=0)
+    return GenerationRequest(name, tokens, max_tokens, settings, ignore_eos=True, adapter=adapter)
+
+
+def generate(engine: Engine, requests: list[GenerationRequest]) -> list[Row]:
+    """Submit every request at once to the started engine; each row carries its result's tokens and logprobs."""
+    results = [future.result(timeout=120) for future in [engine.submit(request) for request in requests]]
+    rows = [make_row(request.request_id, request.prompt_ids, request.max_tokens) for request in requests]
+    for row, result in zip(rows, results, strict=True):
+        row.output_ids, row.logprobs = result.token_ids, result.logprobs
+    return rows
+
+
 def test_the_vision_language_model_decodes_through_the_engine_as_if_alone(hybrid_vlm):
     """Through the engine with room for two rows, whose growth past the KV budget forces preemptions."""
     eos = frozenset({hybrid_vlm.generation_config.eos_token_id})
-    config = EngineConfig(max_model_len=64, max_num_seqs=2, kv_cache_tokens=64, eos_token_ids=eos)
-    engine = Engine(hybrid_vlm, config)
+    engine = Engine(hybrid_vlm, EngineConfig(max_model_len=64, max_num_seqs=2, kv_cache_tokens=64, eos_token_ids=eos))
     engine.start()
     try:
-        requests = [GenerationRequest(f"r{i}", prompt(10 + i, 25 + 3 * i), 8 + i,
-                                      SamplingSettings(temperature=0.0, num_logprobs=0), ignore_eos=True)
-                    for i in range(5)]  # fmt: skip
-        results = [future.result(timeout=120) for future in [engine.submit(request) for request in requests]]
+        rows = generate(engine, [greedy_request(f"r{i}", prompt(10 + i, 25 + 3 * i), 8 + i) for i in range(5)])
         assert engine.stats().preemptions_total > 0
     finally:
         engine.stop()
-    rows = []
-    for request, result in zip(requests, results, strict=True):
-        row = make_row(request.request_id, request.prompt_ids, request.max_tokens)
-        row.output_ids, row.logprobs = result.token_ids, result.logprobs
-        rows.append(row)
     assert_matches_a_plain_forward(hybrid_vlm, rows)
+
+
+def test_lora_and_base_rows_decode_together_as_if_alone(tokenizer, tmp_path):
+    """peft's mixed-batch forward over the hybrid: adapter rows and base rows in one batch, each as if alone."""
+    from peft import LoraConfig, get_peft_model
+
+    config = hybrid_text_config(tokenizer)
+    lora = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    adapted = get_peft_model(build_model(config, tokenizer), lora)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    adapted.save_pretrained(tmp_path / "a")
+    eos = frozenset({tokenizer.eos_token_id})
+    engine = Engine(build_model(config, tokenizer).eval(), EngineConfig(64, 4, 256, eos),
+                    AdapterSet(LoraLimits(max_loras=1, max_lora_rank=8), "base"))  # fmt: skip
+    engine.load_adapter("a", str(tmp_path / "a"))
+    engine.start()
+    try:
+        requests = [greedy_request(f"r{i}", prompt(20 + i, 5 + 4 * i), 6, "a" if i % 2 else None) for i in range(4)]
+        rows = generate(engine, requests)
+    finally:
+        engine.stop()
+    base = build_model(config, tokenizer).eval()
+    for request, row in zip(requests, rows, strict=True):
+        assert_matches_a_plain_forward(adapted.eval() if request.adapter else base, [row])
 
 
 def test_the_cache_holds_state_layers_for_the_delta_net_and_slack_layers_for_attention(hybrid):
