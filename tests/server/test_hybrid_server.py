@@ -67,8 +67,10 @@ def served_logprobs_match(model: torch.nn.Module, served: list[tuple[list[int], 
 
 
 def test_a_hybrid_vlm_serves_a_plain_forwards_logprobs_and_takes_a_text_weight_update(vlm, vlm_server, tmp_path):
-    assert served_logprobs_match(vlm, complete_all(vlm_server))
+    served = complete_all(vlm_server)
+    assert served_logprobs_match(vlm, served)
     with ControlClient(vlm_server.base_url, timeout_s=30) as control:
+        assert control.metrics()["vllm:generation_tokens_total"] == sum(len(tokens) for tokens, _ in served)
         noise = torch.Generator().manual_seed(3)
         updated = copy.deepcopy(vlm)
         tensors = {key: vlm.state_dict()[key] + 0.2 * torch.randn(vlm.state_dict()[key].shape, generator=noise)
