@@ -12,7 +12,9 @@ their linear-attention layers (``StateLayer``). Left padding is exact for them t
 linear-attention layer's input by the prefill's attention mask, and its input projections and convolution have
 no bias, so a padded position feeds exact zeros to the short convolution (which then reads what a fresh state
 holds: zeros) and a zero key and value to the delta rule (which leaves the zero initial state at zero whatever
-the decay). A free slot's dummy decodes into its states, but a row taking the slot overwrites them whole.
+the decay). Only rounding differs (the chunked delta rule's 64-token chunks fall elsewhere): tests/server/
+test_hybrid_batch.py finds the states within 1e-6 and logprobs within 1e-4 of an unpadded forward. A free slot's
+dummy decodes into its states, but a row taking the slot overwrites them whole.
 """
 
 from __future__ import annotations
