@@ -9,7 +9,13 @@ from collections.abc import Sequence
 
 import torch
 import uvicorn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
 
 from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.server.builtin import BuiltinServer, build_app
@@ -30,7 +36,7 @@ def positive_int(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.server", description=__doc__)
-    parser.add_argument("--model", required=True, help="local path or Hub id of a causal LM")
+    parser.add_argument("--model", required=True, help="local path or Hub id of a causal LM (or a VLM: text only)")
     parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -48,6 +54,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def load_model(path: str, dtype: torch.dtype | str, trust_remote_code: bool) -> torch.nn.Module:
+    """The checkpoint's model; a vision-language one whole (``AutoModelForImageTextToText``), so the names of its
+    weights are the trainer's; it serves text only."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    return auto.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
 def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Every id that ends a completion: generation_config's eos_token_id(s) and the tokenizer's."""
     configured = getattr(model.generation_config, "eos_token_id", None)
@@ -57,8 +71,9 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def context_length(model: torch.nn.Module, requested: int | None) -> int:
-    """--max-model-len, checked against the model's position limit (as vLLM does)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    """--max-model-len, checked against the model's position limit (as vLLM does; a vision-language model's is its
+    text model's)."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if requested is None:
         if limit is None:
             raise SystemExit("the model config has no max_position_embeddings: pass --max-model-len")
@@ -77,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     logger.info("loading model from %s (dtype %s) onto %s", args.model, args.dtype, device)
     dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, dtype, args.trust_remote_code)
     model = model.to(device).eval()
     max_model_len = context_length(model, args.max_model_len)
     kv_cache_tokens = args.kv_cache_tokens or args.max_num_seqs * max_model_len

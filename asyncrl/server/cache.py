@@ -1,4 +1,4 @@
-"""A KV cache layer with spare capacity, so decoding writes one token in place instead of copying the cache.
+"""The running batch's cache: K/V layers with spare capacity and gated-DeltaNet state layers, both with row slots.
 
 transformers' ``DynamicLayer`` concatenates the whole cache with every new token. ``SlackLayer`` keeps keys and
 values in preallocated buffers ``[row_capacity, heads, column_capacity, head_dim]`` and exposes the window
@@ -7,21 +7,37 @@ rows joining the running batch are written right-aligned into their slots, dropp
 ``start``. Buffers are reallocated (with slack, so amortised O(1) per token) only when the window outgrows them.
 Buffers start zeroed and only ever hold computed keys and values, so masked positions are always finite and
 contribute exactly nothing to attention.
+
+A linear-attention layer (Qwen3.5's gated DeltaNet) caches no tokens, only per-row convolution and recurrent
+states of a fixed size. ``StateLayer`` keeps them in row slots with the same row operations (a joining row's
+states overwrite its slot whole, so nothing a dummy decoded there before survives; there are no columns to drop).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 MIN_SLACK_COLUMNS = 256
 
 
+def check_cache_supported(model: torch.nn.Module) -> None:
+    """Fail at startup, naming the first layer type the running batch has no slot layer for (e.g. sliding windows)."""
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    for index, layer in enumerate(DynamicCache(config=model.config).layers):
+        if type(layer) not in (DynamicLayer, LinearAttentionLayer):
+            kind = f"{layer_types[index]!r} ({type(layer).__name__})" if layer_types else type(layer).__name__
+            raise ValueError(f"the built-in server serves full_attention and linear_attention (gated DeltaNet) layers "
+                             f"only; layer {index} is {kind}: serve this model with server.backend=vllm")  # fmt: skip
+
+
 def build_slack_cache(model: torch.nn.Module) -> DynamicCache:
-    """The model's own DynamicCache with every layer replaced by a SlackLayer."""
+    """The model's own DynamicCache with every attention layer replaced by a SlackLayer and every linear-attention
+    layer by a StateLayer."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [SlackLayer() for _ in cache.layers]
+    cache.layers = [StateLayer(layer.number_of_states) if isinstance(layer, LinearAttentionLayer) else SlackLayer()
+                    for layer in cache.layers]  # fmt: skip
     return cache
 
 
@@ -72,6 +88,14 @@ class SlackLayer(DynamicLayer):
         self._value_buffer[index, :, end - length : end] = values
         self._set_window(rows, width)
 
+    def write_prefill(self, slots: list[int], prefill: DynamicLayer, copies: torch.Tensor | None) -> None:
+        """Write a prefill cache layer's rows into cache rows ``slots`` (``copies``: the prefilled row each slot
+        takes, when several share one; None: one row each)."""
+        keys, values = prefill.keys, prefill.values
+        if copies is not None:
+            keys, values = keys[copies], values[copies]
+        self.write_rows(slots, keys, values)
+
     def keep_rows(self, slots: list[int]) -> None:
         """Keep cache rows ``slots``, in that order, as rows 0..len(slots)-1 (in place; a prefix costs nothing)."""
         if slots != list(range(len(slots))):
@@ -115,3 +139,65 @@ class SlackLayer(DynamicLayer):
     def _set_window(self, rows: int, width: int) -> None:
         self.keys = self._key_buffer[:rows, :, self._start : self._start + width]
         self.values = self._value_buffer[:rows, :, self._start : self._start + width]
+
+
+class StateLayer(LinearAttentionLayer):
+    """A linear-attention cache layer whose per-row conv/recurrent states are views of buffers with spare rows.
+
+    transformers' own layer decodes on it unchanged: a one-token step updates ``conv_states``/``recurrent_states``
+    in place (``copy_``), which writes through the views into the buffers."""
+
+    def __init__(self, number_of_states: int = 1) -> None:
+        super().__init__(number_of_states=number_of_states)
+        self._buffers: dict[str, dict[int, torch.Tensor]] = {"conv_states": {}, "recurrent_states": {}}
+        self._rows = 0
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    def write_prefill(self, slots: list[int], prefill: LinearAttentionLayer, copies: torch.Tensor | None) -> None:
+        """Overwrite cache rows ``slots`` whole with a prefill cache layer's states (``copies`` as in SlackLayer);
+        slots past the last row add rows."""
+        rows = max(self._rows, max(slots) + 1)
+        for kind, buffers in self._buffers.items():
+            for state_idx, state in getattr(prefill, kind).items():
+                if state is None:  # a layer may keep only a conv state
+                    continue
+                if copies is not None:
+                    state = state[copies]
+                buffers[state_idx] = self._with_rows(buffers.get(state_idx), state, rows)
+                buffers[state_idx][torch.tensor(slots, device=state.device)] = state
+                self.dtype, self.device = state.dtype, state.device
+        self.conv_kernel_size = dict(prefill.conv_kernel_size)
+        self._set_rows(rows)
+
+    def keep_rows(self, slots: list[int]) -> None:
+        """Keep rows ``slots``, in that order, as rows 0..len(slots)-1 (in place; a prefix costs nothing)."""
+        if slots != list(range(len(slots))):
+            for buffers in self._buffers.values():
+                for buffer in buffers.values():
+                    buffer[: len(slots)] = buffer[torch.tensor(slots, device=buffer.device)]
+        self._set_rows(len(slots))
+
+    def drop_columns(self, count: int) -> None:
+        """States have no token columns: nothing to drop."""
+
+    def _with_rows(self, buffer: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """``buffer`` if it holds ``rows`` rows, else a larger one (with slack) keeping the current rows."""
+        if buffer is not None and rows <= buffer.shape[0]:
+            return buffer
+        capacity = rows if buffer is None else max(rows, buffer.shape[0] + buffer.shape[0] // 2)
+        grown = like.new_zeros(capacity, *like.shape[1:])
+        if buffer is not None:
+            grown[: self._rows] = buffer[: self._rows]
+        return grown
+
+    def _set_rows(self, rows: int) -> None:
+        self._rows = rows
+        for kind, buffers in self._buffers.items():
+            initialized = getattr(self, f"is_{kind}_initialized")
+            for state_idx, buffer in buffers.items():
+                getattr(self, kind)[state_idx] = buffer[:rows]
+                initialized[state_idx] = True
+                self.has_previous_state[state_idx] = True

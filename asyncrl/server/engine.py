@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from asyncrl.server.attention import use_grouped_decode_attention
-from asyncrl.server.batch import RunningBatch, check_cache_supported
+from asyncrl.server.batch import RunningBatch
+from asyncrl.server.cache import check_cache_supported
 from asyncrl.server.lora import AdapterSet
 from asyncrl.server.protocol import ModelNotFound
 from asyncrl.server.rows import GenerationRequest, GenerationResult, Row
