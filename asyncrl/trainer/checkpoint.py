@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncrl.trainer.model import save_processor_files
+
 CHECKPOINT_PREFIX = "step_"
 
 
@@ -48,8 +50,10 @@ def checkpoints_dir(output_dir: Path) -> Path:
 def save_checkpoint(
     output_dir: Path, state: TrainerState, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any,
     total_limit: int | None, write_weights: Callable[[Path], None] | None = None, num_processes: int = 1,
+    processor_files: dict[str, bytes] | None = None,
 ) -> Path:  # fmt: skip
-    """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks)."""
+    """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks);
+    ``processor_files`` go beside the tokenizer (trainer/model.py::processor_files)."""
     root = checkpoints_dir(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -62,6 +66,7 @@ def save_checkpoint(
     else:
         write_weights(tmp)
     tokenizer.save_pretrained(tmp)
+    save_processor_files(processor_files or {}, tmp)
     torch.save(states, tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(

@@ -1,12 +1,24 @@
-"""The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves."""
+"""The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves. A
+vision-language checkpoint loads whole and trains its text model only: the tower gets no gradient and no
+optimizer state."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from transformers import PreTrainedTokenizerBase
+
 from asyncrl.config import compose, to_config
-from asyncrl.trainer.model import trainer_cpu_threads, use_cpu_threads
+from asyncrl.trainer.model import (
+    build_optimizer,
+    load_model,
+    non_text_prefixes,
+    source_processor_files,
+    trainer_cpu_threads,
+    use_cpu_threads,
+)
+from asyncrl.trainer.setup import load_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -33,3 +45,29 @@ def test_the_threads_are_set_on_a_cpu_machine():
         assert torch.get_num_threads() == (before if torch.cuda.is_available() else 1)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_vision_language_checkpoint_trains_its_text_model_only(random_tiny_vlm_dir):
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}"]))
+    model = load_model(config, str(random_tiny_vlm_dir))
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration" and non_text_prefixes(model) == ("model.visual.",)
+    tower = {name: p for name, p in model.named_parameters() if name.startswith("model.visual.")}
+    text = [p for name, p in model.named_parameters() if name not in tower]
+    loaded = {name: p.detach().clone() for name, p in tower.items()}
+    optimizer, _ = build_optimizer(config, model)
+    ids = torch.tensor([[4, 30, 31, 32, 5, 6, 40, 41]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert tower and all(not p.requires_grad and p.grad is None for p in tower.values())
+    assert all(p.grad is not None for p in text)
+    assert {id(p) for p in optimizer.state} == {id(p) for p in text}  # no optimizer state for the tower
+    assert all(torch.equal(p, loaded[name]) for name, p in tower.items())
+    assert isinstance(load_tokenizer(config), PreTrainedTokenizerBase)  # the text tokenizer, not a processor
+    assert set(source_processor_files(config, model.config)) == {"preprocessor_config.json"}
+
+
+def test_a_text_model_is_trained_whole(random_tiny_model_dir):
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))
+    model = load_model(config, str(random_tiny_model_dir))
+    assert non_text_prefixes(model) == () and all(p.requires_grad for p in model.parameters())
+    assert source_processor_files(config, model.config) == {}
