@@ -93,7 +93,7 @@ def non_text_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
     """The names, each with a trailing dot, of a vision-language model's modules outside its text model and LM head
     (the vision tower, the projector): frozen, never adapted by LoRA and skipped by weight sync, since text-only
     data never reaches them. () for a text-only model. ``model`` is the transformers model (not a peft wrapper)."""
-    if not is_vision_language(model.config):
+    if not is_vision_language(getattr(model, "config", None)):
         return ()
     text = (model.get_decoder(), model.get_output_embeddings())
     found: list[str] = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import compose, to_config
