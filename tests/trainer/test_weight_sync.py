@@ -29,6 +29,7 @@ from asyncrl.config import compose, to_config
 from asyncrl.server.checks import ServerFacts
 from asyncrl.server.vllm import WORKER_EXTENSION
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
+from asyncrl.trainer.fsdp import GatheredModel
 from asyncrl.trainer.model import load_model
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
@@ -385,6 +386,8 @@ def test_a_vision_language_model_sends_its_text_model_and_the_server_keeps_its_t
     text = {name for name in stored if not name.startswith("model.visual.")} - {"lm_head.weight"}  # tied
     streamed = [name for name, _ in serving_parameters(model, None)]
     assert set(streamed) == text and [name for name, _, _ in parameter_metadata(model, None)] == streamed
+    sharded = GatheredModel(model, None, None)  # type: ignore[arg-type]  # several ranks' view; metadata needs no gather
+    assert [name for name, _, _ in parameter_metadata(sharded, None)] == streamed
     file = FileTransport(tmp_path)
     file.stage(model)
     assert set(load_file(str(file.path))) == text
