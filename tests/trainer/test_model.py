@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packing.packing_samples import random_samples  # tests/packing
 from transformers import PreTrainedTokenizerBase
 
+from asyncrl.assets.model_families import build_model, hybrid_vlm_config
+from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import compose, to_config
+from asyncrl.packing import TreeRow
+from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import (
     build_optimizer,
+    freeze_non_text,
     load_model,
     non_text_prefixes,
     source_processor_files,
@@ -59,7 +65,8 @@ def test_a_vision_language_checkpoint_trains_its_text_model_only(random_tiny_vlm
     optimizer.step()
     assert tower and all(not p.requires_grad and p.grad is None for p in tower.values())
     assert all(p.grad is not None for p in text)
-    assert {id(p) for p in optimizer.state} == {id(p) for p in text}  # no optimizer state for the tower
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in optimizer.state} == {id(p) for p in text}  # no optimizer state for the tower
     assert all(torch.equal(p, loaded[name]) for name, p in tower.items())
     assert isinstance(load_tokenizer(config), PreTrainedTokenizerBase)  # the text tokenizer, not a processor
     assert set(source_processor_files(config, model.config)) == {"preprocessor_config.json"}
@@ -70,3 +77,23 @@ def test_a_text_model_is_trained_whole(random_tiny_model_dir):
     model = load_model(config, str(random_tiny_model_dir))
     assert non_text_prefixes(model) == () and all(p.requires_grad for p in model.parameters())
     assert source_processor_files(config, model.config) == {}
+
+
+def test_the_packed_forward_trains_a_vision_language_models_text_model_only():
+    """The trainer's path on a VLM whose text model is all attention: one sample's packed log-probabilities equal
+    the model's plain forward, and the backward reaches every text parameter and no tower parameter."""
+    tokenizer = build_tokenizer()
+    model = build_model(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
+    plain = build_model(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
+    freeze_non_text(model)
+    row = TreeRow(10_000)
+    row.add(random_samples(seed=1, num_groups=1, max_group=2)[0])
+    packed = row.pack(top_k=0)
+    out = packed_forward(model, packed, temperature=1.0, attention="sdpa")
+    with torch.no_grad():
+        logits = plain(input_ids=packed.input_ids[None]).logits[0, packed.token_index]
+    expected = logits.log_softmax(-1).gather(1, packed.target_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs.detach(), expected, atol=1e-5, rtol=0)
+    out.logprobs.sum().backward()
+    for name, param in model.named_parameters():
+        assert (param.grad is None) == name.startswith("model.visual."), name
