@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from asyncrl.trainer.checkpoint import checkpoints_dir, list_checkpoints
-from asyncrl.trainer.lora import ADAPTER_CONFIG, is_adapter_dir
-from asyncrl.trainer.model import (
+from asyncrl.trainer.checkpoint import (
     PROCESSOR_FILES,
-    auto_model_class,
-    is_vision_language,
+    checkpoints_dir,
+    list_checkpoints,
     processor_files,
     save_processor_files,
 )
+from asyncrl.trainer.lora import ADAPTER_CONFIG, is_adapter_dir
+from asyncrl.trainer.model import auto_model_class, is_vision_language
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from asyncrl.cli import app
 from asyncrl.config import compose, to_config
 from asyncrl.export import ExportError, export, resolve_source
-from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from asyncrl.trainer.model import build_optimizer, load_model, source_processor_files
+from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint, source_processor_files
+from asyncrl.trainer.model import build_optimizer, load_model
 
 INPUT_IDS = torch.tensor([[7, 20, 31, 42, 53, 11, 9, 64], [5, 6, 70, 71, 72, 73, 74, 75]])
 

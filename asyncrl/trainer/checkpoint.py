@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.trainer.model import save_processor_files
+from asyncrl.config.schema import Config
+from asyncrl.trainer.model import is_vision_language
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -53,7 +54,7 @@ def save_checkpoint(
     processor_files: dict[str, bytes] | None = None,
 ) -> Path:  # fmt: skip
     """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks);
-    ``processor_files`` go beside the tokenizer (trainer/model.py::processor_files)."""
+    ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES)."""
     root = checkpoints_dir(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -78,6 +79,36 @@ def save_checkpoint(
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+"""A vision-language checkpoint's image and video processor configs: vLLM loads them even to serve text, so they
+go beside every saved copy of its weights (checkpoints, the final model, exports)."""
+
+
+def processor_files(source: str | os.PathLike[str], revision: str | None = None) -> dict[str, bytes]:
+    """The PROCESSOR_FILES that ``source`` (a directory or a Hub id) has, by name."""
+    from transformers.utils import cached_file
+
+    found = {}
+    for name in PROCESSOR_FILES:
+        path = cached_file(str(source), name, revision=revision, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)  # fmt: skip
+        if path is not None:
+            found[name] = Path(path).read_bytes()
+    return found
+
+
+def source_processor_files(config: Config, model_config: Any) -> dict[str, bytes]:
+    """model.name_or_path's processor files when it is a vision-language checkpoint, read once at the start (the
+    trainer's checkpoints and final model carry them); {} otherwise."""
+    m = config.model
+    return processor_files(m.name_or_path, m.revision) if is_vision_language(model_config) else {}
+
+
+def save_processor_files(files: dict[str, bytes], directory: Path) -> None:
+    for name, content in files.items():
+        (directory / name).write_bytes(content)
 
 
 def publish(tmp: Path, final: Path) -> None:

@@ -34,19 +34,14 @@ from asyncrl.trainer.checkpoint import (
     publish,
     resolve_checkpoint,
     save_checkpoint,
+    save_processor_files,
+    source_processor_files,
 )
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
-from asyncrl.trainer.model import (
-    build_accelerator,
-    build_optimizer,
-    load_model,
-    save_processor_files,
-    source_processor_files,
-    use_cpu_threads,
-)
+from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
 from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
@@ -88,7 +83,7 @@ class Trainer:
         the loss, packing, logging, the weight-sync channel, the first evaluation, and the worker's spec."""
         c = self.config
         resume = self._build_model()
-        self.processor_files = source_processor_files(c, self.model.config)
+        self.processor_files = source_processor_files(c, self.accelerator.unwrap_model(self.model).config)
         self.server.ready()
         self.max_model_len = self.control.max_model_len()
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,36 +56,6 @@ def is_vision_language(model_config: Any) -> bool:
     """A checkpoint with a vision part (its config has a ``vision_config``: Qwen3.5/3.6, Qwen3-VL, Gemma 3, LLaVA):
     it loads with AutoModelForImageTextToText and asyncrl trains its text model only."""
     return getattr(model_config, "vision_config", None) is not None
-
-
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
-"""A vision-language checkpoint's image and video processor configs: vLLM loads them even to serve text, so they
-go beside every saved copy of its weights (checkpoints, the final model, exports)."""
-
-
-def processor_files(source: str | os.PathLike[str], revision: str | None = None) -> dict[str, bytes]:
-    """The PROCESSOR_FILES that ``source`` (a directory or a Hub id) has, by name."""
-    from transformers.utils import cached_file
-
-    found = {}
-    for name in PROCESSOR_FILES:
-        path = cached_file(str(source), name, revision=revision, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)  # fmt: skip
-        if path is not None:
-            found[name] = Path(path).read_bytes()
-    return found
-
-
-def source_processor_files(config: Config, model_config: Any) -> dict[str, bytes]:
-    """model.name_or_path's processor files when it is a vision-language checkpoint, read once at the start (the
-    trainer's checkpoints and final model carry them); {} otherwise."""
-    m = config.model
-    return processor_files(m.name_or_path, m.revision) if is_vision_language(model_config) else {}
-
-
-def save_processor_files(files: dict[str, bytes], directory: Path) -> None:
-    for name, content in files.items():
-        (directory / name).write_bytes(content)
 
 
 def non_text_prefixes(model: torch.nn.Module) -> tuple[str, ...]:

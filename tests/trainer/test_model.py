@@ -13,13 +13,13 @@ from asyncrl.assets.model_families import build_model, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import compose, to_config
 from asyncrl.packing import TreeRow
+from asyncrl.trainer.checkpoint import source_processor_files
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import (
     build_optimizer,
     freeze_non_text,
     load_model,
     non_text_prefixes,
-    source_processor_files,
     trainer_cpu_threads,
     use_cpu_threads,
 )
