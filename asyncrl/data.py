@@ -1,7 +1,8 @@
 """Prompt datasets: a hub id, a local directory, or a json/jsonl/parquet file, with a conversational `prompt`.
 
 Checked before anything starts: a missing `prompt` column or non-conversational prompts fail with a message
-saying what was found.
+saying what was found, and so does a row that carries an image (asyncrl trains on text only, vision-language
+models included: nothing would hand the image to the server or to the training forward pass).
 """
 
 from __future__ import annotations
@@ -9,9 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from datasets import Dataset, load_dataset, load_from_disk
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets import Dataset, Value, load_dataset, load_from_disk
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+IMAGE_COLUMNS = ("images", "image")
+"""The columns that carry a row's images in TRL's vision-language datasets."""
+_MEDIA_KEYS = ("image", "image_url", "video")
+"""Keys of a content part without a ``type`` that make it an image or a video."""
 
 
 class DatasetError(ValueError):
@@ -56,6 +63,56 @@ def check_prompts(dataset: Dataset, source: str) -> None:
             f"dataset {source}: 'prompt' must be a list of {{'role', 'content'}} messages, found "
             f"{type(first).__name__}: {str(first)[:80]!r}"
         )
+    check_text_only(dataset, source)
+
+
+def check_text_only(dataset: Dataset, source: str) -> None:
+    """Refuse the first row with an image: a value in an ``images``/``image`` column (read through Arrow, no image
+    decoded) or a non-text content part in its prompt. The prompts are scanned only when their ``content`` is not
+    plain strings (the dataset's features say so up front), so a text dataset costs nothing."""
+    fix = "asyncrl trains on text only (a vision-language model too: its vision tower stays frozen)"
+    for column in (c for c in IMAGE_COLUMNS if c in dataset.column_names):
+        row = _first_present(dataset.with_format("arrow")[column])
+        if row is not None:
+            raise DatasetError(f"dataset {source}: row {row} carries an image in its '{column}' column: {fix}; "
+                               f"drop the column (dataset.remove_columns('{column}')) or those rows")  # fmt: skip
+    if _plain_text_content(dataset.features["prompt"]):
+        return
+    for row, messages in enumerate(dataset["prompt"]):
+        for message in messages:
+            kind = _media_part(message["content"])
+            if kind is not None:
+                raise DatasetError(f"dataset {source}: row {row}'s prompt has a {kind!r} content part: {fix}; "
+                                   "keep only its text parts ({'type': 'text', ...}) or drop those rows")  # fmt: skip
+
+
+def _first_present(values: pa.Array | pa.ChunkedArray) -> int | None:
+    """The index of the first non-null (and, for lists, non-empty) value."""
+    present = pc.is_valid(values)
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        present = pc.and_(present, pc.greater(pc.fill_null(pc.list_value_length(values), 0), 0))
+    index = pc.index(present, True).as_py()
+    return None if index < 0 else index
+
+
+def _plain_text_content(feature: Any) -> bool:
+    """Whether the prompt feature's messages have string ``content`` (so no content part can be an image)."""
+    message = getattr(feature, "feature", None)
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, Value) and content.dtype in ("string", "large_string")
+
+
+def _media_part(content: Any) -> str | None:
+    """The type of the first non-text part of a message's content (a list of parts); None when it has none."""
+    if not isinstance(content, list):
+        return None
+    for part in content:
+        if not isinstance(part, dict):
+            return type(part).__name__
+        kind = str(part.get("type") or next((key for key in _MEDIA_KEYS if part.get(key) is not None), "text"))
+        if kind != "text":
+            return kind
+    return None
 
 
 def _is_conversation(value: Any) -> bool:

@@ -1,5 +1,6 @@
 """Standalone weights from training output: a LoRA adapter merged into its base, or a full model re-saved in a
-chosen dtype, each with its tokenizer, so any server or library can load the result without peft or asyncrl.
+chosen dtype, each with its tokenizer, so any server or library can load the result without peft or asyncrl. A
+vision-language model is exported whole, with its image/video processor configs (vLLM loads them even for text).
 
 SOURCE is a run directory (its final ``model/``, else its newest checkpoint), a checkpoint or a model directory.
 Adapters merge in float32 and are cast once at the end, so the merged weights round only once. The result is
@@ -11,14 +12,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.trainer.checkpoint import checkpoints_dir, list_checkpoints
+from asyncrl.trainer.checkpoint import (
+    PROCESSOR_FILES,
+    checkpoints_dir,
+    list_checkpoints,
+    processor_files,
+    save_processor_files,
+)
 from asyncrl.trainer.lora import ADAPTER_CONFIG, is_adapter_dir
+from asyncrl.trainer.model import auto_model_class, is_vision_language
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -76,16 +85,15 @@ def adapter_base(model_dir: Path, base: str | None) -> str:
 
 
 def load_merged(model_dir: Path, base: str | None) -> tuple[Any, str | None]:
-    """The model in float32, with the adapter merged into its base when ``model_dir`` holds one."""
-    from transformers import AutoModelForCausalLM
-
+    """The model in float32, with the adapter merged into its base when ``model_dir`` holds one; a vision-language
+    model whole (its vision tower as trained: untouched)."""
     if not is_adapter_dir(model_dir):
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), None
+        return auto_model_class(model_dir).from_pretrained(model_dir, dtype=torch.float32), None
     from peft import PeftModel
 
     base_path = adapter_base(model_dir, base)
     try:
-        base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        base_model = auto_model_class(base_path).from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ExportError(f"{model_dir}: base model {base_path!r} not found ({type(exc).__name__}: {exc}); "
                           "give it with --base PATH_OR_HUB_ID") from exc  # fmt: skip
@@ -105,6 +113,18 @@ def load_tokenizer(model_dir: Path, base: str | None) -> Any:
     except (OSError, ValueError) as exc:
         raise ExportError(f"{model_dir}: no tokenizer ({' or '.join(_TOKENIZER)}) there or in the base {base!r}: "
                           f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+
+def vision_files(model_dir: Path, base: str | None, model_config: Any) -> dict[str, bytes]:
+    """A vision-language model's processor configs: those saved with the weights (asyncrl's checkpoints carry
+    them), else the base's of a merged adapter. A warning when there are none: vLLM would not serve the result."""
+    if not is_vision_language(model_config):
+        return {}
+    files = processor_files(model_dir) or (processor_files(base) if base is not None else {})
+    if not files:
+        warnings.warn(f"{model_dir}: a vision-language model without {' or '.join(PROCESSOR_FILES)}; copy its "
+                      "source checkpoint's into the export, or vLLM will not load it", stacklevel=2)  # fmt: skip
+    return files
 
 
 def check_out(out: Path, model_dir: Path, overwrite: bool) -> None:
@@ -133,6 +153,7 @@ def export(source: Path, out: Path, dtype: str = "bfloat16", base: str | None = 
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        save_processor_files(vision_files(model_dir, base_path, model.config), tmp)
         _replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

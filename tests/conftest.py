@@ -26,6 +26,18 @@ def random_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def random_tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3.5 vision-language checkpoint (gated-DeltaNet hybrid text model, one-block vision tower,
+    image-processor config) with the tiny model's tokenizer."""
+    from asyncrl.assets.model_families import build_model, hybrid_vlm_config, save_checkpoint
+    from asyncrl.assets.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    return save_checkpoint(build_model(hybrid_vlm_config(tokenizer), tokenizer), tokenizer,
+                           tmp_path_factory.mktemp("random-tiny-vlm"))  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from asyncrl.assets.arithmetic import write_splits
 

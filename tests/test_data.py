@@ -1,4 +1,5 @@
-"""Prompt datasets: files, saved directories and hub ids through `datasets`; bad datasets fail early."""
+"""Prompt datasets: files, saved directories and hub ids through `datasets`; bad datasets fail early, a row that
+carries an image included (asyncrl trains on text only)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from asyncrl.data import DatasetError, load_prompts
+from asyncrl.data import DatasetError, check_prompts, load_prompts
 from asyncrl.rewards import REWARDS
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import RolloutGroup
@@ -84,3 +85,36 @@ def test_a_missing_file_or_directory_names_the_key(tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"), key="data.eval_path")
     with pytest.raises(DatasetError, match=r"^data.path=.*nothing-here: Couldn't find any data file"):
         load_prompts(str(tmp_path / "nothing-here"))
+
+
+def user(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+TEXT = {"type": "text", "text": "What is 1+1?"}
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"prompt": user(TEXT)}, {"prompt": user(TEXT)}, {"prompt": user({"type": "image", "image": "a.png"}, TEXT)}],
+         "row 2's prompt has a 'image' content part"),
+        ([{"prompt": user(TEXT)}, {"prompt": user({"image_url": "http://x/cat.png"})}],
+         "row 1's prompt has a 'image_url' content part"),
+        ([{"prompt": user(TEXT), "images": []}, {"prompt": user(TEXT), "images": ["cat.png"]}],
+         "row 1 carries an image in its 'images' column"),
+        ([{"prompt": [{"role": "user", "content": "hi"}], "image": None},
+          {"prompt": [{"role": "user", "content": "hi"}], "image": "cat.png"}],
+         "row 1 carries an image in its 'image' column"),
+    ],
+)  # fmt: skip
+def test_a_row_with_an_image_is_refused_naming_it(rows, message):
+    with pytest.raises(DatasetError) as info:
+        check_prompts(Dataset.from_list(rows), "vlm.jsonl")
+    assert str(info.value).startswith(f"dataset vlm.jsonl: {message}: asyncrl trains on text only")
+    assert "\n" not in str(info.value)
+
+
+def test_text_parts_and_empty_image_columns_pass():
+    rows = [{"prompt": user(TEXT, TEXT), "images": []}, {"prompt": user(TEXT), "images": None}]
+    check_prompts(Dataset.from_list(rows), "text.jsonl")

@@ -1,6 +1,7 @@
 """`asyncrl export`: a LoRA adapter merges into its base with the peft model's logits, a full model is re-saved in
 the asked dtype, a run directory resolves to its final model or newest checkpoint, OUT is written atomically and
-never clobbered unasked, and every error names the path and what is missing."""
+never clobbered unasked, and every error names the path and what is missing. A vision-language model's checkpoints
+resume and export whole: the vision tower bit-identical, the processor config beside the weights."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
+from asyncrl.config import compose, to_config
 from asyncrl.export import ExportError, export, resolve_source
+from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint, source_processor_files
+from asyncrl.trainer.model import build_optimizer, load_model
 
 INPUT_IDS = torch.tensor([[7, 20, 31, 42, 53, 11, 9, 64], [5, 6, 70, 71, 72, 73, 74, 75]])
 
@@ -83,6 +87,36 @@ def test_a_multi_rank_checkpoint_exports_its_consolidated_model(random_tiny_mode
     assert done.model_dir == checkpoint and done.base is None
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert (logits(exported) - logits(model.float().eval())).abs().max() == 0
+
+
+def test_a_vision_language_checkpoint_resumes_and_exports_with_its_tower_bit_identical(random_tiny_vlm_dir, tmp_path):
+    """Train a step, checkpoint, resume from it, train and checkpoint again, export: the text model moved, the
+    vision tower (and the image-processor config vLLM loads) came through exactly as the source had them."""
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}", "trainer.learning_rate=1e-3"]))
+    tokenizer = AutoTokenizer.from_pretrained(random_tiny_vlm_dir)
+    path = random_tiny_vlm_dir
+    for step in (1, 2):
+        model = load_model(config, str(path))
+        optimizer, scheduler = build_optimizer(config, model)
+        if step == 2:
+            load_checkpoint(path, optimizer, scheduler)
+        model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
+        optimizer.step()
+        files = source_processor_files(config, model.config)
+        path = save_checkpoint(tmp_path / "run", TrainerState(step, step, 0, 0, {}), model, tokenizer, optimizer,
+                               scheduler, None, processor_files=files)  # fmt: skip
+    export(tmp_path / "run", tmp_path / "out", dtype="float32")
+    source = load_file(random_tiny_vlm_dir / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    tower = [name for name in source if name.startswith("model.visual.")]
+    assert exported.keys() == source.keys() and tower
+    assert all(torch.equal(exported[name], source[name]) for name in tower)
+    assert not torch.equal(exported["model.language_model.norm.weight"], source["model.language_model.norm.weight"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [
+        "Qwen3_5ForConditionalGeneration"]  # fmt: skip
+    processor = (random_tiny_vlm_dir / "preprocessor_config.json").read_bytes()
+    assert (path / "preprocessor_config.json").read_bytes() == processor
+    assert (tmp_path / "out" / "preprocessor_config.json").read_bytes() == processor
 
 
 def fake_model(path: Path) -> Path:

@@ -16,6 +16,7 @@ import re
 import sys
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 import httpx
 
@@ -30,6 +31,8 @@ SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generat
 MANY_API_SERVERS_SINCE = (0, 32)  # top log-probabilities stop costing throughput with 8 API servers
 MANY_API_SERVERS = 8
 WORKER_EXTENSION = "asyncrl.server.vllm_extension.WeightBufferExtension"  # in-place ipc loads (not imported here)
+TEXT_ONLY_LIMITS = json.dumps({"image": 0, "video": 0})
+"""--limit-mm-per-prompt for a vision-language checkpoint trained text-only: vLLM skips multimodal profiling."""
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -63,6 +66,54 @@ def target_version(config: Config, version: str | None = None) -> str:
     if parse_version(version)[:2] < MIN_VERSION:
         raise ConfigError(f"vLLM {version} is too old: asyncrl needs vLLM >= 0.26 (pip install -U 'vllm>=0.26')")
     return version
+
+
+@dataclass(frozen=True)
+class CheckpointKind:
+    """What the launch flags need to know of the checkpoint, read from its config.json (no weights)."""
+
+    vision_language: bool = False
+    gated_deltanet: bool = False
+    """Has gated-DeltaNet (linear attention) layers: Qwen3.5/3.6, Qwen3-Next."""
+
+    @classmethod
+    def of(cls, model_config: Any) -> CheckpointKind:
+        from asyncrl.trainer.model import is_vision_language
+
+        layer_types = getattr(model_config.get_text_config(), "layer_types", None) or []
+        return cls(is_vision_language(model_config), "linear_attention" in layer_types)
+
+
+def checkpoint_kind(config: Config) -> CheckpointKind:
+    """model.name_or_path's kind from its config.json: a directory, the Hub cache, else (for a server asyncrl
+    launches, which downloads the checkpoint anyway) the Hub. For an attached server's expected command a config
+    that is not on this machine gives a plain kind rather than a network wait."""
+    from transformers import AutoConfig
+
+    m, launch = config.model, config.server.launch
+    try:
+        model_config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, local_files_only=not launch,
+                                                  trust_remote_code=m.trust_remote_code)  # fmt: skip
+    except (OSError, ValueError) as error:
+        if not launch:
+            return CheckpointKind()
+        raise ConfigError(f"model.name_or_path={m.name_or_path}: cannot read its config.json to launch vLLM "
+                          f"({type(error).__name__}: {error}); give a local checkpoint directory or a Hub id "
+                          "reachable from here") from error  # fmt: skip
+    return CheckpointKind.of(model_config)
+
+
+def flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def checkpoint_flags(kind: CheckpointKind) -> list[str]:
+    """A vision-language checkpoint serves text only (asyncrl never sends images); a gated-DeltaNet hybrid
+    prefills with vLLM's Triton kernels when flashinfer (its default GDN prefill imports it) is missing here."""
+    flags = ["--limit-mm-per-prompt", TEXT_ONLY_LIMITS] if kind.vision_language else []
+    if kind.gated_deltanet and not flashinfer_importable():
+        flags += ["--gdn-prefill-backend", "triton"]
+    return flags
 
 
 def truncating(config: Config) -> bool:
@@ -194,9 +245,11 @@ def serving_dtype(config: Config) -> str:
 
 
 def vllm_command(
-    config: Config, *, version: str | None = None, gpus: list[str] | None = None, prompt_tokens: int | None = None
-) -> ServerCommand:
-    """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment."""
+    config: Config, *, version: str | None = None, gpus: list[str] | None = None, prompt_tokens: int | None = None,
+    checkpoint: CheckpointKind | None = None,
+) -> ServerCommand:  # fmt: skip
+    """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment;
+    ``checkpoint`` defaults to what model.name_or_path's config.json says (checkpoint_kind)."""
     sv, s = config.server, config.sampling
     version = target_version(config, version)
     release = parse_version(version)[:2]
@@ -238,6 +291,7 @@ def vllm_command(
     if lora_adapters(config):
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    argv += checkpoint_flags(checkpoint_kind(config) if checkpoint is None else checkpoint)
     if config.model.revision:
         argv += ["--revision", config.model.revision]
     if config.model.trust_remote_code:

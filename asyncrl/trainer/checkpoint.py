@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncrl.config.schema import Config
+from asyncrl.trainer.model import is_vision_language
+
 CHECKPOINT_PREFIX = "step_"
 
 
@@ -48,8 +51,10 @@ def checkpoints_dir(output_dir: Path) -> Path:
 def save_checkpoint(
     output_dir: Path, state: TrainerState, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any,
     total_limit: int | None, write_weights: Callable[[Path], None] | None = None, num_processes: int = 1,
+    processor_files: dict[str, bytes] | None = None,
 ) -> Path:  # fmt: skip
-    """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks)."""
+    """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks);
+    ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES)."""
     root = checkpoints_dir(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -62,6 +67,7 @@ def save_checkpoint(
     else:
         write_weights(tmp)
     tokenizer.save_pretrained(tmp)
+    save_processor_files(processor_files or {}, tmp)
     torch.save(states, tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(
@@ -73,6 +79,36 @@ def save_checkpoint(
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+"""A vision-language checkpoint's image and video processor configs: vLLM loads them even to serve text, so they
+go beside every saved copy of its weights (checkpoints, the final model, exports)."""
+
+
+def processor_files(source: str | os.PathLike[str], revision: str | None = None) -> dict[str, bytes]:
+    """The PROCESSOR_FILES that ``source`` (a directory or a Hub id) has, by name."""
+    from transformers.utils import cached_file
+
+    found = {}
+    for name in PROCESSOR_FILES:
+        path = cached_file(str(source), name, revision=revision, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)  # fmt: skip
+        if path is not None:
+            found[name] = Path(path).read_bytes()
+    return found
+
+
+def source_processor_files(config: Config, model_config: Any) -> dict[str, bytes]:
+    """model.name_or_path's processor files when it is a vision-language checkpoint, read once at the start (the
+    trainer's checkpoints and final model carry them); {} otherwise."""
+    m = config.model
+    return processor_files(m.name_or_path, m.revision) if is_vision_language(model_config) else {}
+
+
+def save_processor_files(files: dict[str, bytes], directory: Path) -> None:
+    for name, content in files.items():
+        (directory / name).write_bytes(content)
 
 
 def publish(tmp: Path, final: Path) -> None:

@@ -34,6 +34,8 @@ from asyncrl.trainer.checkpoint import (
     publish,
     resolve_checkpoint,
     save_checkpoint,
+    save_processor_files,
+    source_processor_files,
 )
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
@@ -82,6 +84,7 @@ class Trainer:
         the loss, packing, logging, the weight-sync channel, the first evaluation, and the worker's spec."""
         c = self.config
         resume = self._build_model()
+        self.processor_files = source_processor_files(c, self.accelerator.unwrap_model(self.model).config)
         self.server.ready()
         self.max_model_len = self.control.max_model_len()
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})
@@ -345,7 +348,8 @@ class Trainer:
         unwrapped = self.accelerator.unwrap_model(self.model)
         write = None if self.ranks is None else (lambda directory: self._write_sharded(directory, "save"))
         path = save_checkpoint(self.output_dir, self.state, unwrapped, self.prepared.tokenizer, self.optimizer,
-                               self.scheduler, self.config.trainer.save_total_limit, write, self.world)  # fmt: skip
+                               self.scheduler, self.config.trainer.save_total_limit, write, self.world,
+                               self.processor_files)  # fmt: skip
         log.info("checkpoint %s", path)
 
     def _save_final_model(self) -> None:
@@ -357,6 +361,7 @@ class Trainer:
         else:
             self._write_sharded(tmp, "final")
         self.prepared.tokenizer.save_pretrained(tmp)
+        save_processor_files(self.processor_files, tmp)
         publish(tmp, final)
         self._drain_worker_metrics()
         self.timeline.write(self.run_dir / "timeline.json", self.run_started, time.time())

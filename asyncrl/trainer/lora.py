@@ -4,14 +4,16 @@ weights under the base model's parameter names (what a server without adapter su
 from __future__ import annotations
 
 import logging
+import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.trainer.model import non_text_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,17 @@ def _targets(config: Config) -> str | list[str]:
     return targets if isinstance(targets, str) else names
 
 
-def peft_config(config: Config) -> Any:
-    """The ``lora`` config group as a peft LoraConfig for a causal LM."""
+def peft_config(config: Config, exclude: Sequence[str] = ()) -> Any:
+    """The ``lora`` config group as a peft LoraConfig for a causal LM; no adapter goes inside the modules named
+    by the ``exclude`` prefixes (a vision-language model's vision tower and projector, trainer/model.py)."""
     from peft import LoraConfig, TaskType
 
     lora = config.lora
     modules_to_save = list(lora.modules_to_save) if lora.modules_to_save else None
+    excluded = "|".join(re.escape(prefix) + ".*" for prefix in exclude) or None  # peft full-matches module names
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=_targets(config), bias=lora.bias, modules_to_save=modules_to_save)  # fmt: skip
+                      target_modules=_targets(config), bias=lora.bias, modules_to_save=modules_to_save,
+                      exclude_modules=excluded)  # fmt: skip
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -69,7 +74,7 @@ def wrap(config: Config, base: torch.nn.Module, path: str) -> torch.nn.Module:
         warnings.warn("lora with trainer.save_strategy=no: only checkpoints keep the trained adapter (the server's "
                       "adapter cache is not one); an interrupted run leaves nothing", stacklevel=2)  # fmt: skip
     _check_tied_embeddings(config, base)
-    model = get_peft_model(base, peft_config(config))
+    model = get_peft_model(base, peft_config(config, non_text_prefixes(base)))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("LoRA r=%d alpha=%d: %d trainable parameters", config.lora.r, config.lora.alpha, trainable)
     return model

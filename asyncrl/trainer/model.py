@@ -52,11 +52,59 @@ def build_accelerator(config: Config) -> Any:
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if use_bf16(config) else "no")
 
 
+def is_vision_language(model_config: Any) -> bool:
+    """A checkpoint with a vision part (its config has a ``vision_config``: Qwen3.5/3.6, Qwen3-VL, Gemma 3, LLaVA):
+    it loads with AutoModelForImageTextToText and asyncrl trains its text model only."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def non_text_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names, each with a trailing dot, of a vision-language model's modules outside its text model and LM head
+    (the vision tower, the projector): frozen, never adapted by LoRA and skipped by weight sync, since text-only
+    data never reaches them. () for a text-only model. ``model`` is the transformers model (not a peft wrapper)."""
+    if not is_vision_language(getattr(model, "config", None)):
+        return ()
+    text = (model.get_decoder(), model.get_output_embeddings())
+    found: list[str] = []
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if any(child is t for t in text):
+                continue
+            if any(inner is t for inner in child.modules() for t in text):
+                walk(child, f"{prefix}{name}.")
+            else:
+                found.append(f"{prefix}{name}.")
+
+    walk(model, "")
+    return tuple(found)
+
+
+def freeze_non_text(model: torch.nn.Module) -> None:
+    """requires_grad=False outside the text model (non_text_prefixes): no gradients, no optimizer state."""
+    prefixes = non_text_prefixes(model)
+    if not prefixes:
+        return
+    frozen = [p for name, p in model.named_parameters() if name.startswith(prefixes)]
+    for param in frozen:
+        param.requires_grad_(False)
+    log.info("vision-language checkpoint trained text-only: %s frozen (%d parameters)", ", ".join(
+        p.rstrip(".") for p in prefixes), sum(p.numel() for p in frozen))  # fmt: skip
+
+
+def auto_model_class(path: str | os.PathLike[str], **source: Any) -> Any:
+    """From the checkpoint's config.json alone: AutoModelForImageTextToText for a vision-language checkpoint (the
+    whole model, its tower included, so what is saved stays servable), else AutoModelForCausalLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = is_vision_language(AutoConfig.from_pretrained(path, **source))
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
 def load_model(config: Config, path: str) -> torch.nn.Module:
     """The model at ``path``; with ``lora.enabled`` the base model wrapped with adapters (``path`` may then
-    be an adapter checkpoint, whose base is model.name_or_path)."""
-    from transformers import AutoModelForCausalLM
-
+    be an adapter checkpoint, whose base is model.name_or_path). A vision-language checkpoint loads whole (its
+    checkpoints stay servable) with everything outside the text model frozen."""
     from asyncrl.trainer import lora
 
     m = config.model
@@ -68,12 +116,13 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
         path = m.name_or_path
     if m.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={m.dtype!r} must be one of {', '.join(_DTYPES)}")
-    kwargs: dict[str, Any] = {"dtype": _DTYPES[m.dtype], "attn_implementation": m.attn_implementation,
-                              "trust_remote_code": m.trust_remote_code, **m.model_init_kwargs}  # fmt: skip
+    source: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
     if m.revision and path == m.name_or_path:
-        kwargs["revision"] = m.revision
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        source["revision"] = m.revision
+    kwargs = {"dtype": _DTYPES[m.dtype], "attn_implementation": m.attn_implementation, **source, **m.model_init_kwargs}
+    model = auto_model_class(path, **source).from_pretrained(path, **kwargs)
     model.config.use_cache = False
+    freeze_non_text(model)
     if config.trainer.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return lora.wrap(config, model, adapter_path) if adapter_path is not None else model

@@ -1,4 +1,5 @@
-"""Golden tests of the generated `vllm serve` command and environment, and the rules behind each flag."""
+"""Golden tests of the generated `vllm serve` command and environment, and the rules behind each flag (the
+checkpoint's kind, read from its config.json, included)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import sys
 
 import pytest
 
+from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config, moe_config
+from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import ConfigError, compose, to_config
 from asyncrl.server.command import server_command
 from asyncrl.server.vllm import (
     WORKER_EXTENSION,
+    CheckpointKind,
     api_server_count,
+    checkpoint_kind,
     longest_prompt_tokens,
     parse_version,
     required_model_len,
@@ -23,12 +28,14 @@ from asyncrl.server.vllm_extension import WeightBufferExtension
 BASE = ["server=vllm", "model.name_or_path=Qwen/Qwen3-4B", "sampling.max_completion_length=1024"]
 SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-4B",
          "--served-model-name", "Qwen/Qwen3-4B", "--host", "127.0.0.1", "--port", "8000", "--seed", "42"]  # fmt: skip
+PLAIN = CheckpointKind()
 COMMON = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
 
 
-def command(overrides: list[str], version: str = "0.33.0", gpus: tuple[str, ...] = ("0", "1")):
+def command(overrides: list[str], version: str = "0.33.0", gpus: tuple[str, ...] = ("0", "1"),
+            checkpoint: CheckpointKind = PLAIN):  # fmt: skip
     config = to_config(compose([*BASE, *overrides]))
-    return vllm_command(config, version=version, gpus=list(gpus), prompt_tokens=200)
+    return vllm_command(config, version=version, gpus=list(gpus), prompt_tokens=200, checkpoint=checkpoint)
 
 
 def flags(*parts: str) -> list[str]:
@@ -290,3 +297,42 @@ def test_ipc_launches_vllm_with_the_in_place_loader_unless_turned_off():
     assert "--worker-extension-cls" not in command(shared, "0.26.0", ("0", "1")).argv  # nccl: own GPUs
     module, _, name = WORKER_EXTENSION.rpartition(".")
     assert getattr(importlib.import_module(module), name) is WeightBufferExtension
+
+
+def test_the_checkpoint_kind_comes_from_its_config():
+    tokenizer = build_tokenizer()
+    assert CheckpointKind.of(hybrid_vlm_config(tokenizer)) == CheckpointKind(vision_language=True, gated_deltanet=True)
+    assert CheckpointKind.of(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4)) == CheckpointKind(
+        vision_language=True)  # fmt: skip
+    assert CheckpointKind.of(hybrid_text_config(tokenizer)) == CheckpointKind(gated_deltanet=True)
+    assert CheckpointKind.of(moe_config(tokenizer)) == CheckpointKind()
+
+
+TEXT_ONLY = ["--limit-mm-per-prompt", '{"image": 0, "video": 0}']
+TRITON_GDN = ["--gdn-prefill-backend", "triton"]
+
+
+@pytest.mark.parametrize(("kind", "flashinfer", "expected"), [
+    (CheckpointKind(), False, []),
+    (CheckpointKind(vision_language=True), True, TEXT_ONLY),
+    (CheckpointKind(gated_deltanet=True), False, TRITON_GDN),
+    (CheckpointKind(gated_deltanet=True), True, []),  # vLLM's default GDN prefill imports flashinfer
+    (CheckpointKind(vision_language=True, gated_deltanet=True), False, TEXT_ONLY + TRITON_GDN),
+])  # fmt: skip
+def test_vision_language_and_gated_deltanet_checkpoints_get_their_flags(kind, flashinfer, expected, monkeypatch):
+    monkeypatch.setattr("asyncrl.server.vllm.flashinfer_importable", lambda: flashinfer)
+    assert command([], checkpoint=kind).argv == command([]).argv + expected
+
+
+def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("asyncrl.server.vllm.flashinfer_importable", lambda: False)
+    vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}"]))
+    assert checkpoint_kind(vlm) == CheckpointKind(vision_language=True, gated_deltanet=True)
+    argv = vllm_command(vlm, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
+    assert " ".join(TEXT_ONLY + TRITON_GDN) in " ".join(argv)
+    assert checkpoint_kind(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))) == CheckpointKind()
+    attached = to_config(compose([*BASE, "model.name_or_path=not-on-this-machine", "server.launch=false",
+                                       "server.base_url=http://10.0.0.5:9000"]))
+    assert checkpoint_kind(attached) == CheckpointKind()  # the expected-command hint never waits on the network
+    with pytest.raises(ConfigError, match=r"^model.name_or_path=.*empty: cannot read its config.json"):
+        checkpoint_kind(to_config(compose([*BASE, f"model.name_or_path={tmp_path / 'empty'}"])))

@@ -103,6 +103,16 @@ def test_merged_weights_equal_peft_merge_under_base_names(random_tiny_model_dir,
     assert any(p.requires_grad for p in model.parameters()), "sending must not merge the trainer's model"
 
 
+@pytest.mark.parametrize("targets", ["all-linear", "[qkv,q_proj]"])  # qkv: the vision tower's attention only
+def test_a_vision_language_model_gets_adapters_on_its_text_model_only(random_tiny_vlm_dir, targets):
+    model = load_model(lora_config(random_tiny_vlm_dir, f"lora.target_modules={targets}"), str(random_tiny_vlm_dir))
+    adapted = [name for name, _ in model.named_modules() if name.endswith(".lora_A")]
+    assert adapted and not any(".visual." in name for name in adapted)
+    assert not any(p.requires_grad for name, p in model.named_parameters() if ".visual." in name)
+    train_adapters(model, seed=3)
+    assert not any(name.startswith("model.visual.") for name in unique_state_dict(model))  # merged sync
+
+
 @pytest.fixture(scope="module")
 def server(tiny_server):
     return tiny_server

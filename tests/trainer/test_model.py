@@ -1,12 +1,29 @@
-"""The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves."""
+"""The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves. A
+vision-language checkpoint loads whole and trains its text model only: the tower gets no gradient and no
+optimizer state."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from packing.packing_samples import random_samples  # tests/packing
+from transformers import PreTrainedTokenizerBase
 
+from asyncrl.assets.model_families import build_model, hybrid_vlm_config
+from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import compose, to_config
-from asyncrl.trainer.model import trainer_cpu_threads, use_cpu_threads
+from asyncrl.packing import TreeRow
+from asyncrl.trainer.checkpoint import source_processor_files
+from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.model import (
+    build_optimizer,
+    freeze_non_text,
+    load_model,
+    non_text_prefixes,
+    trainer_cpu_threads,
+    use_cpu_threads,
+)
+from asyncrl.trainer.setup import load_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -33,3 +50,50 @@ def test_the_threads_are_set_on_a_cpu_machine():
         assert torch.get_num_threads() == (before if torch.cuda.is_available() else 1)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_vision_language_checkpoint_trains_its_text_model_only(random_tiny_vlm_dir):
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}"]))
+    model = load_model(config, str(random_tiny_vlm_dir))
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration" and non_text_prefixes(model) == ("model.visual.",)
+    tower = {name: p for name, p in model.named_parameters() if name.startswith("model.visual.")}
+    text = [p for name, p in model.named_parameters() if name not in tower]
+    loaded = {name: p.detach().clone() for name, p in tower.items()}
+    optimizer, _ = build_optimizer(config, model)
+    ids = torch.tensor([[4, 30, 31, 32, 5, 6, 40, 41]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert tower and all(not p.requires_grad and p.grad is None for p in tower.values())
+    assert all(p.grad is not None for p in text)
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in optimizer.state} == {id(p) for p in text}  # no optimizer state for the tower
+    assert all(torch.equal(p, loaded[name]) for name, p in tower.items())
+    assert isinstance(load_tokenizer(config), PreTrainedTokenizerBase)  # the text tokenizer, not a processor
+    assert set(source_processor_files(config, model.config)) == {"preprocessor_config.json"}
+
+
+def test_a_text_model_is_trained_whole(random_tiny_model_dir):
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))
+    model = load_model(config, str(random_tiny_model_dir))
+    assert non_text_prefixes(model) == () and all(p.requires_grad for p in model.parameters())
+    assert source_processor_files(config, model.config) == {}
+
+
+def test_the_packed_forward_trains_a_vision_language_models_text_model_only():
+    """The trainer's path on a VLM whose text model is all attention: one sample's packed log-probabilities equal
+    the model's plain forward, and the backward reaches every text parameter and no tower parameter."""
+    tokenizer = build_tokenizer()
+    model = build_model(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
+    plain = build_model(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
+    freeze_non_text(model)
+    row = TreeRow(10_000)
+    row.add(random_samples(seed=1, num_groups=1, max_group=2)[0])
+    packed = row.pack(top_k=0)
+    out = packed_forward(model, packed, temperature=1.0, attention="sdpa")
+    with torch.no_grad():
+        logits = plain(input_ids=packed.input_ids[None]).logits[0, packed.token_index]
+    expected = logits.log_softmax(-1).gather(1, packed.target_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs.detach(), expected, atol=1e-5, rtol=0)
+    out.logprobs.sum().backward()
+    for name, param in model.named_parameters():
+        assert (param.grad is None) == name.startswith("model.visual."), name

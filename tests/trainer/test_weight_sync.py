@@ -1,5 +1,6 @@
 """Weight sync rounds against the built-in server: weights arrive, and a failure at any step is an error
-(no hang) that leaves the server resumed and ready for the next round. Plus the vLLM transports' pure parts."""
+(no hang) that leaves the server resumed and ready for the next round. Plus the vLLM transports' pure parts, and
+a vision-language model's payload: its text model only, so the server keeps the vision tower it loaded."""
 
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config import compose, to_config
 from asyncrl.server.checks import ServerFacts
 from asyncrl.server.vllm import WORKER_EXTENSION
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
+from asyncrl.trainer.fsdp import GatheredModel
+from asyncrl.trainer.model import load_model
 from asyncrl.trainer.sync.builtin import FileTransport
-from asyncrl.trainer.sync.tensors import serving_bytes, serving_parameters
+from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
 from asyncrl.trainer.sync.vllm_common import (
     IPC_BUFFER_LIMIT,
     Background,
@@ -370,6 +374,29 @@ def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_
     # no session; init released what an earlier trainer may have left mapped
     sync.close()
     assert control.calls[-1] == UNMAP and control.worker._asyncrl_buffer is None
+
+
+def test_a_vision_language_model_sends_its_text_model_and_the_server_keeps_its_tower(random_tiny_vlm_dir,
+                                                                                         tmp_path):
+    """Every transport's payload (vLLM nccl/ipc: serving_parameters + parameter_metadata; the built-in server's
+    file) is the text model under the checkpoint's names, which vLLM's Qwen3.5 loader maps."""
+    model = load_model(to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}"])), str(random_tiny_vlm_dir))
+    perturb(model, seed=1)  # the tower too: were it sent, the server's would change
+    stored = load_file(random_tiny_vlm_dir / "model.safetensors")
+    text = {name for name in stored if not name.startswith("model.visual.")} - {"lm_head.weight"}  # tied
+    streamed = [name for name, _ in serving_parameters(model, None)]
+    assert set(streamed) == text and [name for name, _, _ in parameter_metadata(model, None)] == streamed
+    sharded = GatheredModel(model, None, None)  # type: ignore[arg-type]  # several ranks' view; metadata needs no gather
+    assert [name for name, _, _ in parameter_metadata(sharded, None)] == streamed
+    file = FileTransport(tmp_path)
+    file.stage(model)
+    assert set(load_file(str(file.path))) == text
+    file.close(None)  # type: ignore[arg-type]
+    served = AutoModelForImageTextToText.from_pretrained(random_tiny_vlm_dir, dtype=torch.float32)
+    transport = CpuDirectTransport(None, IPC_BUFFER_LIMIT)
+    WeightSync(ExtensionServer(Worker(served), transport), transport).push(model, 1)  # type: ignore[arg-type]
+    for (name, trained), (_, loaded) in zip(model.named_parameters(), served.named_parameters(), strict=True):
+        assert torch.equal(loaded, stored[name] if name.startswith("model.visual.") else trained), name
 
 
 def test_in_place_ipc_sync_refuses_a_model_that_no_longer_fits_its_layout(model, random_tiny_model_dir):

@@ -1,7 +1,8 @@
 """The trainer's weights as the server wants them: named tensors in the serving dtype, each storage once.
 
 A peft model is sent merged: each adapted layer's base weight plus its adapters' delta, under the base
-model's parameter names, so a server that knows nothing of adapters loads it like a full fine-tune.
+model's parameter names, so a server that knows nothing of adapters loads it like a full fine-tune. A
+vision-language model's frozen vision tower and projector are never sent: the server keeps what it loaded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from asyncrl.config.schema import Config
 from asyncrl.trainer import lora
+from asyncrl.trainer.model import non_text_prefixes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,13 +34,21 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
+def frozen_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
+    """Base-model name prefixes that sync skips: a vision-language model's modules outside its text model."""
+    inner = model.model if hasattr(model, "sharded_parameters") else model  # the sharded view (trainer/fsdp.py)
+    return non_text_prefixes(inner.get_base_model() if lora.is_peft(inner) else inner)
+
+
 def _served(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Base-model names and tensors, merged when ``model`` carries adapters; each source storage once."""
+    """Base-model names and tensors, merged when ``model`` carries adapters; each source storage once; none of
+    the frozen non-text modules."""
     pairs = lora.merged_tensors(model, named) if lora.is_peft(model) else ((n, t, t) for n, t in named)
     unique = getattr(model, "yields_unique_tensors", False)  # gathered shards (trainer/fsdp.py): addresses repeat
+    skipped = frozen_prefixes(model)
     seen: set[int] = set()
     for name, tensor, source in pairs:
-        if unique or source.data_ptr() not in seen:
+        if (unique or source.data_ptr() not in seen) and not name.startswith(skipped):
             seen.add(source.data_ptr())
             yield name, tensor
 
@@ -53,12 +63,12 @@ def serving_parameters(model: torch.nn.Module, dtype: torch.dtype | None) -> Ite
 def parameter_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[str, torch.dtype, list[int]]]:
     """(name, wire dtype, shape) of what ``serving_parameters`` yields, without copying (or merging) anything."""
     model = _unwrap(model)
-    peft = lora.is_peft(model)
+    peft, skipped = lora.is_peft(model), frozen_prefixes(model)
     metadata = []
     named = getattr(model, "sharded_parameters", model.named_parameters)  # shapes without gathering shards
     for name, param in named():
         served = lora.base_name(name) if peft else name
-        if served is not None:
+        if served is not None and not served.startswith(skipped):
             wire = dtype if dtype is not None and param.is_floating_point() else param.dtype
             metadata.append((served, wire, list(param.shape)))
     return metadata
