@@ -1,6 +1,6 @@
 """Padded vs flat vs tree packing: fwd+bwd throughput, peak memory and MFU on GRPO-shaped rows, plus bf16 exactness.
 
-A Qwen3-0.6B-shaped model with random weights built from its config (nothing downloaded), bf16, no gradient
+A Qwen3-0.6B-shaped model (or --shape) with random weights built from its config (nothing downloaded), bf16, no gradient
 checkpointing. Rows: groups of 8 completions (128-2048 tokens, long-tailed) of one prompt (512-2048 tokens),
 planned by the trainer's planner (dp=1) and forwarded by the trainer's `packed_forward` (LM-head log-probs in
 chunks of --logit-chunk-tokens); padded batches go through transformers' own SDPA with a padding mask and the
@@ -11,6 +11,7 @@ backend against unpacked SDPA comes last. Imports only torch, transformers and a
 
     python benchmarks/packing.py                       # the H200 table (budgets 16k and 32k), ~4 minutes
     python benchmarks/packing.py --tiny                # a CPU rehearsal of the same code (compiles with aot_eager)
+    python benchmarks/packing.py --shape qwen3.5-2b    # a gated-DeltaNet hybrid (fla's kernels when installed)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from asyncrl.packing import FlatRow, TreeRow, plan_micro_batches
 from asyncrl.packing.row import PackedRow
@@ -39,14 +40,40 @@ from asyncrl.trainer.token_logprobs import compute_token_logprobs
 PEAK_TFLOPS = 990.0  # H200 dense bf16 (datasheet); a large bf16 matmul measures about 790
 
 
-def qwen3_0_6b(tiny: bool) -> Qwen3Config:
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    # Qwen3.5-2B's text model: 24 layers, three gated-DeltaNet layers per attention layer.
+    "qwen3.5-2b": dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                       tie_word_embeddings=True),
+}  # fmt: skip
+"""Model shapes from the public configs; random weights are built in the run."""
+
+
+def build_config(shape: str, tiny: bool) -> Any:
+    """The shape's config (Qwen3 or the Qwen3.5 hybrid text model); ``tiny`` shrinks it for a CPU rehearsal."""
+    from transformers import Qwen3_5TextConfig
+
+    fields = dict(SHAPES[shape], max_position_embeddings=40960)
     if tiny:
-        return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
-    return Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
-    )  # fmt: skip
+        fields |= dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+    if shape.startswith("qwen3.5"):
+        return Qwen3_5TextConfig(**fields)
+    return Qwen3Config(**{k: v for k, v in fields.items() if not k.startswith("linear_")})
+
+
+def build_model(config: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
 
 
 def grpo_samples(num_groups: int, vocab: int, seed: int, scale: float = 1.0) -> list[RolloutSample]:
@@ -67,12 +94,24 @@ def grpo_samples(num_groups: int, vocab: int, seed: int, scale: float = 1.0) -> 
 # ---- FLOPs --------------------------------------------------------------------------------------------------
 
 
-def model_flops(config: Qwen3Config, tokens: int, logits: int, pairs: int) -> float:
-    """fwd+bwd model FLOPs (3x forward): linear layers per token, the LM head per kept logit, attention per pair."""
+def model_flops(config: Any, tokens: int, logits: int, pairs: int) -> float:
+    """fwd+bwd model FLOPs (3x forward): linear layers per token, the LM head per kept logit, attention per pair
+    in attention layers; a gated-DeltaNet layer's projections per token plus its state update (read and write of a
+    key x value state per value head, 4 FLOPs a cell). Qwen3.5's attention layers also project a gate per query."""
     d, heads, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_layer = d * heads * hd * 2 + 2 * d * kv * hd + 3 * d * config.intermediate_size
-    forward = 2 * per_layer * config.num_hidden_layers * tokens + 2 * d * config.vocab_size * logits
-    forward += 4 * heads * hd * config.num_hidden_layers * pairs
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    attention_layers = types.count("full_attention")
+    gated = 2 if config.model_type.startswith("qwen3_5") else 1  # q_proj holds queries and their output gate
+    mlp = 3 * d * config.intermediate_size
+    attention = d * heads * hd * (1 + gated) + 2 * d * kv * hd
+    forward = 2 * (attention + mlp) * attention_layers * tokens + 4 * heads * hd * attention_layers * pairs
+    if attention_layers < len(types):
+        key, value = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * \
+            config.linear_value_head_dim
+        deltanet = d * (2 * key + value) + d * value + 2 * d * config.linear_num_value_heads + value * d
+        state = 4 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        forward += (2 * (deltanet + mlp) + state) * (len(types) - attention_layers) * tokens
+    forward += 2 * d * config.vocab_size * logits
     return 3.0 * forward
 
 
@@ -267,6 +306,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny model, short samples, sdpa")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one flat and one tree row")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
     return parser.parse_args()
 
 
@@ -308,10 +348,10 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     started = time.perf_counter()
     device = torch.device("cpu" if args.tiny else "cuda")
-    config = qwen3_0_6b(args.tiny)
+    config = build_config(args.shape, args.tiny)
     torch.manual_seed(args.seed)
     with device:
-        model = Qwen3ForCausalLM(config).to(torch.float32 if args.tiny else torch.bfloat16)
+        model = build_model(config).to(torch.float32 if args.tiny else torch.bfloat16)
     model.train()
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("sdpa")
@@ -323,7 +363,8 @@ def main() -> None:
     chunk = max(1, int(chunk * scale)) if chunk else 0
     samples = grpo_samples(args.groups, config.vocab_size, args.seed, scale)
     exact_samples = grpo_samples(2, config.vocab_size, args.seed + 1, scale * 0.5)
-    header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+    header = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__,
               "samples": len(samples), "raw_tokens": sum(s.num_tokens for s in samples),
               "trained_tokens": sum(s.num_trained for s in samples), "logit_chunk_tokens": chunk}  # fmt: skip
     print(" ".join(f"{k}={v}" for k, v in header.items()), flush=True)

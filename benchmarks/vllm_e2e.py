@@ -7,6 +7,10 @@
 
 Everything runs the embedded default (the tiny-arith model and data) with the server and the trainer on one
 GPU (ipc sync), serving in bfloat16. Each phase ends by listing any server or worker process still alive.
+``--model qwen3.5-2b`` instead builds a random-weight vision-language checkpoint shaped like Qwen3.5-2B (its text
+model: 24 layers, three gated-DeltaNet layers per attention layer; a 4-block vision tower; the tiny-arith
+tokenizer's vocabulary) in the output directory, trains it text-only with the length reward (a random model's
+arithmetic reward is 0 for every rollout), and checks the vision tower stays as loaded.
 """
 
 from __future__ import annotations
@@ -31,8 +35,28 @@ VLLM = ["server.backend=vllm", "server.dtype=bfloat16", "server.gpu_memory_utili
 BUILTIN = ["server.backend=builtin", "server.dtype=float32"]
 
 
+MODEL: list[str] = []
+"""Overrides selecting the model (set by --model)."""
+
+
 def overrides(backend: str) -> list[str]:
-    return [*(VLLM if backend == "vllm" else BUILTIN), "data.eval_path=null", "logging.console=plain"]
+    return [*(VLLM if backend == "vllm" else BUILTIN), "data.eval_path=null", "logging.console=plain", *MODEL]
+
+
+def build_qwen3_5_2b_shape(out: Path) -> Path:
+    """A random Qwen3.5-2B-shaped vision-language checkpoint with the tiny-arith tokenizer, written to ``out``."""
+    from asyncrl.assets.model_families import build_model, hybrid_vlm_config, save_checkpoint
+    from asyncrl.assets.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = hybrid_vlm_config(
+        tokenizer, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, layer_types=None, max_position_embeddings=4096,
+    )  # fmt: skip
+    config.vision_config.depth, config.vision_config.hidden_size = 4, 1024
+    config.vision_config.intermediate_size, config.vision_config.num_heads = 4096, 16
+    return save_checkpoint(build_model(config, tokenizer).to(torch.bfloat16), tokenizer, out / "qwen3.5-2b-shape")
 
 
 # ---- sync: checks, rounds, logprob agreement ----------------------------------------------------------------
@@ -66,12 +90,11 @@ def max_diff(model: torch.nn.Module, samples: list[Sample]) -> float:
 
 
 def phase_sync(backend: str, out: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     from asyncrl.client import ControlClient, GenerationClient, SamplingParams
     from asyncrl.config import compose, to_config
     from asyncrl.launch import start_server
     from asyncrl.server.command import served_model_name
+    from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
     from asyncrl.trainer.sync.vllm_common import ipc_transport
     from asyncrl.trainer.weight_sync import WeightSync, build_weight_sync
@@ -92,7 +115,8 @@ def phase_sync(backend: str, out: Path) -> None:
         sync = build_weight_sync(config, control, out, prepared)
         print(f"[sync] startup checks passed: {sync.facts}; transport {type(sync.transport).__name__}")
         sync.init()
-        model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32).to(device).eval()
+        model = load_model(config, config.model.name_or_path).to(device).eval()
+        tower = {k: v.clone() for k, v in model.state_dict().items() if ".visual." in k}
         serving = torch.bfloat16 if config.server.dtype == "bfloat16" else torch.float32
         name = served_model_name(config)
         prompts = [prepared.tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)
@@ -114,7 +138,8 @@ def phase_sync(backend: str, out: Path) -> None:
                 with torch.no_grad():
                     generator = torch.Generator(device=device).manual_seed(version)
                     for param in model.parameters():
-                        param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
+                        if param.requires_grad:  # a vision tower is frozen: never trained, never synced
+                            param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
                 metrics = sync_.push(model, version)
                 print(f"[sync] {type(sync_.transport).__name__} round {version}: " + ", ".join(
                     f"{k.removeprefix('perf/weight_sync')}={v:.3f}" for k, v in metrics.items()))  # fmt: skip
@@ -133,6 +158,9 @@ def phase_sync(backend: str, out: Path) -> None:
 
         candidate_sets, masks = asyncio.run(truncated())
         print(f"[sync] top-k/top-p turns: client.candidate_sets={candidate_sets}, masks returned={masks}")
+        if tower:
+            same = all(torch.equal(v, model.state_dict()[k]) for k, v in tower.items())
+            print(f"[sync] vision tower: {len(tower)} tensors, unchanged on the trainer: {same}")
         for sync_ in syncs:
             sync_.close()
     print(f"[sync] server stopped; leftovers: {leftovers()}")
@@ -196,9 +224,15 @@ def main() -> None:
     parser.add_argument("--backend", choices=["vllm", "builtin"], default="vllm")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--model", choices=["tiny", "qwen3.5-2b"], default="tiny")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.model == "qwen3.5-2b":
+        VLLM[-1] = "server.extra_args=[--enforce-eager]"  # the KV cache of a 2B model, not 64 blocks
+        MODEL.extend([f"model.name_or_path={build_qwen3_5_2b_shape(out)}", "reward=length", "packing=tree",
+                      "sampling.max_completion_length=128", "sampling.num_generations=8",
+                      "server.gpu_memory_utilization=0.3", "trainer.gradient_checkpointing=true"])  # fmt: skip
     if args.phase in ("sync", "all"):
         phase_sync(args.backend, out / "sync")
     if args.phase in ("train", "all"):
