@@ -154,6 +154,7 @@ def completion_response(
         "token_ids": result.token_ids if body.return_token_ids else None,
         "prompt_token_ids": result.prompt_ids if body.return_token_ids else None,
         "prompt_logprobs": None,
+        "routed_experts": None,  # vLLM: a MoE's expert choices when asked (--enable-return-routed-experts)
     }
     if body.return_sampling_mask:
         choice["sampling_masks"] = result.sampling_masks
@@ -164,12 +165,16 @@ def completion_response(
         "created": int(time.time()),
         "model": body.model or served_model_name,
         "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
         "usage": {
             "prompt_tokens": len(result.prompt_ids),
             "completion_tokens": completion_tokens,
             "total_tokens": len(result.prompt_ids) + completion_tokens,
             "prompt_tokens_details": None,
         },
+        "kv_transfer_params": None,  # vLLM: disaggregated prefill's hand-over; none here
+        "metrics": None,
     }
 
 

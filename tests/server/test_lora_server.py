@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from tiny import SERVED_NAME, build_tiny_model
 
-from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, policy_model
+from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, auth_headers, policy_model
 from asyncrl.config import compose, to_config
 from asyncrl.server.__main__ import parse_args
 from asyncrl.server.command import builtin_command
@@ -48,11 +48,11 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def lora_server(tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     argv = [sys.executable, "-m", "asyncrl.server", "--model", str(tiny_model_dir), "--served-model-name",
             SERVED_NAME, "--port", str(port), "--device", "cpu", "--enable-lora", "--max-loras", str(MAX_LORAS),
-            "--max-lora-rank", "8"]  # fmt: skip
+            "--max-lora-rank", "8", "--weights-dir", str(weights_root)]  # fmt: skip
     log_path = tmp_path_factory.mktemp("lora-server-log") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log_path, env={"OMP_NUM_THREADS": "1"},
                        startup_timeout_s=120) as process:  # fmt: skip
@@ -60,7 +60,7 @@ def lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def call(base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{base_url}{path}", json=body, timeout=60)
+    return httpx.post(f"{base_url}{path}", json=body, timeout=60, headers=auth_headers())
 
 
 def load(base_url: str, name: str, path: Path, **extra: Any) -> httpx.Response:
@@ -174,7 +174,7 @@ def test_unloading_ends_the_adapters_requests_with_abort(clean, adapters):
 def test_merged_weight_updates_still_load_while_adapters_are_resident(clean, adapters, tiny_model_dir):
     base_url = clean
     assert load(base_url, "b", adapters["b"][0]).status_code == 200
-    with httpx.Client(base_url=base_url, timeout=60) as http:
+    with httpx.Client(base_url=base_url, timeout=60, headers=auth_headers()) as http:
         for path, body in (("/init_weight_transfer_engine", {"init_info": {"backend": "builtin"}}),
                            ("/pause?mode=keep", None), ("/start_weight_update", None),
                            ("/update_weights", {"update_info": {"path": str(tiny_model_dir / "model.safetensors")}}),
