@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
@@ -51,6 +52,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "UnauthorizedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -295,6 +297,7 @@ def build_app(server: BuiltinServer) -> FastAPI:
 
     app = FastAPI(title="asyncrl built-in server", version=__version__, lifespan=lifespan)
     handlers = {
+        HTTPException: lambda exc: error_response(exc.status_code, str(exc.detail)),  # no route, unreadable body
         RequestValidationError: lambda exc: error_response(400, _validation_message(exc)),
         ValidationError: lambda exc: error_response(400, _validation_message(exc)),
         ValueError: lambda exc: error_response(400, str(exc)),

@@ -7,8 +7,8 @@ shapes are checked before any tensor is copied, so a rejected file leaves the we
 
 Files (and LoRA adapter directories) load only from the directory given at server start (``--weights-dir``, the
 run's transfer directory when the CLI launches the server). Every other path (outside it, missing, of the wrong
-kind, or a symlink leading out of it) is refused with one and the same message, so the answers reveal nothing
-about the rest of the file system.
+kind, or a symlink leading out of it) is refused with one and the same message, which does not echo the path,
+so the answers reveal nothing about the rest of the file system.
 """
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ class WeightsDir:
         """A weights file to read; ValueError (HTTP 400) for every other path, with one message."""
         resolved = self._inside(path, "file")
         if resolved is None:
-            raise ValueError(f"update_info.path {path!r} is refused: {self._refusal('weight files')}")
+            raise ValueError(f"update_info.path is refused: {self._refusal('weight files')}")
         return resolved
 
     def adapter(self, name: str, path: object) -> Path:
         """An adapter directory whose files all lie under the root; AdapterNotFound (vLLM's 404) otherwise."""
         resolved = self._inside(path, "directory")
         if resolved is None or any(self._inside(str(f), "file") is None for f in resolved.iterdir() if f.is_file()):
-            raise AdapterNotFound(f"Loading lora {name} failed: No adapter found for {path!r}: "
+            raise AdapterNotFound(f"Loading lora {name} failed: No adapter found at lora_path: "
                                   f"{self._refusal('adapter directories')}")  # fmt: skip
         return resolved
 
