@@ -4,7 +4,9 @@ select an adapter by ``model`` and rows under different adapters share a batch w
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -143,6 +145,25 @@ def test_load_and_unload_errors_follow_vllm(clean, adapters, tmp_path):
     assert unload(base_url, "a").status_code == 200
     unknown = call(base_url, "/v1/completions", {"model": "a", "prompt": PROMPT, "max_tokens": 2})
     assert unknown.status_code == 404 and "does not exist" in unknown.json()["error"]["message"]
+
+
+def test_adapter_paths_outside_the_weights_dir_are_refused_alike(clean, adapters, tmp_path, weights_root):
+    """Outside --weights-dir, missing, a file, a symlink out of it, an adapter whose weights link out: one 404."""
+    outside = Path(tempfile.mkdtemp(prefix="asyncrl-outside-"))  # under /tmp, beside pytest's root
+    try:
+        shutil.copytree(adapters["a"][0], outside / "a")
+        (tmp_path / "escape").symlink_to(outside / "a")
+        (tmp_path / "linked").mkdir()
+        for file in (outside / "a").iterdir():
+            (tmp_path / "linked" / file.name).symlink_to(file)
+        refused = [outside / "a", outside / "missing", tmp_path / "missing", adapters["a"][0] / "adapter_config.json",
+                   tmp_path / "escape", tmp_path / "linked", Path("/etc")]  # fmt: skip
+        answers = {(r.status_code, r.json()["error"]["message"]) for r in (load(clean, "x", p) for p in refused)}
+    finally:
+        shutil.rmtree(outside)
+    assert answers == {(404, f"Loading lora x failed: No adapter found at lora_path: the server loads adapter "
+                             f"directories only from inside its --weights-dir {weights_root.resolve()}")}  # fmt: skip
+    assert [card["id"] for card in httpx.get(f"{clean}/v1/models").json()["data"]] == [SERVED_NAME]
 
 
 def test_load_inplace_replaces_the_weights_under_the_same_name(clean, adapters):
