@@ -2,14 +2,17 @@
 
 The rollout worker generates with ``GenerationClient`` (token ids in, token ids + processed logprobs out,
 retrying only what a retry can fix); the trainer and launcher use ``ControlClient`` for health, model info,
-pause/resume, metrics and the weight update sequence.
+pause/resume, metrics and the weight update sequence. Both send the server's token (``ASYNCRL_SERVER_TOKEN``,
+which the CLI sets for the server and every process of its run) as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
@@ -25,6 +28,21 @@ _LABEL_ESCAPE = re.compile(r"\\(.)")
 _TOKEN_KEY = "token_id:"
 
 logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "ASYNCRL_SERVER_TOKEN"
+"""The environment variable holding the token a server's state-changing requests need (server/builtin.py)."""
+
+
+def ensure_token() -> str:
+    """$ASYNCRL_SERVER_TOKEN, first set to a fresh random one when unset: servers started from here and the clients
+    of this process and its children share it through the environment."""
+    return os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
+
+
+def auth_headers(token: str | None = None) -> dict[str, str]:
+    """The bearer header for ``token``, by default $ASYNCRL_SERVER_TOKEN; none when there is no token."""
+    token = token or os.environ.get(TOKEN_ENV)
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 ROLLOUT_MODEL: ContextVar[str | None] = ContextVar("asyncrl_rollout_model", default=None)
 """The ``model`` this task's generation requests name instead of the client's: the LoRA adapter of the policy
@@ -168,9 +186,9 @@ built-in server on CPU, 121 requests/s with one pool, 197 with pools of 8."""
 class _Pool:
     """One httpx connection pool and its requests in flight."""
 
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, headers: dict[str, str]) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=POOL_REQUESTS)
-        self.client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits)
+        self.client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits, headers=headers)
         self.inflight = 0
 
 
@@ -198,6 +216,7 @@ class GenerationClient:
         self.candidate_sets: bool | None = None
         """None until the first request that asks for candidate sets; False once the server could not."""
         self._base_url, self._timeout_s = base_url.rstrip("/"), timeout_s
+        self._headers = auth_headers()  # vLLM started with --api-key needs it for /v1 and /inference
         self._pools: list[_Pool] = []
 
     async def complete(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
@@ -279,7 +298,7 @@ class GenerationClient:
         """POST on the pool with the fewest requests in flight; a new pool once each has POOL_REQUESTS."""
         pool = min(self._pools, key=lambda p: p.inflight, default=None)
         if pool is None or pool.inflight >= POOL_REQUESTS:
-            pool = _Pool(self._base_url, self._timeout_s)
+            pool = _Pool(self._base_url, self._timeout_s, self._headers)
             self._pools.append(pool)
         pool.inflight += 1
         try:
@@ -337,9 +356,9 @@ def _unescape(match: re.Match[str]) -> str:
 class ControlClient:
     """Sync client for everything but generation; each call checks the status and has a timeout."""
 
-    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=auth_headers(token))
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:

@@ -7,16 +7,24 @@ of every child process, starts the server under supervision and runs the trainer
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from asyncrl.config.compose import ConfigError, conf_dir, register_schema, to_config, to_yaml
 from asyncrl.config.schema import Config
+
+if TYPE_CHECKING:
+    from asyncrl.server.command import ServerCommand
 
 log = logging.getLogger("asyncrl")
 
@@ -83,6 +91,8 @@ def run_job(config: Config, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if config.trainer.output_dir is None:
         config.trainer.output_dir = str(run_dir)
+    if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
+        claim_server_access(config, run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     _terminate_on_sigterm()
     from asyncrl.trainer.distributed import world_size
@@ -126,18 +136,45 @@ def load_run_config(run_dir: Path) -> Config:
     return to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
 
 
+def claim_server_access(config: Config, run_dir: Path) -> None:
+    """The token and weights directory of a server this run launches. The token is $ASYNCRL_SERVER_TOKEN, else a
+    fresh one put there: the environment (not argv, which ``ps`` shows every user) carries it to the server and to
+    every process of the run, whose clients send it. Without server.weights_dir the server gets a fresh private
+    directory (in /dev/shm when writable, else under the run directory), removed at exit."""
+    from asyncrl.client import ensure_token
+
+    ensure_token()
+    if config.server.weights_dir is None:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
+        base.mkdir(parents=True, exist_ok=True)
+        config.server.weights_dir = tempfile.mkdtemp(prefix="asyncrl-transfer-", dir=base)
+        atexit.register(shutil.rmtree, config.server.weights_dir, ignore_errors=True)
+
+
+def launch_command(config: Config, run_dir: Path) -> ServerCommand:
+    """The command of the server this run launches, once its token and weights directory are claimed. vLLM reads
+    the token as its --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
+    from asyncrl.client import TOKEN_ENV
+    from asyncrl.server.command import server_command
+
+    claim_server_access(config, run_dir)
+    command = server_command(config)
+    if command.backend == "vllm":
+        os.environ["VLLM_API_KEY"] = os.environ[TOKEN_ENV]
+    return command
+
+
 def start_server(config: Config, run_dir: Path, wait: bool = True):  # type: ignore[no-untyped-def]
     """A context manager: the supervised server, or a handle on an existing one when server.launch=false.
     ``wait=False``: a launched server is only started on entry; its ``ready()`` waits for it."""
-    from asyncrl.server.command import base_url, server_command
+    from asyncrl.server.command import base_url
     from asyncrl.server.handle import AttachedServer, LaunchedServer
 
     if not config.server.launch:
         return AttachedServer(base_url(config), timeout_s=config.server.timeout)
-    command = server_command(config)
+    command = launch_command(config, run_dir)
     if command.backend == "vllm":
-        import os
-
         from asyncrl.server.vllm import trainer_gpus
 
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config))  # the server's GPUs are in its own env
@@ -148,12 +185,13 @@ def start_server(config: Config, run_dir: Path, wait: bool = True):  # type: ign
 
 def serve_forever(config: Config) -> None:
     """`asyncrl serve`: the server in the foreground until Ctrl-C."""
-    from asyncrl.server.command import base_url, server_command
+    from asyncrl.client import TOKEN_ENV
+    from asyncrl.server.command import base_url
     from asyncrl.server.handle import LaunchedServer
 
-    command = server_command(config)
-    print(shell_line(command.argv, command.env), flush=True)
     run_dir = Path(config.trainer.output_dir or "runs/serve")
+    command = launch_command(config, run_dir)
+    print(shell_line(command.argv, command.env), flush=True)
     _terminate_on_sigterm()
     # Ctrl-C stops it even when started from a script's background job, which inherits SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -161,6 +199,8 @@ def serve_forever(config: Config) -> None:
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
         with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
             print(f"serving {config.model.name_or_path} at {server.base_url} (log: {server.log_path})", flush=True)
+            print(f"attach with: export {TOKEN_ENV}={os.environ[TOKEN_ENV]}; asyncrl train server.launch=false "
+                  f"server.base_url={server.base_url} server.weights_dir={config.server.weights_dir}", flush=True)
             stopping = _stop_on_signals()
             while server.is_alive() and not stopping.wait(0.5):
                 pass

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.assets.tiny_model import build_tokenizer  # noqa: E402
-from asyncrl.client import ControlClient  # noqa: E402
+from asyncrl.client import ControlClient, ensure_token  # noqa: E402
 from asyncrl.config.schema import Config, LoraConfig, ModelConfig, ServerConfig, StalenessConfig  # noqa: E402
 from asyncrl.server.process import ServerProcess, free_port  # noqa: E402
 from asyncrl.trainer import lora  # noqa: E402
@@ -123,7 +123,8 @@ def main() -> None:
     port = free_port()
     argv = [sys.executable, "-m", "asyncrl.server", "--model", str(work / "model"), "--port", str(port),
             "--device", device, "--dtype", serve_dtype, "--max-model-len", "1024", "--enable-lora",
-            "--max-loras", "3", "--max-lora-rank", str(rank)]  # fmt: skip
+            "--max-loras", "3", "--max-lora-rank", str(rank), "--weights-dir", str(work)]  # fmt: skip
+    ensure_token()  # the server and this process's clients share it through the environment
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=work / "server.log",
                        env={"PYTHONPATH": path, **({"OMP_NUM_THREADS": "1"} if device == "cpu" else {})},

@@ -1,6 +1,9 @@
 """Session fixtures shared across test folders: a tiny random-init model with the embedded default's
 tokenizer and chat template, arithmetic data in DeepMath's schema (nothing is downloaded), and one built-in
-server on that model for the whole session (starting a server costs seconds; resetting its weights does not)."""
+server on that model for the whole session (starting a server costs seconds; resetting its weights does not).
+
+Every server the tests start needs the session's token for state-changing requests (``server_token``, in the
+environment, which the servers, the CLIs and the clients read) and loads weights only from ``weights_root``."""
 
 from __future__ import annotations
 
@@ -12,7 +15,22 @@ from typing import Any
 import pytest
 from serving import serve_in_thread
 
+from asyncrl.client import TOKEN_ENV, ensure_token
 from asyncrl.server.process import ServerProcess
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_token() -> Iterator[str]:
+    """$ASYNCRL_SERVER_TOKEN for the session: test servers start with it, clients and CLIs send it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(TOKEN_ENV, raising=False)
+        yield ensure_token()
+
+
+@pytest.fixture(scope="session")
+def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test servers' --weights-dir: pytest's temporary root, under which every test stages its weights."""
+    return tmp_path_factory.getbasetemp()
 
 
 @pytest.fixture(scope="session")
@@ -47,14 +65,16 @@ def arithmetic_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def session_server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def session_server(
+    random_tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     """`python -m asyncrl.server` on the random tiny model (served under its path), with the settings the CLI
     launches it with; use it through `fresh_server` or `tiny_server`, which put the base weights back."""
     from asyncrl.server.process import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu"]  # fmt: skip
+            "--device", "cpu", "--weights-dir", str(weights_root)]  # fmt: skip
     log = tmp_path_factory.mktemp("tiny-server") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
                        startup_timeout_s=120) as process:  # fmt: skip

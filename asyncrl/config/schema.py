@@ -136,6 +136,10 @@ class ServerConfig:
     max_logprobs: int = 20
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    weights_dir: str | None = None
+    """The directory weights and LoRA adapters travel through to the server; the built-in server loads from no
+    other (its --weights-dir). Default: a fresh one per run (in /dev/shm when writable), removed at its end; with
+    server.launch=false, the attached server's (`asyncrl serve` prints it), else the run directory."""
     extra_args: list[str] = field(default_factory=list)
     """Appended verbatim to the server command line."""
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
+import secrets
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -17,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from asyncrl.client import TOKEN_ENV
 from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.server.builtin import BuiltinServer, build_app
 from asyncrl.server.engine import Engine, EngineConfig
@@ -51,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded at runtime (vLLM's)")
     parser.add_argument("--max-loras", type=positive_int, default=1, help="most adapters resident at once")
     parser.add_argument("--max-lora-rank", type=int, choices=VLLM_LORA_RANKS, default=16, help="highest adapter rank")
+    parser.add_argument("--weights-dir", type=Path, default=None,
+                        help="the only directory weight updates and LoRA adapters load from (default: none load)")
     return parser.parse_args(argv)
 
 
@@ -60,6 +67,30 @@ def load_model(path: str, dtype: torch.dtype | str, trust_remote_code: bool) -> 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     return auto.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_access(args: argparse.Namespace) -> str:
+    """Before the model loads: --weights-dir must be a directory; warn off a non-loopback bind. Returns the token
+    that state-changing requests need: $ASYNCRL_SERVER_TOKEN, else a fresh one, logged for clients to send."""
+    if args.weights_dir is not None and not args.weights_dir.is_dir():
+        raise SystemExit(f"--weights-dir {args.weights_dir} is not a directory: create it or pass another")
+    if not is_loopback(args.host):
+        logger.warning("binding to %s, not loopback: other machines can reach this server (state-changing "
+                       "requests need its token; generation and metrics are open)", args.host)  # fmt: skip
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        token = secrets.token_urlsafe(32)
+        logger.info("no %s in the environment: clients must send 'Authorization: Bearer %s'", TOKEN_ENV, token)
+    return token
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -86,6 +117,7 @@ def context_length(model: torch.nn.Module, requested: int | None) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    token = check_access(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.manual_seed(args.seed)
     logger.info("loading tokenizer from %s", args.model)
@@ -107,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as error:
         raise SystemExit(f"cannot serve {args.model}: {error}") from error
     server = BuiltinServer(engine, tokenizer, served_model_name=name, model_path=args.model,
-                           max_logprobs=args.max_logprobs)  # fmt: skip
+                           max_logprobs=args.max_logprobs, weights_dir=args.weights_dir, token=token)  # fmt: skip
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)  # fmt: skip

@@ -5,21 +5,37 @@ of state_dict tensors written by the trainer (see ``weights.py``). Batch-size ev
 histogram ``asyncrl:batch_size`` (rows per model forward) and the gauge ``asyncrl:batch_rows_max``. With
 ``--enable-lora`` it also serves vLLM's runtime LoRA endpoints (``lora.py``) and a ``/server_info`` that
 reports the LoRA limits where vLLM's does.
+
+Security. Every request that changes the server's state (every POST but the two generation routes: pause,
+resume, the weight update sequence, LoRA load/unload) needs ``Authorization: Bearer <token>``, the token the
+server was started with in the environment variable ``ASYNCRL_SERVER_TOKEN`` (the environment, not argv, so
+``ps`` does not show it; the CLI generates one per run, ``asyncrl serve`` prints it, and asyncrl's clients send
+it from the same variable); a missing or wrong one is a 401 before the body is read. GETs (/health, /v1/models,
+/metrics, ...) and generation (/v1/completions, /inference/v1/generate) stay open: they change no state, they
+are what monitoring and evaluation tools probe without the run's secret, the weights they expose are the
+model's the user served, and the server binds to loopback unless told otherwise (``__main__`` warns when not).
+Weights and adapters load only from ``--weights-dir`` (``weights.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import secrets
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl import __version__
@@ -28,26 +44,54 @@ from asyncrl.server.generate import generate_route
 from asyncrl.server.lora import AdapterNotFound
 from asyncrl.server.protocol import CompletionRequest, ModelNotFound, build_generation_request, completion_response
 from asyncrl.server.rows import GenerationResult
-from asyncrl.server.weights import WeightUpdater
+from asyncrl.server.weights import WeightsDir, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "UnauthorizedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+OPEN_POSTS = frozenset({"/v1/completions", "/inference/v1/generate"})
+"""The POST routes anyone may call: generation changes no server state (the module docstring says why)."""
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    """vLLM's ErrorResponse body."""
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """vLLM's ErrorResponse body, its message on one line."""
+    message = re.sub(r"\s*\n\s*", " ", message.strip())
     error = {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"), "param": None, "code": status}
-    return JSONResponse({"error": error}, status_code=status)
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
-def _validation_message(error: RequestValidationError) -> str:
+class TokenGuard:
+    """ASGI middleware: a request that may change state without ``Authorization: Bearer <token>`` is a 401,
+    answered before its body is read or its route runs."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    def _allowed(self, scope: Scope) -> bool:
+        if scope["method"] in ("GET", "HEAD") or scope["path"] in OPEN_POSTS:
+            return True
+        sent = Headers(scope=scope).get("authorization", "").encode()
+        return secrets.compare_digest(sent, self.expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        message = (f"{scope['path']} needs the server's token: send 'Authorization: Bearer <token>' with the "
+                   "ASYNCRL_SERVER_TOKEN the server was started with (asyncrl serve prints it)")  # fmt: skip
+        await error_response(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+def _validation_message(error: RequestValidationError | ValidationError) -> str:
     parts = []
     for item in error.errors():
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
@@ -92,13 +136,18 @@ class BuiltinServer:
         served_model_name: str,
         model_path: str,
         max_logprobs: int,
+        weights_dir: Path | None = None,
+        token: str | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.model_path = model_path
         self.max_logprobs = max_logprobs
-        self.weights = WeightUpdater(engine)
+        self.allowed = WeightsDir(weights_dir)
+        self.weights = WeightUpdater(engine, self.allowed)
+        self.token = token
+        """None: no route needs a token (in-process tests only; ``__main__`` always has one)."""
 
     async def completions(self, request: Request, body: CompletionRequest) -> dict[str, Any]:
         generation = build_generation_request(
@@ -150,8 +199,9 @@ class BuiltinServer:
         return {"vllm_config": {"lora_config": lora}}
 
     def load_lora_adapter(self, body: LoadLoraAdapterBody) -> PlainTextResponse:
-        self.engine.load_adapter(body.lora_name, body.lora_path, body.load_inplace)
-        logger.info("loaded LoRA adapter %r from %s", body.lora_name, body.lora_path)
+        path = self.allowed.adapter(body.lora_name, body.lora_path)
+        self.engine.load_adapter(body.lora_name, str(path), body.load_inplace)
+        logger.info("loaded LoRA adapter %r from %s", body.lora_name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     def unload_lora_adapter(self, body: UnloadLoraAdapterBody) -> PlainTextResponse:
@@ -185,7 +235,8 @@ class BuiltinServer:
         return {"message": "Weight update finished"}
 
     def metrics(self) -> PlainTextResponse:
-        text = render_metrics(self.engine.stats(), self.served_model_name, self.engine.config.kv_cache_tokens)
+        config = self.engine.config
+        text = render_metrics(self.engine.stats(), self.served_model_name, config.kv_cache_tokens, config.max_model_len)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -193,8 +244,9 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int) -> str:
-    """Prometheus text exposition with vLLM's metric names and labels."""
+def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int, max_model_len: int) -> str:
+    """Prometheus text exposition with vLLM's metric names and labels. Every waiting request waits for capacity
+    (vLLM's other reason, "deferred", is for requests its scheduler holds back, which this one never does)."""
     labels = f'model_name="{_escape(model_name)}",engine="0"'
     lines: list[str] = []
 
@@ -207,6 +259,9 @@ def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int) ->
 
     single("vllm:num_requests_running", "gauge", "Requests in model execution batches.", stats.running)
     single("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", stats.waiting)
+    family("vllm:num_requests_waiting_by_reason", "gauge", "Requests waiting to be processed, by reason.",
+           [("vllm:num_requests_waiting_by_reason", ',reason="capacity"', float(stats.waiting)),
+            ("vllm:num_requests_waiting_by_reason", ',reason="deferred"', 0.0)])  # fmt: skip
     single("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
            stats.kv_tokens / kv_cache_tokens)  # fmt: skip
     single("vllm:num_preemptions", "counter", "Cumulative number of preemptions.",
@@ -215,7 +270,8 @@ def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int) ->
            stats.prompt_tokens_total, "vllm:prompt_tokens_total")  # fmt: skip
     single("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
            stats.generation_tokens_total, "vllm:generation_tokens_total")  # fmt: skip
-    cache_labels = f',block_size="1",kv_cache_size_tokens="{kv_cache_tokens}",num_gpu_blocks="{kv_cache_tokens}"'
+    cache_labels = (f',block_size="1",kv_cache_size_tokens="{kv_cache_tokens}",num_gpu_blocks="{kv_cache_tokens}"'
+                    f',kv_cache_max_concurrency="{kv_cache_tokens / max_model_len}"')  # full-length requests that fit
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
            [("vllm:cache_config_info", cache_labels, 1.0)])  # fmt: skip
     counts = stats.batch_sizes
@@ -241,7 +297,9 @@ def build_app(server: BuiltinServer) -> FastAPI:
 
     app = FastAPI(title="asyncrl built-in server", version=__version__, lifespan=lifespan)
     handlers = {
+        HTTPException: lambda exc: error_response(exc.status_code, str(exc.detail)),  # no route, unreadable body
         RequestValidationError: lambda exc: error_response(400, _validation_message(exc)),
+        ValidationError: lambda exc: error_response(400, _validation_message(exc)),
         ValueError: lambda exc: error_response(400, str(exc)),
         ModelNotFound: lambda exc: error_response(404, str(exc)),
         AdapterNotFound: lambda exc: error_response(404, str(exc)),
@@ -250,6 +308,8 @@ def build_app(server: BuiltinServer) -> FastAPI:
     }
     for exception_type, make in handlers.items():
         app.add_exception_handler(exception_type, lambda request, exc, make=make: make(exc))
+    if server.token is not None:
+        app.add_middleware(TokenGuard, token=server.token)
     routes = [
         ("/health", "GET", lambda: Response(status_code=200)),
         ("/version", "GET", lambda: {"version": f"asyncrl-builtin-{__version__}"}),

@@ -51,6 +51,8 @@ def builtin_command(config: Config) -> ServerCommand:
     ]  # fmt: skip
     if sv.max_model_len is not None:
         argv += ["--max-model-len", str(sv.max_model_len)]
+    if sv.weights_dir is not None:  # the launcher sets it; the server loads weights and adapters from no other
+        argv += ["--weights-dir", sv.weights_dir]
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
     if config.lora.enabled and config.lora.sync != LoraSync.merged:  # auto means adapters here (sync/choice.py)

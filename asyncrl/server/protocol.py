@@ -1,6 +1,7 @@
 """vLLM's /v1/completions request and response shapes, as far as the built-in server implements them.
 
-Requests are validated strictly (a string where a number belongs is a 400, as in vLLM's pydantic models);
+Requests are validated strictly (a string where a number belongs is a 400, as in vLLM's pydantic models, and so
+is an infinite or NaN sampling value);
 unknown fields are accepted and ignored, as vLLM does. Features the built-in server does not implement
 (stop strings, n > 1, streaming, echo, prompt logprobs, presence/frequency penalties) are a 400 rather
 than silently ignored. Omitted sampling fields take neutral defaults (vLLM's ``--generation-config vllm``).
@@ -35,13 +36,13 @@ class CompletionRequest(BaseModel):
     prompt: Annotated[list[TokenId], Field(min_length=1)] | Annotated[str, Field(min_length=1)]
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    temperature: Annotated[float, Field(ge=0)] | None = None
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     logprobs: Annotated[int, Field(ge=0)] | None = None
     stop: str | list[str] | None = None
@@ -154,6 +155,7 @@ def completion_response(
         "token_ids": result.token_ids if body.return_token_ids else None,
         "prompt_token_ids": result.prompt_ids if body.return_token_ids else None,
         "prompt_logprobs": None,
+        "routed_experts": None,  # vLLM: a MoE's expert choices when asked (--enable-return-routed-experts)
     }
     if body.return_sampling_mask:
         choice["sampling_masks"] = result.sampling_masks
@@ -164,12 +166,16 @@ def completion_response(
         "created": int(time.time()),
         "model": body.model or served_model_name,
         "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
         "usage": {
             "prompt_tokens": len(result.prompt_ids),
             "completion_tokens": completion_tokens,
             "total_tokens": len(result.prompt_ids) + completion_tokens,
             "prompt_tokens_details": None,
         },
+        "kv_transfer_params": None,  # vLLM: disaggregated prefill's hand-over; none here
+        "metrics": None,
     }
 
 

@@ -68,6 +68,8 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tens
         if row.suppressed:
             logits[i, list(row.suppressed)] = float("-inf")
     _apply_repetition_penalty(logits, rows)
+    # an extreme penalty or temperature overflows float32: +inf is the largest logit, NaN (0 x inf) a removed one
+    logits.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     temperatures = [1.0 if row.settings.greedy else row.settings.temperature for row in rows]
     if any(t != 1.0 for t in temperatures):
         logits /= torch.tensor(temperatures, device=logits.device).unsqueeze(1)
@@ -123,7 +125,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
     values = values.masked_fill(values < kth, float("-inf"))
     probs = values.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    values = values.masked_fill((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
+    beyond = (mass_before >= top_p) & (top_p < 1.0)
+    beyond[:, 0] = False  # the most likely token always stays, as in vLLM (a top_p that is 0 in float32)
+    values = values.masked_fill(beyond, float("-inf"))
     logits[index] = torch.empty_like(values).scatter_(1, order, values)
 
 

@@ -5,6 +5,16 @@ appear and change between releases) and the visible GPUs (split between server a
 passed in, so tests and `asyncrl config` print the exact command without vLLM or a GPU. With
 ``server.launch=false`` the same function gives the command the attached server should have been started
 with, which is what the startup checks quote when the server disagrees with the config.
+
+Access. A launched vLLM gets the run's token as its API key through the environment (``VLLM_API_KEY``, set by
+``launch.launch_command``; never on the command line or in commands/server.sh), and asyncrl's clients send it on
+every request. vLLM checks it only on paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``: completions,
+generation, /v1/models and the runtime LoRA endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter, which
+read any path the vLLM process can). The dev-mode routes (VLLM_SERVER_DEV_MODE=1) that the weight sync needs
+stay open to whoever reaches the port: /pause, /resume, /init_weight_transfer_engine, /start_weight_update,
+/update_weights (whose ipc payload vLLM unpickles, VLLM_ALLOW_INSECURE_SERIALIZATION=1), /finish_weight_update,
+/collective_rpc, /server_info (it lists the VLLM_* environment), /sleep, /wake_up. So keep vLLM on loopback
+(server.host, the default) or behind a firewall; /health and /metrics are open as well.
 """
 
 from __future__ import annotations

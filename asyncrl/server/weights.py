@@ -4,6 +4,11 @@ init -> (pause) -> start -> update x N -> finish -> (resume). Each update loads 
 names, any subset) from a safetensors file the trainer wrote, into the engine's own model, while the
 engine is paused and its step lock is held. A failed update ends the session, as in vLLM; all names and
 shapes are checked before any tensor is copied, so a rejected file leaves the weights untouched.
+
+Files (and LoRA adapter directories) load only from the directory given at server start (``--weights-dir``, the
+run's transfer directory when the CLI launches the server). Every other path (outside it, missing, of the wrong
+kind, or a symlink leading out of it) is refused with one and the same message, which does not echo the path,
+so the answers reveal nothing about the rest of the file system.
 """
 
 from __future__ import annotations
@@ -15,14 +20,57 @@ from typing import Any
 from safetensors import safe_open
 
 from asyncrl.server.engine import Engine
-from asyncrl.server.lora import base_state_dict
+from asyncrl.server.lora import AdapterNotFound, base_state_dict
+
+
+class WeightsDir:
+    """The one directory the server reads weights and adapters from; None: a server that loads none."""
+
+    def __init__(self, root: Path | None) -> None:
+        self.root = None if root is None else root.resolve()
+
+    def _inside(self, path: object, kind: str) -> Path | None:
+        """``path`` resolved (symlinks followed; relative to the root) if it is a ``kind`` under the root."""
+        if self.root is None or not isinstance(path, str) or not path or "\0" in path:
+            return None
+        try:
+            resolved = (self.root / path).resolve()
+        except (OSError, RuntimeError):  # a symlink loop
+            return None
+        if not resolved.is_relative_to(self.root):
+            return None
+        if not (resolved.is_file() if kind == "file" else resolved.is_dir()):
+            return None
+        return resolved
+
+    def _refusal(self, kind: str) -> str:
+        """The one reason given for every refused path."""
+        if self.root is None:
+            return f"this server was started without --weights-dir, so it loads no {kind}"
+        return f"the server loads {kind} only from inside its --weights-dir {self.root}"
+
+    def file(self, path: object) -> Path:
+        """A weights file to read; ValueError (HTTP 400) for every other path, with one message."""
+        resolved = self._inside(path, "file")
+        if resolved is None:
+            raise ValueError(f"update_info.path is refused: {self._refusal('weight files')}")
+        return resolved
+
+    def adapter(self, name: str, path: object) -> Path:
+        """An adapter directory whose files all lie under the root; AdapterNotFound (vLLM's 404) otherwise."""
+        resolved = self._inside(path, "directory")
+        if resolved is None or any(self._inside(str(f), "file") is None for f in resolved.iterdir() if f.is_file()):
+            raise AdapterNotFound(f"Loading lora {name} failed: No adapter found at lora_path: "
+                                  f"{self._refusal('adapter directories')}")  # fmt: skip
+        return resolved
 
 
 class WeightUpdater:
     """The weight update session state of one server."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, allowed: WeightsDir) -> None:
         self._engine = engine
+        self._allowed = allowed
         self._lock = threading.Lock()
         self._init_info: dict[str, Any] | None = None
         self._active = False
@@ -63,11 +111,7 @@ class WeightUpdater:
                 self.version = weight_version
 
     def _load(self, update_info: dict[str, Any]) -> list[str]:
-        path = update_info.get("path")
-        if not isinstance(path, str):
-            raise ValueError("update_info.path must be the path of a safetensors file")
-        if not Path(path).is_file():
-            raise ValueError(f"update_info.path {path!r} is not a file")
+        path = str(self._allowed.file(update_info.get("path")))
         with self._engine.paused_model() as model:
             state = base_state_dict(model)  # the base names, also while LoRA adapters wrap the layers
             device = next(model.parameters()).device

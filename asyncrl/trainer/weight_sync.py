@@ -157,7 +157,7 @@ def build_weight_sync(
     log.info("server %s %s: max_model_len %d, weight transfer %s, candidate sets %s", facts.backend, facts.version,
              facts.max_model_len, facts.weight_transfer, facts.candidate_sets)  # fmt: skip
     if use_adapter_sync(config, control, facts.backend):
-        output_dir = Path(config.trainer.output_dir or run_dir)
+        output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
         return AdapterSync(control, config, output_dir, facts)
     transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)

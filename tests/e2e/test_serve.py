@@ -1,15 +1,19 @@
-"""`asyncrl serve`: the server answers vLLM's completion API, and no process outlives the CLI,
-whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
+"""`asyncrl serve`: the server answers vLLM's completion API, its state-changing routes need the token it
+prints, and no process outlives the CLI, whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from asyncrl.client import auth_headers
 from asyncrl.server.process import free_port
 
 from .helpers import kill_marked, start_cli, wait_no_marked
@@ -31,7 +35,7 @@ def wait_healthy(url: str, proc, timeout_s: float = 120) -> None:
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
-def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_path, stop_signal):
+def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_path, stop_signal, server_token):
     port = free_port()
     proc, marker = start_cli(["serve", f"model.name_or_path={random_tiny_model_dir}", f"server.port={port}",
                               f"trainer.output_dir={tmp_path}"])  # fmt: skip
@@ -43,6 +47,8 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
         choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
         tokens = choice["token_ids"]
         assert 1 <= len(tokens) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(tokens)
+        assert httpx.post(f"{url}/resume").status_code == 401  # the CLI's token: the test session's, inherited
+        assert httpx.post(f"{url}/resume", headers=auth_headers()).status_code == 200
         proc.send_signal(stop_signal)
         try:
             proc.wait(timeout=60)
@@ -50,8 +56,13 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
             proc.kill()
             log = (tmp_path / "logs" / "server.log").read_text(errors="replace")[-3000:]
             pytest.fail(f"the CLI outlived {stop_signal.name} by 60 s; its output:\n{proc.stdout.read()}\nlog:\n{log}")
+        output = proc.stdout.read()
+        attach = re.search(r"export ASYNCRL_SERVER_TOKEN=(\S+); asyncrl train .* server.weights_dir=(\S+)", output)
+        assert attach is not None and attach[1] == server_token, output
         if stop_signal == signal.SIGINT:
-            assert "server stopped" in proc.stdout.read()
+            assert "server stopped" in output and not Path(attach[2]).exists()  # its weights directory went too
+        else:
+            shutil.rmtree(attach[2])  # SIGKILL skips the CLI's exit handlers: its empty weights directory stays
         assert wait_no_marked(marker) == []
     finally:
         proc.kill()

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from tiny import EOS_ID, MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 from transformers import AutoModelForCausalLM
 
-from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError, parse_token_key
+from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError, auth_headers, parse_token_key
 
 PROMPT = [5, 9, 14, 20, 33]
 
@@ -341,7 +341,8 @@ def test_malformed_requests_get_4xx_json_and_the_server_stays_healthy(live_serve
 
 def test_unknown_model_is_404_and_bad_pause_mode_is_400(live_server):
     assert post(live_server.base_url, {"prompt": [3], "model": "nope"}).status_code == 404
-    assert httpx.post(f"{live_server.base_url}/pause", params={"mode": "sleep"}).status_code == 400
+    bad_mode = httpx.post(f"{live_server.base_url}/pause", params={"mode": "sleep"}, headers=auth_headers())
+    assert bad_mode.status_code == 400
     assert httpx.get(f"{live_server.base_url}/is_paused").json() == {"is_paused": False}
 
 

@@ -4,7 +4,9 @@ select an adapter by ``model`` and rows under different adapters share a batch w
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from tiny import SERVED_NAME, build_tiny_model
 
-from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, policy_model
+from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, auth_headers, policy_model
 from asyncrl.config import compose, to_config
 from asyncrl.server.__main__ import parse_args
 from asyncrl.server.command import builtin_command
@@ -48,11 +50,11 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def lora_server(tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     argv = [sys.executable, "-m", "asyncrl.server", "--model", str(tiny_model_dir), "--served-model-name",
             SERVED_NAME, "--port", str(port), "--device", "cpu", "--enable-lora", "--max-loras", str(MAX_LORAS),
-            "--max-lora-rank", "8"]  # fmt: skip
+            "--max-lora-rank", "8", "--weights-dir", str(weights_root)]  # fmt: skip
     log_path = tmp_path_factory.mktemp("lora-server-log") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log_path, env={"OMP_NUM_THREADS": "1"},
                        startup_timeout_s=120) as process:  # fmt: skip
@@ -60,7 +62,7 @@ def lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def call(base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{base_url}{path}", json=body, timeout=60)
+    return httpx.post(f"{base_url}{path}", json=body, timeout=60, headers=auth_headers())
 
 
 def load(base_url: str, name: str, path: Path, **extra: Any) -> httpx.Response:
@@ -145,6 +147,25 @@ def test_load_and_unload_errors_follow_vllm(clean, adapters, tmp_path):
     assert unknown.status_code == 404 and "does not exist" in unknown.json()["error"]["message"]
 
 
+def test_adapter_paths_outside_the_weights_dir_are_refused_alike(clean, adapters, tmp_path, weights_root):
+    """Outside --weights-dir, missing, a file, a symlink out of it, an adapter whose weights link out: one 404."""
+    outside = Path(tempfile.mkdtemp(prefix="asyncrl-outside-"))  # under /tmp, beside pytest's root
+    try:
+        shutil.copytree(adapters["a"][0], outside / "a")
+        (tmp_path / "escape").symlink_to(outside / "a")
+        (tmp_path / "linked").mkdir()
+        for file in (outside / "a").iterdir():
+            (tmp_path / "linked" / file.name).symlink_to(file)
+        refused = [outside / "a", outside / "missing", tmp_path / "missing", adapters["a"][0] / "adapter_config.json",
+                   tmp_path / "escape", tmp_path / "linked", Path("/etc")]  # fmt: skip
+        answers = {(r.status_code, r.json()["error"]["message"]) for r in (load(clean, "x", p) for p in refused)}
+    finally:
+        shutil.rmtree(outside)
+    assert answers == {(404, f"Loading lora x failed: No adapter found at lora_path: the server loads adapter "
+                             f"directories only from inside its --weights-dir {weights_root.resolve()}")}  # fmt: skip
+    assert [card["id"] for card in httpx.get(f"{clean}/v1/models").json()["data"]] == [SERVED_NAME]
+
+
 def test_load_inplace_replaces_the_weights_under_the_same_name(clean, adapters):
     base_url = clean
     assert load(base_url, "a", adapters["a"][0]).status_code == 200
@@ -174,7 +195,7 @@ def test_unloading_ends_the_adapters_requests_with_abort(clean, adapters):
 def test_merged_weight_updates_still_load_while_adapters_are_resident(clean, adapters, tiny_model_dir):
     base_url = clean
     assert load(base_url, "b", adapters["b"][0]).status_code == 200
-    with httpx.Client(base_url=base_url, timeout=60) as http:
+    with httpx.Client(base_url=base_url, timeout=60, headers=auth_headers()) as http:
         for path, body in (("/init_weight_transfer_engine", {"init_info": {"backend": "builtin"}}),
                            ("/pause?mode=keep", None), ("/start_weight_update", None),
                            ("/update_weights", {"update_info": {"path": str(tiny_model_dir / "model.safetensors")}}),

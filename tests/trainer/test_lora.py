@@ -163,11 +163,12 @@ def test_an_adapter_checkpoint_needs_lora_enabled(random_tiny_model_dir, peft_mo
 
 
 @pytest.fixture(scope="module")
-def lora_server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def lora_server(random_tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory):
     """The built-in server with runtime LoRA, as asyncrl launches it for lora.sync=adapter and max_staleness=1."""
     port = free_port()
     argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]  # fmt: skip
+            "--device", "cpu", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3",
+            "--weights-dir", str(weights_root)]  # fmt: skip
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
                        startup_timeout_s=120) as process:  # fmt: skip

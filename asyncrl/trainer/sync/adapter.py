@@ -1,15 +1,15 @@
 """Adapter-only weight sync: each policy version's LoRA adapter is written to disk and loaded under a new name.
 
-vLLM and the built-in server load adapters from a path (``POST /v1/load_lora_adapter``), so every sync writes
-the adapter (peft's format: ``adapter_config.json`` and the adapter tensors only, in the serving dtype) to
-``<output_dir>/.vllm_lora/<prefix>-v<version>/`` through a temporary directory and a rename, then loads it
-under that same new name: vLLM keys its prefix cache by adapter name and does not clear it when a path is
-reloaded. Requests select a version with ``model=<prefix>-v<version>`` (``client.policy_model``; version 0
-is the base model itself). ``max_staleness + 1`` versions stay registered, so a rollout that started under
-an older policy finishes under it; the next version is loaded before the oldest is unloaded, so
-``--max-loras`` must be at least ``max_staleness + 2``. A version's files are deleted one sync after it is
-unloaded, since vLLM may re-read them for requests still running under it. No pause is needed: adapters
-load beside running requests.
+vLLM and the built-in server load adapters from a path (``POST /v1/load_lora_adapter``), so every sync writes the
+adapter (peft's format: ``adapter_config.json`` and the adapter tensors only, in the serving dtype) to
+``<dir>/.vllm_lora/<prefix>-v<version>/`` (``dir``: server.weights_dir, else the output directory) through a
+temporary directory and a rename, then loads it under that same new name: vLLM keys its prefix cache by adapter
+name and does not clear it when a path is reloaded. Requests select a version with ``model=<prefix>-v<version>``
+(``client.policy_model``; version 0 is the base model itself). ``max_staleness + 1`` versions stay registered, so a
+rollout that started under an older policy finishes under it; the next version is loaded before the oldest is
+unloaded, so ``--max-loras`` must be at least ``max_staleness + 2``. A version's files are deleted one sync after
+it is unloaded, since vLLM may re-read them for requests still running under it. No pause is needed: adapters load
+beside running requests.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The built-in server's transport: a safetensors file on shared memory, named in ``/update_weights``.
+"""The built-in server's transport: a safetensors file in the server's weights directory, named in
+``/update_weights``.
 
-The file is written in ``stage``, before the server pauses, so the pause covers only the server's load.
+The file is written in ``stage``, before the server pauses, so the pause covers only the server's load. It goes
+to a directory of its own under ``server.weights_dir`` (the only one the server loads from; the launcher makes
+it per run, on shared memory when it can), else under the run directory.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,15 +24,9 @@ if TYPE_CHECKING:
     from asyncrl.server.checks import ServerFacts
 
 
-def _staging_dir(run_dir: Path) -> Path:
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
-    return Path(tempfile.mkdtemp(prefix="asyncrl-weights-", dir=base))
-
-
 class FileTransport(Transport):
-    def __init__(self, run_dir: Path, dtype: torch.dtype | None = None) -> None:
-        self.dir = _staging_dir(run_dir)
+    def __init__(self, weights_dir: Path, dtype: torch.dtype | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="asyncrl-weights-", dir=weights_dir))
         self.dtype = dtype
         self.path: Path | None = None
         self._round = 0
@@ -38,7 +34,7 @@ class FileTransport(Transport):
     @classmethod
     def from_config(cls, *, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> FileTransport:
         """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
-        return cls(run_dir, serving_dtype(config))
+        return cls(Path(config.server.weights_dir or run_dir), serving_dtype(config))
 
     def init(self, control: ControlClient) -> None:
         control.init_weight_transfer({"backend": "builtin"})
