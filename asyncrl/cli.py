@@ -145,7 +145,7 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from asyncrl.config.compose import ConfigError
+    from asyncrl.config.errors import ConfigError
 
     try:
         return build()

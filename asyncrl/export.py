@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.model_kind import auto_model_class, is_vision_language
 from asyncrl.trainer.checkpoint import (
     PROCESSOR_FILES,
     checkpoints_dir,
@@ -27,7 +28,6 @@ from asyncrl.trainer.checkpoint import (
     save_processor_files,
 )
 from asyncrl.trainer.lora import ADAPTER_CONFIG, is_adapter_dir
-from asyncrl.trainer.model import auto_model_class, is_vision_language
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from asyncrl.config.compose import ConfigError, conf_dir, register_schema, to_config, to_yaml
+from asyncrl.config.compose import conf_dir, register_schema, to_config, to_yaml
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 
 if TYPE_CHECKING:

@@ -15,13 +15,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and the fix."""
 
 
 def conf_dir() -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asyncrl.config.compose import ConfigError
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

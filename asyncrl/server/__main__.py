@@ -13,16 +13,11 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoTokenizer,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncrl.client import TOKEN_ENV
 from asyncrl.config.validate import VLLM_LORA_RANKS
+from asyncrl.model_kind import auto_model_class
 from asyncrl.server.builtin import BuiltinServer, build_app
 from asyncrl.server.engine import Engine, EngineConfig
 from asyncrl.server.lora import AdapterSet, LoraLimits
@@ -62,11 +57,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def load_model(path: str, dtype: torch.dtype | str, trust_remote_code: bool) -> torch.nn.Module:
-    """The checkpoint's model; a vision-language one whole (``AutoModelForImageTextToText``), so the names of its
-    weights are the trainer's; it serves text only."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    return auto.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
+    """The checkpoint's model; a vision-language one whole, so the names of its weights are the trainer's; it serves
+    text only."""
+    auto = auto_model_class(path, trust_remote_code=trust_remote_code)
+    return auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 def is_loopback(host: str) -> bool:

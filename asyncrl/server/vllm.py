@@ -30,9 +30,10 @@ from typing import Any
 
 import httpx
 
-from asyncrl.config.compose import ConfigError
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, WeightTransfer
 from asyncrl.config.validate import VLLM_LORA_RANKS
+from asyncrl.model_kind import is_vision_language
 from asyncrl.server.command import ServerCommand, served_model_name
 
 MIN_VERSION = (0, 26)
@@ -88,8 +89,6 @@ class CheckpointKind:
 
     @classmethod
     def of(cls, model_config: Any) -> CheckpointKind:
-        from asyncrl.trainer.model import is_vision_language
-
         layer_types = getattr(model_config.get_text_config(), "layer_types", None) or []
         return cls(is_vision_language(model_config), "linear_attention" in layer_types)
 

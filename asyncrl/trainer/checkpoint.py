@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from asyncrl.config.schema import Config
-from asyncrl.trainer.model import is_vision_language
+from asyncrl.model_kind import is_vision_language
 
 CHECKPOINT_PREFIX = "step_"
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import Config
-from asyncrl.trainer.model import non_text_prefixes
+from asyncrl.model_kind import non_text_prefixes
 
 log = logging.getLogger(__name__)
 

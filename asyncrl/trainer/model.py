@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.model_kind import auto_model_class, non_text_prefixes
 from asyncrl.server.command import resolve_backend
 
 log = logging.getLogger(__name__)
@@ -52,34 +53,6 @@ def build_accelerator(config: Config) -> Any:
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if use_bf16(config) else "no")
 
 
-def is_vision_language(model_config: Any) -> bool:
-    """A checkpoint with a vision part (its config has a ``vision_config``: Qwen3.5/3.6, Qwen3-VL, Gemma 3, LLaVA):
-    it loads with AutoModelForImageTextToText and asyncrl trains its text model only."""
-    return getattr(model_config, "vision_config", None) is not None
-
-
-def non_text_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
-    """The names, each with a trailing dot, of a vision-language model's modules outside its text model and LM head
-    (the vision tower, the projector): frozen, never adapted by LoRA and skipped by weight sync, since text-only
-    data never reaches them. () for a text-only model. ``model`` is the transformers model (not a peft wrapper)."""
-    if not is_vision_language(getattr(model, "config", None)):
-        return ()
-    text = (model.get_decoder(), model.get_output_embeddings())
-    found: list[str] = []
-
-    def walk(module: torch.nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
-            if any(child is t for t in text):
-                continue
-            if any(inner is t for inner in child.modules() for t in text):
-                walk(child, f"{prefix}{name}.")
-            else:
-                found.append(f"{prefix}{name}.")
-
-    walk(model, "")
-    return tuple(found)
-
-
 def freeze_non_text(model: torch.nn.Module) -> None:
     """requires_grad=False outside the text model (non_text_prefixes): no gradients, no optimizer state."""
     prefixes = non_text_prefixes(model)
@@ -90,15 +63,6 @@ def freeze_non_text(model: torch.nn.Module) -> None:
         param.requires_grad_(False)
     log.info("vision-language checkpoint trained text-only: %s frozen (%d parameters)", ", ".join(
         p.rstrip(".") for p in prefixes), sum(p.numel() for p in frozen))  # fmt: skip
-
-
-def auto_model_class(path: str | os.PathLike[str], **source: Any) -> Any:
-    """From the checkpoint's config.json alone: AutoModelForImageTextToText for a vision-language checkpoint (the
-    whole model, its tower included, so what is saved stays servable), else AutoModelForCausalLM."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    vision = is_vision_language(AutoConfig.from_pretrained(path, **source))
-    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
 def load_model(config: Config, path: str) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.config.compose import ConfigError
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 
 

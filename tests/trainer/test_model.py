@@ -12,17 +12,11 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.assets.model_families import build_model, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import compose, to_config
+from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow
 from asyncrl.trainer.checkpoint import source_processor_files
 from asyncrl.trainer.forward import packed_forward
-from asyncrl.trainer.model import (
-    build_optimizer,
-    freeze_non_text,
-    load_model,
-    non_text_prefixes,
-    trainer_cpu_threads,
-    use_cpu_threads,
-)
+from asyncrl.trainer.model import build_optimizer, freeze_non_text, load_model, trainer_cpu_threads, use_cpu_threads
 from asyncrl.trainer.setup import load_tokenizer
 
 

@@ -13,7 +13,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from asyncrl.config import compose, to_config
-from asyncrl.config.compose import ConfigError
+from asyncrl.config.errors import ConfigError
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
 from asyncrl.trainer.forward import packed_forward

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.model_kind import non_text_prefixes
 from asyncrl.trainer import lora
-from asyncrl.trainer.model import non_text_prefixes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

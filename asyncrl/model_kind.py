@@ -1,0 +1,47 @@
+"""What kind of checkpoint a model is, from its config alone: vision-language (a vision tower around a text model)
+or text-only, and the transformers auto class that loads it whole. Shared by the trainer, the built-in server,
+the vLLM launch and export, so that every side loads the same class and names the weights alike."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def is_vision_language(model_config: Any) -> bool:
+    """A checkpoint with a vision part (its config has a ``vision_config``: Qwen3.5/3.6, Qwen3-VL, Gemma 3, LLaVA):
+    it loads with AutoModelForImageTextToText and asyncrl trains and serves its text model only."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def auto_model_class(path: str | os.PathLike[str], **source: Any) -> Any:
+    """From the checkpoint's config.json alone: AutoModelForImageTextToText for a vision-language checkpoint (the
+    whole model, its tower included, so what is saved stays servable), else AutoModelForCausalLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = is_vision_language(AutoConfig.from_pretrained(path, **source))
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
+def non_text_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names, each with a trailing dot, of a vision-language model's modules outside its text model and LM head
+    (the vision tower, the projector): frozen, never adapted by LoRA and skipped by weight sync, since text-only
+    data never reaches them. () for a text-only model. ``model`` is the transformers model (not a peft wrapper)."""
+    if not is_vision_language(getattr(model, "config", None)):
+        return ()
+    text = (model.get_decoder(), model.get_output_embeddings())
+    found: list[str] = []
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if any(child is t for t in text):
+                continue
+            if any(inner is t for inner in child.modules() for t in text):
+                walk(child, f"{prefix}{name}.")
+            else:
+                found.append(f"{prefix}{name}.")
+
+    walk(model, "")
+    return tuple(found)
