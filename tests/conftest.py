@@ -64,40 +64,60 @@ def arithmetic_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def serve_session(model_dir: Path, weights_root: Path, log_dir: Path) -> Iterator[ServerProcess]:
+    """`python -m asyncrl.server` on ``model_dir`` (served under its path), with the settings the CLI launches it
+    with, until the session ends."""
+    from asyncrl.server.process import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(model_dir), "--port", str(port),
+            "--device", "cpu", "--weights-dir", str(weights_root)]  # fmt: skip
+    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log_dir / "server.log",
+                       env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=120) as process:  # fmt: skip
+        yield process
+
+
+def restore(server: ServerProcess, model_dir: Path) -> ServerProcess:
+    """Reload the model's own checkpoint into ``server``, weight version "default": the state of a newly started
+    server, whatever ran before."""
+    from asyncrl.client import ControlClient
+
+    with ControlClient(server.base_url, timeout_s=60) as control:
+        control.init_weight_transfer({"backend": "builtin"})
+        control.pause("keep", clear_cache=True)
+        control.start_weight_update()
+        control.update_weights({"path": str(model_dir / "model.safetensors")})
+        control.finish_weight_update("default")
+        control.resume()
+    return server
+
+
 @pytest.fixture(scope="session")
 def session_server(
     random_tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """`python -m asyncrl.server` on the random tiny model (served under its path), with the settings the CLI
-    launches it with; use it through `fresh_server` or `tiny_server`, which put the base weights back."""
-    from asyncrl.server.process import free_port
-
-    port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu", "--weights-dir", str(weights_root)]  # fmt: skip
-    log = tmp_path_factory.mktemp("tiny-server") / "server.log"
-    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
-                       startup_timeout_s=120) as process:  # fmt: skip
-        yield process
+    """The server on the random tiny model; use it through `fresh_server` or `tiny_server`."""
+    yield from serve_session(random_tiny_model_dir, weights_root, tmp_path_factory.mktemp("tiny-server"))
 
 
 @pytest.fixture(scope="session")
 def fresh_server(session_server: ServerProcess, random_tiny_model_dir: Path) -> Callable[[], ServerProcess]:
-    """Call it before each use: the session server reloads the model's own checkpoint and its weight version
-    goes back to "default", so every user sees the state of a newly started server whatever ran before."""
-    from asyncrl.client import ControlClient
+    """Call it before each use: the session server back on the base weights."""
+    return lambda: restore(session_server, random_tiny_model_dir)
 
-    def fresh() -> ServerProcess:
-        with ControlClient(session_server.base_url, timeout_s=60) as control:
-            control.init_weight_transfer({"backend": "builtin"})
-            control.pause("keep", clear_cache=True)
-            control.start_weight_update()
-            control.update_weights({"path": str(random_tiny_model_dir / "model.safetensors")})
-            control.finish_weight_update("default")
-            control.resume()
-        return session_server
 
-    return fresh
+@pytest.fixture(scope="session")
+def vlm_session_server(
+    random_tiny_vlm_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The server on the tiny hybrid vision-language checkpoint; use it through `fresh_vlm_server`."""
+    yield from serve_session(random_tiny_vlm_dir, weights_root, tmp_path_factory.mktemp("vlm-server"))
+
+
+@pytest.fixture(scope="session")
+def fresh_vlm_server(vlm_session_server: ServerProcess, random_tiny_vlm_dir: Path) -> Callable[[], ServerProcess]:
+    """Call it before each use: the hybrid server back on its checkpoint's weights."""
+    return lambda: restore(vlm_session_server, random_tiny_vlm_dir)
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForImageTextToText
 
-from asyncrl.assets.model_families import build_model, hybrid_vlm_config, save_checkpoint
-from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.client import Completion, ControlClient, GenerationClient, SamplingParams
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.server.process import ServerProcess
 
 PROMPTS = [[9, 30, 41, 52, 17], [12, 60, 33]]
 UPDATED = ["model.language_model.layers.0.linear_attn.out_proj.weight",
@@ -22,20 +20,13 @@ UPDATED = ["model.language_model.layers.0.linear_attn.out_proj.weight",
 
 
 @pytest.fixture(scope="module")
-def vlm() -> torch.nn.Module:
-    tokenizer = build_tokenizer()
-    return build_model(hybrid_vlm_config(tokenizer), tokenizer).eval()
+def vlm(random_tiny_vlm_dir) -> torch.nn.Module:
+    return AutoModelForImageTextToText.from_pretrained(random_tiny_vlm_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def vlm_server(vlm, tmp_path_factory: pytest.TempPathFactory):
-    directory = save_checkpoint(vlm, build_tokenizer(), tmp_path_factory.mktemp("tiny-qwen3_5-vlm"))
-    port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(directory), "--port", str(port), "--device", "cpu"]
-    log = tmp_path_factory.mktemp("vlm-server") / "server.log"
-    with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
-                       startup_timeout_s=120) as process:  # fmt: skip
-        yield process
+def vlm_server(fresh_vlm_server) -> ServerProcess:
+    return fresh_vlm_server()
 
 
 def complete_all(server: ServerProcess) -> list[tuple[list[int], list[float]]]:
@@ -70,7 +61,9 @@ def test_a_hybrid_vlm_serves_a_plain_forwards_logprobs_and_takes_a_text_weight_u
     served = complete_all(vlm_server)
     assert served_logprobs_match(vlm, served)
     with ControlClient(vlm_server.base_url, timeout_s=30) as control:
-        assert control.metrics()["vllm:generation_tokens_total"] == sum(len(tokens) for tokens, _ in served)
+        before = control.metrics()["vllm:generation_tokens_total"]
+        again = complete_all(vlm_server)
+        assert control.metrics()["vllm:generation_tokens_total"] - before == sum(len(t) for t, _ in again)
         noise = torch.Generator().manual_seed(3)
         updated = copy.deepcopy(vlm)
         tensors = {key: vlm.state_dict()[key] + 0.2 * torch.randn(vlm.state_dict()[key].shape, generator=noise)
