@@ -9,6 +9,7 @@ fails when a segment starts from zeros instead of its parent's final state, so t
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -117,3 +118,28 @@ def test_other_token_mixers_and_attention_sinks_are_refused():
                                       layer_types=["conv", "full_attention"]))  # fmt: skip
     with pytest.raises(ValueError, match=r"\['conv'\]"):
         check_model(conv)
+
+
+# ---- GPU: fla's varlen kernel against transformers' reference, both ways through a packed row --------------------
+
+needs_fla = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                               reason="needs a CUDA GPU and fla (fla-core)")  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_fla
+def test_fla_levels_match_the_torch_reference_on_cuda(monkeypatch):
+    """The same tree row through fla's varlen kernel and through transformers' reference (fla hidden), in float32:
+    log-probabilities and gradients agree to the kernels' rounding (fla's chunked solve differs in order)."""
+    from asyncrl.packing import deltanet
+
+    row = pack(edge_samples() + random_samples(12, num_groups=2, max_group=4))
+    model = build_tiny_hybrid(7).cuda()
+    reference = copy.deepcopy(model)
+    fla_out = packed_forward(model, row, TEMPERATURE, attention="sdpa").logprobs
+    (row.advantages.cuda() * fla_out).sum().backward()
+    monkeypatch.setattr(deltanet, "_fla_rule", lambda: None)
+    torch_out = packed_forward(reference, row, TEMPERATURE, attention="sdpa").logprobs
+    (row.advantages.cuda() * torch_out).sum().backward()
+    torch.testing.assert_close(fla_out, torch_out, atol=2e-3, rtol=0)
+    assert_gradients_match(model, reference, rtol=2e-2)
