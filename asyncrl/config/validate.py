@@ -91,6 +91,9 @@ def check_trainer_rates(config: Config) -> None:
         raise ConfigError(f"trainer.save_strategy={t.save_strategy!r} must be 'steps' or 'no'")
     if t.save_strategy == "steps" and t.save_steps < 1:
         raise ConfigError(f"trainer.save_steps={t.save_steps} must be >= 1 (or trainer.save_strategy=no)")
+    if t.save_total_limit is not None and t.save_total_limit < 1:
+        raise ConfigError(f"trainer.save_total_limit={t.save_total_limit} would delete every checkpoint, the last "
+                          "one included: set it >= 1, or null to keep them all")  # fmt: skip
     if t.lr_scheduler_type != "constant" and t.max_steps <= 0:
         raise ConfigError(
             f"trainer.lr_scheduler_type={t.lr_scheduler_type} decays over optimizer steps, which an epoch-based "
