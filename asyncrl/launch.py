@@ -29,10 +29,11 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.server.process import ServerStartError
     from asyncrl.trainer.assembler import RolloutWorkerError
     from asyncrl.trainer.checkpoint import ResumeError
+    from asyncrl.trainer.group_watch import TrainingStalledError
     from asyncrl.trainer.supervise import TrainerRankError
 
     return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError, TrainerRankError,
-            ResumeError)  # fmt: skip
+            ResumeError, TrainingStalledError)  # fmt: skip
 
 
 EXPECTED_ERRORS = _expected_errors()

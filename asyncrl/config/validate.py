@@ -169,6 +169,17 @@ def check_vllm_server(config: Config) -> None:
         )
 
 
+def check_rollout_limits(config: Config) -> None:
+    r = config.rollout
+    if r.score_queue_maxsize < 1:
+        raise ConfigError(f"rollout.score_queue_maxsize={r.score_queue_maxsize} must be >= 1")
+    if r.max_consecutive_dropped_groups is not None and r.max_consecutive_dropped_groups < 1:
+        raise ConfigError(f"rollout.max_consecutive_dropped_groups={r.max_consecutive_dropped_groups} must be "
+                          ">= 1 (null: never stop)")  # fmt: skip
+    if not 0 <= r.max_failed_group_fraction <= 1:
+        raise ConfigError(f"rollout.max_failed_group_fraction={r.max_failed_group_fraction} must be in [0, 1]")
+
+
 def check_rollout_loop(config: Config) -> None:
     from asyncrl.registry import RegistryError, import_object
 
@@ -295,6 +306,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_server,
     check_lora,
     check_vllm_server,
+    check_rollout_limits,
     check_rollout_loop,
     check_components,
     check_agents,

@@ -74,6 +74,8 @@ class StepLoss:
             rewards, advantages = np.array(list(rollouts.values()), dtype=np.float64).reshape(-1, 2).T
             self.shift, self.scale = step_affine(self.advantage_rule, rewards, advantages)
         self.policy_loss = self.entropy = 0.0
+        self.loss: Tensor | float = 0.0
+        """The step's loss so far: the sum of the micro-batches' backpropagated parts, kept on the device."""
 
     def batch(self, row: PackedRow, forward: Any) -> LossBatch:
         """The LossBatch of one packed row from the trainer's forward (``logprobs``, ``top_logprobs``, ``entropy``)."""
@@ -105,13 +107,14 @@ class StepLoss:
             entropy = float(result.entropy_mean.detach())
             self.entropy += share * entropy
             loss = loss - self._coefficient(entropy) * share * result.entropy_mean
+        self.loss = self.loss + loss.detach()
         return loss, result.metrics
 
     def end_step(self) -> dict[str, float]:
-        """Step metrics (policy_loss, entropy_coef when a bonus is on); moves the adaptive coefficient."""
+        """Step metrics (loss; policy_loss, entropy_coef when a bonus is on); moves the adaptive coefficient."""
         if not self.options.entropy_bonus:
-            return {}
-        metrics = {"policy_loss": self.policy_loss, "entropy_coef": self.entropy_coef}
+            return {"loss": float(self.loss)}
+        metrics = {"loss": float(self.loss), "policy_loss": self.policy_loss, "entropy_coef": self.entropy_coef}
         o = self.options
         if o.entropy_target is not None:
             delta = o.entropy_coef_delta if self.entropy <= o.entropy_target else -o.entropy_coef_delta
