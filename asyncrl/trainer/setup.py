@@ -52,7 +52,7 @@ def build_reward_sources(config: Config) -> list[RewardSource]:
 def prepare(config: Config) -> Prepared:
     from asyncrl.advantages import ADVANTAGES
     from asyncrl.data import load_prompts
-    from asyncrl.rollout.environments import environment_rows
+    from asyncrl.rollout.environments import check_routing, environment_rows
     from asyncrl.rollout.loop import AsyncRolloutLoop
     from asyncrl.rollout.spawn import check_picklable
 
@@ -73,6 +73,7 @@ def prepare(config: Config) -> Prepared:
         check_picklable(source.fn, f"reward function '{source.name}'")
     tokenizer = load_tokenizer(config)
     check_agents(config, tokenizer)
+    check_routing(dataset, config.rollout.environment_factory)
     return Prepared(dataset, eval_dataset, tokenizer, sources, loop_cls, ADVANTAGES.build(config.advantage))
 
 
