@@ -114,7 +114,10 @@ class ServerConfig:
     gpus: int | None = None
     """vLLM: GPUs for the server, taken first from the visible ones (default tensor x data parallel size); the
     trainer gets the rest, or shares the server's first GPU when none is left."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
+    """vLLM's share of each of its GPUs. None: 0.9 on GPUs of its own; on a GPU shared with the trainer, what the
+    trainer's estimated needs leave (weights, gradients, AdamW moments, a margin for activations), else 0.3 where
+    they cannot be measured; the startup log says which."""
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     api_server_count: int | None = None

@@ -149,7 +149,7 @@ def check_vllm_server(config: Config) -> None:
     for key in ("tensor_parallel_size", "data_parallel_size"):
         if getattr(sv, key) < 1:
             raise ConfigError(f"server.{key}={getattr(sv, key)} must be >= 1")
-    if not 0 < sv.gpu_memory_utilization <= 1:
+    if sv.gpu_memory_utilization is not None and not 0 < sv.gpu_memory_utilization <= 1:
         raise ConfigError(f"server.gpu_memory_utilization={sv.gpu_memory_utilization} must be in (0, 1]")
     engines = sv.tensor_parallel_size * sv.data_parallel_size
     if sv.gpus is not None and sv.gpus < engines:
