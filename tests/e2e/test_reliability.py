@@ -48,3 +48,4 @@ def test_failed_groups_and_long_prompts_are_dropped_and_counted_while_the_run_tr
     assert sum(s.get("rollout/skipped_long_prompt_count", 0) for s in steps) > 0
     assert sum(s.get("rollout/failed_group_count", 0) for s in steps) > 0
     assert all(s["loss"] == s["loss"] for s in steps)  # logged every step (TRL's `loss`)
+    assert {"rollout/score_wait_s", "rollout/score_block_s", "rollout/score_queue_size"} <= set(steps[0])
