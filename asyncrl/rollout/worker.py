@@ -2,9 +2,11 @@
 
 Spawned by trainer rank 0 (``spawn_worker``, then ``send_spec``) with no GPU and no distributed variables. The
 driver walks the prompt stream in the recorded order, starts a group only when admission control allows it (the
-token allowance, and the smaller of the KV-load and staleness caps on rollouts in flight), scores each finished
-group, feeds its lag to the staleness pacer, and pushes samples (or a ``PromptDone`` for a dropped/filtered
-prompt) to the trainer. Any exception reaches the trainer with its traceback; a dead parent ends the worker.
+token allowance, and the smaller of the KV-load and staleness caps on rollouts in flight, and room in the
+scoring queue), scores the finished groups one at a time from that queue, feeds each one's lag to the staleness
+pacer, and pushes samples (or a ``PromptDone`` for a dropped/filtered prompt, or a group whose prompt was too long
+or whose generation failed after the client's retries) to the trainer. Any other exception reaches the trainer
+with its traceback; a dead parent ends the worker.
 """
 
 from __future__ import annotations
