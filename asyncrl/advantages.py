@@ -45,6 +45,22 @@ def group_drop_reason(rewards: np.ndarray) -> str | None:
     return None
 
 
+def silent_rewards(components: Mapping[str, np.ndarray]) -> tuple[tuple[str, ...], str]:
+    """The reward sources that leave a group without signal, and what they gave: one value for every rollout
+    they scored (``length=0``), or too few scores (``accuracy=None for 7 of 8``)."""
+    names, notes = [], []
+    for name, values in components.items():
+        kept = values[~np.isnan(values)]
+        if kept.size < 2:
+            notes.append(f"{name}=None for {values.size - kept.size} of {values.size}")
+        elif np.all(kept == kept[0]):
+            notes.append(f"{name}={kept[0]:g}")
+        else:
+            continue
+        names.append(name)
+    return tuple(names), ", ".join(notes)
+
+
 def over_scorable(rewards: np.ndarray, transform: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """``transform`` of the scorable rewards in place of them; 0 for unscorable rollouts."""
     rewards = np.asarray(rewards, dtype=np.float64)

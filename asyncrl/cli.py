@@ -60,9 +60,11 @@ def config(
     composed = _checked(lambda: to_config(compose(list(ctx.args))))
     if server_command:
         from asyncrl.launch import shell_line
-        from asyncrl.server.command import server_command as build
+        from asyncrl.server.command import printable_server_command
 
-        command = _checked(lambda: build(composed))
+        command, warning = _checked(lambda: printable_server_command(composed))
+        if warning:
+            typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
         typer.echo(shell_line(command.argv, command.env), nl=False)
         return
     typer.echo(to_yaml(composed), nl=False)
@@ -146,10 +148,11 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from omegaconf.errors import OmegaConfBaseException
 
     from asyncrl.config.errors import ConfigError
+    from asyncrl.data import DatasetError
 
     try:
         return build()
-    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+    except (ConfigError, DatasetError, HydraException, OmegaConfBaseException) as exc:
         typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 

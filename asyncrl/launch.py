@@ -38,10 +38,11 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.server.process import ServerStartError
     from asyncrl.trainer.assembler import RolloutWorkerError
     from asyncrl.trainer.checkpoint import ResumeError
+    from asyncrl.trainer.group_watch import TrainingStalledError
     from asyncrl.trainer.supervise import TrainerRankError
 
     return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError, TrainerRankError,
-            ResumeError)  # fmt: skip
+            ResumeError, TrainingStalledError)  # fmt: skip
 
 
 EXPECTED_ERRORS = _expected_errors()
@@ -92,17 +93,17 @@ def run_job(config: Config, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if config.trainer.output_dir is None:
         config.trainer.output_dir = str(run_dir)
-    if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
-        claim_server_access(config, run_dir)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    _terminate_on_sigterm()
     from asyncrl.trainer.distributed import world_size
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
-    prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
     world = world_size(config)
-    _check_resume(config, world)
+    _check_resume(config, world, run_dir)  # before config.yaml: a refused run leaves the directory as it was
+    if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
+        claim_server_access(config, run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    _terminate_on_sigterm()
+    prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
     with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if world > 1:
             from asyncrl.trainer.supervise import run_ranks
@@ -116,17 +117,33 @@ def run_job(config: Config, run_dir: Path) -> None:
     print(f"report: {write_report(run_dir)}", flush=True)
 
 
-def _check_resume(config: Config, world: int) -> None:
+def _check_resume(config: Config, world: int, run_dir: Path) -> None:
     """Before the server starts: a checkpoint resumes only on as many trainer ranks as wrote it, and not under
-    later checkpoints of another history."""
+    later checkpoints of another history; without resume, the directories hold no earlier run."""
     from asyncrl.trainer.checkpoint import check_no_later_checkpoints, check_world_size, resolve_checkpoint
 
     spec = config.trainer.resume_from_checkpoint
-    if spec:
-        output_dir = Path(config.trainer.output_dir or ".")
-        resume = resolve_checkpoint(spec, output_dir)
-        check_world_size(resume, world)
-        check_no_later_checkpoints(resume, output_dir)
+    output_dir = Path(config.trainer.output_dir or run_dir)
+    if not spec:
+        _check_fresh(run_dir, output_dir)
+        return
+    resume = resolve_checkpoint(spec, output_dir)
+    check_world_size(resume, world)
+    check_no_later_checkpoints(resume, output_dir)
+
+
+def _check_fresh(run_dir: Path, output_dir: Path) -> None:
+    """Refuse to start a new run where an earlier one trained: its checkpoints would be replaced one by one, the
+    later ones kept, and the metrics appended to, mixing two histories."""
+    from asyncrl.trainer.checkpoint import ResumeError, list_checkpoints
+
+    found = [path for path in (run_dir / "metrics.jsonl", output_dir / "model") if path.exists()]
+    found += list_checkpoints(output_dir)[-1:]
+    if found:
+        raise ResumeError(
+            f"{run_dir} already holds a run ({found[0]}): continue it with trainer.resume_from_checkpoint=latest, "
+            "or train into a new directory (hydra.run.dir=...)"
+        )
 
 
 def load_run_config(run_dir: Path) -> Config:

@@ -46,8 +46,12 @@ def is_import_path(name: str) -> bool:
 class Registry(Generic[T]):
     """Named components of one kind; ``kind`` appears in every error message."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, call_arguments: tuple[str, ...] | None = None) -> None:
+        """``call_arguments``: the parameters the caller fills when it calls a component (its ``**kwargs`` catch-all
+        included, e.g. a reward's dataset columns), so a configured option must be one of its other named
+        parameters; None: options may be any keyword the component accepts."""
         self.kind = kind
+        self.call_arguments = call_arguments
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -91,24 +95,24 @@ class Registry(Generic[T]):
         component = self.get(name)
         if not params:
             return component
-        check_params(component, params, f"{self.kind} '{name}'")
+        check_params(component, params, f"{self.kind} '{name}'", self.call_arguments)
         return functools.partial(component, **params)  # type: ignore[return-value]
 
 
-def check_params(component: Callable[..., Any], params: Mapping[str, Any], label: str) -> None:
-    """Raise if ``params`` cannot be passed as keywords to ``component``."""
+def check_params(
+    component: Callable[..., Any], params: Mapping[str, Any], label: str, call_arguments: tuple[str, ...] | None = None
+) -> None:  # fmt: skip
+    """Raise if ``params`` cannot be passed as keywords to ``component``; with ``call_arguments`` (see Registry)
+    only its named parameters other than those are options, whether or not it also takes ``**kwargs``."""
     try:
         signature = inspect.signature(component)
     except (TypeError, ValueError):
         return
-    accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    if accepts_kwargs:
+    parameters = signature.parameters.values()
+    if call_arguments is None and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return
-    allowed = [
-        n
-        for n, p in signature.parameters.items()
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    allowed = [p.name for p in parameters if p.kind in named and p.name not in (call_arguments or ())]
     unknown = [key for key in params if key not in allowed]
     if unknown:
         raise RegistryError(f"{label} has no parameter '{unknown[0]}' (has: {', '.join(allowed) or 'none'})")

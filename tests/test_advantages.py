@@ -20,6 +20,7 @@ from asyncrl.advantages import (
     group_mean,
     group_zscore,
     rloo,
+    silent_rewards,
     step_affine,
     step_rule,
 )
@@ -195,3 +196,10 @@ def test_scoring_a_group_keeps_the_per_function_rewards():
     close(group.reward_components["len"], [1.0, 2.0])
     assert math.isnan(group.reward_components["none"][0])
     close(group.rewards, [1.0, 3.0])
+
+
+def test_silent_rewards_name_the_sources_without_signal_and_what_they_gave():
+    components = {"length": np.array([0.0, 0.0, 0.0]), "accuracy": np.array([nan, 1.0, nan]),
+                  "format": np.array([0.0, 1.0, 1.0])}  # fmt: skip
+    assert silent_rewards(components) == (("length", "accuracy"), "length=0, accuracy=None for 2 of 3")
+    assert silent_rewards({"format": np.array([0.0, 1.0])}) == ((), "")

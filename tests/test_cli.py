@@ -68,3 +68,15 @@ def test_config_shows_the_server_command_without_running_it():
     result = runner.invoke(app, ["config", "--server-command", "server.port=8123"])
     assert result.exit_code == 0, result.output
     assert "-m asyncrl.server" in result.output and "--port 8123" in result.output
+
+
+def test_the_vllm_command_is_printed_without_gpus_here_with_a_warning(monkeypatch):
+    """A login node preparing a cluster job: no GPU visible, vLLM not installed (its version given)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = runner.invoke(app, ["config", "--server-command", "+recipe=deepmath", "server.vllm_version=0.26.0",
+                                 "server.max_model_len=4096"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "warning: 0 GPU(s) visible here, 2 needed: the command is for a machine whose CUDA_VISIBLE_DEVICES=0,1" \
+        in result.output  # fmt: skip
+    assert "CUDA_VISIBLE_DEVICES=0 " in result.output  # the server's GPU of the two
+    assert "vllm.entrypoints.cli.main serve Qwen/Qwen3-4B" in result.output

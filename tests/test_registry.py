@@ -46,6 +46,24 @@ def test_unknown_parameter_lists_real_ones(registry):
         registry.build({"name": "scale", "factr": 3.0})
 
 
+def test_options_of_a_component_taking_call_time_kwargs_are_checked():
+    """A reward's **columns receives dataset columns when it is called: a misspelt option must not vanish there."""
+
+    def shaped(prompts, completions, *, scale: float = 1.0, **columns):
+        return [scale] * len(completions)
+
+    rewards: Registry = Registry("reward", call_arguments=("prompts", "completions"))
+    rewards.register("shaped")(shaped)
+    assert rewards.build({"name": "shaped", "scale": 0.5})([], ["a"]) == [0.5]
+    with pytest.raises(RegistryError, match=r"reward 'shaped' has no parameter 'scal' \(has: scale\)"):
+        rewards.build({"name": "shaped", "scal": 0.5})
+    with pytest.raises(RegistryError, match="has no parameter 'prompts'"):
+        rewards.build({"name": "shaped", "prompts": []})
+    open_kwargs: Registry = Registry("widget")  # without call_arguments **kwargs takes any option
+    open_kwargs.register("shaped")(shaped)
+    open_kwargs.build({"name": "shaped", "scal": 0.5})
+
+
 def test_bad_import_paths(registry):
     with pytest.raises(RegistryError, match="cannot import module 'no_such_module'"):
         registry.get("no_such_module:f")

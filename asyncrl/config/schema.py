@@ -117,7 +117,10 @@ class ServerConfig:
     gpus: int | None = None
     """vLLM: GPUs for the server, taken first from the visible ones (default tensor x data parallel size); the
     trainer gets the rest, or shares the server's first GPU when none is left."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
+    """vLLM's share of each of its GPUs. None: 0.9 on GPUs of its own; on a GPU shared with the trainer, what the
+    trainer's estimated needs leave (weights, gradients, AdamW moments, a margin for activations), else 0.3 where
+    they cannot be measured; the startup log says which."""
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     api_server_count: int | None = None
@@ -212,6 +215,15 @@ class RolloutConfig:
     loop_cls: str = "asyncrl.rollout.loop:AsyncRolloutLoop"
     """Import path of the AsyncRolloutLoop (sub)class run in the worker."""
     score_queue_maxsize: int = 16
+    """Generated groups waiting to be scored (one at a time); a full queue blocks their generation tasks
+    (rollout/score_block_s) and admission starts no new group until it has room."""
+    max_consecutive_dropped_groups: int | None = 256
+    """Stop the run, saying why (zero_std, too_few_scorable, failed, prompt_too_long, stale, oversize) and which
+    rewards, once this many groups in a row gave nothing to train; null: never stop."""
+    max_failed_group_fraction: float = 0.1
+    """A group whose generation still fails after the client's retries is dropped (rollout/failed_group_count);
+    the run stops, with the last error, once more than this fraction of the last 100 groups failed (0: at the
+    first failure)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Free-form fields for a custom loop class (read as self.config.rollout.options)."""
     tools: list[str] = field(default_factory=list)

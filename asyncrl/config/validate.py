@@ -91,6 +91,9 @@ def check_trainer_rates(config: Config) -> None:
         raise ConfigError(f"trainer.save_strategy={t.save_strategy!r} must be 'steps' or 'no'")
     if t.save_strategy == "steps" and t.save_steps < 1:
         raise ConfigError(f"trainer.save_steps={t.save_steps} must be >= 1 (or trainer.save_strategy=no)")
+    if t.save_total_limit is not None and t.save_total_limit < 1:
+        raise ConfigError(f"trainer.save_total_limit={t.save_total_limit} would delete every checkpoint, the last "
+                          "one included: set it >= 1, or null to keep them all")  # fmt: skip
     if t.lr_scheduler_type != "constant" and t.max_steps <= 0:
         raise ConfigError(
             f"trainer.lr_scheduler_type={t.lr_scheduler_type} decays over optimizer steps, which an epoch-based "
@@ -146,7 +149,7 @@ def check_vllm_server(config: Config) -> None:
     for key in ("tensor_parallel_size", "data_parallel_size"):
         if getattr(sv, key) < 1:
             raise ConfigError(f"server.{key}={getattr(sv, key)} must be >= 1")
-    if not 0 < sv.gpu_memory_utilization <= 1:
+    if sv.gpu_memory_utilization is not None and not 0 < sv.gpu_memory_utilization <= 1:
         raise ConfigError(f"server.gpu_memory_utilization={sv.gpu_memory_utilization} must be in (0, 1]")
     engines = sv.tensor_parallel_size * sv.data_parallel_size
     if sv.gpus is not None and sv.gpus < engines:
@@ -164,6 +167,17 @@ def check_vllm_server(config: Config) -> None:
             f"server.api_server_count={sv.api_server_count}: vLLM refuses runtime LoRA loading with more than one "
             "API server; set server.api_server_count=1 or lora.sync=merged"
         )
+
+
+def check_rollout_limits(config: Config) -> None:
+    r = config.rollout
+    if r.score_queue_maxsize < 1:
+        raise ConfigError(f"rollout.score_queue_maxsize={r.score_queue_maxsize} must be >= 1")
+    if r.max_consecutive_dropped_groups is not None and r.max_consecutive_dropped_groups < 1:
+        raise ConfigError(f"rollout.max_consecutive_dropped_groups={r.max_consecutive_dropped_groups} must be "
+                          ">= 1 (null: never stop)")  # fmt: skip
+    if not 0 <= r.max_failed_group_fraction <= 1:
+        raise ConfigError(f"rollout.max_failed_group_fraction={r.max_failed_group_fraction} must be in [0, 1]")
 
 
 def check_rollout_loop(config: Config) -> None:
@@ -292,6 +306,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_server,
     check_lora,
     check_vllm_server,
+    check_rollout_limits,
     check_rollout_loop,
     check_components,
     check_agents,

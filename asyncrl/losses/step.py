@@ -76,6 +76,8 @@ class StepLoss:
             rewards, advantages = np.array(list(rollouts.values()), dtype=np.float64).reshape(-1, 2).T
             self.shift, self.scale = step_affine(self.advantage_rule, rewards, advantages)
         self.policy_loss = self.entropy = 0.0
+        self.loss: Tensor | float = 0.0
+        """The step's loss so far: the sum of the micro-batches' backpropagated parts, kept on the device."""
 
     def batch(self, row: PackedRow, forward: Any) -> LossBatch:
         """The LossBatch of one packed row from the trainer's forward (``logprobs``, ``top_logprobs``, ``entropy``)."""
@@ -108,16 +110,18 @@ class StepLoss:
             entropy = float(result.entropy_mean.detach())
             self.entropy += share * entropy
             loss = loss - self._coefficient(entropy) * share * result.entropy_mean
-        if aux_loss is None or not self.router_aux_coef:
-            return loss, result.metrics
-        loss = loss + self.router_aux_coef * aux_loss / max(self.counts.micro_batches, 1)
-        return loss, {**result.metrics, "aux_loss": float(aux_loss.detach())}
+        metrics = result.metrics
+        if aux_loss is not None and self.router_aux_coef:
+            loss = loss + self.router_aux_coef * aux_loss / max(self.counts.micro_batches, 1)
+            metrics = {**metrics, "aux_loss": float(aux_loss.detach())}
+        self.loss = self.loss + loss.detach()  # the step's whole loss, the auxiliary part included
+        return loss, metrics
 
     def end_step(self) -> dict[str, float]:
-        """Step metrics (policy_loss, entropy_coef when a bonus is on); moves the adaptive coefficient."""
+        """Step metrics (loss; policy_loss, entropy_coef when a bonus is on); moves the adaptive coefficient."""
         if not self.options.entropy_bonus:
-            return {}
-        metrics = {"policy_loss": self.policy_loss, "entropy_coef": self.entropy_coef}
+            return {"loss": float(self.loss)}
+        metrics = {"loss": float(self.loss), "policy_loss": self.policy_loss, "entropy_coef": self.entropy_coef}
         o = self.options
         if o.entropy_target is not None:
             delta = o.entropy_coef_delta if self.entropy <= o.entropy_target else -o.entropy_coef_delta

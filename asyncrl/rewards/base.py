@@ -12,7 +12,8 @@ from typing import Any
 from asyncrl.registry import Registry
 
 RewardFn = Callable[..., list[float | None]]
-REWARDS: Registry[RewardFn] = Registry("reward")
+REWARDS: Registry[RewardFn] = Registry("reward", call_arguments=("prompts", "completions", "completion_ids"))
+"""Options are a reward's named parameters: its ``**columns`` receives the dataset's columns, not options."""
 
 Message = dict[str, Any]
 

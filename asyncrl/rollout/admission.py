@@ -93,6 +93,10 @@ class Admission:
         self.squared_rollout_tokens += (num_tokens**2 - self.squared_rollout_tokens) / self.rollouts_seen
         self.unqueued_tokens += num_tokens
 
+    def on_rollout_failed(self) -> None:
+        """A rollout that ended without a result (its group is dropped): it leaves the flight, adding no size."""
+        self.inflight_rollouts -= 1
+
     def on_group_done(self, pushed_tokens: int, rollout_tokens: int) -> None:
         """The group is queued: ``rollout_tokens`` (its rollouts' tokens, as counted at ``on_rollout_done``)
         leave the unqueued count, and its samples' ``pushed_tokens`` (none when dropped) join the queue."""

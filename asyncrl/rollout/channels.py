@@ -24,6 +24,11 @@ class PromptDone:
 
     prompt_index: int
     reason: str
+    """filtered | zero_std | too_few_scorable | failed | prompt_too_long"""
+    rewards: tuple[str, ...] = ()
+    """The reward sources that left the group without signal (constant, or None for its rollouts)."""
+    detail: str = ""
+    """What happened, for the error that stops a run whose groups all drop (trainer/group_watch.py)."""
 
 
 @dataclass

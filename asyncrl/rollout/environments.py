@@ -48,6 +48,28 @@ def load_factories(spec: Any) -> dict[str | None, Callable[[], Any]]:
     raise TypeError(f"rollout.environment_factory={spec!r}: expected an import path or a mapping name -> path")
 
 
+def check_routing(dataset: Any, spec: Any) -> None:
+    """With a mapping of environments, every row's `environment` value must name one of them: checked at startup,
+    not when the worker first reaches an unknown name mid-run."""
+    from asyncrl.data import DatasetError
+
+    factories = load_factories(spec)
+    if not factories or None in factories:
+        return
+    columns = list(getattr(dataset, "column_names", None) or [])
+    if ROUTING_COLUMN not in columns:
+        raise DatasetError(f"rollout.environment_factory maps names to environments, but the dataset has no "
+                           f"'{ROUTING_COLUMN}' column to route by (columns: {', '.join(columns)})")  # fmt: skip
+    names = list(dataset[ROUTING_COLUMN])
+    unknown = [name for name in dict.fromkeys(names) if name not in factories]
+    if unknown:
+        raise DatasetError(
+            f"dataset column '{ROUTING_COLUMN}' has {unknown[0]!r} (row {names.index(unknown[0])}"
+            + (f"; also {unknown[1:4]}" if unknown[1:] else "")
+            + f"), which names no environment of rollout.environment_factory (known: {sorted(factories)})"
+        )
+
+
 def environment_tools(env: Any) -> list[Callable[..., Any]]:
     """The environment's public methods other than the reserved hooks, bound to the instance."""
     cls = type(env)

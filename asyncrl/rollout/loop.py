@@ -45,6 +45,11 @@ def render_prompt(
     return list(ids)
 
 
+class PromptTooLong(ValueError):
+    """A prompt longer than data.max_prompt_length, or leaving no room in the server's context: the worker skips
+    its group and counts it (rollout/skipped_long_prompt_count)."""
+
+
 class AsyncRolloutLoop:
     def __init__(
         self,
@@ -78,8 +83,10 @@ class AsyncRolloutLoop:
         cap = self.config.sampling.max_tool_calling_iterations
         messages, completion, turns = list(prompt), [], []
         stats = ToolStats() if tools else None
+        prompt_ids = self.render(messages, schemas)
+        self.check_prompt_length(prompt_ids)
         while True:
-            turn = await self.generate_one_turn(self.render(messages, schemas))
+            turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
             content, calls = parse_tool_calls(text, self.tool_call_format) if tools else (text, [])
@@ -91,13 +98,24 @@ class AsyncRolloutLoop:
                 break
             completion.extend(await run_tool_calls(calls, by_name, self.tool_pool, stats))
             messages = [*prompt, *completion]
-            if len(self.render(messages, schemas)) >= self.max_model_len:
+            prompt_ids = self.render(messages, schemas)
+            if len(prompt_ids) >= self.max_model_len:
                 break  # no room left for another turn: the rollout ends on the tool results
         return Rollout(
             completion=completion, completion_ids=[t for turn in turns for t in turn.output_ids], turns=turns,
             tool_call_count=len(stats.calls) if stats else 0, tool_failure_count=stats.failures if stats else 0,
             tool_stats=stats,
         )  # fmt: skip
+
+    def check_prompt_length(self, prompt_ids: list[int]) -> None:
+        """Raise PromptTooLong for a prompt over data.max_prompt_length, or without room in the server's context
+        for one generated token (the server would refuse the request)."""
+        limit = self.config.data.max_prompt_length
+        if limit is not None and len(prompt_ids) > limit:
+            raise PromptTooLong(f"a prompt of {len(prompt_ids)} tokens > data.max_prompt_length={limit}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(f"a prompt of {len(prompt_ids)} tokens leaves no room in the server's context "
+                                f"({self.max_model_len} tokens, server.max_model_len)")  # fmt: skip
 
     def sampling_params(self, prompt_ids: list[int]) -> SamplingParams:
         """Every sampling setting of one turn, sent explicitly, with a unique seed (override to vary per turn)."""

@@ -2,9 +2,11 @@
 
 Spawned by trainer rank 0 (``spawn_worker``, then ``send_spec``) with no GPU and no distributed variables. The
 driver walks the prompt stream in the recorded order, starts a group only when admission control allows it (the
-token allowance, and the smaller of the KV-load and staleness caps on rollouts in flight), scores each finished
-group, feeds its lag to the staleness pacer, and pushes samples (or a ``PromptDone`` for a dropped/filtered
-prompt) to the trainer. Any exception reaches the trainer with its traceback; a dead parent ends the worker.
+token allowance, and the smaller of the KV-load and staleness caps on rollouts in flight, and room in the
+scoring queue), scores the finished groups one at a time from that queue, feeds each one's lag to the staleness
+pacer, and pushes samples (or a ``PromptDone`` for a dropped/filtered prompt, or a group whose prompt was too long
+or whose generation failed after the client's retries) to the trainer. Any other exception reaches the trainer
+with its traceback; a dead parent ends the worker.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.client import ServerError
 from asyncrl.rollout.admission import Admission
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
+from asyncrl.rollout.loop import PromptTooLong
 from asyncrl.rollout.pacing import StalenessPacer
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
@@ -61,6 +65,18 @@ def rollout_tokens(rollout: Rollout) -> int:
     return sum(len(t.prompt_ids) + len(t.output_ids) for t in rollout.turns)
 
 
+@dataclass
+class ScoreJob:
+    """A generated group waiting in the scoring queue, with what sending its samples needs."""
+
+    group: RolloutGroup
+    prompt_index: int
+    epoch: int
+    version: int
+    generated: int
+    """Tokens of its rollouts, as admission counted them."""
+
+
 class StopRequested(Exception):
     """The trainer set the stop event: the worker ends now, rollouts in flight included."""
 
@@ -82,6 +98,7 @@ class WorkerDriver:
         self.completion_records: list[dict[str, Any]] = []
         self.generated_tokens = 0
         self.group_ids = iter(range(10**12))
+        self.score_queue: asyncio.Queue[ScoreJob] = asyncio.Queue(self.config.rollout.score_queue_maxsize)
         self._orders: dict[int, np.ndarray] = {}
 
     # ---- main loop -------------------------------------------------------------------------------------------
@@ -106,7 +123,8 @@ class WorkerDriver:
             await poller.start(self.spec.max_model_len)
             async with asyncio.TaskGroup() as tasks:
                 background = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_parent()),
-                              asyncio.create_task(poller.run()), tasks.create_task(self._watch_stop())]  # fmt: skip
+                              asyncio.create_task(poller.run()), tasks.create_task(self._watch_stop()),
+                              tasks.create_task(self._score_loop())]  # fmt: skip
                 try:
                     await self._drive(tasks)
                 finally:
@@ -171,6 +189,8 @@ class WorkerDriver:
             )  # fmt: skip
             if reason == "concurrency" and self.pacer.cap < self.concurrency.cap:
                 reason = "staleness pacing"  # finished groups came back too late: fewer rollouts in flight
+            if reason is None and self.score_queue.full():
+                reason = "scoring (rollout.score_queue_maxsize groups wait to be scored)"
             if reason is None:
                 break
             waited_since = waited_since or time.monotonic()
@@ -208,12 +228,29 @@ class WorkerDriver:
     # ---- one group -------------------------------------------------------------------------------------------
 
     async def _run_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
+        """Generate the group and queue it for scoring (``_score_loop`` sends its samples), or drop it here."""
+        from asyncrl.client import ROLLOUT_MODEL, policy_model
+
         version = self.channels.model_version.value
         self._generating(version, +1)
-        try:
-            await self._generate_group(prompt_index, row_index, row, epoch, version)
-        finally:
-            self._generating(version, -1)  # after its samples are sent (and counted): the trainer drains them
+        started = time.time()
+        ROLLOUT_MODEL.set(policy_model(self.spec.model_name, self.spec.adapter_prefix, version))  # this task only
+        group_id = next(self.group_ids)
+        outcomes = await asyncio.gather(*(self._one_rollout(row, group_id)
+                                          for _ in range(self.config.sampling.num_generations)),
+                                        return_exceptions=True)  # fmt: skip
+        rollouts = [r for r in outcomes if isinstance(r, Rollout)]
+        if len(rollouts) < len(outcomes):
+            errors = [e for e in outcomes if not isinstance(e, Rollout)]
+            self._drop_ungenerated(prompt_index, version, rollouts, errors)
+            return
+        group = self.loop.build_group(row.get("prompt") or [], row, rollouts, group_id=group_id,
+                                      row_index=row_index, model_version=version)  # fmt: skip
+        self.generation_spans.append((started, time.time()))
+        blocked = time.monotonic()
+        await self.score_queue.put(ScoreJob(group, prompt_index, epoch, version, sum(map(rollout_tokens, rollouts))))
+        group.queued_at = time.monotonic()  # before the scorer can run: this task has not yielded since the put
+        self.metrics["rollout/score_block_s"].append(group.queued_at - blocked)
 
     def _generating(self, version: int, change: int) -> None:
         """Count a group in flight under ``version`` and publish the counts (the trainer waits for a group that
@@ -223,38 +260,50 @@ class WorkerDriver:
             del self.inflight_versions[version]
         self.channels.publish_inflight(self.inflight_versions)
 
-    async def _generate_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int,
-                              version: int) -> None:  # fmt: skip
-        from asyncrl.client import ROLLOUT_MODEL, policy_model
+    def _drop_ungenerated(self, prompt_index: int, version: int, rollouts: list[Rollout],
+                          errors: list[BaseException]) -> None:  # fmt: skip
+        """A group whose prompt is too long (data.max_prompt_length, or the server's context) is skipped and one
+        whose request failed after the client's retries is dropped, each counted; the trainer stops a run where
+        too many fail. Any other exception is a bug, and ends the run."""
+        error = next((e for e in errors if not isinstance(e, (PromptTooLong, ServerError))), errors[0])
+        if not isinstance(error, (PromptTooLong, ServerError)):
+            raise error
+        reason = "prompt_too_long" if isinstance(error, PromptTooLong) else "failed"
+        self.metrics["rollout/skipped_long_prompt_count" if reason == "prompt_too_long" else
+                     "rollout/failed_group_count"].append(1.0)  # fmt: skip
+        self.admission.on_group_done(0, sum(map(rollout_tokens, rollouts)))
+        self._push(PromptDone(prompt_index, reason, detail=str(error)[:500]))
+        self._generating(version, -1)
+        self.channels.beat(f"group dropped: {reason}")
 
-        started = time.time()
-        ROLLOUT_MODEL.set(policy_model(self.spec.model_name, self.spec.adapter_prefix, version))  # this task only
-        group_id = next(self.group_ids)
-        prompt = row.get("prompt") or []
-        rollouts = await asyncio.gather(
-            *(self._one_rollout(row, group_id) for _ in range(self.config.sampling.num_generations))
-        )
-        group = self.loop.build_group(prompt, row, list(rollouts), group_id=group_id, row_index=row_index,
-                                      model_version=version)  # fmt: skip
-        self.generation_spans.append((started, time.time()))
-        group.queued_at = time.monotonic()
+    async def _score_loop(self) -> None:
+        """Score the queued groups one at a time, in the order their generation finished."""
+        while True:
+            job = await self.score_queue.get()
+            self.metrics["rollout/score_wait_s"].append(time.monotonic() - job.group.queued_at)
+            await self._score(job)
+
+    async def _score(self, job: ScoreJob) -> None:
+        """Score, compute advantages, send the samples (or a PromptDone saying why the group was dropped)."""
+        from asyncrl.advantages import group_drop_reason, silent_rewards
+
+        group = job.group
+        started = time.monotonic()
         per_source = await score_group(group, self.spec.reward_sources)
-        self.metrics["rollout/score_s"].append(time.monotonic() - group.queued_at)
+        self.metrics["rollout/score_s"].append(time.monotonic() - started)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
-        from asyncrl.advantages import group_drop_reason
-
         drop = group_drop_reason(group.rewards)
         self._record_group(group, per_source, drop, advantages)
-        self._pace(version)
-        generated = sum(map(rollout_tokens, rollouts))
+        self._pace(job.version)
         if drop is not None:
-            self.admission.on_group_done(0, generated)
-            self._push(PromptDone(prompt_index, drop))
+            self.admission.on_group_done(0, job.generated)
+            self._push(PromptDone(job.prompt_index, drop, *silent_rewards(per_source)))
         else:
-            samples = self._samples(group, advantages, per_source, prompt_index, epoch)
-            self.admission.on_group_done(sum(s.num_tokens for s in samples), generated)
+            samples = self._samples(group, advantages, per_source, job.prompt_index, job.epoch)
+            self.admission.on_group_done(sum(s.num_tokens for s in samples), job.generated)
             for sample in samples:
                 self._push(sample)
+        self._generating(job.version, -1)  # after its samples are sent (and counted): the trainer drains them
         self.channels.beat("group queued")
 
     def _pace(self, start_version: int) -> None:
@@ -265,8 +314,12 @@ class WorkerDriver:
 
     async def _one_rollout(self, row: dict[str, Any], group_id: int) -> Rollout:
         started = time.monotonic()
-        episode = await self.agents.begin(row)
-        rollout = await self.loop.generate_one(episode.prompt, episode.tools, group_id)
+        try:
+            episode = await self.agents.begin(row)
+            rollout = await self.loop.generate_one(episode.prompt, episode.tools, group_id)
+        except BaseException:
+            self.admission.on_rollout_failed()
+            raise
         rollout.env_reward, reward_s = await self.agents.end(episode)
         for name, seconds in (("env/reset_s", episode.reset_s), ("env/reward_s", reward_s)):
             if seconds is not None:
@@ -330,6 +383,7 @@ class WorkerDriver:
             self.metrics["rollout/generated_tokens_per_s"].append(rate)
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
             self.metrics["rollout/concurrency_cap"].append(self.concurrency.cap)
+            self.metrics["rollout/score_queue_size"].append(self.score_queue.qsize())
             if self.pacer.enabled:
                 self.metrics["rollout/staleness_cap"].append(self.pacer.cap)
             retries = self.loop.client.retry_count

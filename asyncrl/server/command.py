@@ -62,6 +62,23 @@ def builtin_command(config: Config) -> ServerCommand:
     return ServerCommand("builtin", argv + list(sv.extra_args), env={"OMP_NUM_THREADS": str(sv.cpu_threads)})
 
 
+def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]:
+    """What `asyncrl config --server-command` prints, and a warning: on a machine with fewer GPUs than the vLLM run
+    needs (a login node preparing a cluster job) the command is built for the GPUs the job will have."""
+    if resolve_backend(config) != "vllm":
+        return builtin_command(config), None
+    from asyncrl.server.vllm import needed_gpus, visible_gpus, vllm_command
+
+    visible, needed = visible_gpus(), needed_gpus(config)
+    if not config.server.launch or len(visible) >= needed:
+        return vllm_command(config, gpus=visible), None
+    assumed = [str(index) for index in range(needed)]
+    return vllm_command(config, gpus=assumed), (
+        f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
+        f"CUDA_VISIBLE_DEVICES={','.join(assumed)}"
+    )
+
+
 def server_command(config: Config) -> ServerCommand:
     backend = resolve_backend(config)
     if backend == "vllm":

@@ -64,7 +64,7 @@ class AttachedServer:
         except httpx.TransportError:
             return False
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log_summary(self) -> str:
         return "(external server: no log)"
 
     def ready(self) -> None:
@@ -87,6 +87,6 @@ class AttachedServer:
 
 
 def check_alive(server: Any) -> None:
-    """Raise with the end of its log when a server the run depends on (launched or attached) is gone."""
+    """Raise with the root cause from its log when a server the run depends on (launched or attached) is gone."""
     if not server.is_alive():
-        raise ServerStartError(f"the generation server exited; end of its log:\n{server.log_tail()}")
+        raise ServerStartError(f"the generation server exited: {server.log_summary()}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -58,19 +59,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+_EXCEPTION = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt): \S")
+_QUIET = re.compile(r"\b(?:DEBUG|INFO|WARN|WARNING)\b")
+
+
+def root_cause(log: str) -> str:
+    """The line of a failed server's log that says why: the first exception raised (a traceback ends on it, and a
+    chained one's first is the cause; vLLM's last line only says "See root cause above"), else the first line
+    logged at ERROR, else the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in lines:
+        match = _EXCEPTION.search(line)
+        if match is not None and not _QUIET.search(line[: match.start()]):
+            return line[match.start() :][:500]
+    errors = [line for line in lines if "ERROR" in line]
+    return (errors or lines or ["(empty log)"])[0 if errors else -1][:500]
+
+
+PROBE_TIMEOUT_S = 5.0
+POLL_INTERVAL_S = 0.25
+
+
 def wait_for_health(base_url: str, timeout_s: float, check: Callable[[], None] = lambda: None) -> bool:
     """Poll ``base_url``/health until it answers 200 (True) or ``timeout_s`` passes (False); ``check`` runs
-    between polls and raises when waiting is pointless (the server process exited)."""
+    between polls and raises when waiting is pointless (the server process exited). No probe or pause outlasts
+    the deadline: each gets at most the time left."""
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0) as client:
-        while time.monotonic() < deadline:
+    with httpx.Client() as client:
+        while (left := deadline - time.monotonic()) > 0:
             check()
             try:
-                if client.get(f"{base_url.rstrip('/')}/health").status_code == 200:
+                response = client.get(f"{base_url.rstrip('/')}/health", timeout=min(PROBE_TIMEOUT_S, left))
+                if response.status_code == 200:
                     return True
             except httpx.TransportError:
                 pass
-            time.sleep(0.25)
+            time.sleep(max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic())))
     return False
 
 
@@ -113,25 +137,24 @@ class ServerProcess:
     def wait_healthy(self) -> None:
         if not wait_for_health(self.base_url, self.startup_timeout_s, self._check_running):
             raise ServerStartError(
-                f"server not healthy at {self.base_url} after {self.startup_timeout_s:.0f}s (server.timeout); "
-                f"log {self.log_path}:\n" + self.log_tail()
+                f"server not healthy at {self.base_url} after {self.startup_timeout_s:.0f}s (server.timeout): "
+                + self.log_summary()
             )
 
     def _check_running(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise ServerStartError(
-                f"server exited with code {self.proc.returncode} during startup; log {self.log_path}:\n"
-                + self.log_tail()
-            )
+            raise ServerStartError(f"server exited with code {self.proc.returncode} during startup: "
+                                   + self.log_summary())  # fmt: skip
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log_summary(self) -> str:
+        """The root cause line of its log, and where the whole log is."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return f"{root_cause(self.log_path.read_text(errors='replace'))} (log: {self.log_path})"
         except OSError:
-            return "(no log)"
+            return f"(no log at {self.log_path})"
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace_s``."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import sys
@@ -35,6 +36,8 @@ from asyncrl.config.schema import Config, LoraSync, WeightTransfer
 from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.model_kind import is_vision_language
 from asyncrl.server.command import ServerCommand, served_model_name
+
+log = logging.getLogger(__name__)
 
 MIN_VERSION = (0, 26)
 SAMPLING_MASK_SINCE = (0, 28)  # --return-sampling-mask
@@ -179,6 +182,13 @@ def split_gpus(config: Config, visible: list[str]) -> GpuSplit:
     return GpuSplit(visible[:n_server], rest[:n_trainer])
 
 
+def needed_gpus(config: Config) -> int:
+    """GPUs a launched vLLM run needs: the server's, plus the trainer's unless ipc puts it on the server's GPU."""
+    sv = config.server
+    n_server = sv.gpus or sv.tensor_parallel_size * sv.data_parallel_size
+    return n_server if sv.weight_transfer == WeightTransfer.ipc else n_server + (config.trainer.gpus or 1)
+
+
 def trainer_gpus(config: Config, visible: list[str] | None = None) -> list[str]:
     """The GPUs the trainer should see (its CUDA_VISIBLE_DEVICES) when asyncrl launches the vLLM server."""
     return split_gpus(config, visible_gpus() if visible is None else visible).trainer
@@ -202,6 +212,68 @@ def weight_transfer_backend(config: Config, split: GpuSplit | None) -> str:
             f"{','.join(split.server)}, trainer GPUs {','.join(split.trainer)}); use server.weight_transfer=nccl"
         )
     return chosen.value
+
+
+OWN_GPU_SHARE = 0.9
+"""--gpu-memory-utilization on GPUs the server has to itself (vLLM's default)."""
+SHARED_GPU_SHARE = 0.3
+"""On a GPU shared with the trainer when the trainer's needs cannot be measured here: the trainer keeps 70%."""
+TRAINER_OVERHEAD = 1.25
+"""Activations of a row (gradient checkpointing), logit chunks and allocator slack, over the parameter states."""
+CUDA_CONTEXT_BYTES = 2 * 2**30
+
+
+def shared_gpu_share(trainer_bytes: int | None, gpu_bytes: int | None) -> tuple[float, str]:
+    """The server's share of a GPU it shares with the trainer, and why: what the trainer's estimate leaves,
+    within [0.1, 0.9]; SHARED_GPU_SHARE when the GPU's size or the trainer's needs are unknown here."""
+    if trainer_bytes is None or gpu_bytes is None:
+        return SHARED_GPU_SHARE, f"a safe share ({'GPU size' if gpu_bytes is None else 'model size'} unknown here)"
+    share = round(min(max((gpu_bytes - trainer_bytes) / gpu_bytes, 0.1), OWN_GPU_SHARE), 2)
+    gib = 2**30
+    return share, f"the trainer needs ~{trainer_bytes / gib:.1f} of the GPU's {gpu_bytes / gib:.1f} GiB"
+
+
+def trainer_bytes(config: Config) -> int | None:
+    """The trainer's GPU memory estimate: weights, gradients and AdamW's two moments (weights alone for the
+    frozen base under LoRA) in the training dtype, times TRAINER_OVERHEAD, plus the CUDA context. None when the
+    model's config cannot be read here."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model.name_or_path, revision=config.model.revision,
+                                                  trust_remote_code=config.model.trust_remote_code)  # fmt: skip
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else model.dtype
+    weights = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
+    states = weights if config.lora.enabled else 4 * weights
+    return int(states * TRAINER_OVERHEAD) + CUDA_CONTEXT_BYTES
+
+
+def gpu_bytes(gpu: str, visible: list[str]) -> int | None:
+    """Total memory of ``gpu`` (an entry of ``visible``, torch's device order), None without CUDA here."""
+    import torch
+
+    if not torch.cuda.is_available() or gpu not in visible:
+        return None
+    return int(torch.cuda.get_device_properties(visible.index(gpu)).total_memory)
+
+
+def gpu_memory_utilization(config: Config, split: GpuSplit | None, visible: list[str]) -> float:
+    """server.gpu_memory_utilization; else 0.9 on the server's own GPUs, and on a GPU shared with the trainer
+    what the trainer leaves (logged: the choice decides whether the trainer runs out of memory)."""
+    if config.server.gpu_memory_utilization is not None:
+        return config.server.gpu_memory_utilization
+    if split is None or not split.shared:
+        return OWN_GPU_SHARE
+    total = gpu_bytes(split.server[0], visible)
+    share, why = shared_gpu_share(None if total is None else trainer_bytes(config), total)
+    log.info("vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set "
+             "server.gpu_memory_utilization to choose)", split.server[0], share, why)  # fmt: skip
+    return share
 
 
 def api_server_count(config: Config, version: str) -> int | None:
@@ -262,7 +334,8 @@ def vllm_command(
     sv, s = config.server, config.sampling
     version = target_version(config, version)
     release = parse_version(version)[:2]
-    split = split_gpus(config, visible_gpus() if gpus is None else gpus) if sv.launch else None
+    visible = visible_gpus() if gpus is None else gpus
+    split = split_gpus(config, visible) if sv.launch else None
     transfer = weight_transfer_backend(config, split)
     host, port = _listen_address(config)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -277,7 +350,7 @@ def vllm_command(
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": transfer}),
-        "--gpu-memory-utilization", str(sv.gpu_memory_utilization),
+        "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, visible)),
     ]  # fmt: skip
     if split is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.server)

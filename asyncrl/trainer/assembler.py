@@ -27,6 +27,7 @@ from asyncrl.metrics import MetricWindow
 from asyncrl.packing import MicroBatchPlanner, Row, RowFactory
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample
+from asyncrl.trainer.group_watch import GroupWatch
 
 IN_TRANSIT_TIMEOUT_S = 5.0
 """After waiting for expiring groups: how long the items the worker has sent may take through the queue's pipe
@@ -100,6 +101,7 @@ class StepAssembler:
         health_check: Callable[[], None],
         worker_timeout_s: float,
         dp: int = 1,
+        watch: GroupWatch | None = None,
     ) -> None:
         self.channels, self.token_budget = channels, token_budget
         self.micro_batches_per_step, self.max_staleness = micro_batches_per_step, max_staleness
@@ -107,6 +109,7 @@ class StepAssembler:
         self.progress, self.window = progress, window
         self.health_check, self.worker_timeout_s = health_check, worker_timeout_s
         self.planner = MicroBatchPlanner(row_factory, dp, token_budget)
+        self.watch = watch or GroupWatch(None, 1.0)
         self._samples: list[tuple[int, int, RolloutSample]] = []  # heap by (model_version, arrival)
         self._markers: deque[PromptDone | EndOfBatch] = deque()
         self._arrivals = itertools.count()
@@ -183,15 +186,18 @@ class StepAssembler:
         step of more rows is a larger batch, as a synchronous step's overshoot is)."""
         return self._sync_follows and self.channels.model_version.value - sample.model_version >= self.max_staleness
 
+    def _drop_reason(self, sample: RolloutSample) -> str | None:
+        """"stale" for a sample too stale to train now, "oversize" for one too long for any row, else None."""
+        if self.channels.model_version.value - sample.model_version > self.max_staleness:
+            return "stale"
+        return "oversize" if sample.num_tokens > self.token_budget else None
+
     def _dropped(self, sample: RolloutSample) -> bool:
         """Drop (and count as consumed) a sample too stale to train now or too long for any row."""
-        staleness = self.channels.model_version.value - sample.model_version
-        if staleness > self.max_staleness:
-            self.window.add("sample/dropped_stale_count", 1)
-        elif sample.num_tokens > self.token_budget:
-            self.window.add("batch/dropped_oversize_count", 1)
-        else:
+        reason = self._drop_reason(sample)
+        if reason is None:
             return False
+        self.window.add("sample/dropped_stale_count" if reason == "stale" else "batch/dropped_oversize_count", 1)
         self._consume(sample)
         self.progress.mark(sample.prompt_index)
         return True
@@ -240,7 +246,15 @@ class StepAssembler:
             return False
         self._received += 1
         self._hold(item)
+        self._watch(item)
         return True
+
+    def _watch(self, item: object) -> None:
+        """Each group's fate, in the order the worker sent them, to the watch that stops a run that cannot train."""
+        if isinstance(item, RolloutSample):
+            self.watch.on_sample(item.group_id, self._drop_reason(item))
+        elif isinstance(item, PromptDone) and item.reason != "filtered":
+            self.watch.on_dropped(item.reason, item.rewards, item.detail)
 
     def _drain_sent(self) -> None:
         """Receive every item the worker had sent by now (bounded by IN_TRANSIT_TIMEOUT_S)."""

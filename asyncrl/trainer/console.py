@@ -32,8 +32,8 @@ GENERATION_BOUND, TRAINER_BOUND, TOO_TIGHT, BALANCED = (
 _PLAIN_COLUMNS = (  # (metric, label, format) in display order
     ("reward", "reward", "{:.3f}"),
     ("reward_kept", "kept", "{:.3f}"),
-    ("reward_dropped", "dropped", "{:.3f}"),
-    ("frac_reward_zero_std", "zero_std", "{:.2f}"),
+    ("frac_reward_zero_std", "dropped", "{:.0%}"),  # of the groups: their rewards were all equal (or None)
+    ("reward_dropped", "dropped_reward", "{:.3f}"),  # the reward those groups got stuck at, not a fraction
     ("completions/mean_length", "len", "{:.1f}"),
     ("rollout/generated_tokens_per_s", "gen tok/s", "{:.0f}"),
     ("perf/wall_clock_trained_tokens_per_s", "train tok/s", "{:.0f}"),
@@ -166,8 +166,8 @@ class Console:
             (
                 f"reward [bold]{_fmt(metrics, 'reward', '{:.3f}')}[/]",
                 f"kept {_fmt(metrics, 'reward_kept', '{:.3f}')}",
-                f"dropped {_fmt(metrics, 'reward_dropped', '{:.3f}')}",
-                f"zero-std groups {_fmt(metrics, 'frac_reward_zero_std', '{:.0%}')}",
+                f"dropped {_fmt(metrics, 'frac_reward_zero_std', '{:.0%}')} of groups "
+                f"(their reward {_fmt(metrics, 'reward_dropped', '{:.3f}')})",
                 f"length {_fmt(metrics, 'completions/mean_length', '{:.1f}')}",
             )
         )

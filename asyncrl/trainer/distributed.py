@@ -160,7 +160,7 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
         (value * ranks.world).backward()  # FSDP averages over ranks; the step's gradient is their sum
         wait_for_device()
         forward_backward_s += time.perf_counter() - started
-    loss.policy_loss, loss.entropy = ranks.sum([loss.policy_loss, loss.entropy])
+    loss.policy_loss, loss.entropy, loss.loss = ranks.sum([loss.policy_loss, loss.entropy, float(loss.loss)])
     return RowsResult(forward_s, forward_backward_s, metrics)
 
 

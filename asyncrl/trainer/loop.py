@@ -41,6 +41,7 @@ from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
+from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
@@ -287,6 +288,7 @@ class Trainer:
             self.channels, self.row_factory, self.token_budget, c.trainer.gradient_accumulation_steps,
             c.staleness.max_staleness, self.progress, self.window, self._check_processes,
             c.staleness.rollout_worker_timeout, dp=self.world,
+            watch=GroupWatch(c.rollout.max_consecutive_dropped_groups, c.rollout.max_failed_group_fraction),
         )  # fmt: skip
 
     def _check_processes(self) -> None:

@@ -52,7 +52,7 @@ def build_reward_sources(config: Config) -> list[RewardSource]:
 def prepare(config: Config) -> Prepared:
     from asyncrl.advantages import ADVANTAGES
     from asyncrl.data import load_prompts
-    from asyncrl.rollout.environments import environment_rows
+    from asyncrl.rollout.environments import check_routing, environment_rows
     from asyncrl.rollout.loop import AsyncRolloutLoop
     from asyncrl.rollout.spawn import check_picklable
     from asyncrl.trainer.moe import check_router_aux_coef
@@ -75,6 +75,7 @@ def prepare(config: Config) -> Prepared:
     tokenizer = load_tokenizer(config)
     check_agents(config, tokenizer)
     check_router_aux_coef(config)
+    check_routing(dataset, config.rollout.environment_factory)
     return Prepared(dataset, eval_dataset, tokenizer, sources, loop_cls, ADVANTAGES.build(config.advantage))
 
 

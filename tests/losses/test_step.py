@@ -109,7 +109,7 @@ def test_static_entropy_bonus_is_the_step_token_mean_whatever_the_normalisation(
         total += float(loss.detach())
     # policy 0.5 / 3 (sequence normalisation); entropy mean over the 9 tokens (5 * 2 + 4 * 0.5) / 9
     assert total == pytest.approx(0.5 / 3 - 0.1 * 12 / 9, rel=1e-6)
-    assert step_loss.end_step() == pytest.approx({"policy_loss": 0.5 / 3, "entropy_coef": 0.1})
+    assert step_loss.end_step() == pytest.approx({"loss": total, "policy_loss": 0.5 / 3, "entropy_coef": 0.1})
     assert step_loss.state_dict() == {}
 
 
@@ -143,7 +143,7 @@ def test_default_loss_keeps_the_global_token_mean():
     batch = step_loss.batch(row, forward)
     loss, metrics = step_loss(batch)
     torch.testing.assert_close(loss, LOSSES.get("score_centering")(batch).loss_sum / 9)
-    assert step_loss.end_step() == {} and "sampling/sampler_mass" in metrics
+    assert step_loss.end_step() == {"loss": pytest.approx(float(loss))} and "sampling/sampler_mass" in metrics
 
 
 def test_step_level_advantages():

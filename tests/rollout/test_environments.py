@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from datasets import Dataset
 
+from asyncrl.data import DatasetError
 from asyncrl.environments.counter import IncrementEnv
-from asyncrl.rollout.environments import Agents, environment_tools, load_factories
+from asyncrl.rollout.environments import Agents, check_routing, environment_tools, load_factories
 
 
 class GameEnv:
@@ -99,3 +101,15 @@ def test_reset_that_returns_no_prompt_without_a_dataset_prompt_fails_naming_the_
     agents = Agents([], {None: IncrementEnv}, None)
     with pytest.raises(ValueError, match="IncrementEnv.reset\\(target\\) returned no prompt"):
         asyncio.run(agents.begin({"prompt": [], "target": 3}))
+
+
+def test_an_unknown_environment_in_the_data_fails_at_startup_naming_its_row():
+    spec = {"counter": "asyncrl.environments.counter:IncrementEnv"}
+    rows = Dataset.from_dict({"prompt": [[]] * 3, "environment": ["counter", "countr", "counter"]})
+    with pytest.raises(DatasetError, match=r"'environment' has 'countr' \(row 1\), which names no environment of "
+                                           r"rollout.environment_factory \(known: \['counter'\]\)"):  # fmt: skip
+        check_routing(rows, spec)
+    with pytest.raises(DatasetError, match="has no 'environment' column"):
+        check_routing(rows.remove_columns("environment"), spec)
+    check_routing(rows.select([0, 2]), spec)
+    check_routing(rows, "asyncrl.environments.counter:IncrementEnv")  # one environment: no routing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.server.process import ServerProcess, ServerStartError, die_with_parent, free_port
+from asyncrl.server.process import (
+    PROBE_TIMEOUT_S,
+    ServerProcess,
+    ServerStartError,
+    die_with_parent,
+    free_port,
+    root_cause,
+    wait_for_health,
+)
 
 # A stand-in server process: answers /health, and forks a grandchild so group cleanup is exercised.
 HEALTH_SERVER = textwrap.dedent(
@@ -86,6 +95,49 @@ def test_early_exit_reports_the_log_tail(tmp_path):
     with pytest.raises(ServerStartError, match=r"exited with code 3(.|\n)*bad flag --nope"):
         with server:
             pass
+
+
+VLLM_FAILED_LOG = """\
+INFO 12-01 10:00:00 [api_server.py:1] vLLM API server version 0.26.0
+WARNING 12-01 10:00:01 [utils.py:2] retrying after ConnectionError: refused
+(EngineCore_DP0 pid=7) ERROR 12-01 10:00:05 [core.py:708] EngineCore failed to start.
+(EngineCore_DP0 pid=7) ERROR 12-01 10:00:05 [core.py:708] Traceback (most recent call last):
+(EngineCore_DP0 pid=7) ERROR 12-01 10:00:05 [core.py:708]   File "vllm/lora/layers/logits_processor.py", line 1
+(EngineCore_DP0 pid=7) ERROR 12-01 10:00:05 [core.py:708]     except ValueError:
+(EngineCore_DP0 pid=7) ERROR 12-01 10:00:05 [core.py:708] RuntimeError: The size of tensor a (105) must match the size of tensor b (256)
+Traceback (most recent call last):
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""  # noqa: E501
+
+
+def test_root_cause_is_the_first_exception_of_the_log_not_its_last_lines():
+    assert root_cause(VLLM_FAILED_LOG) == (
+        "RuntimeError: The size of tensor a (105) must match the size of tensor b (256)"
+    )
+    assert root_cause("loading\nERROR could not bind\nshutting down\n") == "ERROR could not bind"
+    assert root_cause("usage: serve [--port]\nbad flag --nope\n") == "bad flag --nope"
+    assert root_cause("") == "(empty log)"
+
+
+def test_early_exit_shows_the_root_cause_and_where_the_log_is(tmp_path):
+    script = f"print({VLLM_FAILED_LOG!r}); raise SystemExit(1)"
+    server = ServerProcess([sys.executable, "-c", script], base_url=f"http://127.0.0.1:{free_port()}",
+                           log_path=tmp_path / "server.log", startup_timeout_s=20)  # fmt: skip
+    with pytest.raises(ServerStartError) as info:
+        with server:
+            pass
+    assert str(info.value) == (f"server exited with code 1 during startup: RuntimeError: The size of tensor a (105) "
+                               f"must match the size of tensor b (256) (log: {tmp_path / 'server.log'})")  # fmt: skip
+
+
+def test_health_wait_never_outlasts_its_deadline_on_a_server_that_never_answers():
+    """A socket that accepts connections and never replies: each probe gets the time left, not a fixed 5 s."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        started = time.monotonic()
+        assert not wait_for_health(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5)
+        assert time.monotonic() - started < PROBE_TIMEOUT_S / 2
 
 
 def test_startup_timeout_names_the_key(tmp_path):

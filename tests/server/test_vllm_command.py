@@ -20,6 +20,7 @@ from asyncrl.server.vllm import (
     longest_prompt_tokens,
     parse_version,
     required_model_len,
+    shared_gpu_share,
     split_gpus,
     vllm_command,
 )
@@ -336,3 +337,37 @@ def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny
     assert checkpoint_kind(attached) == CheckpointKind()  # the expected-command hint never waits on the network
     with pytest.raises(ConfigError, match=r"^model.name_or_path=.*empty: cannot read its config.json"):
         checkpoint_kind(to_config(compose([*BASE, f"model.name_or_path={tmp_path / 'empty'}"])))
+
+
+def test_a_shared_gpu_gives_vllm_what_the_trainer_leaves():
+    gib = 2**30
+    assert shared_gpu_share(60 * gib, 140 * gib) == (0.57, "the trainer needs ~60.0 of the GPU's 140.0 GiB")
+    assert shared_gpu_share(2 * gib, 140 * gib)[0] == 0.9  # never more than on a GPU of its own
+    assert shared_gpu_share(200 * gib, 80 * gib)[0] == 0.1  # a trainer that cannot fit: vLLM's start says so
+    assert shared_gpu_share(None, 140 * gib) == (0.3, "a safe share (model size unknown here)")
+    assert shared_gpu_share(60 * gib, None) == (0.3, "a safe share (GPU size unknown here)")
+
+
+def test_trainer_memory_is_its_parameter_states_with_a_margin(random_tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.server.vllm import CUDA_CONTEXT_BYTES, TRAINER_OVERHEAD, trainer_bytes
+
+    params = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir).num_parameters()
+    full = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))  # float32: weights, grads, 2 moments
+    assert trainer_bytes(full) == int(params * 4 * 4 * TRAINER_OVERHEAD) + CUDA_CONTEXT_BYTES
+    lora = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "model.dtype=bfloat16"]))
+    assert trainer_bytes(lora) == int(params * 2 * TRAINER_OVERHEAD) + CUDA_CONTEXT_BYTES
+    assert trainer_bytes(to_config(compose([f"model.name_or_path={random_tiny_model_dir}/missing"]))) is None
+
+
+def test_utilization_follows_the_split_unless_set(caplog):
+    def utilization(overrides: list[str], gpus: tuple[str, ...]) -> str:
+        argv = command(overrides, "0.26.0", gpus).argv
+        return argv[argv.index("--gpu-memory-utilization") + 1]
+
+    assert utilization([], ("0", "1")) == "0.9"  # own GPUs
+    with caplog.at_level("INFO", logger="asyncrl.server.vllm"):
+        assert utilization(["model.name_or_path=/no/model"], ("0",)) == "0.3"  # shared, nothing to measure
+    assert "vLLM shares GPU 0 with the trainer: --gpu-memory-utilization 0.3 (a safe share" in caplog.text
+    assert utilization(["server.gpu_memory_utilization=0.5"], ("0",)) == "0.5"

@@ -81,7 +81,7 @@ def test_plain_output_is_one_line_per_step_with_the_numbers(capsys):
                "rollout/generated_tokens_per_s": 1234.4, "perf/wall_clock_trained_tokens_per_s": 567.0,
                "sample/staleness_mean": 1.25, "rollout/queue_size": 12.0, **_queue(0.0, 0.9)}  # fmt: skip
     console.log_step(3, metrics)
-    console.log_step(4, {"reward": 0.75})
+    console.log_step(4, {"reward": 0.75, "frac_reward_zero_std": 0.25, "reward_dropped": 1.0})
     console.finish(4, "/tmp/model")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
@@ -90,7 +90,7 @@ def test_plain_output_is_one_line_per_step_with_the_numbers(capsys):
                  "trainer-bound"):  # fmt: skip
         assert text in lines[0]
     assert "dropped" not in lines[0]  # NaN is left out, not printed as nan
-    assert lines[1] == "step 4/10  reward 0.750"
+    assert lines[1] == "step 4/10  reward 0.750  dropped 25%  dropped_reward 1.000"  # a fraction, then a reward
     assert "done after 4 steps" in lines[2] and "/tmp/model" in lines[2]
 
 
@@ -103,10 +103,11 @@ def test_plain_output_counts_epochs_without_max_steps(capsys):
 
 def test_live_mode_draws_progress_stats_and_bottleneck(capsys):
     console = Console(_config(console="live"))
-    console.log_step(5, {"reward": 0.5, **_queue(0.0, 0.9)})
+    console.log_step(5, {"reward": 0.5, "frac_reward_zero_std": 0.5, "reward_dropped": 0.0, **_queue(0.0, 0.9)})
     console.close()
     out = capsys.readouterr().out
     assert "step 5/10" in out and "ETA" in out and "reward" in out and "trainer-bound" in out
+    assert "dropped 50% of groups (their reward 0.000)" in out
 
 
 def test_unknown_console_mode_names_the_key():

@@ -55,14 +55,15 @@ class ExitedServer(HealthyServer):
     def is_alive(self) -> bool:
         return False
 
-    def log_tail(self) -> str:
-        return "CUDA out of memory"
+    def log_summary(self) -> str:
+        return "torch.OutOfMemoryError: CUDA out of memory (log: logs/server.log)"
 
 
 def test_a_server_that_exits_while_the_ranks_start_stops_them(random_tiny_model_dir, tmp_path, started):
     """The ranks start while the launched server boots (rank 0 waits for its health): its exit ends them."""
     (tmp_path / "config.yaml").write_text(to_yaml(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))))
-    with pytest.raises(ServerStartError, match="the generation server exited; end of its log:\nCUDA out of memory"):
+    exited = r"the generation server exited: torch.OutOfMemoryError: CUDA out of memory \(log: logs/server.log\)"
+    with pytest.raises(ServerStartError, match=exited):
         run_ranks(tmp_path, 2, ExitedServer())
     assert [proc.poll() is not None for proc in started[0].procs] == [True, True]
 

@@ -1,0 +1,29 @@
+"""The launcher's checks before anything starts: a new run never trains into a directory that holds another."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import compose, to_config
+from asyncrl.launch import _check_resume
+from asyncrl.trainer.checkpoint import ResumeError
+
+
+def _config(run_dir: Path):  # type: ignore[no-untyped-def]
+    return to_config(compose([f"trainer.output_dir={run_dir}"]))
+
+
+@pytest.mark.parametrize("earlier", ["metrics.jsonl", "model/config.json", "checkpoints/step_000002/x"])
+def test_a_new_run_refuses_a_directory_an_earlier_run_trained_in(tmp_path, earlier):
+    (tmp_path / earlier).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / earlier).write_text("{}")
+    with pytest.raises(ResumeError, match=r"trainer.resume_from_checkpoint=latest, or train into a new directory"):
+        _check_resume(_config(tmp_path), 1, tmp_path)
+
+
+def test_a_directory_without_training_history_is_fine(tmp_path):
+    (tmp_path / ".hydra").mkdir()  # Hydra writes these before the job: they are no history
+    (tmp_path / "config.yaml").write_text("{}")  # a run that failed before its first step
+    _check_resume(_config(tmp_path), 1, tmp_path)

@@ -1,0 +1,66 @@
+"""The watch that stops a run whose groups cannot train: counts in arrival order, reasons, rewards, failure rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.trainer.group_watch import FAILURE_WINDOW, GroupWatch, TrainingStalledError
+
+
+def test_consecutive_drops_stop_the_run_naming_reasons_and_rewards():
+    watch = GroupWatch(max_consecutive_dropped=5, max_failed_fraction=1.0)
+    for _ in range(3):
+        watch.on_dropped("zero_std", ("length",), "length=0")
+    watch.on_dropped("too_few_scorable", ("accuracy",), "accuracy=None for 8 of 8")
+    with pytest.raises(TrainingStalledError) as info:
+        watch.on_sample(group_id=7, drop_reason="oversize")
+    message = str(info.value)
+    assert "no trainable group in the last 5 (rollout.max_consecutive_dropped_groups=5)" in message
+    assert "zero_std 3 (rewards: length x3; last: length=0), too_few_scorable 1 (rewards: accuracy x1; last: " \
+           "accuracy=None for 8 of 8), oversize 1" in message  # fmt: skip
+    assert "\n" not in message
+
+
+def test_a_trainable_group_resets_the_count_and_its_other_samples_count_once():
+    watch = GroupWatch(max_consecutive_dropped=3, max_failed_fraction=1.0)
+    for round_ in range(4):
+        watch.on_dropped("zero_std")
+        watch.on_dropped("stale")
+        watch.on_sample(group_id=round_, drop_reason=None)
+        watch.on_sample(group_id=round_, drop_reason="oversize")  # a fork of the same group: already counted
+    assert watch.dropped == {}
+    watch.on_dropped("zero_std")
+    watch.on_dropped("zero_std")
+    with pytest.raises(TrainingStalledError, match="last 3 .*: zero_std 2, stale 1"):
+        watch.on_sample(group_id=9, drop_reason="stale")  # a new group whose samples all arrive stale: a drop
+
+
+def test_none_never_stops_on_drops():
+    watch = GroupWatch(max_consecutive_dropped=None, max_failed_fraction=1.0)
+    for _ in range(10_000):
+        watch.on_dropped("zero_std", ("length",))
+
+
+def test_failures_stop_the_run_past_the_fraction_of_the_window_with_the_last_error():
+    watch = GroupWatch(max_consecutive_dropped=None, max_failed_fraction=0.1)
+    allowed = int(0.1 * FAILURE_WINDOW)
+    for group in range(3 * FAILURE_WINDOW):  # one failure in ten groups: at the threshold, never past it
+        if group % 10 == 0:
+            watch.on_dropped("failed", detail=f"/v1/completions: HTTP 400: error {group}")
+        else:
+            watch.on_sample(group, None)
+    for extra in range(allowed):  # now only failures: the window passes the fraction within a few groups
+        try:
+            watch.on_dropped("failed", detail=f"/v1/completions: HTTP 500: boom {extra}")
+        except TrainingStalledError as error:
+            assert str(error).startswith(f"{allowed + 1} of the last {FAILURE_WINDOW} groups failed to generate")
+            assert "rollout.max_failed_group_fraction=0.1" in str(error)
+            assert str(error).endswith(f"last error: /v1/completions: HTTP 500: boom {extra}")
+            return
+    pytest.fail("the failures never stopped the run")
+
+
+def test_zero_fraction_stops_at_the_first_failure_and_one_early_failure_is_not_a_full_rate():
+    with pytest.raises(TrainingStalledError, match="1 of the last 1 groups"):
+        GroupWatch(None, 0.0).on_dropped("failed", detail="x")
+    GroupWatch(None, 0.1).on_dropped("failed", detail="x")
