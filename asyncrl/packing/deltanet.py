@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,12 +155,14 @@ def _torch_level(
     original: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
     beta: torch.Tensor, l2norm: bool, level: Level, initial: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One level through transformers' reference, segments right-padded to the longest. Padded slots have zero
+    """One level through transformers' torch reference (unwrapped: transformers may route the name to fla, which
+    ``_fla_rule`` judges), segments right-padded to the longest. Padded slots have zero
     q/k/v, beta and log-decay: they add nothing to the state and do not decay it, so the final state is the one
     after the segment's last real token."""
     padded = [F.pad(t[0], (0, 0) * (t.dim() - 2) + (0, 1))[level.gather] for t in (query, key, value, g, beta)]
-    out, final = original(*padded[:3], g=padded[3], beta=padded[4], initial_state=initial, output_final_state=True,
-                          use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
+    reference = inspect.unwrap(original)
+    out, final = reference(*padded[:3], g=padded[3], beta=padded[4], initial_state=initial, output_final_state=True,
+                           use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
     return out[level.valid], final
 
 
@@ -175,14 +179,31 @@ def _fla_level(
 
 @functools.cache
 def _fla_rule() -> Callable[..., Any] | None:
-    """fla's chunked gated delta rule, or None (one warning) when fla is not installed."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        warnings.warn("gated DeltaNet on CUDA: fla (pip install fla-core) is not installed; using transformers' torch "
-                      "reference, which is much slower", stacklevel=4)  # fmt: skip
+    """fla's chunked gated delta rule, or None, with one warning saying why, when fla is missing or its backward is
+    known to be wrong on this GPU and Triton (fla's own check: Hopper with Triton 3.4-3.7.0 and no tilelang)."""
+    reason = fla_unusable()
+    if reason is not None:
+        warnings.warn(f"gated DeltaNet on CUDA: {reason}; using transformers' torch reference, which is much slower",
+                      stacklevel=4)  # fmt: skip
         return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     return chunk_gated_delta_rule
+
+
+def fla_unusable() -> str | None:
+    """Why fla's kernel cannot train here, or None when it can."""
+    if importlib.util.find_spec("fla") is None:
+        return "fla is not installed (pip install fla-core)"
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    broken = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+    if broken and importlib.util.find_spec("tilelang") is None:
+        import triton
+
+        return (f"fla's gated backward is wrong on Hopper with Triton {triton.__version__} (fla issue 640): upgrade "
+                "Triton to >= 3.7.1 or pip install tilelang")  # fmt: skip
+    return None
 
 
 # ---- wiring into transformers ------------------------------------------------------------------------------------
