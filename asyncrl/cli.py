@@ -46,7 +46,34 @@ def train(
     """Train. Extra arguments are Hydra overrides: [bold]+recipe=deepmath trainer.learning_rate=3e-6[/bold]"""
     from asyncrl.launch import run_hydra
 
+    _checked(lambda: _preflight(list(ctx.args), multirun, validate=cfg is None))
     run_hydra(list(ctx.args), multirun=multirun, cfg=cfg)
+
+
+def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
+    """Compose (a sweep's first values), validate, and check the run directory, before Hydra makes it: Hydra
+    reports these over many lines or as a traceback, and would create the run directory first."""
+    from omegaconf import open_dict
+
+    from asyncrl.config.compose import compose, to_config
+    from asyncrl.config.errors import check_run_dir
+
+    composed = compose(_first_of_sweeps(overrides) if multirun else overrides, return_hydra_config=True)
+    with open_dict(composed):
+        hydra = composed.pop("hydra")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
+    if validate:
+        to_config(composed)
+
+
+def _first_of_sweeps(overrides: list[str]) -> list[str]:
+    """Each sweep override (``key=a,b``, ``key=range(...)``) at its first value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [f"{o.get_key_element()}={next(o.sweep_string_iterator())}" if o.is_sweep_override() else o.input_line
+            for o in parsed]  # fmt: skip
 
 
 @app.command(context_settings=_EXTRA)
@@ -88,9 +115,14 @@ def recipes() -> None:
 def serve(ctx: typer.Context) -> None:
     """Run the generation server alone in the foreground (same config groups as train)."""
     from asyncrl.config.compose import compose, to_config
-    from asyncrl.launch import serve_forever
+    from asyncrl.launch import EXPECTED_ERRORS, serve_forever
 
-    serve_forever(_checked(lambda: to_config(compose(list(ctx.args)))))
+    config = _checked(lambda: to_config(compose(list(ctx.args))))
+    try:
+        serve_forever(config)
+    except EXPECTED_ERRORS as exc:
+        typer.secho(f"error ({type(exc).__name__}): {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command()
@@ -102,7 +134,7 @@ def report(
 
     try:
         typer.echo(str(write_report(run_dir)))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         typer.secho(f"report error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 
@@ -146,11 +178,12 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from omegaconf.errors import OmegaConfBaseException
 
     from asyncrl.config.compose import ConfigError
+    from asyncrl.config.errors import config_error_line
 
     try:
         return build()
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
-        typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
+        typer.secho(f"config error: {config_error_line(exc)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 
 

@@ -1,8 +1,9 @@
 """Scoring a group: every reward source runs concurrently; their sum is the rollout's reward.
 
 Sync reward functions run in threads, `async def` ones are gathered on the loop. `None` means "not
-applicable"; a rollout no source scored gets NaN. A function that raises or returns the wrong number
-of rewards stops the run with an error naming it.
+applicable"; a rollout no source scored gets NaN. A function that raises, returns the wrong number of rewards or
+a value that is not a number stops the run with a one-line error naming it and the dataset row, and so does
+scoring nothing at all for ``UNSCORED_GROUPS_LIMIT`` groups in a row (a function returning None everywhere).
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import asyncio
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from asyncrl.rollout.types import RolloutGroup
+
+UNSCORED_GROUPS_LIMIT = 8
+"""Consecutive groups in which no source scored any rollout before the run stops: one such group is a row no
+reward applies to (math-verify cannot parse its solution), several in a row a reward that never applies."""
 
 
 class RewardFunctionError(RuntimeError):
@@ -43,23 +49,50 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int) -> list[float | None]:
+@dataclass
+class UnscoredGroups:
+    """The consecutive groups (their dataset rows) in which no source scored a single rollout."""
+
+    rows: list[int] = field(default_factory=list)
+
+    def check(self, group: RolloutGroup, per_source: dict[str, np.ndarray]) -> None:
+        if not np.isnan(group.rewards).all():
+            self.rows.clear()
+            return
+        self.rows.append(group.row_index)
+        if len(self.rows) >= UNSCORED_GROUPS_LIMIT:
+            rows = ", ".join(map(str, self.rows))
+            raise RewardFunctionError(
+                f"reward function(s) {', '.join(repr(name) for name in per_source) or '(none)'} scored no rollout "
+                f"of {len(self.rows)} groups in a row (rows {rows}): every reward was None (not applicable) or "
+                "NaN; return a number for the rows a reward applies to"
+            )
+
+
+async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int, row: int) -> list[float | None]:
+    where = f"reward function '{source.name}' on row {row}"
     try:
         if _is_async(source.fn):
             result = await source.fn(**kwargs)
         else:
             result = await asyncio.to_thread(source.fn, **kwargs)
     except Exception as exc:
-        raise RewardFunctionError(f"reward function '{source.name}' raised {type(exc).__name__}: {exc}") from exc
+        raise RewardFunctionError(f"{where} raised {type(exc).__name__}: {exc}") from exc
     if result is None or not hasattr(result, "__len__") or len(result) != expected:
         got = "None" if result is None else f"{len(result)} values" if hasattr(result, "__len__") else type(result)
-        raise RewardFunctionError(f"reward function '{source.name}' returned {got}; expected a list of {expected}")
+        raise RewardFunctionError(f"{where} returned {got}; expected a list of {expected} (one per completion)")
+    for i, value in enumerate(result):
+        if value is not None and not isinstance(value, numbers.Real):
+            raise RewardFunctionError(f"{where} returned {type(value).__name__} {value!r:.40} for completion {i}; "
+                                      "expected a number, or None where it does not apply")  # fmt: skip
     return [None if r is None else float(r) for r in result]
 
 
-async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> dict[str, np.ndarray]:
+async def score_group(
+    group: RolloutGroup, sources: Sequence[RewardSource], unscored: UnscoredGroups | None = None
+) -> dict[str, np.ndarray]:
     """Per source, one reward per rollout (NaN = not applicable): sets ``group.reward_components`` to them and
-    ``group.rewards`` to their sum."""
+    ``group.rewards`` to their sum. ``unscored`` counts the groups in a row that nothing scored."""
     n = len(group.completions)
     kwargs = {
         "prompts": group.prompts,
@@ -67,7 +100,7 @@ async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> d
         "completion_ids": group.completions_ids,
         **group.reward_kwargs,
     }
-    results = await asyncio.gather(*(_call(s, kwargs, n) for s in sources))
+    results = await asyncio.gather(*(_call(s, kwargs, n, group.row_index) for s in sources))
     per_source = {s.name: _as_array(r) for s, r in zip(sources, results, strict=True)}
     if any(r is not None for r in group.rollout_rewards):
         per_source["rollout"] = _as_array(group.rollout_rewards)
@@ -79,6 +112,8 @@ async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> d
     total = np.where(scored, stacked, 0.0).sum(axis=0)
     group.rewards = np.where(scored.any(axis=0), total, np.nan)
     group.reward_components = per_source
+    if unscored is not None:
+        unscored.check(group, per_source)
     return per_source
 
 
