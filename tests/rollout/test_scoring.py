@@ -10,16 +10,23 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, _is_async, score_group
+from asyncrl.rollout.scoring import (
+    UNSCORED_GROUPS_LIMIT,
+    RewardFunctionError,
+    RewardSource,
+    UnscoredGroups,
+    _is_async,
+    score_group,
+)
 from asyncrl.rollout.types import RolloutGroup
 
 
-def make_group(n: int = 3, rollout_rewards=None) -> RolloutGroup:
+def make_group(n: int = 3, rollout_rewards=None, row_index: int = 0) -> RolloutGroup:
     return RolloutGroup(
         prompts=[[{"role": "user", "content": "q"}]] * n, reward_kwargs={"solution": ["1"] * n},
         completions=[[{"role": "assistant", "content": f"a{i}"}] for i in range(n)],
         completions_ids=[[1] * (i + 1) for i in range(n)], completions_sequences=[[] for _ in range(n)],
-        tool_call_counts=[0] * n, tool_failure_counts=[0] * n, model_version=0, group_id=0, row_index=0,
+        tool_call_counts=[0] * n, tool_failure_counts=[0] * n, model_version=0, group_id=0, row_index=row_index,
         env_rewards=[None] * n, rollout_rewards=rollout_rewards or [None] * n,
     )  # fmt: skip
 
@@ -73,10 +80,29 @@ def test_raising_or_wrong_length_names_the_function():
     def short(completion_ids, **kw):
         return [1.0]
 
-    with pytest.raises(RewardFunctionError, match="reward function 'broken' raised KeyError"):
-        asyncio.run(score_group(make_group(), [RewardSource("broken", broken)]))
-    with pytest.raises(RewardFunctionError, match="reward function 'short' returned 1 values; expected a list of 3"):
-        asyncio.run(score_group(make_group(), [RewardSource("short", short)]))
+    def words(completion_ids, **kw):
+        return ["good"] * len(completion_ids)
+
+    cases = {broken: r"^reward function 'broken' on row 5 raised KeyError: 'solution'$",
+             short: r"^reward function 'short' on row 5 returned 1 values; expected a list of 3 \(one per completion",
+             words: r"^reward function 'words' on row 5 returned str 'good' for completion 0; expected a number, or "
+                    r"None where it does not apply$"}  # fmt: skip
+    for fn, message in cases.items():
+        with pytest.raises(RewardFunctionError, match=message):
+            asyncio.run(score_group(make_group(row_index=5), [RewardSource(fn.__name__, fn)]))
+
+
+def test_groups_in_a_row_that_nothing_scored_stop_the_run_naming_the_reward_and_rows():
+    """One unscored group is a row no reward applies to; UNSCORED_GROUPS_LIMIT in a row, a reward that never does."""
+    unscored = UnscoredGroups()
+    sources = [RewardSource("never", never)]
+    asyncio.run(score_group(make_group(row_index=99), sources, unscored))
+    asyncio.run(score_group(make_group(), [RewardSource("len", by_length)], unscored))  # a scored group resets it
+    for row in range(UNSCORED_GROUPS_LIMIT - 1):
+        asyncio.run(score_group(make_group(row_index=row), sources, unscored))
+    with pytest.raises(RewardFunctionError, match=r"^reward function\(s\) 'never' scored no rollout of 8 groups in a "
+                       r"row \(rows 0, 1, 2, 3, 4, 5, 6, 42\): every reward was None"):  # fmt: skip
+        asyncio.run(score_group(make_group(row_index=42), sources, unscored))
 
 
 def test_async_callable_objects_and_partials_count_as_async():
