@@ -51,29 +51,36 @@ def train(
 
 
 def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
-    """Compose (a sweep's first values), validate, and check the run directory, before Hydra makes it: Hydra
+    """Compose (each value of a sweep), validate, and check the run directory, before Hydra makes it: Hydra
     reports these over many lines or as a traceback, and would create the run directory first."""
     from omegaconf import open_dict
 
     from asyncrl.config.compose import compose, to_config
     from asyncrl.config.errors import check_run_dir
 
-    composed = compose(_first_of_sweeps(overrides) if multirun else overrides, return_hydra_config=True)
-    with open_dict(composed):
-        hydra = composed.pop("hydra")
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
-    if validate:
-        to_config(composed)
+    for variant in _sweep_variants(overrides) if multirun else [overrides]:
+        composed = compose(variant, return_hydra_config=True)
+        with open_dict(composed):
+            hydra = composed.pop("hydra")
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
+        if validate:
+            to_config(composed)
 
 
-def _first_of_sweeps(overrides: list[str]) -> list[str]:
-    """Each sweep override (``key=a,b``, ``key=range(...)``) at its first value."""
+def _sweep_variants(overrides: list[str]) -> list[list[str]]:
+    """Every sweep override (``key=a,b``, ``key=range(...)``) at its first value, then each other value of each
+    sweep with the rest at their first: every value is checked once, not every combination."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
-    return [f"{o.get_key_element()}={next(o.sweep_string_iterator())}" if o.is_sweep_override() else o.input_line
-            for o in parsed]  # fmt: skip
+    values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.input_line] for o in parsed]
+    keys = [f"{o.get_key_element()}=" if o.is_sweep_override() else "" for o in parsed]
+    first = [key + options[0] for key, options in zip(keys, values, strict=True)]
+    variants = [first]
+    for i, options in enumerate(values):
+        variants += [[*first[:i], keys[i] + value, *first[i + 1 :]] for value in options[1:]]
+    return variants
 
 
 @app.command(context_settings=_EXTRA)

@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import zipfile
 from collections.abc import Callable
@@ -195,8 +196,8 @@ def _safe_load(file: Path) -> Any:
     try:
         return torch.load(file, weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = [line for line in str(exc).splitlines() if "Unsupported global" in line]
-        reason = found[0].split("Unsupported global:")[-1].strip() if found else type(exc).__name__
+        found = re.search(r"GLOBAL (\S+)", str(exc))  # torch names the first global it refused
+        reason = found.group(1) if found else type(exc).__name__
         raise ResumeError(
             f"{file} holds Python objects that only a code-running load can restore ({reason}), which asyncrl "
             "refuses (torch.load(weights_only=True)); it was written by an older asyncrl or another tool: resume "

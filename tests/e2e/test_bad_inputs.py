@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -128,6 +129,12 @@ def invoke() -> Iterator:
     assert _children() <= before
 
 
+def _message_lines(output: str) -> list[str]:
+    """The terminal's lines less progress bars (datasets, transformers) and log records ("[date][logger][LEVEL]")."""
+    noise = re.compile(r"^\[\d{4}-\d\d-\d\d |( examples| ?it)/s\]")
+    return [line for line in output.strip().splitlines() if not noise.search(line)]
+
+
 def _base(b: Broken, run_dir: Path) -> list[str]:
     return [f"model.name_or_path={b.model}", f"data.path={b.data}", "data.num_eval_prompts=0", "trainer.max_steps=2",
             f"server.port={free_port()}", f"hydra.run.dir={run_dir}"]  # fmt: skip
@@ -179,7 +186,7 @@ def test_train_bad_input_is_one_line(case: str, broken: Broken, invoke, tmp_path
     run_dir = Path(run_dir.format(**fill))
     before = _snapshot(run_dir)
     result = invoke(["train", *_base(broken, run_dir), *(o.format(**fill) for o in overrides)])
-    lines = result.output.strip().splitlines()
+    lines = _message_lines(result.output)
     assert result.exit_code == code, result.output
     assert len(lines) == 1 and expected.format(**fill) in lines[0], result.output
     assert "Traceback" not in result.output
@@ -195,12 +202,12 @@ def test_serve_on_a_busy_port_or_a_missing_model(broken: Broken, invoke, tmp_pat
         port = busy.getsockname()[1]
         result = invoke(["serve", f"model.name_or_path={broken.model}", f"server.port={port}",
                          f"trainer.output_dir={tmp_path}"])  # fmt: skip
-    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+    assert result.exit_code == 1 and _message_lines(result.output) == [
         f"error (ConfigError): server.port={port}: 127.0.0.1:{port} is already in use (another server?); choose a "
         "free one with server.port=N, or attach to it with server.launch=false"
     ]
     result = invoke(["serve", f"model.name_or_path={broken.root}/no-such-model", f"trainer.output_dir={tmp_path}"])
-    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert result.exit_code == 1 and len(_message_lines(result.output)) == 1
     assert f"model.name_or_path={broken.root}/no-such-model: no such directory" in result.output
 
 
