@@ -56,7 +56,7 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
     from omegaconf import open_dict
 
     from asyncrl.config.compose import compose, to_config
-    from asyncrl.config.errors import check_run_dir
+    from asyncrl.config.messages import check_run_dir
 
     for variant in _sweep_variants(overrides) if multirun else [overrides]:
         composed = compose(variant, return_hydra_config=True)
@@ -185,7 +185,7 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from omegaconf.errors import OmegaConfBaseException
 
     from asyncrl.config.compose import ConfigError
-    from asyncrl.config.errors import config_error_line
+    from asyncrl.config.messages import config_error_line
 
     try:
         return build()

@@ -60,7 +60,7 @@ def _hydra_job(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from asyncrl.config.errors import config_error_line
+    from asyncrl.config.messages import config_error_line
 
     try:
         config = to_config(cfg)

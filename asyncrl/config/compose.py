@@ -60,7 +60,7 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
 
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations, build the typed Config and run every validation check."""
-    from asyncrl.config.errors import check_known_keys
+    from asyncrl.config.messages import check_known_keys
     from asyncrl.config.validate import validate
 
     check_known_keys(cfg)

@@ -222,8 +222,10 @@ def test_report_skips_a_torn_last_line_with_a_warning(broken: Broken, tmp_path: 
 
 
 def _attached(server: ServerProcess, b: Broken, run_dir: Path) -> list[str]:
+    """On the session's server; reward=length: the random model's groups get distinct rewards, so steps happen."""
     return ["train", *_base(b, run_dir), "server.launch=false", f"server.base_url={server.base_url}",
-            "trainer.cpu_threads=1", "logging.console=plain", "sampling.num_generations=4"]  # fmt: skip
+            "trainer.cpu_threads=1", "logging.console=plain", "sampling.num_generations=4",
+            "reward=length"]  # fmt: skip
 
 
 def test_a_failing_reward_is_one_line_naming_it_and_its_row(broken: Broken, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from transformers import get_scheduler
 
 from asyncrl.config import compose, to_config
 from asyncrl.config.compose import ConfigError
-from asyncrl.config.errors import check_run_dir, config_error_line
+from asyncrl.config.messages import check_run_dir, config_error_line
 from asyncrl.config.schema import LrSchedulerType, ModelDtype
 
 CASES = {
