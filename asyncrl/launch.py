@@ -74,7 +74,8 @@ def _hydra_job(cfg: DictConfig) -> None:
     except EXPECTED_ERRORS as exc:
         details = getattr(exc, "details", "")
         log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
-        print(f"error ({type(exc).__name__}): {exc}{_see_log()}", file=sys.stderr)
+        first, _, rest = str(exc).partition("\n")  # a server's log tail follows the line
+        print(f"error ({type(exc).__name__}): {first}{_see_log()}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
         raise SystemExit(1) from exc
     except KeyboardInterrupt as exc:
         log_to_file("interrupted", exc)
