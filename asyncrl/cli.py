@@ -46,7 +46,41 @@ def train(
     """Train. Extra arguments are Hydra overrides: [bold]+recipe=deepmath trainer.learning_rate=3e-6[/bold]"""
     from asyncrl.launch import run_hydra
 
+    _checked(lambda: _preflight(list(ctx.args), multirun, validate=cfg is None))
     run_hydra(list(ctx.args), multirun=multirun, cfg=cfg)
+
+
+def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
+    """Compose (each value of a sweep), validate, and check the run directory, before Hydra makes it: Hydra
+    reports these over many lines or as a traceback, and would create the run directory first."""
+    from omegaconf import open_dict
+
+    from asyncrl.config.compose import compose, to_config
+    from asyncrl.config.messages import check_run_dir
+
+    for variant in _sweep_variants(overrides) if multirun else [overrides]:
+        composed = compose(variant, return_hydra_config=True)
+        with open_dict(composed):
+            hydra = composed.pop("hydra")
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
+        if validate:
+            to_config(composed)
+
+
+def _sweep_variants(overrides: list[str]) -> list[list[str]]:
+    """Every sweep override (``key=a,b``, ``key=range(...)``) at its first value, then each other value of each
+    sweep with the rest at their first: every value is checked once, not every combination."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.input_line] for o in parsed]
+    keys = [f"{o.get_key_element()}=" if o.is_sweep_override() else "" for o in parsed]
+    first = [key + options[0] for key, options in zip(keys, values, strict=True)]
+    variants = [first]
+    for i, options in enumerate(values):
+        variants += [[*first[:i], keys[i] + value, *first[i + 1 :]] for value in options[1:]]
+    return variants
 
 
 @app.command(context_settings=_EXTRA)
@@ -90,9 +124,14 @@ def recipes() -> None:
 def serve(ctx: typer.Context) -> None:
     """Run the generation server alone in the foreground (same config groups as train)."""
     from asyncrl.config.compose import compose, to_config
-    from asyncrl.launch import serve_forever
+    from asyncrl.launch import EXPECTED_ERRORS, serve_forever
 
-    serve_forever(_checked(lambda: to_config(compose(list(ctx.args)))))
+    config = _checked(lambda: to_config(compose(list(ctx.args))))
+    try:
+        serve_forever(config)
+    except EXPECTED_ERRORS as exc:
+        typer.secho(f"error ({type(exc).__name__}): {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command()
@@ -104,7 +143,7 @@ def report(
 
     try:
         typer.echo(str(write_report(run_dir)))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         typer.secho(f"report error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 
@@ -148,12 +187,13 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from omegaconf.errors import OmegaConfBaseException
 
     from asyncrl.config.errors import ConfigError
+    from asyncrl.config.messages import config_error_line
     from asyncrl.data import DatasetError
 
     try:
         return build()
     except (ConfigError, DatasetError, HydraException, OmegaConfBaseException) as exc:
-        typer.secho(f"config error: {exc}", fg=typer.colors.RED, err=True)
+        typer.secho(f"config error: {config_error_line(exc)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 
 

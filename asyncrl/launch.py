@@ -40,9 +40,10 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.trainer.checkpoint import ResumeError
     from asyncrl.trainer.group_watch import TrainingStalledError
     from asyncrl.trainer.supervise import TrainerRankError
+    from asyncrl.trainer.sync.base import WeightSyncError
 
     return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError, TrainerRankError,
-            ResumeError, TrainingStalledError)  # fmt: skip
+            ResumeError, TrainingStalledError, ConfigError, WeightSyncError)  # fmt: skip
 
 
 EXPECTED_ERRORS = _expected_errors()
@@ -69,23 +70,69 @@ def _hydra_job(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from asyncrl.config.messages import config_error_line
+
     try:
         config = to_config(cfg)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {config_error_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from exc
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the metrics
     try:
         run_job(config, run_dir)
     except EXPECTED_ERRORS as exc:
-        log.error("%s: %s", type(exc).__name__, exc)
-        print(f"error ({type(exc).__name__}): {exc}", file=sys.stderr)
+        details = getattr(exc, "details", "")
+        log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
+        first, _, rest = str(exc).partition("\n")  # a server's log tail follows the line
+        print(f"error ({type(exc).__name__}): {first}{_see_log()}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
         raise SystemExit(1) from exc
+    except KeyboardInterrupt as exc:
+        log_to_file("interrupted", exc)
+        print(interrupted_line(run_dir, Path(config.trainer.output_dir or run_dir), exc), file=sys.stderr)
+        signum = getattr(signal, exc.args[0], signal.SIGINT) if exc.args else signal.SIGINT
+        raise SystemExit(128 + signum) from exc
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         from asyncrl.report import write_report
 
         print(f"sweep report: {write_report(run_dir.parent)}", flush=True)  # updated as each job ends
+
+
+def log_to_file(message: str, exc: BaseException) -> None:
+    """``message`` and ``exc``'s traceback into the run's log files only (the terminal gets one line)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, (type(exc), exc, exc.__traceback__))
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def _see_log() -> str:
+    files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    return f" (details: {files[0]})" if files else ""
+
+
+def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str:
+    """The step Ctrl-C or SIGTERM stopped at (the last one logged), and the command that resumes the run from its
+    newest checkpoint: the run's own overrides, ``trainer.resume_from_checkpoint=latest`` and its directory."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from asyncrl.metrics import read_jsonl
+    from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
+
+    metrics = run_dir / "metrics.jsonl"
+    steps = [r["step"] for r in read_jsonl(metrics)] if metrics.is_file() else []
+    done = f"interrupted ({exc.args[0] if exc.args else 'SIGINT'}) at step {steps[-1] if steps else 0}"
+    kept = [o for o in HydraConfig.get().overrides.task
+            if not o.lstrip("+~").startswith(("trainer.resume_from_checkpoint", "hydra.run.dir"))]  # fmt: skip
+    checkpoints = list_checkpoints(output_dir)
+    if not checkpoints:
+        again = " ".join(shlex.quote(o) for o in kept)
+        return f"{done}, before its first checkpoint: nothing to resume; start again with: asyncrl train {again}"
+    resume = [*kept, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run_dir}"]
+    return (f"{done}; resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
+            f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}")  # fmt: skip
 
 
 def run_job(config: Config, run_dir: Path) -> None:
@@ -99,6 +146,7 @@ def run_job(config: Config, run_dir: Path) -> None:
 
     world = world_size(config)
     _check_resume(config, world, run_dir)  # before config.yaml: a refused run leaves the directory as it was
+    check_port(config)
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
         claim_server_access(config, run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -117,10 +165,26 @@ def run_job(config: Config, run_dir: Path) -> None:
     print(f"report: {write_report(run_dir)}", flush=True)
 
 
+def check_port(config: Config) -> None:
+    """The port of a server to launch is free: otherwise the new server fails to bind, and the run would talk to
+    whatever listens there."""
+    from asyncrl.server.process import port_is_free
+
+    sv = config.server
+    if sv.launch and not port_is_free(sv.host, sv.port):
+        raise ConfigError(f"server.port={sv.port}: {sv.host}:{sv.port} is already in use (another server?); "
+                          "choose a free one with server.port=N, or attach to it with server.launch=false")  # fmt: skip
+
+
 def _check_resume(config: Config, world: int, run_dir: Path) -> None:
-    """Before the server starts: a checkpoint resumes only on as many trainer ranks as wrote it, and not under
+    """Before anything loads: the checkpoint is whole, resumes on as many trainer ranks as wrote it, and not under
     later checkpoints of another history; without resume, the directories hold no earlier run."""
-    from asyncrl.trainer.checkpoint import check_no_later_checkpoints, check_world_size, resolve_checkpoint
+    from asyncrl.trainer.checkpoint import (
+        check_checkpoint,
+        check_no_later_checkpoints,
+        check_world_size,
+        resolve_checkpoint,
+    )
 
     spec = config.trainer.resume_from_checkpoint
     output_dir = Path(config.trainer.output_dir or run_dir)
@@ -128,6 +192,7 @@ def _check_resume(config: Config, world: int, run_dir: Path) -> None:
         _check_fresh(run_dir, output_dir)
         return
     resume = resolve_checkpoint(spec, output_dir)
+    check_checkpoint(resume)
     check_world_size(resume, world)
     check_no_later_checkpoints(resume, output_dir)
 
@@ -206,13 +271,14 @@ def serve_forever(config: Config) -> None:
     from asyncrl.client import TOKEN_ENV
     from asyncrl.server.command import base_url
     from asyncrl.server.handle import LaunchedServer
+    from asyncrl.trainer.setup import check_model_path
 
+    check_model_path(config)
+    check_port(config)
     run_dir = Path(config.trainer.output_dir or "runs/serve")
     command = launch_command(config, run_dir)
     print(shell_line(command.argv, command.env), flush=True)
     _terminate_on_sigterm()
-    # Ctrl-C stops it even when started from a script's background job, which inherits SIGINT ignored
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     log_path = run_dir / "logs" / "server.log"
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
         with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
@@ -238,12 +304,14 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _terminate_on_sigterm() -> None:
-    """Turn SIGTERM into KeyboardInterrupt so context managers stop the children."""
+    """Turn SIGTERM into KeyboardInterrupt("SIGTERM") so context managers stop the children; Ctrl-C raises it too,
+    even in a process started from a script's background job, which inherits SIGINT ignored."""
 
     def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:

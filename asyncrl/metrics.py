@@ -9,11 +9,14 @@ directory (one object per logging step) and accelerate trackers (tensorboard, wa
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def reduce_events(name: str, values: list[float]) -> float:
@@ -70,4 +73,17 @@ class JsonlSink:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a JSON Lines file. A last line cut short (a run killed mid-write) is skipped with a warning;
+    an unreadable line before it is an error naming the file and the line."""
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg}); fix or remove that line") from exc
+            log.warning("%s:%d: incomplete last line skipped (the run was stopped while writing it)", path, number)
+    return records

@@ -37,6 +37,17 @@ def test_config_error_is_one_line_and_exit_code_2():
     assert "sampling.top_p=0.9 needs sampling.top_k > 0" in result.output
 
 
+def test_a_sweep_value_that_cannot_compose_fails_in_one_line_before_any_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = runner.invoke(app, ["train", "-m", "trainer.lr_scheduler_type=cosine,cosinee", "trainer.seed=1,2",
+                                 f"hydra.sweep.dir={sweep}"])  # fmt: skip
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "config error: trainer.lr_scheduler_type: Invalid value 'cosinee', expected one of [constant, "
+        "constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, inverse_sqrt]"
+    ]
+    assert not sweep.exists()
+
+
 def test_train_cfg_job_prints_and_exits_without_training(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", "--cfg", "job", "trainer.max_steps=7"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip

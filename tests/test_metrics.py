@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from asyncrl.metrics import JsonlSink, MetricWindow, read_jsonl, reduce_events
 
 
@@ -34,3 +36,13 @@ def test_window_resets_after_reduce(tmp_path):
     sink = JsonlSink(tmp_path / "m.jsonl")
     sink.write(3, {"reward": 0.5, "entropy": math.nan})
     assert read_jsonl(tmp_path / "m.jsonl") == [{"step": 3, "reward": 0.5, "entropy": None}]
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning_and_a_bad_middle_line_named(tmp_path, caplog):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
+    assert f"{path}:3: incomplete last line skipped" in caplog.text
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=rf"^{path}:2: not valid JSON"):
+        read_jsonl(path)

@@ -46,17 +46,21 @@ def register_schema() -> None:
         OmegaConf.register_new_resolver("asset", _asset)
 
 
-def compose(overrides: list[str] | None = None) -> DictConfig:
-    """Compose conf/config.yaml with Hydra overrides (``key=value``, ``+recipe=NAME``, ``~key``)."""
+def compose(overrides: list[str] | None = None, return_hydra_config: bool = False) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides (``key=value``, ``+recipe=NAME``, ``~key``); with
+    ``return_hydra_config`` the result keeps Hydra's own node (``hydra.run.dir``, ...)."""
     register_schema()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="asyncrl"):
-        return hydra_compose(config_name="config", overrides=list(overrides or []))
+        return hydra_compose(config_name="config", overrides=list(overrides or []),
+                             return_hydra_config=return_hydra_config)  # fmt: skip
 
 
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations, build the typed Config and run every validation check."""
+    from asyncrl.config.messages import check_known_keys
     from asyncrl.config.validate import validate
 
+    check_known_keys(cfg)
     try:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:

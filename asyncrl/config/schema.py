@@ -8,7 +8,7 @@ Settings groups are dataclasses. Component groups (`reward`, `loss`, `advantage`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from omegaconf import MISSING
@@ -26,6 +26,27 @@ class WeightTransfer(str, Enum):
     ipc = "ipc"
 
 
+class ModelDtype(StrEnum):
+    """A StrEnum: formatted as its value wherever a dtype string is expected (command lines, lookups)."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class LrSchedulerType(StrEnum):
+    """The transformers schedulers that need no arguments beyond warmup and training steps."""
+
+    constant = "constant"
+    constant_with_warmup = "constant_with_warmup"
+    linear = "linear"
+    cosine = "cosine"
+    cosine_with_restarts = "cosine_with_restarts"
+    polynomial = "polynomial"
+    inverse_sqrt = "inverse_sqrt"
+
+
 class LoraSync(str, Enum):
     auto = "auto"
     merged = "merged"
@@ -36,7 +57,7 @@ class LoraSync(str, Enum):
 class ModelConfig:
     name_or_path: str = MISSING
     """Hub id or local directory (save_pretrained layout); also the served model name."""
-    dtype: str = "float32"
+    dtype: ModelDtype = ModelDtype.float32
     """Weights dtype: auto|float32|bfloat16|float16. float32 keeps the trainer-sampler mismatch small."""
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -106,7 +127,7 @@ class ServerConfig:
     max_model_len: int | None = None
     """Built-in default: the model's max_position_embeddings. vLLM default: the longest prompt (data.max_prompt_length,
     else measured on the data) + sampling.max_completion_length; set it for multi-turn rollouts."""
-    dtype: str | None = None
+    dtype: ModelDtype | None = None
     """Serving dtype; defaults to model.dtype."""
     device: str = "auto"
     """Built-in server device: auto|cpu|cuda."""
@@ -156,7 +177,7 @@ class TrainerConfig:
     """> 0: stop after this many optimizer steps (disables the epoch stop)."""
     num_train_epochs: float = 3.0
     learning_rate: float = 1e-6
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: LrSchedulerType = LrSchedulerType.constant
     warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

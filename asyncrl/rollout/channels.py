@@ -35,7 +35,7 @@ class PromptDone:
 class WorkerChannels:
     rollout_queue: Any  # mp.Queue of RolloutSample | PromptDone | EndOfBatch
     metrics_queue: Any  # mp.Queue of dict[str, list[float]]
-    exception_queue: Any  # mp.Queue of str (formatted traceback)
+    exception_queue: Any  # mp.Queue of (one-line summary, formatted traceback)
     failed_event: Any  # mp.Event
     stop_event: Any  # mp.Event
     model_version: Any  # mp.Value('q'): weight syncs done

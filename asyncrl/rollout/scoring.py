@@ -1,8 +1,10 @@
 """Scoring a group: every reward source runs concurrently; their sum is the rollout's reward.
 
 Sync reward functions run in threads, `async def` ones are gathered on the loop. `None` means "not
-applicable"; a rollout no source scored gets NaN. A function that raises or returns the wrong number
-of rewards stops the run with an error naming it.
+applicable"; a rollout no source scored gets NaN. A function that raises, returns the wrong number of rewards or
+a value that is not a number stops the run with a one-line error naming it and the dataset row. A group nothing
+scored is dropped (too_few_scorable), and the trainer's group watch stops a run where that goes on
+(trainer/group_watch.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,17 +46,22 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int) -> list[float | None]:
+async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int, row: int) -> list[float | None]:
+    where = f"reward function '{source.name}' on row {row}"
     try:
         if _is_async(source.fn):
             result = await source.fn(**kwargs)
         else:
             result = await asyncio.to_thread(source.fn, **kwargs)
     except Exception as exc:
-        raise RewardFunctionError(f"reward function '{source.name}' raised {type(exc).__name__}: {exc}") from exc
+        raise RewardFunctionError(f"{where} raised {type(exc).__name__}: {exc}") from exc
     if result is None or not hasattr(result, "__len__") or len(result) != expected:
         got = "None" if result is None else f"{len(result)} values" if hasattr(result, "__len__") else type(result)
-        raise RewardFunctionError(f"reward function '{source.name}' returned {got}; expected a list of {expected}")
+        raise RewardFunctionError(f"{where} returned {got}; expected a list of {expected} (one per completion)")
+    for i, value in enumerate(result):
+        if value is not None and not isinstance(value, numbers.Real):
+            raise RewardFunctionError(f"{where} returned {type(value).__name__} {value!r:.40} for completion {i}; "
+                                      "expected a number, or None where it does not apply")  # fmt: skip
     return [None if r is None else float(r) for r in result]
 
 
@@ -67,7 +75,7 @@ async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> d
         "completion_ids": group.completions_ids,
         **group.reward_kwargs,
     }
-    results = await asyncio.gather(*(_call(s, kwargs, n) for s in sources))
+    results = await asyncio.gather(*(_call(s, kwargs, n, group.row_index) for s in sources))
     per_source = {s.name: _as_array(r) for s, r in zip(sources, results, strict=True)}
     if any(r is not None for r in group.rollout_rewards):
         per_source["rollout"] = _as_array(group.rollout_rewards)

@@ -28,7 +28,7 @@ from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
 from asyncrl.rollout.loop import PromptTooLong
 from asyncrl.rollout.pacing import StalenessPacer
-from asyncrl.rollout.scoring import RewardSource, score_group
+from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, score_group
 from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
 
 
@@ -417,12 +417,22 @@ def worker_entry(channels: WorkerChannels, parent_pid: int) -> None:
 
 
 def worker_main(spec: WorkerSpec, channels: WorkerChannels) -> None:
-    """Process entry: run the driver; on failure hand the traceback to the trainer."""
+    """Process entry: run the driver; on failure hand the trainer its one-line summary and the traceback."""
     try:
         asyncio.run(_amain(spec, channels))
-    except BaseException:
-        channels.exception_queue.put(traceback.format_exc())
+    except BaseException as exc:
+        channels.exception_queue.put((failure_line(exc), traceback.format_exc()))
         channels.failed_event.set()
+
+
+def failure_line(exc: BaseException) -> str:
+    """The first error inside the task groups, as one line: a reward's error says everything itself."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    if isinstance(exc, RewardFunctionError):
+        return str(exc)
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 async def _amain(spec: WorkerSpec, channels: WorkerChannels) -> None:

@@ -35,7 +35,12 @@ before the step goes on without them."""
 
 
 class RolloutWorkerError(RuntimeError):
-    """The rollout worker failed, hung or died; the message carries its traceback or what it waited on."""
+    """The rollout worker failed, hung or died; the message says why in one line, ``details`` holds the worker's
+    traceback (for the run's log)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 @dataclass
@@ -286,10 +291,10 @@ class StepAssembler:
     def _check_worker(self) -> None:
         if self.channels.failed_event.is_set():
             try:
-                trace = self.channels.exception_queue.get(timeout=5)
+                line, trace = self.channels.exception_queue.get(timeout=5)
             except queue.Empty:
-                trace = "(no traceback received)"
-            raise RolloutWorkerError(f"the rollout worker failed:\n{trace}")
+                line, trace = "(no error received)", ""
+            raise RolloutWorkerError(f"the rollout worker failed: {line}", details=trace)
         self.health_check()
         silent_s = time.time() - self.channels.heartbeat.value
         if silent_s > self.worker_timeout_s:

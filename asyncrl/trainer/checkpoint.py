@@ -8,14 +8,21 @@ and ``rollout_state.json``: the index of the first prompt not yet trained, where
 multi-rank (FSDP2) checkpoint holds instead of the model and optimizer states the sharded resume files
 (``sharded/``, fp32 master weights and optimizer state) plus a consolidated ``model.safetensors`` in the
 serving dtype (trainer/fsdp.py); it resumes only on as many ranks as wrote it.
+
+Resuming reads nothing that can run code: ``optimizer.pt`` and ``rng_state.pt`` hold only tensors and plain
+Python values (numpy's RNG state as a list) and load with ``torch.load(weights_only=True)``. ``check_checkpoint``
+finds a damaged checkpoint (unreadable JSON, truncated weights, a missing file) before the server starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +35,9 @@ from asyncrl.config.schema import Config
 from asyncrl.model_kind import is_vision_language
 
 CHECKPOINT_PREFIX = "step_"
+STATE_KEYS = {"trainer_state.json": ("step", "model_version", "prompts_consumed"),
+              "rollout_state.json": ("prompt_index",)}  # fmt: skip
+TORCH_STATES = ("optimizer.pt", "rng_state.pt")
 
 
 class ResumeError(ValueError):
@@ -142,29 +152,104 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     if spec == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise FileNotFoundError(
+            raise ResumeError(
                 f"trainer.resume_from_checkpoint=latest: no checkpoint in {checkpoints_dir(output_dir)} "
                 "(point hydra.run.dir at the run to resume, or give a checkpoint path)"
             )
         return found[-1]
     path = Path(spec)
+    if not path.is_dir():
+        raise ResumeError(f"trainer.resume_from_checkpoint={spec}: no such directory (give a checkpoint "
+                          "directory, a run directory, or latest with hydra.run.dir=<the run>)")  # fmt: skip
     if (path / "trainer_state.json").is_file():
         return path
     found = list_checkpoints(path)
     if found:
         return found[-1]
-    raise FileNotFoundError(f"trainer.resume_from_checkpoint={spec}: not a checkpoint or a run directory with one")
+    raise ResumeError(f"trainer.resume_from_checkpoint={spec}: not a checkpoint (no trainer_state.json) nor a run "
+                      f"directory with one in {checkpoints_dir(path)}")  # fmt: skip
+
+
+def check_checkpoint(path: Path) -> None:
+    """Before anything starts: the checkpoint's state files parse, its torch states are whole archives whose RNG
+    state loads without running code, and its weights are whole safetensors files."""
+    for name, keys in STATE_KEYS.items():
+        _read_state(path, name, keys)
+    for name in TORCH_STATES:
+        file = path / name
+        if not file.is_file():
+            raise _damaged(path, f"{file} is missing")
+        if not zipfile.is_zipfile(file):
+            raise _damaged(path, f"{file} is truncated or not a torch.save archive")
+    _safe_load(path / "rng_state.pt")
+    if not any(path.glob("*.safetensors")):
+        raise _damaged(path, f"{path} holds no model weights (*.safetensors)")
+    damaged = damaged_weights(path)
+    if damaged:
+        raise _damaged(path, damaged)
+
+
+def damaged_weights(directory: Path) -> str | None:
+    """What is wrong with the first safetensors file under ``directory`` whose header is cut short or does not
+    cover its tensors (a copy interrupted midway), found before the server or the trainer loads it; else None."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(directory.rglob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except SafetensorError as exc:
+            return f"{file} is damaged ({exc})"
+    return None
+
+
+def _read_state(path: Path, name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    file = path / name
+    try:
+        state = json.loads(file.read_text())
+    except FileNotFoundError as exc:
+        raise _damaged(path, f"{file} is missing") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _damaged(path, f"{file} is not valid JSON ({exc})") from exc
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise _damaged(path, f"{file} lacks {', '.join(missing)}")
+    return state
+
+
+def _damaged(path: Path, what: str) -> ResumeError:
+    """The error for a damaged checkpoint: what is wrong, and the earlier checkpoint to resume from instead."""
+    earlier = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    fix = "it cannot be resumed; start the run again in a new run directory"
+    if earlier:
+        fix = f"resume from an earlier one (trainer.resume_from_checkpoint={earlier[-1]})"
+    return ResumeError(f"trainer.resume_from_checkpoint={path}: the checkpoint is damaged: {what}; {fix}")
+
+
+def _safe_load(file: Path) -> Any:
+    """``torch.load`` that never runs code from the file: one written by an older asyncrl (pickled numpy RNG
+    state), or by anyone else with arbitrary objects, is refused in one line."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))  # torch names the first global it refused
+        reason = found.group(1) if found else type(exc).__name__
+        raise ResumeError(
+            f"{file} holds Python objects that only a code-running load can restore ({reason}), which asyncrl "
+            "refuses (torch.load(weights_only=True)); it was written by an older asyncrl or another tool: resume "
+            "from a checkpoint written by this release"
+        ) from exc
 
 
 def load_checkpoint(path: Path, optimizer: Any, scheduler: Any) -> TrainerState:
     """Restore optimizer, scheduler and RNG states (the model is loaded from ``path`` by the caller)."""
-    states = torch.load(path / "optimizer.pt", weights_only=False)
+    states = _safe_load(path / "optimizer.pt")
     if "optimizer" in states:  # a multi-rank checkpoint's optimizer state is in its sharded files
         optimizer.load_state_dict(states["optimizer"])
     scheduler.load_state_dict(states["scheduler"])
-    _set_rng_state(torch.load(path / "rng_state.pt", weights_only=False))
-    trainer = json.loads((path / "trainer_state.json").read_text())
-    rollout = json.loads((path / "rollout_state.json").read_text())
+    _set_rng_state(_safe_load(path / "rng_state.pt"))
+    trainer = _read_state(path, "trainer_state.json", STATE_KEYS["trainer_state.json"])
+    rollout = _read_state(path, "rollout_state.json", STATE_KEYS["rollout_state.json"])
     return TrainerState(trainer["step"], trainer["model_version"], rollout["prompt_index"],
                         trainer["prompts_consumed"], trainer.get("extra", {}))  # fmt: skip
 
@@ -194,7 +279,10 @@ def check_world_size(path: Path, num_processes: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Tensors and plain values only (numpy's key array as a list), so that it loads with weights_only=True."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -202,7 +290,9 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    numpy_state["state"]["key"] = np.asarray(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import logging
 import os
 import sys
 import threading
@@ -243,6 +244,8 @@ def main(run_dir: Path) -> int:
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
     watch_parent(os.getppid())
     ranks = Ranks.from_env()
+    if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         if ranks.rank == 0:
             run_rank_zero(config, run_dir, ranks)

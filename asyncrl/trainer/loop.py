@@ -49,7 +49,7 @@ from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
 from asyncrl.trainer.sync.tensors import serving_dtype
 from asyncrl.trainer.timeline import Timeline
-from asyncrl.trainer.weight_sync import build_weight_sync
+from asyncrl.trainer.weight_sync import WeightSyncError, build_weight_sync
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -256,6 +256,14 @@ class Trainer:
         self.channels.model_version.value = version
 
     def _push(self, version: int) -> dict[str, float]:
+        """One weight sync; a failed one caused by the server's death says so, with the end of its log."""
+        try:
+            return self._push_weights(version)
+        except WeightSyncError:
+            check_alive(self.server)
+            raise
+
+    def _push_weights(self, version: int) -> dict[str, float]:
         """One weight sync; with several ranks every parameter is gathered as the transport reads it."""
         if self.ranks is None:
             return self.sync.push(self.model, version)

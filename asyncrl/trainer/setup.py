@@ -27,6 +27,25 @@ class Prepared:
         return math.ceil(config.trainer.num_train_epochs * len(self.dataset))
 
 
+def check_model_path(config: Config) -> None:
+    """model.name_or_path is a Hub id or a local model directory whose weights are whole: a missing directory is
+    otherwise reported as an invalid Hub repository id, and a truncated file only once the server loads it."""
+    from pathlib import Path
+
+    from asyncrl.config.errors import ConfigError
+    from asyncrl.trainer.checkpoint import damaged_weights
+
+    name = config.model.name_or_path
+    path = Path(name).expanduser()
+    if path.is_dir():
+        damaged = damaged_weights(path)
+        if damaged:
+            raise ConfigError(f"model.name_or_path={name}: {damaged}; copy the model again")
+    elif path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists():
+        raise ConfigError(f"model.name_or_path={name}: no such directory (give a model directory in "
+                          "save_pretrained layout, or a Hub id such as Qwen/Qwen3-4B)")  # fmt: skip
+
+
 def load_tokenizer(config: Config) -> Any:
     from transformers import AutoTokenizer
 
@@ -57,6 +76,7 @@ def prepare(config: Config) -> Prepared:
     from asyncrl.rollout.spawn import check_picklable
     from asyncrl.trainer.moe import check_router_aux_coef
 
+    check_model_path(config)
     if config.data.path is None:
         dataset = environment_rows()  # validated: a single environment supplies each prompt from reset()
     else:
@@ -99,6 +119,12 @@ def check_agents(config: Config, tokenizer: Any) -> None:
     kwargs = config.sampling.chat_template_kwargs
     use_chat_template(tokenizer, config.rollout.chat_template, agentic=agentic, chat_template_kwargs=kwargs,
                       model=config.model.name_or_path)  # fmt: skip
+    if tokenizer.chat_template is None:
+        from asyncrl.config.errors import ConfigError
+
+        raise ConfigError(f"model.name_or_path={config.model.name_or_path}: its tokenizer has no chat template "
+                          "(no chat_template.jinja, nor chat_template in tokenizer_config.json) to render the "
+                          "conversational prompts: give one with rollout.chat_template=PATH.jinja")  # fmt: skip
     if agentic and not template_preserves_prefix(tokenizer, kwargs):
         warnings.warn(
             f"the chat template of {config.model.name_or_path} re-renders earlier turns when a tool turn is "

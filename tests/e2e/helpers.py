@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,10 +66,13 @@ def run_cli(args: list[str], *, timeout_s: float = 600, cwd: Path | None = None)
     return CliRun(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started, marker)
 
 
-def start_cli(args: list[str], *, cwd: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+def start_cli(
+    args: list[str], *, cwd: Path | None = None, preexec_fn: Callable[[], object] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     marker = uuid.uuid4().hex
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=cli_env(marker), cwd=cwd or REPO)  # fmt: skip
+                            stderr=subprocess.STDOUT, text=True, env=cli_env(marker), cwd=cwd or REPO,
+                            preexec_fn=preexec_fn)  # fmt: skip
     return proc, marker
 
 

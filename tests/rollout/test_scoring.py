@@ -10,16 +10,21 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, _is_async, score_group
+from asyncrl.rollout.scoring import (
+    RewardFunctionError,
+    RewardSource,
+    _is_async,
+    score_group,
+)
 from asyncrl.rollout.types import RolloutGroup
 
 
-def make_group(n: int = 3, rollout_rewards=None) -> RolloutGroup:
+def make_group(n: int = 3, rollout_rewards=None, row_index: int = 0) -> RolloutGroup:
     return RolloutGroup(
         prompts=[[{"role": "user", "content": "q"}]] * n, reward_kwargs={"solution": ["1"] * n},
         completions=[[{"role": "assistant", "content": f"a{i}"}] for i in range(n)],
         completions_ids=[[1] * (i + 1) for i in range(n)], completions_sequences=[[] for _ in range(n)],
-        tool_call_counts=[0] * n, tool_failure_counts=[0] * n, model_version=0, group_id=0, row_index=0,
+        tool_call_counts=[0] * n, tool_failure_counts=[0] * n, model_version=0, group_id=0, row_index=row_index,
         env_rewards=[None] * n, rollout_rewards=rollout_rewards or [None] * n,
     )  # fmt: skip
 
@@ -73,10 +78,16 @@ def test_raising_or_wrong_length_names_the_function():
     def short(completion_ids, **kw):
         return [1.0]
 
-    with pytest.raises(RewardFunctionError, match="reward function 'broken' raised KeyError"):
-        asyncio.run(score_group(make_group(), [RewardSource("broken", broken)]))
-    with pytest.raises(RewardFunctionError, match="reward function 'short' returned 1 values; expected a list of 3"):
-        asyncio.run(score_group(make_group(), [RewardSource("short", short)]))
+    def words(completion_ids, **kw):
+        return ["good"] * len(completion_ids)
+
+    cases = {broken: r"^reward function 'broken' on row 5 raised KeyError: 'solution'$",
+             short: r"^reward function 'short' on row 5 returned 1 values; expected a list of 3 \(one per completion",
+             words: r"^reward function 'words' on row 5 returned str 'good' for completion 0; expected a number, or "
+                    r"None where it does not apply$"}  # fmt: skip
+    for fn, message in cases.items():
+        with pytest.raises(RewardFunctionError, match=message):
+            asyncio.run(score_group(make_group(row_index=5), [RewardSource(fn.__name__, fn)]))
 
 
 def test_async_callable_objects_and_partials_count_as_async():

@@ -107,13 +107,14 @@ def test_synchronous_mode_takes_everything_up_to_the_end_of_batch():
     assert len(step.samples) == 3 and not step.final
 
 
-def test_worker_failure_is_raised_with_its_traceback():
+def test_worker_failure_is_raised_as_its_line_with_the_traceback_as_details():
     channels = WorkerChannels.create(1000)
     asm, _, _ = assembler(channels)
-    channels.exception_queue.put("Traceback (most recent call last):\nRuntimeError: boom in reward")
+    channels.exception_queue.put(("RuntimeError: boom in reward", "Traceback (most recent call last):\n..."))
     channels.failed_event.set()
-    with pytest.raises(RolloutWorkerError, match="boom in reward"):
+    with pytest.raises(RolloutWorkerError, match="^the rollout worker failed: RuntimeError: boom in reward$") as err:
         asm.next_step()
+    assert err.value.details.startswith("Traceback")
 
 
 def test_a_silent_worker_fails_naming_what_it_waited_on():

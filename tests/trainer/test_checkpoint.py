@@ -4,7 +4,9 @@ leftovers of an interrupted save are never listed, and a resume refuses to inter
 from __future__ import annotations
 
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -14,6 +16,7 @@ from asyncrl.trainer.checkpoint import (
     TrainerState,
     check_no_later_checkpoints,
     list_checkpoints,
+    load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -53,3 +56,17 @@ def test_a_resume_under_later_checkpoints_is_refused_before_anything_starts(save
     with pytest.raises(ResumeError, match=r"at step 10 .* later checkpoints \(step_000020, step_000030\)"):
         check_no_later_checkpoints(older, tmp_path)
     check_no_later_checkpoints(older, tmp_path / "elsewhere")  # into a new run directory: nothing to mix with
+
+
+def test_a_checkpoint_loads_with_weights_only_and_restores_every_rng(saver, random_tiny_model_dir, tmp_path):
+    """optimizer.pt and rng_state.pt hold only tensors and plain values: torch.load(weights_only=True) reads them,
+    so a checkpoint from someone else cannot run code, and the random streams continue where they were."""
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = saver(tmp_path, 4, prompt_index=7)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    for name in ("optimizer.pt", "rng_state.pt"):
+        torch.load(path / name, weights_only=True)
+    optimizer = torch.optim.AdamW(AutoModelForCausalLM.from_pretrained(random_tiny_model_dir).parameters())
+    state = load_checkpoint(path, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    assert (state.step, state.prompt_index) == (4, 7)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
