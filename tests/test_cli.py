@@ -87,7 +87,7 @@ def test_the_vllm_command_is_printed_without_gpus_here_with_a_warning(monkeypatc
     result = runner.invoke(app, ["config", "--server-command", "+recipe=deepmath", "server.vllm_version=0.26.0",
                                  "server.max_model_len=4096"])  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "warning: 0 GPU(s) visible here, 2 needed: the command is for a machine whose CUDA_VISIBLE_DEVICES=0,1" \
+    assert "0 GPU(s) visible here, 2 needed: the command is for a machine whose CUDA_VISIBLE_DEVICES=0,1" \
         in result.output  # fmt: skip
     assert "CUDA_VISIBLE_DEVICES=0 " in result.output  # the server's GPU of the two
-    assert "vllm.entrypoints.cli.main serve Qwen/Qwen3-4B" in result.output
+    assert "vllm.entrypoints.cli.main serve Qwen/Qwen3.5-2B" in result.output

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, ServerBackend
 
 
@@ -67,16 +68,21 @@ def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]
     needs (a login node preparing a cluster job) the command is built for the GPUs the job will have."""
     if resolve_backend(config) != "vllm":
         return builtin_command(config), None
-    from asyncrl.server.vllm import needed_gpus, visible_gpus, vllm_command
+    from asyncrl.server.vllm import CheckpointKind, checkpoint_kind, needed_gpus, visible_gpus, vllm_command
 
+    warnings = []
+    try:
+        kind = checkpoint_kind(config)
+    except ConfigError as error:  # a Hub id this machine cannot reach: still print the command, and say what it lacks
+        kind = CheckpointKind()
+        warnings.append(f"{error}; the command lacks the flags a vision-language or gated-DeltaNet checkpoint needs")
     visible, needed = visible_gpus(), needed_gpus(config)
-    if not config.server.launch or len(visible) >= needed:
-        return vllm_command(config, gpus=visible), None
-    assumed = [str(index) for index in range(needed)]
-    return vllm_command(config, gpus=assumed), (
-        f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
-        f"CUDA_VISIBLE_DEVICES={','.join(assumed)}"
-    )
+    gpus = visible
+    if config.server.launch and len(visible) < needed:
+        gpus = [str(index) for index in range(needed)]
+        warnings.append(f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
+                        f"CUDA_VISIBLE_DEVICES={','.join(gpus)}")  # fmt: skip
+    return vllm_command(config, gpus=gpus, checkpoint=kind), "; ".join(warnings) or None
 
 
 def server_command(config: Config) -> ServerCommand:

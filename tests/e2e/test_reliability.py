@@ -26,7 +26,7 @@ def test_a_run_whose_every_group_is_dropped_stops_saying_why(
     assert errors == [
         "error (TrainingStalledError): no trainable group in the last 8 (rollout.max_consecutive_dropped_groups=8): "
         "zero_std 8 (rewards: length x8; last: length=0). zero_std: the rewards gave every rollout of a prompt the "
-        "same value; fix that, or raise the threshold (null: never stop)"
+        f"same value; fix that, or raise the threshold (null: never stop) (details: {tmp_path / 'run' / 'launch.log'})"
     ]
     assert "Traceback" not in run.output
     assert leftover == []
