@@ -44,6 +44,7 @@ def auth_headers(token: str | None = None) -> dict[str, str]:
     token = token or os.environ.get(TOKEN_ENV)
     return {"Authorization": f"Bearer {token}"} if token else {}
 
+
 ROLLOUT_MODEL: ContextVar[str | None] = ContextVar("asyncrl_rollout_model", default=None)
 """The ``model`` this task's generation requests name instead of the client's: the LoRA adapter of the policy
 version a rollout started under (the rollout worker sets it per group; its rollouts' tasks inherit it)."""

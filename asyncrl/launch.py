@@ -283,8 +283,11 @@ def serve_forever(config: Config) -> None:
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
         with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
             print(f"serving {config.model.name_or_path} at {server.base_url} (log: {server.log_path})", flush=True)
-            print(f"attach with: export {TOKEN_ENV}={os.environ[TOKEN_ENV]}; asyncrl train server.launch=false "
-                  f"server.base_url={server.base_url} server.weights_dir={config.server.weights_dir}", flush=True)
+            print(
+                f"attach with: export {TOKEN_ENV}={os.environ[TOKEN_ENV]}; asyncrl train server.launch=false "
+                f"server.base_url={server.base_url} server.weights_dir={config.server.weights_dir}",
+                flush=True,
+            )
             stopping = _stop_on_signals()
             while server.is_alive() and not stopping.wait(0.5):
                 pass

@@ -106,8 +106,10 @@ def model_flops(config: Any, tokens: int, logits: int, pairs: int) -> float:
     attention = d * heads * hd * (1 + gated) + 2 * d * kv * hd
     forward = 2 * (attention + mlp) * attention_layers * tokens + 4 * heads * hd * attention_layers * pairs
     if attention_layers < len(types):
-        key, value = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * \
-            config.linear_value_head_dim
+        key, value = (
+            config.linear_num_key_heads * config.linear_key_head_dim,
+            config.linear_num_value_heads * config.linear_value_head_dim,
+        )
         deltanet = d * (2 * key + value) + d * value + 2 * d * config.linear_num_value_heads + value * d
         state = 4 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
         forward += (2 * (deltanet + mlp) + state) * (len(types) - attention_layers) * tokens

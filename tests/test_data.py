@@ -61,8 +61,10 @@ def test_extra_columns_reach_the_reward_and_gold_answers_score(tmp_path):
     ("rows", "message"),
     [
         ([{"question": "1+1?", "solution": "2"}], "has no 'prompt' column (columns: question, solution)"),
-        ([{"prompt": "What is 1+1?", "solution": "2"}],
-         "'prompt' must be a list of {'role', 'content'} messages, found str"),
+        (
+            [{"prompt": "What is 1+1?", "solution": "2"}],
+            "'prompt' must be a list of {'role', 'content'} messages, found str",
+        ),
     ],
 )
 def test_bad_datasets_say_what_was_found(tmp_path, rows, message):

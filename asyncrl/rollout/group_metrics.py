@@ -15,9 +15,7 @@ from asyncrl.rollout.tools import ToolStats
 from asyncrl.rollout.types import RolloutGroup
 
 
-def group_metrics(
-    group: RolloutGroup, per_source: dict[str, np.ndarray], drop: str | None
-) -> dict[str, list[float]]:
+def group_metrics(group: RolloutGroup, per_source: dict[str, np.ndarray], drop: str | None) -> dict[str, list[float]]:
     assert group.rewards is not None
     rewards = group.rewards
     scored = rewards[~np.isnan(rewards)]
@@ -92,8 +90,9 @@ def _lengths(group: RolloutGroup) -> dict[str, list[float]]:
         "completions/mean_length": lengths,
         "completions/min_length": lengths,
         "completions/max_length": lengths,
-        "completions/clipped_ratio": [0.0 if r.turns and r.turns[-1].finish_reason == "stop" else 1.0
-                                      for r in group.rollouts],  # fmt: skip
+        "completions/clipped_ratio": [
+            0.0 if r.turns and r.turns[-1].finish_reason == "stop" else 1.0 for r in group.rollouts
+        ],  # fmt: skip
     }
     if terminated:
         out.update({f"completions/{k}_terminated_length": terminated for k in ("mean", "min", "max")})

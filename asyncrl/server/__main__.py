@@ -51,8 +51,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded at runtime (vLLM's)")
     parser.add_argument("--max-loras", type=positive_int, default=1, help="most adapters resident at once")
     parser.add_argument("--max-lora-rank", type=int, choices=VLLM_LORA_RANKS, default=16, help="highest adapter rank")
-    parser.add_argument("--weights-dir", type=Path, default=None,
-                        help="the only directory weight updates and LoRA adapters load from (default: none load)")
+    parser.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="the only directory weight updates and LoRA adapters load from (default: none load)",
+    )
     return parser.parse_args(argv)
 
 

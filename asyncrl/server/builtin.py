@@ -270,8 +270,10 @@ def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int, ma
            stats.prompt_tokens_total, "vllm:prompt_tokens_total")  # fmt: skip
     single("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
            stats.generation_tokens_total, "vllm:generation_tokens_total")  # fmt: skip
-    cache_labels = (f',block_size="1",kv_cache_size_tokens="{kv_cache_tokens}",num_gpu_blocks="{kv_cache_tokens}"'
-                    f',kv_cache_max_concurrency="{kv_cache_tokens / max_model_len}"')  # full-length requests that fit
+    cache_labels = (
+        f',block_size="1",kv_cache_size_tokens="{kv_cache_tokens}",num_gpu_blocks="{kv_cache_tokens}"'
+        f',kv_cache_max_concurrency="{kv_cache_tokens / max_model_len}"'
+    )  # full-length requests that fit
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
            [("vllm:cache_config_info", cache_labels, 1.0)])  # fmt: skip
     counts = stats.batch_sizes

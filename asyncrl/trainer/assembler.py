@@ -192,7 +192,7 @@ class StepAssembler:
         return self._sync_follows and self.channels.model_version.value - sample.model_version >= self.max_staleness
 
     def _drop_reason(self, sample: RolloutSample) -> str | None:
-        """"stale" for a sample too stale to train now, "oversize" for one too long for any row, else None."""
+        """ "stale" for a sample too stale to train now, "oversize" for one too long for any row, else None."""
         if self.channels.model_version.value - sample.model_version > self.max_staleness:
             return "stale"
         return "oversize" if sample.num_tokens > self.token_budget else None

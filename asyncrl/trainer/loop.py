@@ -135,7 +135,8 @@ class Trainer:
             with profiled_step(self.state.step + 1, self.config.logging.profile_steps, self.run_dir / "profile"):
                 with phase("rollout_wait"):
                     step = self.assembler.next_step(
-                        sync_follows=(self.state.step + 1) % self.config.staleness.weight_sync_steps == 0)
+                        sync_follows=(self.state.step + 1) % self.config.staleness.weight_sync_steps == 0
+                    )
                 self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue) + self.assembler.held)
                 if not step.rows:
                     break

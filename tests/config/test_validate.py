@@ -49,8 +49,14 @@ BAD_INPUTS = [
     (["data.path=null"], "data.path"),
     (["data.num_eval_prompts=-1"], "data.num_eval_prompts"),
     (["server.weight_transfer=ipc", "trainer.num_processes=2"], "server.weight_transfer=ipc with 2 trainer ranks"),
-    (["data.path=null", "rollout.environment_factory=asyncrl.environments.counter:IncrementEnv",
-      "trainer.max_steps=-1"], "trainer.max_steps"),  # fmt: skip
+    (
+        [
+            "data.path=null",
+            "rollout.environment_factory=asyncrl.environments.counter:IncrementEnv",
+            "trainer.max_steps=-1",
+        ],
+        "trainer.max_steps",
+    ),  # fmt: skip
 ]
 
 

@@ -119,8 +119,12 @@ def test_malformed_bodies_get_one_line_4xx(http, greedy_before):
         one_line_4xx(post_raw(http, "/v1/completions", json.dumps({"prompt": PROMPT, **fields}).encode()))
         request = {"token_ids": PROMPT, "sampling_params": fields, "model": fields.get("model")}
         one_line_4xx(post_raw(http, "/inference/v1/generate", json.dumps(request).encode()))
-    for bad_generate in ({"token_ids": PROMPT}, {"token_ids": PROMPT, "sampling_params": [1]}, {"token_ids": "3 4"},
-                         {"token_ids": PROMPT, "sampling_params": {}, "stream": "yes"}):
+    for bad_generate in (
+        {"token_ids": PROMPT},
+        {"token_ids": PROMPT, "sampling_params": [1]},
+        {"token_ids": "3 4"},
+        {"token_ids": PROMPT, "sampling_params": {}, "stream": "yes"},
+    ):
         one_line_4xx(http.post("/inference/v1/generate", json=bad_generate))
     for path, body in BAD_CONTROL:
         one_line_4xx(http.post(path, json=body))

@@ -332,8 +332,16 @@ def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny
     argv = vllm_command(vlm, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
     assert " ".join(TEXT_ONLY + TRITON_GDN) in " ".join(argv)
     assert checkpoint_kind(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))) == CheckpointKind()
-    attached = to_config(compose([*BASE, "model.name_or_path=not-on-this-machine", "server.launch=false",
-                                       "server.base_url=http://10.0.0.5:9000"]))
+    attached = to_config(
+        compose(
+            [
+                *BASE,
+                "model.name_or_path=not-on-this-machine",
+                "server.launch=false",
+                "server.base_url=http://10.0.0.5:9000",
+            ]
+        )
+    )
     assert checkpoint_kind(attached) == CheckpointKind()  # the expected-command hint never waits on the network
     with pytest.raises(ConfigError, match=r"^model.name_or_path=.*empty: cannot read its config.json"):
         checkpoint_kind(to_config(compose([*BASE, f"model.name_or_path={tmp_path / 'empty'}"])))

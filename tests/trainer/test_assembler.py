@@ -19,8 +19,17 @@ from asyncrl.trainer.step_metrics import batch_metrics
 
 def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSample:
     seq = TrainingSequence(list(range(n_tokens)), [0] * 4 + [1] * (n_tokens - 4), [0.0] * n_tokens)
-    return RolloutSample(seq, advantage=1.0, reward=1.0, group_id=prompt_index, row_index=prompt_index,
-                         prompt_index=prompt_index, model_version=version, rollout_id="r", queued_at=time.time())
+    return RolloutSample(
+        seq,
+        advantage=1.0,
+        reward=1.0,
+        group_id=prompt_index,
+        row_index=prompt_index,
+        prompt_index=prompt_index,
+        model_version=version,
+        rollout_id="r",
+        queued_at=time.time(),
+    )
 
 
 def assembler(channels: WorkerChannels, *, budget: int = 25, rows: int = 2, max_staleness: int = 1,

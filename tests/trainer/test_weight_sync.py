@@ -376,8 +376,7 @@ def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_
     assert control.calls[-1] == UNMAP and control.worker._asyncrl_buffer is None
 
 
-def test_a_vision_language_model_sends_its_text_model_and_the_server_keeps_its_tower(random_tiny_vlm_dir,
-                                                                                         tmp_path):
+def test_a_vision_language_model_sends_its_text_model_and_the_server_keeps_its_tower(random_tiny_vlm_dir, tmp_path):
     """Every transport's payload (vLLM nccl/ipc: serving_parameters + parameter_metadata; the built-in server's
     file) is the text model under the checkpoint's names, which vLLM's Qwen3.5 loader maps."""
     model = load_model(to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}"])), str(random_tiny_vlm_dir))
