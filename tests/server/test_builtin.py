@@ -189,12 +189,14 @@ def test_pause_wait_drains_in_flight_requests(live_server, control):
 
 @pytest.mark.parametrize("clear_cache", [True, False])
 def test_pause_keep_freezes_queues_and_resumes_the_same_generation(live_server, control, clear_cache):
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "seed": 11, "logprobs": 0}
+    # 400 tokens: the request must still be running when the test sees it generate (200 finished first once in CI)
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "seed": 11, "logprobs": 0}
     uninterrupted = complete(live_server.base_url, **body)
     preemptions = control.metrics()["vllm:num_preemptions_total"]
     with ThreadPoolExecutor(2) as pool:
+        started = generating(control)  # its counter is read before the request can produce a token
         frozen = pool.submit(complete, live_server.base_url, **body)
-        wait_until(generating(control))
+        wait_until(started)
         control.pause("keep", clear_cache=clear_cache)
         try:
             before = control.metrics()
