@@ -3,6 +3,7 @@
     python benchmarks/vllm_e2e.py sync   [--backend vllm]  # launch, startup checks, weight sync, logprob agreement
     python benchmarks/vllm_e2e.py train  [--steps 20]      # `asyncrl train` end to end, per-step sync and cap table
     python benchmarks/vllm_e2e.py broken                   # a launch with one flag broken on purpose must fail clearly
+    python benchmarks/vllm_e2e.py lora   [--steps 12]      # adapter sync checked directly, then adapter and merged runs
     python benchmarks/vllm_e2e.py all
 
 Everything runs the embedded default (the tiny-arith model and data) with the server and the trainer on one
@@ -10,7 +11,16 @@ GPU (ipc sync), serving in bfloat16. Each phase ends by listing any server or wo
 ``--model qwen3.5-2b`` instead builds a random-weight vision-language checkpoint shaped like Qwen3.5-2B (its text
 model: 24 layers, three gated-DeltaNet layers per attention layer; a 4-block vision tower; the tiny-arith
 tokenizer's vocabulary) in the output directory, trains it text-only with the length reward (a random model's
-arithmetic reward is 0 for every rollout), and checks the vision tower stays as loaded.
+arithmetic reward is 0 for every rollout), and checks the vision tower stays as loaded. ``--model qwen3-0.6b`` builds
+a random Qwen3-0.6B-shaped checkpoint (28 layers, hidden 1024, tied embeddings) with the same small tokenizer, so its
+vocabulary (105) is smaller than its hidden size, the case vLLM's own LoRA warm-up trips on when it wraps the LM head.
+
+The ``lora`` phase serves adapters (``lora=default lora.sync=adapter``, staleness 1: two versions registered):
+``AdapterSync`` pushes five perturbed versions, after each the server's logprobs under that version's name are
+compared with the trainer's peft model, the retired names must be refused and the live ones served, and requests
+started under a version that is retired while they run must end (finished or aborted, never hung). Then the real
+CLI trains ``--steps`` steps with adapter sync and with merged sync (staleness 0, so every sample comes from the
+synced policy and ``sampling/sampling_logp_difference`` measures the sync itself).
 """
 
 from __future__ import annotations
@@ -57,6 +67,24 @@ def build_qwen3_5_2b_shape(out: Path) -> Path:
     config.vision_config.depth, config.vision_config.hidden_size = 4, 1024
     config.vision_config.intermediate_size, config.vision_config.num_heads = 4096, 16
     return save_checkpoint(build_model(config, tokenizer).to(torch.bfloat16), tokenizer, out / "qwen3.5-2b-shape")
+
+
+def build_qwen3_0_6b_shape(out: Path) -> Path:
+    """A random Qwen3-0.6B-shaped checkpoint (tied embeddings) with the tiny-arith tokenizer, written to ``out``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from asyncrl.assets.model_families import save_checkpoint
+    from asyncrl.assets.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return save_checkpoint(Qwen3ForCausalLM(config).to(torch.bfloat16), tokenizer, out / "qwen3-0.6b-shape")
 
 
 # ---- sync: checks, rounds, logprob agreement ----------------------------------------------------------------
@@ -166,6 +194,114 @@ def phase_sync(backend: str, out: Path) -> None:
     print(f"[sync] server stopped; leftovers: {leftovers()}")
 
 
+# ---- lora: adapter versions on the server -------------------------------------------------------------------
+
+
+def phase_lora(backend: str, out: Path, steps: int) -> None:
+    from asyncrl.config import compose, to_config
+    from asyncrl.launch import start_server
+    from asyncrl.trainer.model import load_model
+    from asyncrl.trainer.setup import prepare
+    from asyncrl.trainer.sync.adapter import AdapterSync
+    from asyncrl.trainer.weight_sync import build_weight_sync
+
+    adapter = ["lora=default", "lora.sync=adapter", "staleness.max_staleness=1"]
+    out.mkdir(parents=True, exist_ok=True)
+    config = to_config(compose([*overrides(backend), *adapter, f"trainer.output_dir={out}"]))
+    prepared = prepare(config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    started = time.perf_counter()
+    with start_server(config, out) as server:
+        from asyncrl.client import ControlClient
+
+        print(f"[lora] server {server.backend} healthy after {time.perf_counter() - started:.1f} s; command:")
+        print("      ", (out / "commands" / "server.sh").read_text().strip())
+        with ControlClient(server.base_url, timeout_s=600) as control:
+            sync = build_weight_sync(config, control, out, prepared)
+            assert isinstance(sync, AdapterSync), type(sync)
+            sync.init()
+            model = load_model(config, config.model.name_or_path).to(device).eval()
+            prompts = _prompts(prepared, 16)
+            serving = torch.bfloat16 if config.server.dtype == "bfloat16" else torch.float32
+            for version in range(1, 6):
+                _perturb(model, version, device, scale=0.05)
+                metrics = sync.push(model, version)
+                served = asyncio.run(sample(server.base_url, sync.name(version), prompts, seed=10 * version))
+                trained = copy.deepcopy(model).to(serving)
+                with torch.no_grad(), trained.disable_adapter():
+                    baseline = max_diff(trained, served)
+                print(f"[lora] v{version}: sync {metrics['perf/weight_sync_s']:.3f} s, "
+                      f"{metrics['perf/weight_sync_bytes'] / 1e6:.2f} MB; max |server - trainer| = "
+                      f"{max_diff(trained, served):.4f} (against the base model: {baseline:.4f})")  # fmt: skip
+            print(f"[lora] registered {[sync.name(v) for v in sync.registered]}; window check: "
+                  f"{asyncio.run(_window(server.base_url, sync, prompts[0]))}")  # fmt: skip
+            ends = _retired_in_flight(server, sync, model, prompts, device)
+            print(f"[lora] requests under a version retired while they run: {ends}")
+            sync.close()
+    print(f"[lora] server stopped; leftovers: {leftovers()}")
+    for mode in ("adapter", "merged"):
+        lora = ["lora=default", f"lora.sync={mode}", "staleness.max_staleness=0", "trainer.learning_rate=2e-4"]
+        phase_train(backend, out / f"lora-{mode}", steps, lora)
+
+
+def _prompts(prepared: object, count: int) -> list[list[int]]:
+    """The first ``count`` dataset prompts, rendered with the chat template, as token ids."""
+    rows = prepared.dataset.select(range(count))  # type: ignore[attr-defined]
+    rendered = [prepared.tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)  # type: ignore[attr-defined]
+                for row in rows]  # fmt: skip
+    return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in rendered]
+
+
+def _perturb(model: torch.nn.Module, seed: int, device: str, scale: float) -> None:
+    """A stand-in for an optimizer step: every trainable weight moves (LoRA: the adapters only)."""
+    with torch.no_grad():
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=generator, device=device) * scale)
+
+
+async def _window(base_url: str, sync: object, prompt: list[int]) -> dict[str, str]:
+    """For every version pushed: served, or the server's refusal (only the newest max_staleness + 1 may serve)."""
+    from asyncrl.client import GenerationClient, SamplingParams, ServerError
+
+    result = {}
+    for version in range(1, 6):
+        name = sync.name(version)  # type: ignore[attr-defined]
+        try:
+            async with GenerationClient(base_url, name, timeout_s=60) as client:
+                await client.complete(prompt, SamplingParams(max_tokens=2))
+            result[name] = "served"
+        except ServerError as error:
+            result[name] = f"refused ({error.status})"
+    return result
+
+
+def _retired_in_flight(server: object, sync: object, model: torch.nn.Module, prompts: list[list[int]],
+                       device: str) -> str:  # fmt: skip
+    """Long requests under the newest version while two more versions are pushed (which retires it): how they end."""
+    from asyncrl.client import GenerationClient, SamplingParams
+
+    version = sync.registered[-1]  # type: ignore[attr-defined]
+    name = sync.name(version)  # type: ignore[attr-defined]
+
+    async def run() -> list[str]:
+        async with GenerationClient(server.base_url, name, timeout_s=120) as client:  # type: ignore[attr-defined]
+            params = SamplingParams(max_tokens=400, min_tokens=400, logprobs=0)
+            tasks = [asyncio.create_task(client.sample(p, params)) for p in prompts[:8]]
+            await asyncio.sleep(0.2)
+            for later in (version + 1, version + 2):
+                _perturb(model, later, device, scale=0.05)
+                await asyncio.to_thread(sync.push, model, later)  # type: ignore[attr-defined]
+            done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=120)
+        return [type(d).__name__ if isinstance(d, BaseException) else f"{d.finish_reason}:{len(d.token_ids)}"
+                for d in done]  # fmt: skip
+
+    started = time.perf_counter()
+    ends = asyncio.run(run())
+    return f"{ends} after {time.perf_counter() - started:.1f} s"
+
+
 # ---- train and broken: the real CLI --------------------------------------------------------------------------
 
 
@@ -177,10 +313,10 @@ def cli(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
                           timeout=timeout_s, cwd=REPO)  # fmt: skip
 
 
-def phase_train(backend: str, out: Path, steps: int) -> None:
+def phase_train(backend: str, out: Path, steps: int, extra: tuple[str, ...] | list[str] = ()) -> None:
     run_dir = out / "train"
     started = time.perf_counter()
-    proc = cli(["train", *overrides(backend), f"trainer.max_steps={steps}", "trainer.save_strategy=no",
+    proc = cli(["train", *overrides(backend), *extra, f"trainer.max_steps={steps}", "trainer.save_strategy=no",
                 f"hydra.run.dir={run_dir}"], timeout_s=540)  # fmt: skip
     print(f"[train] exit {proc.returncode} after {time.perf_counter() - started:.0f} s")
     if proc.returncode != 0:
@@ -189,7 +325,8 @@ def phase_train(backend: str, out: Path, steps: int) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keys = ["perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s", "rollout/concurrency",
             "rollout/concurrency_cap", "rollout/vllm_kv_cache_usage_frac", "rollout/vllm_running_requests",
-            "rollout/vllm_queued_requests", "rollout/vllm_preemption_count", "reward"]  # fmt: skip
+            "rollout/vllm_queued_requests", "rollout/vllm_preemption_count", "reward",
+            "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"]  # fmt: skip
     print("[train] step " + " ".join(k.split("/")[-1] for k in keys))
     for row in rows:
         metrics = row.get("metrics", row)
@@ -220,11 +357,11 @@ def leftovers() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=["sync", "train", "broken", "all"])
+    parser.add_argument("phase", choices=["sync", "train", "broken", "lora", "all"])
     parser.add_argument("--backend", choices=["vllm", "builtin"], default="vllm")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--model", choices=["tiny", "qwen3.5-2b"], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "qwen3.5-2b", "qwen3-0.6b"], default="tiny")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -233,12 +370,18 @@ def main() -> None:
         MODEL.extend([f"model.name_or_path={build_qwen3_5_2b_shape(out)}", "reward=length", "packing=tree",
                       "sampling.max_completion_length=128", "sampling.num_generations=8",
                       "server.gpu_memory_utilization=0.3", "trainer.gradient_checkpointing=true"])  # fmt: skip
+    if args.model == "qwen3-0.6b":
+        VLLM[-1] = "server.extra_args=[--enforce-eager]"
+        MODEL.extend([f"model.name_or_path={build_qwen3_0_6b_shape(out)}", "reward=length",
+                      "sampling.max_completion_length=128", "server.gpu_memory_utilization=0.3"])  # fmt: skip
     if args.phase in ("sync", "all"):
         phase_sync(args.backend, out / "sync")
     if args.phase in ("train", "all"):
         phase_train(args.backend, out, args.steps)
     if args.phase in ("broken", "all"):
         phase_broken(args.backend, out)
+    if args.phase in ("lora", "all"):
+        phase_lora(args.backend, out / "lora", args.steps)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from asyncrl.config.schema import Config, LoraSync, WeightTransfer
 from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.model_kind import is_vision_language
 from asyncrl.server.command import ServerCommand, served_model_name
+from asyncrl.trainer.lora import adapter_modules
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +90,13 @@ class CheckpointKind:
     vision_language: bool = False
     gated_deltanet: bool = False
     """Has gated-DeltaNet (linear attention) layers: Qwen3.5/3.6, Qwen3-Next."""
+    lora_modules: tuple[str, ...] = ()
+    """The module names the run's LoRA adapter targets when adapters are served (vLLM's --lora-target-modules)."""
 
     @classmethod
-    def of(cls, model_config: Any) -> CheckpointKind:
+    def of(cls, model_config: Any, lora_modules: tuple[str, ...] = ()) -> CheckpointKind:
         layer_types = getattr(model_config.get_text_config(), "layer_types", None) or []
-        return cls(is_vision_language(model_config), "linear_attention" in layer_types)
+        return cls(is_vision_language(model_config), "linear_attention" in layer_types, lora_modules)
 
 
 def checkpoint_kind(config: Config) -> CheckpointKind:
@@ -112,7 +115,8 @@ def checkpoint_kind(config: Config) -> CheckpointKind:
         raise ConfigError(f"model.name_or_path={m.name_or_path}: cannot read its config.json to launch vLLM "
                           f"({type(error).__name__}: {error}); give a local checkpoint directory or a Hub id "
                           "reachable from here") from error  # fmt: skip
-    return CheckpointKind.of(model_config)
+    modules = tuple(adapter_modules(config, model_config)) if lora_adapters(config) else ()
+    return CheckpointKind.of(model_config, modules)
 
 
 def flashinfer_importable() -> bool:
@@ -121,10 +125,16 @@ def flashinfer_importable() -> bool:
 
 def checkpoint_flags(kind: CheckpointKind) -> list[str]:
     """A vision-language checkpoint serves text only (asyncrl never sends images); a gated-DeltaNet hybrid
-    prefills with vLLM's Triton kernels when flashinfer (its default GDN prefill imports it) is missing here."""
+    prefills with vLLM's Triton kernels when flashinfer (its default GDN prefill imports it) is missing here.
+    Served adapters get LoRA slots only in the modules they target: left to itself vLLM also wraps the embeddings
+    and the LM head, which costs memory and, for a checkpoint with tied embeddings and a vocabulary smaller than
+    its hidden size, fails its own LoRA warm-up (vLLM 0.26: ``set_lora`` copies a hidden-sized dummy into the
+    vocabulary-sized LM-head slot)."""
     flags = ["--limit-mm-per-prompt", TEXT_ONLY_LIMITS] if kind.vision_language else []
     if kind.gated_deltanet and not flashinfer_importable():
         flags += ["--gdn-prefill-backend", "triton"]
+    if kind.lora_modules:
+        flags += ["--lora-target-modules", *kind.lora_modules]
     return flags
 
 

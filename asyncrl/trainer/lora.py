@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import Config
-from asyncrl.model_kind import non_text_prefixes
+from asyncrl.model_kind import is_vision_language, non_text_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,23 @@ def peft_config(config: Config, exclude: Sequence[str] = ()) -> Any:
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=_targets(config), bias=lora.bias, modules_to_save=modules_to_save,
                       exclude_modules=excluded)  # fmt: skip
+
+
+def adapter_modules(config: Config, model_config: Any) -> list[str]:
+    """The names (last dotted part) of the modules the adapter targets, for a server that must reserve LoRA slots
+    in them: a list in lora.target_modules as given, else what peft resolves ``all-linear`` or a pattern to on a
+    weightless (meta-device) copy of the model built from ``model_config``."""
+    targets = _targets(config)
+    if not isinstance(targets, str):
+        return targets
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vision_language(model_config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto.from_config(model_config)
+    wrapped = get_peft_model(skeleton, peft_config(config, non_text_prefixes(skeleton)))
+    return sorted({name.rpartition(".")[2] for name in wrapped.targeted_module_names})
 
 
 def is_adapter_dir(path: str | Path) -> bool:

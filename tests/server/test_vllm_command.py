@@ -347,6 +347,26 @@ def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny
         checkpoint_kind(to_config(compose([*BASE, f"model.name_or_path={tmp_path / 'empty'}"])))
 
 
+def test_served_adapters_reserve_lora_slots_only_in_their_target_modules(random_tiny_model_dir, random_tiny_vlm_dir):
+    """vLLM left alone also wraps the tied embeddings and LM head (and fails its warm-up when the vocabulary is
+    smaller than the hidden size, as in the embedded model); the flag names exactly what peft adapts."""
+    linear = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    adapter = ["lora=default", "lora.sync=adapter"]
+    tiny = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter]))
+    assert checkpoint_kind(tiny).lora_modules == tuple(linear)
+    argv = vllm_command(tiny, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
+    assert argv[argv.index("--lora-target-modules") + 1 :][: len(linear)] == linear
+    listed = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter,
+                                "lora.target_modules=[q_proj,v_proj]"]))  # fmt: skip
+    assert checkpoint_kind(listed).lora_modules == ("q_proj", "v_proj")
+    merged = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "lora=default"]))
+    assert checkpoint_kind(merged).lora_modules == ()  # merged sync: vLLM runs without LoRA
+    vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}", *adapter]))
+    modules = checkpoint_kind(vlm).lora_modules
+    assert {"q_proj", "o_proj", "down_proj"} <= set(modules)  # the text model's attention and MLP
+    assert not {"qkv", "proj", "linear_fc1"} & set(modules)  # never the vision tower (frozen, not adapted)
+
+
 def test_a_shared_gpu_gives_vllm_what_the_trainer_leaves():
     gib = 2**30
     assert shared_gpu_share(60 * gib, 140 * gib) == (0.57, "the trainer needs ~60.0 of the GPU's 140.0 GiB")
