@@ -193,6 +193,9 @@ class TrainerConfig:
     step's memory); 0 = all of a row's at once."""
     bf16: bool | None = None
     """None: bf16 mixed precision on GPU, off on CPU."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one training device at the training precision, for perf/*_mfu; None: asyncrl's table
+    of GPUs (trainer/flops.py); MFU is not logged where neither knows the device."""
     gpus: int | None = None
     num_processes: int | None = None
     """Trainer ranks (FSDP2 data parallel); None: trainer.gpus on a GPU machine, else 1. On CPU (gloo) set it."""

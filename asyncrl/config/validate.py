@@ -85,6 +85,8 @@ def check_trainer_rates(config: Config) -> None:
         raise ConfigError(f"trainer.cpu_threads={t.cpu_threads} must be >= 1 (or null: the cores the server leaves)")
     if config.server.cpu_threads < 1:
         raise ConfigError(f"server.cpu_threads={config.server.cpu_threads} must be >= 1")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        raise ConfigError(f"trainer.peak_tflops={t.peak_tflops} must be > 0 (or null: the GPU's datasheet figure)")
     if any(step < 1 for step in config.logging.profile_steps):
         raise ConfigError(f"logging.profile_steps={list(config.logging.profile_steps)}: steps count from 1")
     if t.save_strategy not in ("steps", "no"):

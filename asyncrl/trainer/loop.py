@@ -39,6 +39,7 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
+from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
@@ -96,6 +97,7 @@ class Trainer:
         self.loss.load_state_dict(self.state.extra.get("loss", {}))
         self.loss.router_aux_coef = router_aux_coef(c, self.accelerator.unwrap_model(self.model).config)
         self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
+        self.mfu, self.step_flops = mfu_meter(c, self.accelerator.unwrap_model(self.model).config, self.world), 0.0
         self.row_factory, self.token_budget = build_row_factory(dict(c.packing), self.max_model_len)
         self.attention = str(c.packing.get("attention", "auto"))
         self.window, self.timeline = MetricWindow(), Timeline()
@@ -198,7 +200,8 @@ class Trainer:
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
         self.window.update(batch_metrics(step, rows, self.token_budget))
         self.window.extend(sample_events(step))
-        self.window.update(perf_metrics(rows, fwd_s, fwd_bwd_s, optimizer_s, step.wait_s, self.model.config))
+        self.step_flops = self.mfu.flops(rows) if self.mfu is not None else 0.0
+        self.window.update(perf_metrics(rows, fwd_s, fwd_bwd_s, optimizer_s, step.wait_s, self.mfu, self.step_flops))
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
 
@@ -235,6 +238,8 @@ class Trainer:
         self.window.add("perf/step_s", seconds)
         self.window.add("perf/wall_clock_forwarded_tokens_per_s", tokens / max(seconds, 1e-9))
         self.window.add("perf/wall_clock_trained_tokens_per_s", trained / max(seconds, 1e-9))
+        if self.mfu is not None:
+            self.window.add("perf/wall_clock_mfu", self.mfu.mfu(self.step_flops, seconds))
 
     def _grant_allowance(self, step: Step, rows: list[Any]) -> None:
         """Let the worker hold max(max_staleness, 1) steps' worth of the tokens this step consumed.

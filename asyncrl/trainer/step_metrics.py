@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer.assembler import Step
+from asyncrl.trainer.flops import MfuMeter
 
 
 def batch_metrics(step: Step, rows: list[PackedRow], token_budget: int) -> dict[str, float]:
@@ -61,13 +60,18 @@ def sample_events(step: Step) -> dict[str, list[float]]:
 
 
 def perf_metrics(
-    rows: list[PackedRow], fwd_s: float, fwd_bwd_s: float, optimizer_s: float, wait_s: float, model_config: Any
-) -> dict[str, float]:
+    rows: list[PackedRow], fwd_s: float, fwd_bwd_s: float, optimizer_s: float, wait_s: float, mfu: MfuMeter | None,
+    flops: float,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds and throughput of the step's compute; MFU over fwd+bwd where the meter knows model and device."""
     forwarded = sum(r.num_forwarded for r in rows)
-    return {
+    out = {
         "perf/fwd_s": fwd_s,
         "perf/fwd_bwd_s": fwd_bwd_s,
         "perf/optimizer_s": optimizer_s,
         "perf/rollout_wait_s": wait_s,
         "perf/fwd_bwd_forwarded_tokens_per_s": forwarded / max(fwd_bwd_s, 1e-9),
     }
+    if mfu is not None:
+        out["perf/fwd_bwd_mfu"] = mfu.mfu(flops, fwd_bwd_s)
+    return out

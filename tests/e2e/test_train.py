@@ -70,7 +70,7 @@ def async_run(random_tiny_model_dir, arithmetic_data_dir, fresh_server, tmp_path
     server = fresh_server()
     run_dir = tmp_path_factory.mktemp("async") / "run"
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "staleness.max_staleness=1",
-            *CISPO, "logging.profile_steps=[3]", *attach(server)]  # fmt: skip
+            *CISPO, "logging.profile_steps=[3]", "trainer.peak_tflops=0.5", *attach(server)]  # fmt: skip
     run = run_cli(args)
     version, gap = ControlClient(server.base_url).weight_version(), math.inf
     if run.returncode == 0:
@@ -173,3 +173,13 @@ def test_synchronous_mode_waits_for_each_sync(resumed_run):
     resumed = [s for s in steps_of(run_dir) if s["step"] > STEPS]
     assert max(s["sample/staleness_max"] for s in resumed) <= 0
     assert overlap(run_dir) < 0.02  # synchronous GRPO: generation waits for each sync (timeline of this run)
+
+
+def test_mfu_is_logged_where_the_peak_is_known(async_run, resumed_run):
+    """The first run names a peak (a CPU has none in the table), the resumed one does not: no MFU there."""
+    steps = steps_of(async_run.run_dir)
+    first, resumed = [s for s in steps if s["step"] <= STEPS], [s for s in steps if s["step"] > STEPS]
+    assert first and resumed
+    for s in first:
+        assert 0 < s["perf/wall_clock_mfu"] < s["perf/fwd_bwd_mfu"] < 1  # a step is longer than its fwd+bwd
+    assert not any("perf/fwd_bwd_mfu" in s or "perf/wall_clock_mfu" in s for s in resumed)
