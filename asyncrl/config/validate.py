@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
 
 
 def check_sampling_ranges(config: Config) -> None:
@@ -288,8 +287,6 @@ def check_data_source(config: Config) -> None:
             f"data.path is not set, so the environment supplies the prompts and there are no epochs: "
             f"trainer.max_steps={config.trainer.max_steps} must be > 0 (try trainer.max_steps=100)"
         )
-    from asyncrl.server.command import resolve_backend
-
     unsized = config.server.max_model_len is None and config.data.max_prompt_length is None
     if unsized and resolve_backend(config) == "vllm":
         raise ConfigError(

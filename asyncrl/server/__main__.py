@@ -16,9 +16,9 @@ import uvicorn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncrl.client import TOKEN_ENV
-from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.model_kind import auto_model_class
 from asyncrl.server.builtin import BuiltinServer, build_app
+from asyncrl.server.command import VLLM_LORA_RANKS
 from asyncrl.server.engine import Engine, EngineConfig
 from asyncrl.server.lora import AdapterSet, LoraLimits
 

@@ -24,7 +24,6 @@ import logging
 import re
 import secrets
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl import __version__
 from asyncrl.server.engine import Engine, EngineStats, EngineUnavailable
-from asyncrl.server.generate import generate_route
+from asyncrl.server.generate import GenerateRequest, as_completion_request, generate_response
 from asyncrl.server.lora import AdapterNotFound
 from asyncrl.server.protocol import CompletionRequest, ModelNotFound, build_generation_request, completion_response
 from asyncrl.server.rows import GenerationResult
@@ -150,6 +149,17 @@ class BuiltinServer:
         """None: no route needs a token (in-process tests only; ``__main__`` always has one)."""
 
     async def completions(self, request: Request, body: CompletionRequest) -> dict[str, Any]:
+        result = await self._run(request, body)
+        return completion_response(result, body, self.tokenizer, self.served_model_name)
+
+    async def generate(self, request: Request, body: GenerateRequest) -> dict[str, Any]:
+        """vLLM's tokens-in/tokens-out endpoint: the same request as /v1/completions, another response shape."""
+        completion = as_completion_request(body)
+        result = await self._run(request, completion)
+        return generate_response(result, completion, self.served_model_name)
+
+    async def _run(self, request: Request, body: CompletionRequest) -> GenerationResult:
+        """Validate ``body`` against this server, generate it, and abort it if its client disconnects."""
         generation = build_generation_request(
             body,
             self.tokenizer,
@@ -159,19 +169,13 @@ class BuiltinServer:
             vocab_size=self.engine.vocab_size,
             adapters=self.adapter_names(),
         )
-        future = self.engine.submit(generation)
-        result = await self._wait(request, future, generation.request_id)
-        return completion_response(result, body, self.tokenizer, self.served_model_name)
-
-    async def _wait(self, request: Request, future: Future[GenerationResult], request_id: str) -> GenerationResult:
-        """Await the engine; abort the request if its client disconnects, as vLLM does."""
-        waiter = asyncio.wrap_future(future)
+        waiter = asyncio.wrap_future(self.engine.submit(generation))
         while True:
             done, _ = await asyncio.wait({waiter}, timeout=1.0)
             if done:
                 return waiter.result()
             if await request.is_disconnected():
-                self.engine.abort(request_id)
+                self.engine.abort(generation.request_id)  # as vLLM does
                 return await waiter
 
     def models(self) -> dict[str, Any]:
@@ -321,7 +325,7 @@ def build_app(server: BuiltinServer) -> FastAPI:
         ("/weight_info", "GET", lambda: {"weight_version": server.weights.version}),
         ("/metrics", "GET", server.metrics),
         ("/v1/completions", "POST", server.completions),
-        ("/inference/v1/generate", "POST", generate_route(server)),
+        ("/inference/v1/generate", "POST", server.generate),
         ("/pause", "POST", server.pause),
         ("/resume", "POST", server.resume),
         ("/init_weight_transfer_engine", "POST", server.init_weight_transfer_engine),

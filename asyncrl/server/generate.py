@@ -10,17 +10,12 @@ that truncates its distribution (top-k, top-p, min-p) gets the mask. Responses u
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.server.protocol import CompletionRequest, TokenId, build_generation_request
+from asyncrl.server.protocol import CompletionRequest, TokenId
 from asyncrl.server.rows import GenerationResult
-
-if TYPE_CHECKING:
-    from asyncrl.server.builtin import BuiltinServer
 
 
 class GenerateRequest(BaseModel):
@@ -76,18 +71,3 @@ def _token_entry(token_id: int, logprob: float, top: list[tuple[int, float]]) ->
     tops = [{"token_id": token_id, "logprob": logprob, "rank": ranks.get(token_id)}]
     tops += [{"token_id": c, "logprob": v, "rank": ranks[c]} for c, v in top if c != token_id]
     return {"token_id": token_id, "logprob": logprob, "rank": ranks.get(token_id), "top_logprobs": tops}
-
-
-def generate_route(server: BuiltinServer) -> Callable[[Request, GenerateRequest], Awaitable[dict[str, Any]]]:
-    async def generate(request: Request, body: GenerateRequest) -> dict[str, Any]:
-        completion = as_completion_request(body)
-        generation = build_generation_request(
-            completion, server.tokenizer, served_model_name=server.served_model_name,
-            max_model_len=server.engine.config.max_model_len, max_logprobs=server.max_logprobs,
-            vocab_size=server.engine.vocab_size, adapters=server.adapter_names(),
-        )  # fmt: skip
-        future = server.engine.submit(generation)
-        result = await server._wait(request, future, generation.request_id)
-        return generate_response(result, completion, server.served_model_name)
-
-    return generate

@@ -33,9 +33,8 @@ import httpx
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, WeightTransfer
-from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.model_kind import is_vision_language
-from asyncrl.server.command import ServerCommand, served_model_name
+from asyncrl.server.command import ServerCommand, max_lora_rank, max_loras, served_model_name
 
 log = logging.getLogger(__name__)
 
@@ -379,18 +378,6 @@ def vllm_command(
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
     return ServerCommand("vllm", argv + list(sv.extra_args), env)
-
-
-def max_lora_rank(config: Config) -> int:
-    """server.max_lora_rank, else the smallest rank vLLM accepts that holds lora.r."""
-    if config.server.max_lora_rank is not None:
-        return config.server.max_lora_rank
-    return next(rank for rank in VLLM_LORA_RANKS if rank >= config.lora.r)
-
-
-def max_loras(config: Config) -> int:
-    """Adapter versions alive at once: max_staleness + 1 in use, plus the next one loaded before the oldest goes."""
-    return config.server.max_loras or config.staleness.max_staleness + 2
 
 
 def _listen_address(config: Config) -> tuple[str, int]:

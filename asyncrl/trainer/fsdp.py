@@ -17,7 +17,7 @@ import torch
 from asyncrl.config.schema import Config
 
 if TYPE_CHECKING:
-    from asyncrl.trainer.distributed import Ranks
+    from asyncrl.trainer.ranks import Ranks
 
 SHARDED_DIR = "sharded"
 """The torch.distributed.checkpoint files (fp32 master weights and optimizer state) inside a checkpoint."""

@@ -38,13 +38,14 @@ from asyncrl.trainer.checkpoint import (
     source_processor_files,
 )
 from asyncrl.trainer.console import Console
-from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
+from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
+from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
 from asyncrl.trainer.sync.tensors import serving_dtype

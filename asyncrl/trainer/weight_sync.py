@@ -40,7 +40,7 @@ from asyncrl.trainer.sync.base import Transport, WeightSyncError, run_step
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.choice import use_adapter_sync
 from asyncrl.trainer.sync.tensors import serving_bytes
-from asyncrl.trainer.sync.vllm_common import ipc_transport, nccl_transport
+from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
 
 if TYPE_CHECKING:
     from asyncrl.server.checks import ServerFacts
