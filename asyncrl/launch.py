@@ -42,8 +42,18 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.trainer.supervise import TrainerRankError
     from asyncrl.trainer.sync.base import WeightSyncError
 
-    return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError, TrainerRankError,
-            ResumeError, TrainingStalledError, ConfigError, WeightSyncError)  # fmt: skip
+    return (
+        DatasetError,
+        RegistryError,
+        ServerStartError,
+        RolloutWorkerError,
+        UnpicklableError,
+        TrainerRankError,
+        ResumeError,
+        TrainingStalledError,
+        ConfigError,
+        WeightSyncError,
+    )
 
 
 EXPECTED_ERRORS = _expected_errors()
@@ -124,15 +134,20 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     metrics = run_dir / "metrics.jsonl"
     steps = [r["step"] for r in read_jsonl(metrics)] if metrics.is_file() else []
     done = f"interrupted ({exc.args[0] if exc.args else 'SIGINT'}) at step {steps[-1] if steps else 0}"
-    kept = [o for o in HydraConfig.get().overrides.task
-            if not o.lstrip("+~").startswith(("trainer.resume_from_checkpoint", "hydra.run.dir"))]  # fmt: skip
+    kept = [
+        o
+        for o in HydraConfig.get().overrides.task
+        if not o.lstrip("+~").startswith(("trainer.resume_from_checkpoint", "hydra.run.dir"))
+    ]
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
         again = " ".join(shlex.quote(o) for o in kept)
         return f"{done}, before its first checkpoint: nothing to resume; start again with: asyncrl train {again}"
     resume = [*kept, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run_dir}"]
-    return (f"{done}; resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
-            f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}")  # fmt: skip
+    return (
+        f"{done}; resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
+        f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}"
+    )
 
 
 def run_job(config: Config, run_dir: Path) -> None:
@@ -172,8 +187,10 @@ def check_port(config: Config) -> None:
 
     sv = config.server
     if sv.launch and not port_is_free(sv.host, sv.port):
-        raise ConfigError(f"server.port={sv.port}: {sv.host}:{sv.port} is already in use (another server?); "
-                          "choose a free one with server.port=N, or attach to it with server.launch=false")  # fmt: skip
+        raise ConfigError(
+            f"server.port={sv.port}: {sv.host}:{sv.port} is already in use (another server?); "
+            "choose a free one with server.port=N, or attach to it with server.launch=false"
+        )
 
 
 def _check_resume(config: Config, world: int, run_dir: Path) -> None:

@@ -85,8 +85,10 @@ class TokenGuard:
         if scope["type"] != "http" or self._allowed(scope):
             await self.app(scope, receive, send)
             return
-        message = (f"{scope['path']} needs the server's token: send 'Authorization: Bearer <token>' with the "
-                   "ASYNCRL_SERVER_TOKEN the server was started with (asyncrl serve prints it)")  # fmt: skip
+        message = (
+            f"{scope['path']} needs the server's token: send 'Authorization: Bearer <token>' with the "
+            "ASYNCRL_SERVER_TOKEN the server was started with (asyncrl serve prints it)"
+        )
         await error_response(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
@@ -198,8 +200,11 @@ class BuiltinServer:
     def server_info(self) -> dict[str, Any]:
         """The part of vLLM's dev-mode /server_info the trainer reads: the LoRA limits, or null without LoRA."""
         adapters = self.engine.adapters
-        lora = None if adapters is None else {"max_loras": adapters.limits.max_loras,
-                                               "max_lora_rank": adapters.limits.max_lora_rank}  # fmt: skip
+        lora = (
+            None
+            if adapters is None
+            else {"max_loras": adapters.limits.max_loras, "max_lora_rank": adapters.limits.max_lora_rank}
+        )
         return {"vllm_config": {"lora_config": lora}}
 
     def load_lora_adapter(self, body: LoadLoraAdapterBody) -> PlainTextResponse:
@@ -284,8 +289,10 @@ def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int, ma
     total = float(sum(counts.values()))
     cumulative = [(str(b), float(sum(n for size, n in counts.items() if size <= b))) for b in _BATCH_BUCKETS]
     samples = [("asyncrl:batch_size_bucket", f',le="{le}"', n) for le, n in [*cumulative, ("+Inf", total)]]
-    samples += [("asyncrl:batch_size_sum", "", float(sum(s * n for s, n in counts.items()))),
-                ("asyncrl:batch_size_count", "", total)]  # fmt: skip
+    samples += [
+        ("asyncrl:batch_size_sum", "", float(sum(s * n for s, n in counts.items()))),
+        ("asyncrl:batch_size_count", "", total),
+    ]
     family("asyncrl:batch_size", "histogram", "Rows per model forward (decode or prefill).", samples)
     single("asyncrl:batch_rows_max", "gauge", "Most rows in one model forward since startup.",
            max(stats.batch_sizes, default=0))  # fmt: skip
@@ -335,8 +342,10 @@ def build_app(server: BuiltinServer) -> FastAPI:
         ("/server_info", "GET", server.server_info),
     ]
     if server.engine.adapters is not None:  # vLLM registers these only when runtime LoRA updating is allowed
-        routes += [("/v1/load_lora_adapter", "POST", server.load_lora_adapter),
-                   ("/v1/unload_lora_adapter", "POST", server.unload_lora_adapter)]  # fmt: skip
+        routes += [
+            ("/v1/load_lora_adapter", "POST", server.load_lora_adapter),
+            ("/v1/unload_lora_adapter", "POST", server.unload_lora_adapter),
+        ]
     for path, method, endpoint in routes:
         app.add_api_route(path, endpoint, methods=[method])
     return app

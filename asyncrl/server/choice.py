@@ -25,8 +25,10 @@ def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]
     gpus = visible
     if config.server.launch and len(visible) < needed:
         gpus = [str(index) for index in range(needed)]
-        warnings.append(f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
-                        f"CUDA_VISIBLE_DEVICES={','.join(gpus)}")  # fmt: skip
+        warnings.append(
+            f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
+            f"CUDA_VISIBLE_DEVICES={','.join(gpus)}"
+        )
     return vllm_command(config, gpus=gpus, checkpoint=kind), "; ".join(warnings) or None
 
 

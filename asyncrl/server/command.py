@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 
-from asyncrl.config.schema import Config, LoraSync, ServerBackend
+from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM's --max-lora-rank accepts (the built-in server takes the same)."""
@@ -35,6 +35,11 @@ def base_url(config: Config) -> str:
     return (config.server.base_url or f"http://{config.server.host}:{config.server.port}").rstrip("/")
 
 
+def serving_dtype(config: Config) -> ModelDtype:
+    """The dtype the server computes in and the trainer sends weights in: server.dtype, else model.dtype."""
+    return config.server.dtype or config.model.dtype
+
+
 def served_model_name(config: Config) -> str:
     return config.model.name_or_path
 
@@ -47,7 +52,7 @@ def builtin_command(config: Config) -> ServerCommand:
         "--served-model-name", served_model_name(config),
         "--host", sv.host,
         "--port", str(sv.port),
-        "--dtype", sv.dtype or config.model.dtype,
+        "--dtype", serving_dtype(config),
         "--device", sv.device,
         "--max-num-seqs", str(sv.max_num_seqs),
         "--max-logprobs", str(sv.max_logprobs),

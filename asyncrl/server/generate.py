@@ -31,8 +31,13 @@ class GenerateRequest(BaseModel):
 
 def as_completion_request(body: GenerateRequest) -> CompletionRequest:
     """The same request in /v1/completions form, so both endpoints share validation and sampling."""
-    fields = {**body.sampling_params, "prompt": body.token_ids, "model": body.model, "stream": body.stream,
-              "return_sampling_mask": True}  # fmt: skip
+    fields = {
+        **body.sampling_params,
+        "prompt": body.token_ids,
+        "model": body.model,
+        "stream": body.stream,
+        "return_sampling_mask": True,
+    }
     return CompletionRequest.model_validate(fields)
 
 
@@ -40,8 +45,10 @@ def generate_response(result: GenerationResult, body: CompletionRequest, served_
     logprobs = None
     if body.logprobs is not None:
         tops = result.top_logprobs or [[] for _ in result.token_ids]
-        content = [_token_entry(token_id, logprob, top)
-                   for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)]  # fmt: skip
+        content = [
+            _token_entry(token_id, logprob, top)
+            for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
+        ]
         logprobs = {"content": content}
     choice = {
         "index": 0,
@@ -61,7 +68,7 @@ def generate_response(result: GenerationResult, body: CompletionRequest, served_
             "prompt_tokens": len(result.prompt_ids),
             "completion_tokens": len(result.token_ids),
             "total_tokens": len(result.prompt_ids) + len(result.token_ids),
-        },  # fmt: skip
+        },
     }
 
 

@@ -27,9 +27,11 @@ from typing import Any, NoReturn
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.dtypes import torch_dtype
 from asyncrl.losses.step import StepCounts, StepLoss
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
+from asyncrl.server.command import serving_dtype
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import use_cpu_threads
@@ -119,7 +121,7 @@ class Follower:
             self.loss.load_state_dict(load_checkpoint(resume, self.optimizer, self.scheduler).extra.get("loss", {}))
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
         self.attention = str(config.packing.get("attention", "auto"))
-        self.dtype = serving_dtype(config)
+        self.dtype = torch_dtype(serving_dtype(config))
 
     def serve(self) -> None:
         while True:
@@ -145,12 +147,6 @@ class Follower:
         self.optimizer.zero_grad(set_to_none=True)
         self.loss.end_step()
         self.ranks.gather(result.metrics)
-
-
-def serving_dtype(config: Config) -> torch.dtype | None:
-    from asyncrl.trainer.sync.tensors import serving_dtype as dtype_of
-
-    return dtype_of(config)
 
 
 def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any, Any, Path | None]:

@@ -44,16 +44,25 @@ class RankProcesses:
     def __init__(self, run_dir: Path, world: int, server_url: str) -> None:
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               SERVER_URL_ENV: server_url}  # fmt: skip
+        env = {
+            **os.environ,
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            SERVER_URL_ENV: server_url,
+        }
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(world):
             out = None if rank == 0 else open(self.log_path(rank), "wb")  # noqa: SIM115 - closed with the process
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.trainer.rank_main", str(run_dir)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out,
-                stderr=subprocess.STDOUT if out else None, preexec_fn=die_with_parent(),
-            ))  # fmt: skip
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "asyncrl.trainer.rank_main", str(run_dir)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    preexec_fn=die_with_parent(),
+                )
+            )
             if out is not None:
                 out.close()
 
