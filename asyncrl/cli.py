@@ -94,7 +94,7 @@ def config(
     composed = _checked(lambda: to_config(compose(list(ctx.args))))
     if server_command:
         from asyncrl.launch import shell_line
-        from asyncrl.server.command import printable_server_command
+        from asyncrl.server.choice import printable_server_command
 
         command, warning = _checked(lambda: printable_server_command(composed))
         if warning:

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from asyncrl.sampling import SamplingParams
+
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _LABEL_ESCAPE = re.compile(r"\\(.)")
@@ -88,37 +90,20 @@ def _retryable(status: int) -> bool:
     return status == 429 or status >= 500
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request sampling fields; every one is sent explicitly so server defaults never apply.
+def completion_fields(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as /v1/completions fields, every one explicit so server defaults never apply."""
+    fields = asdict(params)
+    fields["stop_token_ids"] = list(params.stop_token_ids)
+    if not params.return_sampling_mask:
+        del fields["return_sampling_mask"]  # vLLM's /v1/completions ignores it, logging a warning per request
+    return fields
 
-    ``logprobs`` is the number of top logprobs per token (0: the sampled token's only; None: none at all).
-    """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 16
-    min_tokens: int = 0
-    logprobs: int | None = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    return_sampling_mask: bool = False
-
-    def request_fields(self) -> dict[str, Any]:
-        fields = asdict(self)
-        fields["stop_token_ids"] = list(self.stop_token_ids)
-        if not self.return_sampling_mask:
-            del fields["return_sampling_mask"]  # vLLM's /v1/completions ignores it, logging a warning per request
-        return fields
-
-    def generate_fields(self) -> dict[str, Any]:
-        """``sampling_params`` of /inference/v1/generate (vLLM's SamplingParams; the mask is a server flag)."""
-        fields = self.request_fields()
-        fields.pop("return_sampling_mask", None)
-        return fields
+def generate_fields(params: SamplingParams) -> dict[str, Any]:
+    """``sampling_params`` of /inference/v1/generate (vLLM's SamplingParams; the mask is a server flag)."""
+    fields = completion_fields(params)
+    fields.pop("return_sampling_mask", None)
+    return fields
 
 
 def parse_token_key(key: str) -> int:
@@ -224,7 +209,7 @@ class GenerationClient:
         body = {
             "model": ROLLOUT_MODEL.get() or self.model,
             "prompt": list(prompt_ids),
-            **params.request_fields(),
+            **completion_fields(params),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
@@ -234,7 +219,7 @@ class GenerationClient:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         """One /inference/v1/generate request (vLLM's tokens-in/tokens-out endpoint, with the sampling mask)."""
         model = ROLLOUT_MODEL.get() or self.model
-        body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": params.generate_fields()}
+        body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": generate_fields(params)}
         response = await self._post("/inference/v1/generate", body)
         return Completion.from_generate_choice(response["choices"][0], prompt_ids)
 
@@ -270,8 +255,9 @@ class GenerationClient:
             logger.warning(
                 "the server cannot return per-token candidate sets: %s. Top-k/top-p/min-p ratios are biased "
                 "(the trainer normalises over the whole vocabulary); vLLM >= 0.28 started with "
-                "--return-sampling-mask (and --enable-scale-out from 0.30) returns them", reason,
-            )  # fmt: skip
+                "--return-sampling-mask (and --enable-scale-out from 0.30) returns them",
+                reason,
+            )
         self.candidate_sets = False
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

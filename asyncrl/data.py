@@ -7,6 +7,7 @@ models included: nothing would hand the image to the server or to the training f
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +59,14 @@ def _load_file(source: Path, builder: str, key: str) -> Dataset:
     try:
         return load_dataset(builder, data_files=str(source), split="train")
     except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for one unreadable file
-        raise DatasetError(f"{key}={source}: cannot be read as {source.suffix[1:]} ({type(exc).__name__}: "
-                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from exc  # fmt: skip
+        raise DatasetError(
+            f"{key}={source}: cannot be read as {source.suffix[1:]} ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+        ) from exc
 
 
 def _check_json_lines(source: Path, key: str) -> None:
     """Each non-blank line is one JSON object (pyarrow's parse error names a byte offset, not the line)."""
-    import json
-
     with source.open(encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -73,11 +74,15 @@ def _check_json_lines(source: Path, key: str) -> None:
             try:
                 row = json.loads(line.rstrip("\n"))
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"{source}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); fix "
-                                   f"or remove that line ({key})") from exc  # fmt: skip
+                raise DatasetError(
+                    f"{source}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); fix "
+                    f"or remove that line ({key})"
+                ) from exc
             if not isinstance(row, dict):
-                raise DatasetError(f"{source}:{number}: a JSON Lines row must be an object, found "
-                                   f"{type(row).__name__}; fix or remove that line ({key})")  # fmt: skip
+                raise DatasetError(
+                    f"{source}:{number}: a JSON Lines row must be an object, found "
+                    f"{type(row).__name__}; fix or remove that line ({key})"
+                )
 
 
 def check_prompts(dataset: Dataset, source: str) -> None:
@@ -105,16 +110,20 @@ def check_text_only(dataset: Dataset, source: str) -> None:
     for column in (c for c in IMAGE_COLUMNS if c in dataset.column_names):
         row = _first_present(dataset.with_format("arrow")[column])
         if row is not None:
-            raise DatasetError(f"dataset {source}: row {row} carries an image in its '{column}' column: {fix}; "
-                               f"drop the column (dataset.remove_columns('{column}')) or those rows")  # fmt: skip
+            raise DatasetError(
+                f"dataset {source}: row {row} carries an image in its '{column}' column: {fix}; "
+                f"drop the column (dataset.remove_columns('{column}')) or those rows"
+            )
     if _plain_text_content(dataset.features["prompt"]):
         return
     for row, messages in enumerate(dataset["prompt"]):
         for message in messages:
             kind = _media_part(message["content"])
             if kind is not None:
-                raise DatasetError(f"dataset {source}: row {row}'s prompt has a {kind!r} content part: {fix}; "
-                                   "keep only its text parts ({'type': 'text', ...}) or drop those rows")  # fmt: skip
+                raise DatasetError(
+                    f"dataset {source}: row {row}'s prompt has a {kind!r} content part: {fix}; "
+                    "keep only its text parts ({'type': 'text', ...}) or drop those rows"
+                )
 
 
 def _first_present(values: pa.Array | pa.ChunkedArray) -> int | None:

@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.client import GenerationClient, SamplingParams
+from asyncrl.client import GenerationClient
 from asyncrl.config.schema import Config
 from asyncrl.rollout.loop import render_prompt
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import RolloutGroup
+from asyncrl.sampling import SamplingParams
 
 
 async def _complete_all(
@@ -31,20 +32,29 @@ async def _complete_all(
 
 
 async def _evaluate(
-    config: Config, base_url: str, model_name: str, tokenizer: Any, rows: list[dict[str, Any]],
-    sources: list[RewardSource], max_model_len: int,
-) -> dict[str, float]:  # fmt: skip
+    config: Config,
+    base_url: str,
+    model_name: str,
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    sources: list[RewardSource],
+    max_model_len: int,
+) -> dict[str, float]:
     s = config.sampling
     prompts = [render_prompt(tokenizer, row["prompt"], s.chat_template_kwargs) for row in rows]
     results: dict[str, float] = {}
     async with GenerationClient(base_url, model_name, timeout_s=config.server.timeout) as client:
         for label, temperature in (("greedy", 0.0), ("sampled", s.temperature)):
             params = [
-                SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                               repetition_penalty=s.repetition_penalty, logprobs=None, seed=config.trainer.seed + i,
-                               max_tokens=max(1, min(s.max_completion_length, max_model_len - len(ids))))
+                SamplingParams.of(
+                    s,
+                    temperature=temperature,
+                    logprobs=None,
+                    seed=config.trainer.seed + i,
+                    max_tokens=max(1, min(s.max_completion_length, max_model_len - len(ids))),
+                )
                 for i, ids in enumerate(prompts)
-            ]  # fmt: skip
+            ]
             outs = await _complete_all(client, prompts, params, concurrency=config.server.max_num_seqs)
             results[f"eval/{label}_reward"] = await _mean_reward(rows, outs, tokenizer, sources)
     return results
@@ -56,22 +66,33 @@ async def _mean_reward(
     group = RolloutGroup(
         prompts=[r["prompt"] for r in rows],
         reward_kwargs={k: [r[k] for r in rows] for k in rows[0] if k != "prompt"},
-        completions=[[{"role": "assistant", "content": tokenizer.decode(o.token_ids, skip_special_tokens=True)}]
-                     for o in outs],
+        completions=[
+            [{"role": "assistant", "content": tokenizer.decode(o.token_ids, skip_special_tokens=True)}] for o in outs
+        ],
         completions_ids=[list(o.token_ids) for o in outs],
-        completions_sequences=[[] for _ in rows], tool_call_counts=[0] * len(rows),
-        tool_failure_counts=[0] * len(rows), model_version=0, group_id=-1, row_index=-1,
-        env_rewards=[None] * len(rows), rollout_rewards=[None] * len(rows),
-    )  # fmt: skip
+        completions_sequences=[[] for _ in rows],
+        tool_call_counts=[0] * len(rows),
+        tool_failure_counts=[0] * len(rows),
+        model_version=0,
+        group_id=-1,
+        row_index=-1,
+        env_rewards=[None] * len(rows),
+        rollout_rewards=[None] * len(rows),
+    )
     await score_group(group, sources)
     assert group.rewards is not None
     return float(np.nanmean(group.rewards)) if np.isfinite(group.rewards).any() else float("nan")
 
 
 def evaluate(
-    config: Config, base_url: str, model_name: str, tokenizer: Any, dataset: Any, sources: list[RewardSource],
+    config: Config,
+    base_url: str,
+    model_name: str,
+    tokenizer: Any,
+    dataset: Any,
+    sources: list[RewardSource],
     max_model_len: int,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Mean reward of greedy and sampled completions on the first ``data.num_eval_prompts`` eval rows."""
     rows = [dataset[i] for i in range(min(len(dataset), config.data.num_eval_prompts))]
     return asyncio.run(_evaluate(config, base_url, model_name, tokenizer, rows, sources, max_model_len))

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.dtypes import DTYPES
 from asyncrl.model_kind import auto_model_class, is_vision_language
 from asyncrl.trainer.checkpoint import (
     PROCESSOR_FILES,
@@ -29,7 +30,6 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.lora import ADAPTER_CONFIG, is_adapter_dir
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _TOKENIZER = ("tokenizer_config.json", "tokenizer.json")
 
@@ -66,8 +66,10 @@ def resolve_source(source: Path) -> Path:
     if checkpoints and is_model_dir(checkpoints[-1]):
         return checkpoints[-1]
     if checkpoints:
-        raise ExportError(f"{checkpoints[-1]}: checkpoint without a model (no {ADAPTER_CONFIG}, "
-                          f"no config.json with {' or '.join(_WEIGHTS)})")  # fmt: skip
+        raise ExportError(
+            f"{checkpoints[-1]}: checkpoint without a model (no {ADAPTER_CONFIG}, "
+            f"no config.json with {' or '.join(_WEIGHTS)})"
+        )
     raise ExportError(
         f"{source}: no model to export: no {ADAPTER_CONFIG}, no config.json with {_WEIGHTS[0]}, no model/ "
         f"and no {checkpoints_dir(source).name}/step_* inside"
@@ -95,12 +97,14 @@ def load_merged(model_dir: Path, base: str | None) -> tuple[Any, str | None]:
     try:
         base_model = auto_model_class(base_path).from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
-        raise ExportError(f"{model_dir}: base model {base_path!r} not found ({type(exc).__name__}: {exc}); "
-                          "give it with --base PATH_OR_HUB_ID") from exc  # fmt: skip
+        raise ExportError(
+            f"{model_dir}: base model {base_path!r} not found ({type(exc).__name__}: {exc}); "
+            "give it with --base PATH_OR_HUB_ID"
+        ) from exc
     return PeftModel.from_pretrained(base_model, model_dir).merge_and_unload(), base_path
 
 
-def load_tokenizer(model_dir: Path, base: str | None) -> Any:
+def source_tokenizer(model_dir: Path, base: str | None) -> Any:
     """The tokenizer saved with the weights, else the base's: a model without one cannot be served."""
     from transformers import AutoTokenizer
 
@@ -111,8 +115,10 @@ def load_tokenizer(model_dir: Path, base: str | None) -> Any:
     try:
         return AutoTokenizer.from_pretrained(base)
     except (OSError, ValueError) as exc:
-        raise ExportError(f"{model_dir}: no tokenizer ({' or '.join(_TOKENIZER)}) there or in the base {base!r}: "
-                          f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+        raise ExportError(
+            f"{model_dir}: no tokenizer ({' or '.join(_TOKENIZER)}) there or in the base {base!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def vision_files(model_dir: Path, base: str | None, model_config: Any) -> dict[str, bytes]:
@@ -122,8 +128,11 @@ def vision_files(model_dir: Path, base: str | None, model_config: Any) -> dict[s
         return {}
     files = processor_files(model_dir) or (processor_files(base) if base is not None else {})
     if not files:
-        warnings.warn(f"{model_dir}: a vision-language model without {' or '.join(PROCESSOR_FILES)}; copy its "
-                      "source checkpoint's into the export, or vLLM will not load it", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"{model_dir}: a vision-language model without {' or '.join(PROCESSOR_FILES)}; copy its "
+            "source checkpoint's into the export, or vLLM will not load it",
+            stacklevel=2,
+        )
     return files
 
 
@@ -138,15 +147,16 @@ def check_out(out: Path, model_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"{out}: exists and is not empty; pass --overwrite to replace it")
 
 
-def export(source: Path, out: Path, dtype: str = "bfloat16", base: str | None = None,
-           overwrite: bool = False) -> Exported:  # fmt: skip
+def export(
+    source: Path, out: Path, dtype: str = "bfloat16", base: str | None = None, overwrite: bool = False
+) -> Exported:
     """Write SOURCE's model (adapter merged) in ``dtype`` with its tokenizer to OUT, atomically."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
     model_dir = resolve_source(source)
     check_out(out, model_dir, overwrite)
     model, base_path = load_merged(model_dir, base)
-    tokenizer = load_tokenizer(model_dir, base_path)
+    tokenizer = source_tokenizer(model_dir, base_path)
     model = model.to(DTYPES[dtype])
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

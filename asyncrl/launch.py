@@ -42,8 +42,18 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.trainer.supervise import TrainerRankError
     from asyncrl.trainer.sync.base import WeightSyncError
 
-    return (DatasetError, RegistryError, ServerStartError, RolloutWorkerError, UnpicklableError, TrainerRankError,
-            ResumeError, TrainingStalledError, ConfigError, WeightSyncError)  # fmt: skip
+    return (
+        DatasetError,
+        RegistryError,
+        ServerStartError,
+        RolloutWorkerError,
+        UnpicklableError,
+        TrainerRankError,
+        ResumeError,
+        TrainingStalledError,
+        ConfigError,
+        WeightSyncError,
+    )
 
 
 EXPECTED_ERRORS = _expected_errors()
@@ -124,15 +134,20 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     metrics = run_dir / "metrics.jsonl"
     steps = [r["step"] for r in read_jsonl(metrics)] if metrics.is_file() else []
     done = f"interrupted ({exc.args[0] if exc.args else 'SIGINT'}) at step {steps[-1] if steps else 0}"
-    kept = [o for o in HydraConfig.get().overrides.task
-            if not o.lstrip("+~").startswith(("trainer.resume_from_checkpoint", "hydra.run.dir"))]  # fmt: skip
+    kept = [
+        o
+        for o in HydraConfig.get().overrides.task
+        if not o.lstrip("+~").startswith(("trainer.resume_from_checkpoint", "hydra.run.dir"))
+    ]
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
         again = " ".join(shlex.quote(o) for o in kept)
         return f"{done}, before its first checkpoint: nothing to resume; start again with: asyncrl train {again}"
     resume = [*kept, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run_dir}"]
-    return (f"{done}; resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
-            f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}")  # fmt: skip
+    return (
+        f"{done}; resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
+        f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}"
+    )
 
 
 def run_job(config: Config, run_dir: Path) -> None:
@@ -140,8 +155,8 @@ def run_job(config: Config, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if config.trainer.output_dir is None:
         config.trainer.output_dir = str(run_dir)
-    from asyncrl.trainer.distributed import world_size
     from asyncrl.trainer.loop import run_training
+    from asyncrl.trainer.ranks import world_size
     from asyncrl.trainer.setup import prepare
 
     world = world_size(config)
@@ -150,7 +165,7 @@ def run_job(config: Config, run_dir: Path) -> None:
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
         claim_server_access(config, run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(config))
-    _terminate_on_sigterm()
+    terminate_on_sigterm()
     prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
     with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if world > 1:
@@ -172,8 +187,10 @@ def check_port(config: Config) -> None:
 
     sv = config.server
     if sv.launch and not port_is_free(sv.host, sv.port):
-        raise ConfigError(f"server.port={sv.port}: {sv.host}:{sv.port} is already in use (another server?); "
-                          "choose a free one with server.port=N, or attach to it with server.launch=false")  # fmt: skip
+        raise ConfigError(
+            f"server.port={sv.port}: {sv.host}:{sv.port} is already in use (another server?); "
+            "choose a free one with server.port=N, or attach to it with server.launch=false"
+        )
 
 
 def _check_resume(config: Config, world: int, run_dir: Path) -> None:
@@ -239,7 +256,7 @@ def launch_command(config: Config, run_dir: Path) -> ServerCommand:
     """The command of the server this run launches, once its token and weights directory are claimed. vLLM reads
     the token as its --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
-    from asyncrl.server.command import server_command
+    from asyncrl.server.choice import server_command
 
     claim_server_access(config, run_dir)
     command = server_command(config)
@@ -278,7 +295,7 @@ def serve_forever(config: Config) -> None:
     run_dir = Path(config.trainer.output_dir or "runs/serve")
     command = launch_command(config, run_dir)
     print(shell_line(command.argv, command.env), flush=True)
-    _terminate_on_sigterm()
+    terminate_on_sigterm()
     log_path = run_dir / "logs" / "server.log"
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
         with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
@@ -306,7 +323,7 @@ def _stop_on_signals() -> threading.Event:
     return stopping
 
 
-def _terminate_on_sigterm() -> None:
+def terminate_on_sigterm() -> None:
     """Turn SIGTERM into KeyboardInterrupt("SIGTERM") so context managers stop the children; Ctrl-C raises it too,
     even in a process started from a script's background job, which inherits SIGINT ignored."""
 

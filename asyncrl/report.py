@@ -25,8 +25,14 @@ from asyncrl.trainer.timeline import merge
 
 Records = list[dict[str, Any]]
 STEP_PARTS = ("perf/fwd_bwd_s", "perf/optimizer_s", "perf/weight_sync_s", "perf/rollout_wait_s")
-_QUEUE_METRICS = ("perf/rollout_wait_s", "rollout/backpressure_s", "perf/step_s", "rollout/queue_size",
-                  "batch/samples_per_step", "sample/staleness_mean")  # fmt: skip
+_QUEUE_METRICS = (
+    "perf/rollout_wait_s",
+    "rollout/backpressure_s",
+    "perf/step_s",
+    "rollout/queue_size",
+    "batch/samples_per_step",
+    "sample/staleness_mean",
+)
 
 
 def series(records: Records, name: str) -> tuple[list[float], list[float]]:
@@ -78,8 +84,12 @@ def plot_reward(records: Records) -> Figure | None:
 
 def plot_lengths(records: Records) -> Figure | None:
     fig, (ax,) = _figure()
-    names = ("completions/mean_length", "completions/mean_terminated_length", "completions/min_length",
-             "completions/max_length")  # fmt: skip
+    names = (
+        "completions/mean_length",
+        "completions/mean_terminated_length",
+        "completions/min_length",
+        "completions/max_length",
+    )
     if not _lines(ax, records, names):
         return None
     _finish(ax, "Completion lengths", "tokens")
@@ -88,8 +98,11 @@ def plot_lengths(records: Records) -> Figure | None:
 
 def plot_throughput(records: Records) -> Figure | None:
     fig, (ax,) = _figure()
-    names = ("rollout/generated_tokens_per_s", "perf/wall_clock_trained_tokens_per_s",
-             "perf/wall_clock_forwarded_tokens_per_s")  # fmt: skip
+    names = (
+        "rollout/generated_tokens_per_s",
+        "perf/wall_clock_trained_tokens_per_s",
+        "perf/wall_clock_forwarded_tokens_per_s",
+    )
     if not _lines(ax, records, names):
         return None
     _finish(ax, "Throughput: generated vs trained tokens", "tokens / s")
@@ -174,10 +187,12 @@ def run_summary(records: Records, run_dir: Path, timeline: dict[str, Any]) -> li
         "final reward": f"{rewards[-1]:.4f}" if rewards else None,
         "best reward": f"{max(rewards):.4f}" if rewards else None,
     }
-    for label, name, fmt in (("mean generated tokens/s", "rollout/generated_tokens_per_s", "{:,.0f}"),
-                             ("mean trained tokens/s", "perf/wall_clock_trained_tokens_per_s", "{:,.0f}"),
-                             ("mean staleness", "sample/staleness_mean", "{:.2f}"),
-                             ("mean frac_reward_zero_std", "frac_reward_zero_std", "{:.2f}")):  # fmt: skip
+    for label, name, fmt in (
+        ("mean generated tokens/s", "rollout/generated_tokens_per_s", "{:,.0f}"),
+        ("mean trained tokens/s", "perf/wall_clock_trained_tokens_per_s", "{:,.0f}"),
+        ("mean staleness", "sample/staleness_mean", "{:.2f}"),
+        ("mean frac_reward_zero_std", "frac_reward_zero_std", "{:.2f}"),
+    ):
         value = _mean(records, name)
         optional[label] = None if value is None else fmt.format(value)
     for key, value in timeline.get("summary", {}).items():
@@ -191,9 +206,11 @@ def run_summary(records: Records, run_dir: Path, timeline: dict[str, Any]) -> li
 
 # ---- HTML ---------------------------------------------------------------------------------------------------
 
-_STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
-          "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
-          "img{max-width:100%;display:block;margin:1em 0}")  # fmt: skip
+_STYLE = (
+    "body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+    "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
+    "img{max-width:100%;display:block;margin:1em 0}"
+)
 
 
 def _table(header: list[str] | None, rows: list[list[str]]) -> str:
@@ -209,16 +226,21 @@ def _image(path: Path) -> str:
 
 def _page(title: str, sections: list[str]) -> str:
     body = "\n".join(sections)
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")  # fmt: skip
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n"
+    )
 
 
 # ---- single run and sweep -----------------------------------------------------------------------------------
 
 _PLOTS: tuple[tuple[str, Callable[[Records], Figure | None]], ...] = (
-    ("reward", plot_reward), ("lengths", plot_lengths), ("throughput", plot_throughput),
-    ("staleness_queue", plot_staleness), ("step_time", plot_step_time),
-)  # fmt: skip
+    ("reward", plot_reward),
+    ("lengths", plot_lengths),
+    ("throughput", plot_throughput),
+    ("staleness_queue", plot_staleness),
+    ("step_time", plot_step_time),
+)
 
 
 def _run_report(run_dir: Path) -> Path:
@@ -240,8 +262,11 @@ def _run_report(run_dir: Path) -> Path:
 
 def sweep_jobs(sweep_dir: Path) -> list[Path]:
     """Job directories of a Hydra multirun, in job-number order."""
-    jobs = [p for p in sweep_dir.iterdir()
-            if (p / "metrics.jsonl").is_file() and (p / ".hydra" / "overrides.yaml").is_file()]  # fmt: skip
+    jobs = [
+        p
+        for p in sweep_dir.iterdir()
+        if (p / "metrics.jsonl").is_file() and (p / ".hydra" / "overrides.yaml").is_file()
+    ]
     return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
 
 
@@ -271,8 +296,9 @@ def _sweep_report(sweep_dir: Path, jobs: list[Path]) -> Path:
     for job in jobs:
         summary = dict(run_summary(read_jsonl(job / "metrics.jsonl"), job, {}))
         link = f'<a href="../{html.escape(job.name)}/report/{_run_report(job).name}">report</a>'
-        cells = [job.name, job_label(job)] + [summary.get(k, "-") for k in ("steps", "final reward", "best reward",
-                                                                           "wall time")]  # fmt: skip
+        cells = [job.name, job_label(job)] + [
+            summary.get(k, "-") for k in ("steps", "final reward", "best reward", "wall time")
+        ]
         rows.append([html.escape(c) for c in cells] + [link])
     header = ["job", "overrides", "steps", "final reward", "best reward", "wall time", ""]
     sections = ["<h2>Jobs</h2>", _table(header, rows)]
@@ -291,6 +317,8 @@ def write_report(run_dir: Path) -> Path:
         return _run_report(run_dir)
     jobs = sweep_jobs(run_dir) if run_dir.is_dir() else []
     if not jobs:
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl, and no multirun jobs (0/, 1/, ... with "
-                                "metrics.jsonl and .hydra/overrides.yaml)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{run_dir}: no metrics.jsonl, and no multirun jobs (0/, 1/, ... with "
+            "metrics.jsonl and .hydra/overrides.yaml)"
+        )
     return _sweep_report(run_dir, jobs)

@@ -29,10 +29,10 @@ from transformers.cache_utils import DynamicLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncrl.sampling import SamplingParams  # noqa: E402
 from asyncrl.server.cache import SlackLayer  # noqa: E402
 from asyncrl.server.engine import Engine, EngineConfig  # noqa: E402
 from asyncrl.server.rows import GenerationRequest  # noqa: E402
-from asyncrl.server.sampling import SamplingSettings  # noqa: E402
 
 MODELS = {
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -71,12 +71,12 @@ def build_model(name: str, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
 
 def build_requests(args: argparse.Namespace, vocab: int, tag: str) -> list[GenerationRequest]:
     rng = random.Random(0)
-    settings = SamplingSettings(num_logprobs=8)
     requests = []
     for i in range(args.requests):
         prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
         max_tokens = rng.randint(args.completion_min, args.completion_max)
-        requests.append(GenerationRequest(f"{tag}{i}", prompt, max_tokens, settings, seed=i, ignore_eos=True))
+        params = SamplingParams(max_tokens=max_tokens, logprobs=8, seed=i, ignore_eos=True)
+        requests.append(GenerationRequest(f"{tag}{i}", prompt, params))
     return requests
 
 

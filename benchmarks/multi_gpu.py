@@ -92,7 +92,8 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
     from asyncrl.losses import LOSSES
     from asyncrl.losses.step import StepLoss
     from asyncrl.trainer import fsdp
-    from asyncrl.trainer.distributed import Follower, Ranks, build_sharded, split_rows, train_rows
+    from asyncrl.trainer.distributed import Follower, build_sharded, split_rows, train_rows
+    from asyncrl.trainer.ranks import Ranks
 
     config = config_for(model_dir, args, world)
     ranks = Ranks.from_env()

@@ -114,6 +114,7 @@ def test_every_sampling_field_is_sent_and_token_ids_are_parsed(stub):
     assert body == {
         "model": "m", "prompt": [1, 2, 3], "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.0,
         "repetition_penalty": 1.0, "max_tokens": 16, "min_tokens": 0, "logprobs": 2, "seed": 9, "stop_token_ids": [4],
+        "ignore_eos": False,
         "return_sampling_mask": True, "return_token_ids": True, "return_tokens_as_token_ids": True,
     }  # fmt: skip
     assert completion == Completion(token_ids=[7, 8], logprobs=[-0.5, -0.25],

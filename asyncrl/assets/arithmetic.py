@@ -16,7 +16,8 @@ MAX_OPERAND = 99
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 Pair = tuple[int, int]
-Row = dict[str, object]
+Problem = dict[str, object]
+"""One dataset row: the chat prompt and the answer the accuracy reward checks."""
 
 
 def question(a: int, b: int) -> str:
@@ -24,7 +25,7 @@ def question(a: int, b: int) -> str:
     return f"What is {a} + {b}?"
 
 
-def build_row(a: int, b: int) -> Row:
+def build_row(a: int, b: int) -> Problem:
     """One DeepMath-shaped row for `a + b`."""
     return {"prompt": [{"role": "user", "content": question(a, b)}], "solution": str(a + b)}
 
@@ -38,7 +39,7 @@ def split_pairs(seed: int, n_eval: int) -> tuple[list[Pair], list[Pair]]:
     return pairs[n_eval:], pairs[:n_eval]
 
 
-def build_splits(seed: int, n_train: int, n_eval: int) -> dict[str, list[Row]]:
+def build_splits(seed: int, n_train: int, n_eval: int) -> dict[str, list[Problem]]:
     """Train rows come from the pairs left after the eval hold-out; both splits are fixed by `seed`."""
     train_pairs, eval_pairs = split_pairs(seed, n_eval)
     if not 0 < n_train <= len(train_pairs):
@@ -60,7 +61,7 @@ def write_splits(out_dir: str | Path, seed: int, n_train: int, n_eval: int) -> d
     return paths
 
 
-def read_rows(path: str | Path) -> list[Row]:
+def read_rows(path: str | Path) -> list[Problem]:
     """Rows of one written split, in file order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
 

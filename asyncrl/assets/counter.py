@@ -48,8 +48,13 @@ CHAT_TEMPLATE = (
 )
 # tiny-arith's shape at half the width and depth (head_dim stays 64 for vLLM's kernels): the task only copies
 # a digit, and both this SFT and the recipe's RL must run in minutes on a shared CPU.
-SHAPE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 2,
-         "num_key_value_heads": 1}  # fmt: skip
+SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
 SCHEMAS = tool_schemas([IncrementEnv.increment.__get__(IncrementEnv())])
 
 
@@ -99,9 +104,11 @@ def episode(tokenizer: PreTrainedTokenizerFast, target: int, step: int | None) -
     messages = list(task_row(target)["prompt"])
     if step is not None:
         call = {"type": "function", "function": {"name": "increment", "arguments": {"step": step}}}
-        replies = [{"role": "assistant", "content": "", "tool_calls": [call]},
-                   {"role": "tool", "name": "increment", "content": str(step)},
-                   {"role": "assistant", "content": f"\\boxed{{{step}}}"}]  # fmt: skip
+        replies = [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "increment", "content": str(step)},
+            {"role": "assistant", "content": f"\\boxed{{{step}}}"},
+        ]
     else:
         replies = [{"role": "assistant", "content": f"\\boxed{{{target}}}"}]
     ids: list[int] = []
@@ -119,8 +126,11 @@ def episode(tokenizer: PreTrainedTokenizerFast, target: int, step: int | None) -
 
 
 def render(tokenizer: PreTrainedTokenizerFast, messages: list[dict], generation_prompt: bool) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=SCHEMAS, add_generation_prompt=generation_prompt,
-                                              return_dict=False))  # fmt: skip
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=SCHEMAS, add_generation_prompt=generation_prompt, return_dict=False
+        )
+    )
 
 
 def sft(model, tokenizer, args: argparse.Namespace) -> None:
@@ -160,8 +170,15 @@ def success_rate(model, tokenizer, targets: list[int], samples: int, seed: int) 
     for target in targets:
         prompt = render(tokenizer, task_row(target)["prompt"], generation_prompt=True)
         input_ids = torch.tensor([prompt] * samples, device=model.device)
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=32,
-                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0)  # fmt: skip
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=32,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+        )
         for text in tokenizer.batch_decode(out[:, len(prompt) :], skip_special_tokens=True):
             env = IncrementEnv()
             env.reset(target)

@@ -41,8 +41,14 @@ def hybrid_vlm_config(tokenizer: PreTrainedTokenizerFast, **text_overrides: Any)
     from transformers import Qwen3_5Config
 
     text = hybrid_text_config(tokenizer, **text_overrides)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size,
-                  num_position_embeddings=64)  # fmt: skip
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text.hidden_size,
+        num_position_embeddings=64,
+    )
     return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
 
 

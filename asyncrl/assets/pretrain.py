@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-from asyncrl.assets.arithmetic import MAX_OPERAND, Pair, Row, build_row, is_correct, split_pairs, write_splits
+from asyncrl.assets.arithmetic import MAX_OPERAND, Pair, Problem, build_row, is_correct, split_pairs, write_splits
 from asyncrl.assets.tiny_model import build_model, build_tokenizer, save_tiny_model
 
 IGNORE_INDEX = -100
@@ -95,7 +95,7 @@ def right_pad(rows: list[list[int]], width: int, value: int) -> torch.Tensor:
     return torch.tensor([row + [value] * (width - len(row)) for row in rows])
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerFast, row: Row) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerFast, row: Problem) -> list[int]:
     """Token ids of a row's prompt with the generation prompt, as the rollout worker renders it."""
     return list(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False))
 
@@ -110,7 +110,12 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[Row], samples: int, greedy: bool, seed: int
+    model: Qwen3ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    rows: list[Problem],
+    samples: int,
+    greedy: bool,
+    seed: int,
 ) -> dict[str, float]:
     """Accuracy of `samples` completions per row, plus the share of rows with mixed outcomes (GRPO signal)."""
     model.eval()
@@ -142,7 +147,7 @@ def train(
     model: Qwen3ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     data: SftData,
-    eval_rows: list[Row],
+    eval_rows: list[Problem],
     args: argparse.Namespace,
 ) -> float:
     """AdamW SFT for `args.steps` steps, logging greedy accuracy; returns the mean loss of the last log window."""

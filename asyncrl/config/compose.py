@@ -15,8 +15,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from asyncrl.assets import asset_path
 from asyncrl.config.errors import ConfigError
+from asyncrl.config.messages import check_known_keys
 from asyncrl.config.schema import Config
+from asyncrl.config.validate import validate
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
@@ -34,8 +37,6 @@ def recipes_dir() -> Path:
 
 
 def _asset(name: str) -> str:
-    from asyncrl.assets import asset_path
-
     return str(asset_path(name))
 
 
@@ -51,15 +52,13 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
     ``return_hydra_config`` the result keeps Hydra's own node (``hydra.run.dir``, ...)."""
     register_schema()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="asyncrl"):
-        return hydra_compose(config_name="config", overrides=list(overrides or []),
-                             return_hydra_config=return_hydra_config)  # fmt: skip
+        return hydra_compose(
+            config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config
+        )
 
 
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations, build the typed Config and run every validation check."""
-    from asyncrl.config.messages import check_known_keys
-    from asyncrl.config.validate import validate
-
     check_known_keys(cfg)
     try:
         config = OmegaConf.to_object(cfg)

@@ -13,6 +13,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from asyncrl.sampling import Decoding
+
 
 class ServerBackend(str, Enum):
     auto = "auto"
@@ -70,17 +72,14 @@ class ModelConfig:
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Decoding):
+    """The decoding knobs (temperature, top_p, top_k, min_p, repetition_penalty: asyncrl/sampling.py) and the
+    run's other sampling settings."""
+
     num_generations: int = 8
     """Rollouts per prompt (the group size)."""
     max_completion_length: int = 2048
     """Tokens generated per server request, i.e. per turn."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 = off. top_p < 1 or min_p > 0 need top_k > 0 (it bounds the candidate set)."""
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
     num_sampler_logprobs: int = 8
     """Top log-probabilities requested per generated token (score centering needs them)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

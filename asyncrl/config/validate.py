@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
 
 
 def check_sampling_ranges(config: Config) -> None:
@@ -94,8 +93,10 @@ def check_trainer_rates(config: Config) -> None:
     if t.save_strategy == "steps" and t.save_steps < 1:
         raise ConfigError(f"trainer.save_steps={t.save_steps} must be >= 1 (or trainer.save_strategy=no)")
     if t.save_total_limit is not None and t.save_total_limit < 1:
-        raise ConfigError(f"trainer.save_total_limit={t.save_total_limit} would delete every checkpoint, the last "
-                          "one included: set it >= 1, or null to keep them all")  # fmt: skip
+        raise ConfigError(
+            f"trainer.save_total_limit={t.save_total_limit} would delete every checkpoint, the last "
+            "one included: set it >= 1, or null to keep them all"
+        )
     if t.lr_scheduler_type != "constant" and t.max_steps <= 0:
         raise ConfigError(
             f"trainer.lr_scheduler_type={t.lr_scheduler_type} decays over optimizer steps, which an epoch-based "
@@ -103,7 +104,7 @@ def check_trainer_rates(config: Config) -> None:
         )
 
 
-def check_server(config: Config) -> None:
+def check_server_config(config: Config) -> None:
     sv = config.server
     if not sv.launch and not sv.base_url:
         raise ConfigError("server.launch=false attaches to a running server: set server.base_url=http://HOST:PORT")
@@ -176,8 +177,9 @@ def check_rollout_limits(config: Config) -> None:
     if r.score_queue_maxsize < 1:
         raise ConfigError(f"rollout.score_queue_maxsize={r.score_queue_maxsize} must be >= 1")
     if r.max_consecutive_dropped_groups is not None and r.max_consecutive_dropped_groups < 1:
-        raise ConfigError(f"rollout.max_consecutive_dropped_groups={r.max_consecutive_dropped_groups} must be "
-                          ">= 1 (null: never stop)")  # fmt: skip
+        raise ConfigError(
+            f"rollout.max_consecutive_dropped_groups={r.max_consecutive_dropped_groups} must be >= 1 (null: never stop)"
+        )
     if not 0 <= r.max_failed_group_fraction <= 1:
         raise ConfigError(f"rollout.max_failed_group_fraction={r.max_failed_group_fraction} must be in [0, 1]")
 
@@ -246,7 +248,7 @@ def _build(registry, spec, key: str) -> None:  # type: ignore[no-untyped-def]
         raise ConfigError(f"{key}: {exc}") from exc
 
 
-def check_agents(config: Config) -> None:
+def check_agent_config(config: Config) -> None:
     """Tools and environments import, and the tool-call format is one the parser knows."""
     from asyncrl.registry import RegistryError
     from asyncrl.rollout.environments import load_factories, load_tools
@@ -256,8 +258,10 @@ def check_agents(config: Config) -> None:
     if r.tool_call_format != "auto" and r.tool_call_format not in FORMATS:
         raise ConfigError(f"rollout.tool_call_format={r.tool_call_format!r}: expected auto or one of {FORMATS}")
     if config.sampling.max_tool_calling_iterations is not None and config.sampling.max_tool_calling_iterations < 0:
-        raise ConfigError(f"sampling.max_tool_calling_iterations={config.sampling.max_tool_calling_iterations} "
-                          "must be >= 0 (null = no cap)")  # fmt: skip
+        raise ConfigError(
+            f"sampling.max_tool_calling_iterations={config.sampling.max_tool_calling_iterations} "
+            "must be >= 0 (null = no cap)"
+        )
     try:
         load_tools(list(r.tools))
     except (RegistryError, TypeError, ValueError) as exc:
@@ -268,8 +272,9 @@ def check_agents(config: Config) -> None:
         raise ConfigError(f"rollout.environment_factory: {exc}") from exc
     for name, factory in factories.items():
         if not callable(getattr(factory, "reset", None)) and isinstance(factory, type):
-            raise ConfigError(f"rollout.environment_factory{'' if name is None else f'.{name}'}={factory!r} "
-                              "has no reset method")  # fmt: skip
+            raise ConfigError(
+                f"rollout.environment_factory{'' if name is None else f'.{name}'}={factory!r} has no reset method"
+            )
 
 
 def check_data_source(config: Config) -> None:
@@ -290,8 +295,6 @@ def check_data_source(config: Config) -> None:
             f"data.path is not set, so the environment supplies the prompts and there are no epochs: "
             f"trainer.max_steps={config.trainer.max_steps} must be > 0 (try trainer.max_steps=100)"
         )
-    from asyncrl.server.command import resolve_backend
-
     unsized = config.server.max_model_len is None and config.data.max_prompt_length is None
     if unsized and resolve_backend(config) == "vllm":
         raise ConfigError(
@@ -305,13 +308,13 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_truncation_needs_top_k,
     check_staleness,
     check_trainer_rates,
-    check_server,
+    check_server_config,
     check_lora,
     check_vllm_server,
     check_rollout_limits,
     check_rollout_loop,
     check_components,
-    check_agents,
+    check_agent_config,
     check_data_source,
     check_loss_requirements,
     check_loss_options,
@@ -330,12 +333,16 @@ def check_ranks(config: Config) -> None:
         raise ConfigError(f"trainer.num_processes={t.num_processes} must be >= 1")
     ranks = trainer_ranks(config)
     if ranks > 1 and config.lora.enabled:
-        raise ConfigError(f"trainer.num_processes={ranks} with lora.enabled=true: multi-rank (FSDP2) training is "
-                          "full fine-tuning only; train LoRA on one rank (trainer.num_processes=1)")  # fmt: skip
+        raise ConfigError(
+            f"trainer.num_processes={ranks} with lora.enabled=true: multi-rank (FSDP2) training is "
+            "full fine-tuning only; train LoRA on one rank (trainer.num_processes=1)"
+        )
     if ranks > 1 and config.server.weight_transfer == "ipc":
         # vLLM's IPC sender all-gathers the handles over the trainer's process group, where only rank 0 sends
-        raise ConfigError(f"server.weight_transfer=ipc with {ranks} trainer ranks: CUDA IPC shares one process's "
-                          "memory with a server on the same GPU; use server.weight_transfer=nccl")  # fmt: skip
+        raise ConfigError(
+            f"server.weight_transfer=ipc with {ranks} trainer ranks: CUDA IPC shares one process's "
+            "memory with a server on the same GPU; use server.weight_transfer=nccl"
+        )
 
 
 def validate(config: Config) -> None:

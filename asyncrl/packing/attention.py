@@ -201,8 +201,9 @@ class FlexPlan:
         if pad:
             query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
         gqa = query.shape[1] != key.shape[1]
-        out = _flex_attention(query.device.type)(query, key, value, block_mask=self.block_mask, scale=scale,
-                                                 enable_gqa=gqa)  # fmt: skip
+        out = _flex_attention(query.device.type)(
+            query, key, value, block_mask=self.block_mask, scale=scale, enable_gqa=gqa
+        )
         return out[:, :, : self.length].transpose(1, 2).to(dtype)
 
 
@@ -261,8 +262,9 @@ def _fa3_kernel() -> VarlenKernel | None:
 @functools.cache
 def _warn_fallback(device_type: str) -> None:
     fallback = "varlen" if device_type == "cuda" else "sdpa"
-    warnings.warn(f"attention 'kernels': FA3 ({FA3_REPO}) is unavailable on {device_type}; using '{fallback}'",
-                  stacklevel=3)  # fmt: skip
+    warnings.warn(
+        f"attention 'kernels': FA3 ({FA3_REPO}) is unavailable on {device_type}; using '{fallback}'", stacklevel=3
+    )
 
 
 # ---- auto, and wiring into transformers ------------------------------------------------------------------------
@@ -327,21 +329,27 @@ def check_model(model: torch.nn.Module) -> None:
     text = config.get_text_config()
     others = sorted(set(getattr(text, "layer_types", None) or []) - {"full_attention", "linear_attention"})
     if others:
-        raise ValueError(f"packing: {name} has layer_types {others}; packed rows support full attention and gated "
-                         "DeltaNet layers (Qwen3.5, Qwen3.6, Qwen3-Next) only")  # fmt: skip
+        raise ValueError(
+            f"packing: {name} has layer_types {others}; packed rows support full attention and gated "
+            "DeltaNet layers (Qwen3.5, Qwen3.6, Qwen3-Next) only"
+        )
     sinks = sorted({type(m).__name__ for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)})
     if sinks:
         raise ValueError(f"packing: {name} has attention sinks ({', '.join(sinks)}), which packed rows do not support")
     unwrapped = unsupported_deltanet(model)
     if unwrapped:
-        raise ValueError(f"packing: {name}'s gated DeltaNet layers {unwrapped} come from a modeling module asyncrl "
-                         "does not wrap (supported: Qwen3.5, Qwen3.5-MoE, Qwen3-Next)")  # fmt: skip
+        raise ValueError(
+            f"packing: {name}'s gated DeltaNet layers {unwrapped} come from a modeling module asyncrl "
+            "does not wrap (supported: Qwen3.5, Qwen3.5-MoE, Qwen3-Next)"
+        )
     for layers_name, layers in model.named_modules():
         if layers_name.endswith("layers") and isinstance(layers, torch.nn.ModuleList):
             missing = [i for i, layer in enumerate(layers) if not _mixes_tokens(layer)]
             if missing:
-                raise ValueError(f"packing: {name} decoder layers {missing} have neither self_attn nor a gated "
-                                 "DeltaNet linear_attn (unsupported token mixer)")  # fmt: skip
+                raise ValueError(
+                    f"packing: {name} decoder layers {missing} have neither self_attn nor a gated "
+                    "DeltaNet linear_attn (unsupported token mixer)"
+                )
     if getattr(text, "attention_dropout", 0.0):
         raise ValueError(f"tree packing: {name} has attention_dropout={text.attention_dropout}; it must be 0")
 

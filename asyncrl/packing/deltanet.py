@@ -95,8 +95,13 @@ def build_recurrent_plan(row: PackedRow, kernel_size: int, device: torch.device)
     order = torch.empty_like(concatenated)
     order[concatenated] = torch.arange(concatenated.numel(), device=concatenated.device)
     window = torch.tensor(conv_window, dtype=torch.long).reshape(-1, kernel_size)
-    return RecurrentPlan(row.num_forwarded, torch.tensor(conv_positions, dtype=torch.long).to(device),
-                         window.to(device), levels, order.to(device))  # fmt: skip
+    return RecurrentPlan(
+        row.num_forwarded,
+        torch.tensor(conv_positions, dtype=torch.long).to(device),
+        window.to(device),
+        levels,
+        order.to(device),
+    )
 
 
 def _level(segments: list, parents: torch.Tensor | None, length: int, device: torch.device) -> Level:
@@ -108,17 +113,27 @@ def _level(segments: list, parents: torch.Tensor | None, length: int, device: to
     gather = torch.where(valid, starts[:, None] + slots[None], torch.full_like(valid, length, dtype=torch.long))
     positions = torch.cat([torch.arange(seg.q_start, seg.q_end) for seg in segments])
     cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
-    return Level(positions.to(device), lengths, None if parents is None else parents.to(device), gather.to(device),
-                 valid.to(device), cu_seqlens.to(device))  # fmt: skip
+    return Level(
+        positions.to(device),
+        lengths,
+        None if parents is None else parents.to(device),
+        gather.to(device),
+        valid.to(device),
+        cu_seqlens.to(device),
+    )
 
 
 # ---- the two layer functions on a plan ---------------------------------------------------------------------------
 
 
 def packed_conv(
-    original: Callable[..., torch.Tensor], hidden_states: torch.Tensor, weight: torch.Tensor,
-    bias: torch.Tensor | None, activation: str | None, plan: RecurrentPlan,
-) -> torch.Tensor:  # fmt: skip
+    original: Callable[..., torch.Tensor],
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    plan: RecurrentPlan,
+) -> torch.Tensor:
     """[1, C, L] -> [1, C, L]: the plain convolution over the row, with the positions near a segment start
     recomputed from their own window (``weight`` [C, K], the last tap on the token itself)."""
     from transformers.activations import ACT2FN
@@ -135,9 +150,15 @@ def packed_conv(
 
 
 def packed_delta_rule(
-    original: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-    beta: torch.Tensor, use_qk_l2norm_in_kernel: bool, plan: RecurrentPlan,
-) -> torch.Tensor:  # fmt: skip
+    original: Callable[..., Any],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool,
+    plan: RecurrentPlan,
+) -> torch.Tensor:
     """[1, L, H, D] inputs -> [1, L, H_v, D_v]: the chunked gated delta rule per segment, level by level, each
     segment from its parent's final state. Grouped values (more value than key heads) pass through as they came:
     both kernels take them."""
@@ -161,8 +182,14 @@ def _torch_level(
     after the segment's last real token."""
     padded = [F.pad(t[0], (0, 0) * (t.dim() - 2) + (0, 1))[level.gather] for t in (query, key, value, g, beta)]
     reference = inspect.unwrap(original)
-    out, final = reference(*padded[:3], g=padded[3], beta=padded[4], initial_state=initial, output_final_state=True,
-                           use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
+    out, final = reference(
+        *padded[:3],
+        g=padded[3],
+        beta=padded[4],
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=l2norm,
+    )
     return out[level.valid], final
 
 
@@ -172,8 +199,17 @@ def _fla_level(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One level through fla's varlen Triton kernel: no padding, one sequence per segment."""
     q, k, v, gates, betas = (t.index_select(1, level.positions) for t in (query, key, value, g, beta))
-    out, final = _fla_rule()(q, k, v, g=gates.float(), beta=betas, initial_state=initial, output_final_state=True,
-                             cu_seqlens=level.cu_seqlens, use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
+    out, final = _fla_rule()(
+        q,
+        k,
+        v,
+        g=gates.float(),
+        beta=betas,
+        initial_state=initial,
+        output_final_state=True,
+        cu_seqlens=level.cu_seqlens,
+        use_qk_l2norm_in_kernel=l2norm,
+    )
     return out[0], final
 
 
@@ -183,8 +219,9 @@ def _fla_rule() -> Callable[..., Any] | None:
     known to be wrong on this GPU and Triton (fla's own check: Hopper with Triton 3.4-3.7.0 and no tilelang)."""
     reason = fla_unusable()
     if reason is not None:
-        warnings.warn(f"gated DeltaNet on CUDA: {reason}; using transformers' torch reference, which is much slower",
-                      stacklevel=4)  # fmt: skip
+        warnings.warn(
+            f"gated DeltaNet on CUDA: {reason}; using transformers' torch reference, which is much slower", stacklevel=4
+        )
         return None
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -201,8 +238,10 @@ def fla_unusable() -> str | None:
     if broken and importlib.util.find_spec("tilelang") is None:
         import triton
 
-        return (f"fla's gated backward is wrong on Hopper with Triton {triton.__version__} (fla issue 640): upgrade "
-                "Triton to >= 3.7.1 or pip install tilelang")  # fmt: skip
+        return (
+            f"fla's gated backward is wrong on Hopper with Triton {triton.__version__} (fla issue 640): upgrade "
+            "Triton to >= 3.7.1 or pip install tilelang"
+        )
     return None
 
 

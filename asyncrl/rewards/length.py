@@ -10,9 +10,14 @@ from asyncrl.rewards.base import REWARDS
 
 @REWARDS.register("length")
 def length(
-    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]], *,
-    target: int | None = None, scale: float = 1.0, **columns: Any,
-) -> list[float | None]:  # fmt: skip
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    *,
+    target: int | None = None,
+    scale: float = 1.0,
+    **columns: Any,
+) -> list[float | None]:
     """scale * tokens generated; with ``target``, scale * -|tokens - target| (closer to the target is better)."""
     if target is None:
         return [scale * len(ids) for ids in completion_ids]

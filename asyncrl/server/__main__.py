@@ -16,15 +16,14 @@ import uvicorn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncrl.client import TOKEN_ENV
-from asyncrl.config.validate import VLLM_LORA_RANKS
+from asyncrl.dtypes import DTYPES, torch_dtype
 from asyncrl.model_kind import auto_model_class
 from asyncrl.server.builtin import BuiltinServer, build_app
+from asyncrl.server.command import VLLM_LORA_RANKS
 from asyncrl.server.engine import Engine, EngineConfig
 from asyncrl.server.lora import AdapterSet, LoraLimits
 
 logger = logging.getLogger("asyncrl.server")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def positive_int(text: str) -> int:
@@ -60,7 +59,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_model(path: str, dtype: torch.dtype | str, trust_remote_code: bool) -> torch.nn.Module:
+def load_served_model(path: str, dtype: torch.dtype | str, trust_remote_code: bool) -> torch.nn.Module:
     """The checkpoint's model; a vision-language one whole, so the names of its weights are the trainer's; it serves
     text only."""
     auto = auto_model_class(path, trust_remote_code=trust_remote_code)
@@ -82,8 +81,11 @@ def check_access(args: argparse.Namespace) -> str:
     if args.weights_dir is not None and not args.weights_dir.is_dir():
         raise SystemExit(f"--weights-dir {args.weights_dir} is not a directory: create it or pass another")
     if not is_loopback(args.host):
-        logger.warning("binding to %s, not loopback: other machines can reach this server (state-changing "
-                       "requests need its token; generation and metrics are open)", args.host)  # fmt: skip
+        logger.warning(
+            "binding to %s, not loopback: other machines can reach this server (state-changing "
+            "requests need its token; generation and metrics are open)",
+            args.host,
+        )
     token = os.environ.get(TOKEN_ENV)
     if not token:
         token = secrets.token_urlsafe(32)
@@ -121,14 +123,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     logger.info("loading tokenizer from %s", args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     logger.info("loading model from %s (dtype %s) onto %s", args.model, args.dtype, device)
-    dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
-    model = load_model(args.model, dtype, args.trust_remote_code)
+    dtype = torch_dtype(args.dtype) or "auto"
+    model = load_served_model(args.model, dtype, args.trust_remote_code)
     model = model.to(device).eval()
     max_model_len = context_length(model, args.max_model_len)
     kv_cache_tokens = args.kv_cache_tokens or args.max_num_seqs * max_model_len
     eos = eos_token_ids(model, tokenizer)
-    logger.info("max_model_len %d, max_num_seqs %d, kv_cache_tokens %d, eos ids %s",
-                max_model_len, args.max_num_seqs, kv_cache_tokens, sorted(eos))  # fmt: skip
+    logger.info(
+        "max_model_len %d, max_num_seqs %d, kv_cache_tokens %d, eos ids %s",
+        max_model_len,
+        args.max_num_seqs,
+        kv_cache_tokens,
+        sorted(eos),
+    )
     config = EngineConfig(max_model_len, args.max_num_seqs, kv_cache_tokens, eos, seed=args.seed)
     name = args.served_model_name or args.model
     adapters = AdapterSet(LoraLimits(args.max_loras, args.max_lora_rank), name) if args.enable_lora else None
@@ -136,11 +143,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine = Engine(model, config, adapters)
     except ValueError as error:
         raise SystemExit(f"cannot serve {args.model}: {error}") from error
-    server = BuiltinServer(engine, tokenizer, served_model_name=name, model_path=args.model,
-                           max_logprobs=args.max_logprobs, weights_dir=args.weights_dir, token=token)  # fmt: skip
+    server = BuiltinServer(
+        engine,
+        tokenizer,
+        served_model_name=name,
+        model_path=args.model,
+        max_logprobs=args.max_logprobs,
+        weights_dir=args.weights_dir,
+        token=token,
+    )
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)  # fmt: skip
+    uvicorn.run(
+        build_app(server),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
 
 
 if __name__ == "__main__":

@@ -20,17 +20,23 @@ GROUPED_DECODE = "asyncrl_grouped_decode"
 
 
 def grouped_decode_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any,
-) -> tuple[torch.Tensor, None]:  # fmt: skip
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; returns [rows, query_len, heads, dim] as SDPA's does."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, query_len, dim = query.shape
     if query_len != 1 or groups == 1 or (attention_mask is not None and attention_mask.shape[1] != 1):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     folded = query.reshape(rows, heads // groups, groups, dim)
-    output = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask,
-                                                              scale=scaling)  # fmt: skip
+    output = torch.nn.functional.scaled_dot_product_attention(
+        folded, key, value, attn_mask=attention_mask, scale=scaling
+    )
     return output.reshape(rows, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from asyncrl.server.cache import build_slack_cache
 from asyncrl.server.lora import AdapterSet
-from asyncrl.server.rows import Row
+from asyncrl.server.rows import DecodeRow
 
 # Every SDPA backend but cuDNN: cuDNN builds an execution plan per input shape, and the cache grows a column every
 # decoding step, so each step rebuilt one per layer (1.7 ms of host time each: 80 ms steps for Qwen3-0.6B on an H200).
@@ -45,10 +45,10 @@ class RunningBatch:
         # transformers renamed the forward's `past_key_values` argument to `cache`; accept either.
         forward_parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
-        self.rows: list[Row] = []
+        self.rows: list[DecodeRow] = []
         """Running rows in the order they joined (the order of decode's logits)."""
-        self._slots: list[Row | None] = []
-        self._slot_of: dict[Row, int] = {}
+        self._slots: list[DecodeRow | None] = []
+        self._slot_of: dict[DecodeRow, int] = {}
         self._cache: DynamicCache | None = None
 
     @property
@@ -73,15 +73,17 @@ class RunningBatch:
             return logits
         return logits[torch.tensor([self._slot_of[row] for row in self.rows], device=self._device)]
 
-    def join(self, rows: list[Row]) -> torch.Tensor:
+    def join(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Prefill ``rows`` together, write their cache into free slots; return their next-token logits.
 
         Rows with the same tokens under the same adapter (a GRPO group's rollouts arrive together with one
         prompt) are prefilled once and their cache copied, so a group of G costs one prompt's prefill, not G."""
         sequences = [row.tokens() for row in rows]
         distinct: dict[tuple[tuple[int, ...], str | None], int] = {}
-        source = [distinct.setdefault((tuple(tokens), row.request.adapter), len(distinct))
-                  for tokens, row in zip(sequences, rows, strict=True)]  # fmt: skip
+        source = [
+            distinct.setdefault((tuple(tokens), row.request.adapter), len(distinct))
+            for tokens, row in zip(sequences, rows, strict=True)
+        ]
         leaders = [source.index(index) for index in range(len(distinct))]  # the first row of each distinct sequence
         unique = [sequences[leader] for leader in leaders]
         adapters = [rows[leader].request.adapter for leader in leaders]
@@ -98,7 +100,7 @@ class RunningBatch:
         self.rows.extend(rows)
         return logits if copies is None else logits[copies]
 
-    def remove(self, leaving: list[Row]) -> None:
+    def remove(self, leaving: list[DecodeRow]) -> None:
         """Drop rows from the batch, free their slots and forget padding that no remaining row needs."""
         if not leaving:
             return
@@ -122,7 +124,7 @@ class RunningBatch:
             layer.keep_rows(kept)
             layer.drop_columns(unused)
 
-    def clear(self) -> list[Row]:
+    def clear(self) -> list[DecodeRow]:
         """Drop every row and the cache (preemption): the rows must be prefilled again to continue."""
         rows, self.rows = self.rows, []
         for row in rows:
@@ -130,7 +132,7 @@ class RunningBatch:
         self._cache, self._slots, self._slot_of = None, [], {}
         return rows
 
-    def _place(self, rows: list[Row], cache: DynamicCache, copies: torch.Tensor | None) -> None:
+    def _place(self, rows: list[DecodeRow], cache: DynamicCache, copies: torch.Tensor | None) -> None:
         """Give each joining row a slot (free ones first) and copy its prefilled cache there (``copies``: which
         prefilled sequence each row takes, when several rows share one)."""
         if self._cache is None:
@@ -145,9 +147,13 @@ class RunningBatch:
             self._slot_of[row] = slot
 
     def _forward(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
         adapters: list[str | None],
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Run the model, each row under its adapter; ``lengths`` are the rows' lengths in the cache after it."""
         width = cache.get_seq_length() + input_ids.shape[1]
         mask = torch.arange(width, device=self._device).unsqueeze(0) >= (width - lengths).unsqueeze(1)

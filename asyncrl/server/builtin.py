@@ -24,7 +24,6 @@ import logging
 import re
 import secrets
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl import __version__
 from asyncrl.server.engine import Engine, EngineStats, EngineUnavailable
-from asyncrl.server.generate import generate_route
+from asyncrl.server.generate import GenerateRequest, as_completion_request, generate_response
 from asyncrl.server.lora import AdapterNotFound
 from asyncrl.server.protocol import CompletionRequest, ModelNotFound, build_generation_request, completion_response
 from asyncrl.server.rows import GenerationResult
@@ -86,8 +85,10 @@ class TokenGuard:
         if scope["type"] != "http" or self._allowed(scope):
             await self.app(scope, receive, send)
             return
-        message = (f"{scope['path']} needs the server's token: send 'Authorization: Bearer <token>' with the "
-                   "ASYNCRL_SERVER_TOKEN the server was started with (asyncrl serve prints it)")  # fmt: skip
+        message = (
+            f"{scope['path']} needs the server's token: send 'Authorization: Bearer <token>' with the "
+            "ASYNCRL_SERVER_TOKEN the server was started with (asyncrl serve prints it)"
+        )
         await error_response(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
@@ -150,6 +151,17 @@ class BuiltinServer:
         """None: no route needs a token (in-process tests only; ``__main__`` always has one)."""
 
     async def completions(self, request: Request, body: CompletionRequest) -> dict[str, Any]:
+        result = await self._run(request, body)
+        return completion_response(result, body, self.tokenizer, self.served_model_name)
+
+    async def generate(self, request: Request, body: GenerateRequest) -> dict[str, Any]:
+        """vLLM's tokens-in/tokens-out endpoint: the same request as /v1/completions, another response shape."""
+        completion = as_completion_request(body)
+        result = await self._run(request, completion)
+        return generate_response(result, completion, self.served_model_name)
+
+    async def _run(self, request: Request, body: CompletionRequest) -> GenerationResult:
+        """Validate ``body`` against this server, generate it, and abort it if its client disconnects."""
         generation = build_generation_request(
             body,
             self.tokenizer,
@@ -159,19 +171,13 @@ class BuiltinServer:
             vocab_size=self.engine.vocab_size,
             adapters=self.adapter_names(),
         )
-        future = self.engine.submit(generation)
-        result = await self._wait(request, future, generation.request_id)
-        return completion_response(result, body, self.tokenizer, self.served_model_name)
-
-    async def _wait(self, request: Request, future: Future[GenerationResult], request_id: str) -> GenerationResult:
-        """Await the engine; abort the request if its client disconnects, as vLLM does."""
-        waiter = asyncio.wrap_future(future)
+        waiter = asyncio.wrap_future(self.engine.submit(generation))
         while True:
             done, _ = await asyncio.wait({waiter}, timeout=1.0)
             if done:
                 return waiter.result()
             if await request.is_disconnected():
-                self.engine.abort(request_id)
+                self.engine.abort(generation.request_id)  # as vLLM does
                 return await waiter
 
     def models(self) -> dict[str, Any]:
@@ -194,8 +200,11 @@ class BuiltinServer:
     def server_info(self) -> dict[str, Any]:
         """The part of vLLM's dev-mode /server_info the trainer reads: the LoRA limits, or null without LoRA."""
         adapters = self.engine.adapters
-        lora = None if adapters is None else {"max_loras": adapters.limits.max_loras,
-                                               "max_lora_rank": adapters.limits.max_lora_rank}  # fmt: skip
+        lora = (
+            None
+            if adapters is None
+            else {"max_loras": adapters.limits.max_loras, "max_lora_rank": adapters.limits.max_lora_rank}
+        )
         return {"vllm_config": {"lora_config": lora}}
 
     def load_lora_adapter(self, body: LoadLoraAdapterBody) -> PlainTextResponse:
@@ -280,8 +289,10 @@ def render_metrics(stats: EngineStats, model_name: str, kv_cache_tokens: int, ma
     total = float(sum(counts.values()))
     cumulative = [(str(b), float(sum(n for size, n in counts.items() if size <= b))) for b in _BATCH_BUCKETS]
     samples = [("asyncrl:batch_size_bucket", f',le="{le}"', n) for le, n in [*cumulative, ("+Inf", total)]]
-    samples += [("asyncrl:batch_size_sum", "", float(sum(s * n for s, n in counts.items()))),
-                ("asyncrl:batch_size_count", "", total)]  # fmt: skip
+    samples += [
+        ("asyncrl:batch_size_sum", "", float(sum(s * n for s, n in counts.items()))),
+        ("asyncrl:batch_size_count", "", total),
+    ]
     family("asyncrl:batch_size", "histogram", "Rows per model forward (decode or prefill).", samples)
     single("asyncrl:batch_rows_max", "gauge", "Most rows in one model forward since startup.",
            max(stats.batch_sizes, default=0))  # fmt: skip
@@ -321,7 +332,7 @@ def build_app(server: BuiltinServer) -> FastAPI:
         ("/weight_info", "GET", lambda: {"weight_version": server.weights.version}),
         ("/metrics", "GET", server.metrics),
         ("/v1/completions", "POST", server.completions),
-        ("/inference/v1/generate", "POST", generate_route(server)),
+        ("/inference/v1/generate", "POST", server.generate),
         ("/pause", "POST", server.pause),
         ("/resume", "POST", server.resume),
         ("/init_weight_transfer_engine", "POST", server.init_weight_transfer_engine),
@@ -331,8 +342,10 @@ def build_app(server: BuiltinServer) -> FastAPI:
         ("/server_info", "GET", server.server_info),
     ]
     if server.engine.adapters is not None:  # vLLM registers these only when runtime LoRA updating is allowed
-        routes += [("/v1/load_lora_adapter", "POST", server.load_lora_adapter),
-                   ("/v1/unload_lora_adapter", "POST", server.unload_lora_adapter)]  # fmt: skip
+        routes += [
+            ("/v1/load_lora_adapter", "POST", server.load_lora_adapter),
+            ("/v1/unload_lora_adapter", "POST", server.unload_lora_adapter),
+        ]
     for path, method, endpoint in routes:
         app.add_api_route(path, endpoint, methods=[method])
     return app

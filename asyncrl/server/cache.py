@@ -28,16 +28,20 @@ def check_cache_supported(model: torch.nn.Module) -> None:
     for index, layer in enumerate(DynamicCache(config=model.config).layers):
         if type(layer) not in (DynamicLayer, LinearAttentionLayer):
             kind = f"{layer_types[index]!r} ({type(layer).__name__})" if layer_types else type(layer).__name__
-            raise ValueError(f"the built-in server serves full_attention and linear_attention (gated DeltaNet) layers "
-                             f"only; layer {index} is {kind}: serve this model with server.backend=vllm")  # fmt: skip
+            raise ValueError(
+                f"the built-in server serves full_attention and linear_attention (gated DeltaNet) layers "
+                f"only; layer {index} is {kind}: serve this model with server.backend=vllm"
+            )
 
 
 def build_slack_cache(model: torch.nn.Module) -> DynamicCache:
     """The model's own DynamicCache with every attention layer replaced by a SlackLayer and every linear-attention
     layer by a StateLayer."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [StateLayer(layer.number_of_states) if isinstance(layer, LinearAttentionLayer) else SlackLayer()
-                    for layer in cache.layers]  # fmt: skip
+    cache.layers = [
+        StateLayer(layer.number_of_states) if isinstance(layer, LinearAttentionLayer) else SlackLayer()
+        for layer in cache.layers
+    ]
     return cache
 
 
@@ -129,8 +133,12 @@ class SlackLayer(DynamicLayer):
         if rows > capacity_rows:
             capacity_rows = max(rows, capacity_rows + capacity_rows // 2)
         needed = left + width + right
-        shape = (capacity_rows, self._key_buffer.shape[1], needed + max(MIN_SLACK_COLUMNS, needed // 2),
-                 self._key_buffer.shape[3])  # fmt: skip
+        shape = (
+            capacity_rows,
+            self._key_buffer.shape[1],
+            needed + max(MIN_SLACK_COLUMNS, needed // 2),
+            self._key_buffer.shape[3],
+        )
         keys, values = self._key_buffer.new_zeros(shape), self._value_buffer.new_zeros(shape)
         keys[: self.rows, :, left : left + width] = self.keys
         values[: self.rows, :, left : left + width] = self.values

@@ -67,9 +67,16 @@ def check_server(config: Config, control: ControlClient, *, dataset: Any = None,
     engine = info.get("vllm_config") or {}
     parallel = engine.get("parallel_config") or {}
     gpus = math.prod(int(parallel.get(f"{kind}_parallel_size") or 1) for kind in ("tensor", "pipeline", "data"))
-    return ServerFacts(backend, version, max_model_len, transfer, _candidate_sets(config, control, fix, can_mask),
-                       str(parallel.get("worker_extension_cls") or ""),
-                       str((engine.get("model_config") or {}).get("quantization") or ""), gpus)  # fmt: skip
+    return ServerFacts(
+        backend,
+        version,
+        max_model_len,
+        transfer,
+        _candidate_sets(config, control, fix, can_mask),
+        str(parallel.get("worker_extension_cls") or ""),
+        str((engine.get("model_config") or {}).get("quantization") or ""),
+        gpus,
+    )
 
 
 class _Fix:
@@ -131,8 +138,10 @@ def _check_dev_mode(control: ControlClient, fix: _Fix) -> None:
         except ServerError as error:
             if error.status != 404:
                 raise
-            raise fix(f"the server has no {path}: its dev-mode endpoints (pause, weight transfer) are off",
-                      "VLLM_SERVER_DEV_MODE=1 in its environment") from error  # fmt: skip
+            raise fix(
+                f"the server has no {path}: its dev-mode endpoints (pause, weight transfer) are off",
+                "VLLM_SERVER_DEV_MODE=1 in its environment",
+            ) from error
 
 
 def _check_version(version: str, fix: _Fix) -> None:
@@ -153,12 +162,16 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
     model = engine.get("model_config") or {}
     env = info.get("vllm_env") or {}
     if model.get("logprobs_mode") != "processed_logprobs":
-        raise fix(f"the server returns {model.get('logprobs_mode')} (raw logits before temperature and top-k/top-p)",
-                  "--logprobs-mode processed_logprobs")  # fmt: skip
+        raise fix(
+            f"the server returns {model.get('logprobs_mode')} (raw logits before temperature and top-k/top-p)",
+            "--logprobs-mode processed_logprobs",
+        )
     wanted = config.sampling.num_sampler_logprobs
     if int(model.get("max_logprobs", wanted)) < wanted:
-        raise fix(f"the server's --max-logprobs {model.get('max_logprobs')} is below sampling.num_sampler_logprobs",
-                  f"--max-logprobs {wanted}")  # fmt: skip
+        raise fix(
+            f"the server's --max-logprobs {model.get('max_logprobs')} is below sampling.num_sampler_logprobs",
+            f"--max-logprobs {wanted}",
+        )
     transfer = (engine.get("weight_transfer_config") or {}).get("backend")
     want = config.server.weight_transfer
     if transfer is None:
@@ -166,15 +179,20 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
         flag = f'--weight-transfer-config \'{{"backend":"{backend}"}}\''
         raise fix("the server has no weight-transfer engine", flag)
     if want != WeightTransfer.auto and transfer != want.value:
-        raise fix(f"server.weight_transfer={want.value} but the server was started with backend {transfer}",
-                  f"--weight-transfer-config '{{\"backend\":\"{want.value}\"}}'")  # fmt: skip
+        raise fix(
+            f"server.weight_transfer={want.value} but the server was started with backend {transfer}",
+            f'--weight-transfer-config \'{{"backend":"{want.value}"}}\'',
+        )
     if transfer not in ("ipc", "nccl"):
         raise fix(f"weight-transfer backend {transfer} is not supported", "--weight-transfer-config with nccl or ipc")
     if transfer == "ipc" and not _truthy(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION")):
         raise fix("ipc weight transfer sends pickled CUDA IPC handles", "VLLM_ALLOW_INSECURE_SERIALIZATION=1")
     if transfer == "ipc" and (ranks := trainer_ranks(config)) > 1:
-        raise fix(f"the server takes weights over ipc, which shares one process's GPU memory, but the trainer has "
-                  f"{ranks} ranks (trainer.num_processes)", NCCL_FLAG)  # fmt: skip
+        raise fix(
+            f"the server takes weights over ipc, which shares one process's GPU memory, but the trainer has "
+            f"{ranks} ranks (trainer.num_processes)",
+            NCCL_FLAG,
+        )
     if vllm.lora_adapters(config):
         _check_lora(config, engine.get("lora_config"), env, fix)
     return str(transfer)
@@ -183,14 +201,21 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
 def _check_lora(config: Config, lora: dict[str, Any] | None, env: dict[str, Any], fix: _Fix) -> None:
     rank, loras = vllm.max_lora_rank(config), vllm.max_loras(config)
     if lora is None:
-        raise fix("lora.sync loads adapters but the server has LoRA off",
-                  f"--enable-lora --max-lora-rank {rank} --max-loras {loras}")  # fmt: skip
+        raise fix(
+            "lora.sync loads adapters but the server has LoRA off",
+            f"--enable-lora --max-lora-rank {rank} --max-loras {loras}",
+        )
     if int(lora.get("max_lora_rank", 0)) < config.lora.r:
-        raise fix(f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}",
-                  f"--max-lora-rank {rank}")  # fmt: skip
+        raise fix(
+            f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}",
+            f"--max-lora-rank {rank}",
+        )
     if int(lora.get("max_loras", 0)) < loras:
-        raise fix(f"the server holds {lora.get('max_loras')} adapters; {loras} versions are alive at once "
-                  "(staleness.max_staleness + 2)", f"--max-loras {loras}")  # fmt: skip
+        raise fix(
+            f"the server holds {lora.get('max_loras')} adapters; {loras} versions are alive at once "
+            "(staleness.max_staleness + 2)",
+            f"--max-loras {loras}",
+        )
     if not _truthy(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")):
         raise fix("the server refuses runtime adapter loading", "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
 
@@ -200,8 +225,10 @@ def _candidate_sets(config: Config, control: ControlClient, fix: _Fix, supported
     if not vllm.truncating(config):
         return False
     if not supported:
-        log.warning("vLLM before 0.28 cannot return per-token candidate sets: top-k/top-p/min-p importance ratios "
-                    "are biased (the trainer normalises over the whole vocabulary)")  # fmt: skip
+        log.warning(
+            "vLLM before 0.28 cannot return per-token candidate sets: top-k/top-p/min-p importance ratios "
+            "are biased (the trainer normalises over the whole vocabulary)"
+        )
         return False
     s = config.sampling
     params = {"max_tokens": 1, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
@@ -209,11 +236,15 @@ def _candidate_sets(config: Config, control: ControlClient, fix: _Fix, supported
         choice = control.generate([0], params)["choices"][0]
     except ServerError as error:
         if error.status in (403, 404, 405):
-            raise fix(f"/inference/v1/generate answered HTTP {error.status}: it returns the candidate sets",
-                      "--enable-scale-out") from error  # fmt: skip
+            raise fix(
+                f"/inference/v1/generate answered HTTP {error.status}: it returns the candidate sets",
+                "--enable-scale-out",
+            ) from error
         if error.status is not None and error.status < 500:
-            raise fix(f"/inference/v1/generate refused a top-k request ({error.message})",
-                      "--return-sampling-mask and VLLM_USE_V2_MODEL_RUNNER=1") from error  # fmt: skip
+            raise fix(
+                f"/inference/v1/generate refused a top-k request ({error.message})",
+                "--return-sampling-mask and VLLM_USE_V2_MODEL_RUNNER=1",
+            ) from error
         raise
     if choice.get("sampling_mask") is None:
         raise fix("/inference/v1/generate returns no sampling_mask", "--return-sampling-mask")

@@ -1,4 +1,5 @@
-"""Which server to run and the command line that starts it, derived from the config alone."""
+"""What every server command shares, derived from the config alone: the backend, the served name and address,
+the LoRA slots, and the built-in server's command line (server/vllm.py builds vLLM's; server/choice.py picks)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 
-from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, LoraSync, ServerBackend
+from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM's --max-lora-rank accepts (the built-in server takes the same)."""
 
 
 @dataclass(frozen=True)
@@ -23,13 +26,18 @@ def resolve_backend(config: Config) -> str:
         return config.server.backend.value
     if importlib.util.find_spec("vllm") is None:
         return "builtin"
-    import torch
+    import torch  # seconds to import: `asyncrl config` and `--help` never need it
 
     return "vllm" if torch.cuda.is_available() else "builtin"
 
 
 def base_url(config: Config) -> str:
     return (config.server.base_url or f"http://{config.server.host}:{config.server.port}").rstrip("/")
+
+
+def serving_dtype(config: Config) -> ModelDtype:
+    """The dtype the server computes in and the trainer sends weights in: server.dtype, else model.dtype."""
+    return config.server.dtype or config.model.dtype
 
 
 def served_model_name(config: Config) -> str:
@@ -44,7 +52,7 @@ def builtin_command(config: Config) -> ServerCommand:
         "--served-model-name", served_model_name(config),
         "--host", sv.host,
         "--port", str(sv.port),
-        "--dtype", sv.dtype or config.model.dtype,
+        "--dtype", serving_dtype(config),
         "--device", sv.device,
         "--max-num-seqs", str(sv.max_num_seqs),
         "--max-logprobs", str(sv.max_logprobs),
@@ -57,38 +65,17 @@ def builtin_command(config: Config) -> ServerCommand:
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
     if config.lora.enabled and config.lora.sync != LoraSync.merged:  # auto means adapters here (sync/choice.py)
-        from asyncrl.server.vllm import max_lora_rank, max_loras
-
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
     return ServerCommand("builtin", argv + list(sv.extra_args), env={"OMP_NUM_THREADS": str(sv.cpu_threads)})
 
 
-def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]:
-    """What `asyncrl config --server-command` prints, and a warning: on a machine with fewer GPUs than the vLLM run
-    needs (a login node preparing a cluster job) the command is built for the GPUs the job will have."""
-    if resolve_backend(config) != "vllm":
-        return builtin_command(config), None
-    from asyncrl.server.vllm import CheckpointKind, checkpoint_kind, needed_gpus, visible_gpus, vllm_command
-
-    warnings = []
-    try:
-        kind = checkpoint_kind(config)
-    except ConfigError as error:  # a Hub id this machine cannot reach: still print the command, and say what it lacks
-        kind = CheckpointKind()
-        warnings.append(f"{error}; the command lacks the flags a vision-language or gated-DeltaNet checkpoint needs")
-    visible, needed = visible_gpus(), needed_gpus(config)
-    gpus = visible
-    if config.server.launch and len(visible) < needed:
-        gpus = [str(index) for index in range(needed)]
-        warnings.append(f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
-                        f"CUDA_VISIBLE_DEVICES={','.join(gpus)}")  # fmt: skip
-    return vllm_command(config, gpus=gpus, checkpoint=kind), "; ".join(warnings) or None
+def max_lora_rank(config: Config) -> int:
+    """server.max_lora_rank, else the smallest rank vLLM accepts that holds lora.r."""
+    if config.server.max_lora_rank is not None:
+        return config.server.max_lora_rank
+    return next(rank for rank in VLLM_LORA_RANKS if rank >= config.lora.r)
 
 
-def server_command(config: Config) -> ServerCommand:
-    backend = resolve_backend(config)
-    if backend == "vllm":
-        from asyncrl.server.vllm import vllm_command
-
-        return vllm_command(config)
-    return builtin_command(config)
+def max_loras(config: Config) -> int:
+    """Adapter versions alive at once: max_staleness + 1 in use, plus the next one loaded before the oldest goes."""
+    return config.server.max_loras or config.staleness.max_staleness + 2

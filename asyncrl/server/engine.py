@@ -32,7 +32,7 @@ from asyncrl.server.batch import RunningBatch
 from asyncrl.server.cache import check_cache_supported
 from asyncrl.server.lora import AdapterSet
 from asyncrl.server.protocol import ModelNotFound
-from asyncrl.server.rows import GenerationRequest, GenerationResult, Row
+from asyncrl.server.rows import DecodeRow, GenerationRequest, GenerationResult
 from asyncrl.server.sampling import sample_step
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Engine:
         self.adapters = adapters
         """LoRA adapters loaded at runtime (``--enable-lora``); None: the server has no adapter support."""
         self._batch = RunningBatch(model, adapters)
-        self._waiting: deque[Row] = deque()
+        self._waiting: deque[DecodeRow] = deque()
         self._abort_ids: set[str] = set()
         self._stats = EngineStats()
         self._seeds = random.Random(config.seed)
@@ -116,10 +116,12 @@ class Engine:
                 raise EngineUnavailable(f"the server is paused (mode={self._pause_mode}); retry after /resume")
             if request.adapter is not None:
                 self._check_adapter(request.adapter)
-            if request.seed is None:
-                request = replace(request, seed=self._seeds.getrandbits(63))
-            generator = torch.Generator(device=self._device).manual_seed(request.seed)
-            row = Row(request, generator)
+            seed = request.params.seed
+            if seed is None:
+                seed = self._seeds.getrandbits(63)
+                request = replace(request, params=replace(request.params, seed=seed))
+            generator = torch.Generator(device=self._device).manual_seed(seed)
+            row = DecodeRow(request, generator)
             self._waiting.append(row)
             self._stats.waiting = len(self._waiting)
             self._cond.notify_all()
@@ -252,7 +254,7 @@ class Engine:
                 row.finish(reason)
             self._publish()
 
-    def _rows_over_capacity(self) -> list[Row]:
+    def _rows_over_capacity(self) -> list[DecodeRow]:
         """Newest rows to preempt so that every running row can cache one more token."""
         rows = list(self._batch.rows)
         evicted = []
@@ -260,7 +262,7 @@ class Engine:
             evicted.append(rows.pop())
         return evicted
 
-    def _preempt(self, rows: list[Row]) -> None:
+    def _preempt(self, rows: list[DecodeRow]) -> None:
         """Take rows out of the batch and put them first in the queue, to be re-prefilled from their tokens."""
         if not rows:
             return
@@ -268,9 +270,9 @@ class Engine:
         self._waiting.extendleft(reversed(rows))
         self._stats.preemptions_total += len(rows)
 
-    def _admit(self) -> list[Row]:
+    def _admit(self) -> list[DecodeRow]:
         """Pop waiting rows, first come first served, while rows and KV capacity allow."""
-        admitted: list[Row] = []
+        admitted: list[DecodeRow] = []
         used = sum(row.cached_len + 1 for row in self._batch.rows)
         while self._waiting and len(self._batch.rows) + len(admitted) < self.config.max_num_seqs:
             needed = len(self._waiting[0].tokens())
@@ -304,7 +306,7 @@ class Engine:
         self._abort_ids.clear()
         self._publish()
 
-    def _fail(self, rows: list[Row], error: Exception) -> None:
+    def _fail(self, rows: list[DecodeRow], error: Exception) -> None:
         with self._cond:
             for row in rows:
                 if not row.future.done():

@@ -10,17 +10,12 @@ that truncates its distribution (top-k, top-p, min-p) gets the mask. Responses u
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.server.protocol import CompletionRequest, TokenId, build_generation_request
+from asyncrl.server.protocol import CompletionRequest, TokenId
 from asyncrl.server.rows import GenerationResult
-
-if TYPE_CHECKING:
-    from asyncrl.server.builtin import BuiltinServer
 
 
 class GenerateRequest(BaseModel):
@@ -36,8 +31,13 @@ class GenerateRequest(BaseModel):
 
 def as_completion_request(body: GenerateRequest) -> CompletionRequest:
     """The same request in /v1/completions form, so both endpoints share validation and sampling."""
-    fields = {**body.sampling_params, "prompt": body.token_ids, "model": body.model, "stream": body.stream,
-              "return_sampling_mask": True}  # fmt: skip
+    fields = {
+        **body.sampling_params,
+        "prompt": body.token_ids,
+        "model": body.model,
+        "stream": body.stream,
+        "return_sampling_mask": True,
+    }
     return CompletionRequest.model_validate(fields)
 
 
@@ -45,8 +45,10 @@ def generate_response(result: GenerationResult, body: CompletionRequest, served_
     logprobs = None
     if body.logprobs is not None:
         tops = result.top_logprobs or [[] for _ in result.token_ids]
-        content = [_token_entry(token_id, logprob, top)
-                   for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)]  # fmt: skip
+        content = [
+            _token_entry(token_id, logprob, top)
+            for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
+        ]
         logprobs = {"content": content}
     choice = {
         "index": 0,
@@ -66,7 +68,7 @@ def generate_response(result: GenerationResult, body: CompletionRequest, served_
             "prompt_tokens": len(result.prompt_ids),
             "completion_tokens": len(result.token_ids),
             "total_tokens": len(result.prompt_ids) + len(result.token_ids),
-        },  # fmt: skip
+        },
     }
 
 
@@ -76,18 +78,3 @@ def _token_entry(token_id: int, logprob: float, top: list[tuple[int, float]]) ->
     tops = [{"token_id": token_id, "logprob": logprob, "rank": ranks.get(token_id)}]
     tops += [{"token_id": c, "logprob": v, "rank": ranks[c]} for c, v in top if c != token_id]
     return {"token_id": token_id, "logprob": logprob, "rank": ranks.get(token_id), "top_logprobs": tops}
-
-
-def generate_route(server: BuiltinServer) -> Callable[[Request, GenerateRequest], Awaitable[dict[str, Any]]]:
-    async def generate(request: Request, body: GenerateRequest) -> dict[str, Any]:
-        completion = as_completion_request(body)
-        generation = build_generation_request(
-            completion, server.tokenizer, served_model_name=server.served_model_name,
-            max_model_len=server.engine.config.max_model_len, max_logprobs=server.max_logprobs,
-            vocab_size=server.engine.vocab_size, adapters=server.adapter_names(),
-        )  # fmt: skip
-        future = server.engine.submit(generation)
-        result = await server._wait(request, future, generation.request_id)
-        return generate_response(result, completion, server.served_model_name)
-
-    return generate

@@ -18,9 +18,10 @@ class LaunchedServer(ServerProcess):
 
     def __init__(
         self, command: ServerCommand, base_url: str, log_path: Path, timeout_s: float, wait: bool = True
-    ) -> None:  # fmt: skip
-        super().__init__(command.argv, base_url=base_url, log_path=log_path, env=command.env,
-                         startup_timeout_s=timeout_s)  # fmt: skip
+    ) -> None:
+        super().__init__(
+            command.argv, base_url=base_url, log_path=log_path, env=command.env, startup_timeout_s=timeout_s
+        )
         self.backend = command.backend
         self._wait_on_enter = wait
         self._healthy = False

@@ -70,11 +70,15 @@ class AdapterSet:
         if name == self.base_name:
             raise ValueError(f"The lora adapter name '{name}' is the base model's name; choose another.")
         if name in self.adapters and not load_inplace:
-            raise ValueError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
-                             "in place, set 'load_inplace' to True.")  # fmt: skip
+            raise ValueError(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                "in place, set 'load_inplace' to True."
+            )
         if name not in self.adapters and len(self.adapters) >= self.limits.max_loras:
-            raise ValueError(f"Cannot load lora adapter '{name}': {len(self.adapters)} adapters are loaded, the "
-                             f"server holds at most --max-loras {self.limits.max_loras}; unload one first")  # fmt: skip
+            raise ValueError(
+                f"Cannot load lora adapter '{name}': {len(self.adapters)} adapters are loaded, the "
+                f"server holds at most --max-loras {self.limits.max_loras}; unload one first"
+            )
         rank = _rank(name, path)
         if rank > self.limits.max_lora_rank:
             raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {self.limits.max_lora_rank}.")
@@ -125,9 +129,19 @@ class AdapterSet:
 
     def cards(self, created: int) -> list[dict[str, Any]]:
         """vLLM's /v1/models cards for LoRA adapters."""
-        return [{"id": a.name, "object": "model", "created": created, "owned_by": "asyncrl", "root": a.path,
-                 "parent": self.base_name, "max_model_len": None, "permission": []}
-                for a in self.adapters.values()]  # fmt: skip
+        return [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "asyncrl",
+                "root": a.path,
+                "parent": self.base_name,
+                "max_model_len": None,
+                "permission": [],
+            }
+            for a in self.adapters.values()
+        ]
 
 
 def base_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -143,8 +143,9 @@ class ServerProcess:
 
     def _check_running(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise ServerStartError(f"server exited with code {self.proc.returncode} during startup: "
-                                   + self.log_summary())  # fmt: skip
+            raise ServerStartError(
+                f"server exited with code {self.proc.returncode} during startup: " + self.log_summary()
+            )
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -18,8 +18,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
+from asyncrl.sampling import SamplingParams
 from asyncrl.server.rows import GenerationRequest, GenerationResult
-from asyncrl.server.sampling import SamplingSettings
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -84,15 +84,21 @@ def _prompt_ids(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase, voc
     return prompt
 
 
-def _sampling_settings(body: CompletionRequest) -> SamplingSettings:
-    """Omitted fields take vLLM's neutral defaults; top_k -1 and 0 both mean no top-k."""
-    return SamplingSettings(
+def _sampling_params(body: CompletionRequest, max_tokens: int) -> SamplingParams:
+    """The validated body as the one sampling type. Omitted fields take vLLM's neutral defaults; top_k -1 and 0
+    both mean no top-k."""
+    return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=0 if body.top_k is None else max(body.top_k, 0),
         top_p=1.0 if body.top_p is None else body.top_p,
         min_p=0.0 if body.min_p is None else body.min_p,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        num_logprobs=body.logprobs,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        logprobs=body.logprobs,
+        seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
         return_sampling_mask=body.return_sampling_mask,
     )
 
@@ -128,12 +134,7 @@ def build_generation_request(
     return GenerationRequest(
         request_id=uuid.uuid4().hex,
         prompt_ids=prompt,
-        max_tokens=min(max_tokens, max_model_len - len(prompt)),
-        settings=_sampling_settings(body),
-        seed=body.seed,
-        stop_token_ids=frozenset(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens,
+        params=_sampling_params(body, max_tokens=min(max_tokens, max_model_len - len(prompt))),
         adapter=body.model if body.model in adapters else None,
     )
 

@@ -1,4 +1,4 @@
-"""A request as the engine sees it (``GenerationRequest``), its live decoding state (``Row``) and its outcome."""
+"""A request as the engine sees it (``GenerationRequest``), its live decoding state (``DecodeRow``) and its outcome."""
 
 from __future__ import annotations
 
@@ -7,21 +7,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.server.sampling import Draw, RowInput, SamplingSettings
+from asyncrl.sampling import SamplingParams
+from asyncrl.server.sampling import Draw, RowInput
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A validated completion request; ``max_tokens`` is already capped to the context window."""
+    """A validated completion request; ``params.max_tokens`` is already capped to the context window."""
 
     request_id: str
     prompt_ids: list[int]
-    max_tokens: int
-    settings: SamplingSettings
-    seed: int | None = None
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    params: SamplingParams
     adapter: str | None = None
     """The LoRA adapter the request runs under (its ``model``); None: the base weights."""
 
@@ -41,7 +37,7 @@ class GenerationResult:
 
 
 @dataclass(eq=False)
-class Row:
+class DecodeRow:
     """One request being generated. The last output token is always pending: sampled but not yet cached."""
 
     request: GenerationRequest
@@ -62,14 +58,14 @@ class Row:
 
     def sampling_input(self, eos_token_ids: frozenset[int], vocab_size: int) -> RowInput:
         """This step's sampler input; stop ids are forbidden while fewer than min_tokens were generated."""
-        request = self.request
-        if request.settings.repetition_penalty != 1.0 and self.seen is None:
+        params = self.request.params
+        if params.repetition_penalty != 1.0 and self.seen is None:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.generator.device)
             self.seen[self.tokens()] = True
         suppressed: frozenset[int] = frozenset()
-        if len(self.output_ids) < request.min_tokens:
-            suppressed = request.stop_token_ids | (frozenset() if request.ignore_eos else eos_token_ids)
-        return RowInput(request.settings, self.generator, self.seen, sorted(suppressed))
+        if len(self.output_ids) < params.min_tokens:
+            suppressed = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        return RowInput(params, self.generator, self.seen, sorted(suppressed))
 
     def accept(self, draw: Draw, eos_token_ids: frozenset[int]) -> str | None:
         """Record a sampled token; return the finish reason if it ends the request."""
@@ -81,26 +77,27 @@ class Row:
             self.sampling_masks.append(draw.candidate_ids)
         if self.seen is not None:
             self.seen[draw.token_id] = True
-        if not self.request.ignore_eos and draw.token_id in eos_token_ids:
+        params = self.request.params
+        if not params.ignore_eos and draw.token_id in eos_token_ids:
             return "stop"
-        if draw.token_id in self.request.stop_token_ids:
+        if draw.token_id in params.stop_token_ids:
             self.stop_reason = draw.token_id
             return "stop"
-        return "length" if len(self.output_ids) >= self.request.max_tokens else None
+        return "length" if len(self.output_ids) >= params.max_tokens else None
 
     def finish(self, finish_reason: str) -> None:
         """Resolve the request's future with what was generated so far."""
         if self.future.done():
             return
-        settings = self.request.settings
-        masks = list(self.sampling_masks) if settings.return_sampling_mask and settings.truncates else None
+        params = self.request.params
+        masks = list(self.sampling_masks) if params.return_sampling_mask and params.truncates else None
         self.future.set_result(
             GenerationResult(
                 request_id=self.request.request_id,
                 prompt_ids=self.request.prompt_ids,
                 token_ids=list(self.output_ids),
                 logprobs=list(self.logprobs),
-                top_logprobs=list(self.top_logprobs) if settings.num_logprobs is not None else None,
+                top_logprobs=list(self.top_logprobs) if params.logprobs is not None else None,
                 sampling_masks=masks,
                 finish_reason=finish_reason,
                 stop_reason=self.stop_reason,

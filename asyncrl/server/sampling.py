@@ -15,37 +15,16 @@ from itertools import accumulate
 
 import torch
 
+from asyncrl.sampling import SamplingParams
+
 LOGPROB_FLOOR = -9999.0
-GREEDY_BELOW = 1e-5  # vLLM's sampling epsilon: lower temperatures decode greedily
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingSettings:
-    """Per-request sampling settings, already validated; top_k 0 means no top-k."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    num_logprobs: int | None = None
-    return_sampling_mask: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def truncates(self) -> bool:
-        """Whether the candidate set can be smaller than the vocabulary."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class RowInput:
     """What the sampler needs from one row for one step."""
 
-    settings: SamplingSettings
+    params: SamplingParams
     generator: torch.Generator
     seen: torch.Tensor | None  # bool [vocab]: ids in prompt or output; needed only with a repetition penalty
     suppressed: Sequence[int] = ()  # ids forbidden this step (stop ids while under min_tokens)
@@ -70,7 +49,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tens
     _apply_repetition_penalty(logits, rows)
     # an extreme penalty or temperature overflows float32: +inf is the largest logit, NaN (0 x inf) a removed one
     logits.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-    temperatures = [1.0 if row.settings.greedy else row.settings.temperature for row in rows]
+    temperatures = [1.0 if row.params.greedy else row.params.temperature for row in rows]
     if any(t != 1.0 for t in temperatures):
         logits /= torch.tensor(temperatures, device=logits.device).unsqueeze(1)
     _apply_min_p(logits, rows)
@@ -85,13 +64,13 @@ def _row_index(keep: list[bool], device: torch.device) -> torch.Tensor | None:
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
     """vLLM/CTRL penalty on ids seen in prompt or output: positive logits divided, negative multiplied."""
-    keep = [row.settings.repetition_penalty != 1.0 for row in rows]
+    keep = [row.params.repetition_penalty != 1.0 for row in rows]
     index = _row_index(keep, logits.device)
     if index is None:
         return
     selected = [row for row, flag in zip(rows, keep, strict=True) if flag]
     seen = torch.stack([row.seen for row in selected])
-    penalty = torch.tensor([row.settings.repetition_penalty for row in selected], device=logits.device)
+    penalty = torch.tensor([row.params.repetition_penalty for row in selected], device=logits.device)
     sub = logits[index]
     penalised = torch.where(sub > 0, sub / penalty.unsqueeze(1), sub * penalty.unsqueeze(1))
     logits[index] = torch.where(seen, penalised, sub)
@@ -99,11 +78,11 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[RowInput]) ->
 
 def _apply_min_p(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
     """Drop tokens whose probability is below min_p times the most likely token's."""
-    keep = [row.settings.min_p > 0.0 for row in rows]
+    keep = [row.params.min_p > 0.0 for row in rows]
     index = _row_index(keep, logits.device)
     if index is None:
         return
-    min_p = torch.tensor([r.settings.min_p for r, k in zip(rows, keep, strict=True) if k], device=logits.device)
+    min_p = torch.tensor([r.params.min_p for r, k in zip(rows, keep, strict=True) if k], device=logits.device)
     sub = logits[index]
     probs = sub.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
@@ -113,11 +92,11 @@ def _apply_min_p(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
 def _apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[RowInput]) -> None:
     """Keep the k largest logits (ties at the k-th kept), then the smallest prefix holding top_p of the mass."""
     vocab = logits.shape[1]
-    keep = [0 < row.settings.top_k < vocab or row.settings.top_p < 1.0 for row in rows]
+    keep = [0 < row.params.top_k < vocab or row.params.top_p < 1.0 for row in rows]
     index = _row_index(keep, logits.device)
     if index is None:
         return
-    selected = [row.settings for row, flag in zip(rows, keep, strict=True) if flag]
+    selected = [row.params for row, flag in zip(rows, keep, strict=True) if flag]
     top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in selected], device=logits.device)
     top_p = torch.tensor([s.top_p for s in selected], device=logits.device).unsqueeze(1)
     values, order = logits[index].sort(dim=-1, descending=True)
@@ -136,12 +115,12 @@ def sample_step(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Draw]:
     processed = process_logits(logits, rows)
     logprobs = processed.log_softmax(dim=-1)
     noise = _exponential_noise(rows, logprobs.shape[1], logprobs.device)
-    greedy = torch.tensor([row.settings.greedy for row in rows], device=logprobs.device)
+    greedy = torch.tensor([row.params.greedy for row in rows], device=logprobs.device)
     # Dividing probabilities by Exp(1) noise and taking the argmax draws from the categorical distribution.
     tokens = torch.where(greedy, processed.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
     sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top = _top_logprobs(logprobs, rows)
-    masked = [i for i, row in enumerate(rows) if row.settings.return_sampling_mask and row.settings.truncates]
+    masked = [i for i, row in enumerate(rows) if row.params.return_sampling_mask and row.params.truncates]
     candidates = dict(zip(masked, _candidate_ids(processed, masked), strict=True))
     return [
         Draw(token, max(logprob, LOGPROB_FLOOR), top[i], candidates.get(i))
@@ -153,7 +132,7 @@ def _exponential_noise(rows: Sequence[RowInput], vocab: int, device: torch.devic
     """Exp(1) noise [rows, vocab], each row drawn from its own generator (ones for greedy rows, which ignore it)."""
     noise = torch.ones(len(rows), vocab, device=device)
     for i, row in enumerate(rows):
-        if not row.settings.greedy:
+        if not row.params.greedy:
             noise[i].exponential_(generator=row.generator)
     return noise
 
@@ -170,7 +149,7 @@ def _candidate_ids(processed: torch.Tensor, indices: list[int]) -> list[list[int
 
 def _top_logprobs(logprobs: torch.Tensor, rows: Sequence[RowInput]) -> list[list[tuple[int, float]] | None]:
     """The N most likely (id, logprob) per row that asked for N; None for rows that did not ask."""
-    wanted = [row.settings.num_logprobs for row in rows]
+    wanted = [row.params.logprobs for row in rows]
     most = min(max((n or 0 for n in wanted), default=0), logprobs.shape[1])
     if most == 0:
         return [None if n is None else [] for n in wanted]

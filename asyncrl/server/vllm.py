@@ -33,9 +33,8 @@ import httpx
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, WeightTransfer
-from asyncrl.config.validate import VLLM_LORA_RANKS
 from asyncrl.model_kind import is_vision_language
-from asyncrl.server.command import ServerCommand, served_model_name
+from asyncrl.server.command import ServerCommand, max_lora_rank, max_loras, served_model_name, serving_dtype
 from asyncrl.trainer.lora import adapter_modules
 
 log = logging.getLogger(__name__)
@@ -107,14 +106,17 @@ def checkpoint_kind(config: Config) -> CheckpointKind:
 
     m, launch = config.model, config.server.launch
     try:
-        model_config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, local_files_only=not launch,
-                                                  trust_remote_code=m.trust_remote_code)  # fmt: skip
+        model_config = AutoConfig.from_pretrained(
+            m.name_or_path, revision=m.revision, local_files_only=not launch, trust_remote_code=m.trust_remote_code
+        )
     except (OSError, ValueError) as error:
         if not launch:
             return CheckpointKind()
-        raise ConfigError(f"model.name_or_path={m.name_or_path}: cannot read its config.json to launch vLLM "
-                          f"({type(error).__name__}: {error}); give a local checkpoint directory or a Hub id "
-                          "reachable from here") from error  # fmt: skip
+        raise ConfigError(
+            f"model.name_or_path={m.name_or_path}: cannot read its config.json to launch vLLM "
+            f"({type(error).__name__}: {error}); give a local checkpoint directory or a Hub id "
+            "reachable from here"
+        ) from error
     modules = tuple(adapter_modules(config, model_config)) if lora_adapters(config) else ()
     return CheckpointKind.of(model_config, modules)
 
@@ -251,8 +253,9 @@ def trainer_bytes(config: Config) -> int | None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        model_config = AutoConfig.from_pretrained(config.model.name_or_path, revision=config.model.revision,
-                                                  trust_remote_code=config.model.trust_remote_code)  # fmt: skip
+        model_config = AutoConfig.from_pretrained(
+            config.model.name_or_path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
+        )
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
     except (OSError, ValueError):
@@ -281,8 +284,13 @@ def gpu_memory_utilization(config: Config, split: GpuSplit | None, visible: list
         return OWN_GPU_SHARE
     total = gpu_bytes(split.server[0], visible)
     share, why = shared_gpu_share(None if total is None else trainer_bytes(config), total)
-    log.info("vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set "
-             "server.gpu_memory_utilization to choose)", split.server[0], share, why)  # fmt: skip
+    log.info(
+        "vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set "
+        "server.gpu_memory_utilization to choose)",
+        split.server[0],
+        share,
+        why,
+    )
     return share
 
 
@@ -302,8 +310,13 @@ def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: obj
     """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model)."""
     if config.data.max_prompt_length is not None:
         return config.data.max_prompt_length
-    key = (config.data.path, config.data.name, config.data.split, config.model.name_or_path,
-           json.dumps(config.sampling.chat_template_kwargs, sort_keys=True))  # fmt: skip
+    key = (
+        config.data.path,
+        config.data.name,
+        config.data.split,
+        config.model.name_or_path,
+        json.dumps(config.sampling.chat_template_kwargs, sort_keys=True),
+    )
     if key not in _PROMPT_LENGTHS:
         if dataset is None:
             from asyncrl.data import load_prompts
@@ -331,14 +344,14 @@ def required_model_len(config: Config, prompt_tokens: int | None = None) -> int:
     return prompt + config.sampling.max_completion_length
 
 
-def serving_dtype(config: Config) -> str:
-    return config.server.dtype or config.model.dtype
-
-
 def vllm_command(
-    config: Config, *, version: str | None = None, gpus: list[str] | None = None, prompt_tokens: int | None = None,
+    config: Config,
+    *,
+    version: str | None = None,
+    gpus: list[str] | None = None,
+    prompt_tokens: int | None = None,
     checkpoint: CheckpointKind | None = None,
-) -> ServerCommand:  # fmt: skip
+) -> ServerCommand:
     """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment;
     ``checkpoint`` defaults to what model.name_or_path's config.json says (checkpoint_kind)."""
     sv, s = config.server, config.sampling
@@ -389,18 +402,6 @@ def vllm_command(
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
     return ServerCommand("vllm", argv + list(sv.extra_args), env)
-
-
-def max_lora_rank(config: Config) -> int:
-    """server.max_lora_rank, else the smallest rank vLLM accepts that holds lora.r."""
-    if config.server.max_lora_rank is not None:
-        return config.server.max_lora_rank
-    return next(rank for rank in VLLM_LORA_RANKS if rank >= config.lora.r)
-
-
-def max_loras(config: Config) -> int:
-    """Adapter versions alive at once: max_staleness + 1 in use, plus the next one loaded before the oldest goes."""
-    return config.server.max_loras or config.staleness.max_staleness + 2
 
 
 def _listen_address(config: Config) -> tuple[str, int]:

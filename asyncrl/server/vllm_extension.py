@@ -48,16 +48,19 @@ class WeightBufferExtension:
     def asyncrl_map_weight_buffer(self, handle: str) -> int:
         """Open the trainer's buffer (once per run); returns its size in bytes."""
         if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "").lower() not in ("1", "true"):
-            raise RuntimeError("asyncrl's weight buffer handle is pickled: start vLLM with "
-                               "VLLM_ALLOW_INSECURE_SERIALIZATION=1")  # fmt: skip
+            raise RuntimeError(
+                "asyncrl's weight buffer handle is pickled: start vLLM with VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+            )
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         shared: dict[str, Any] = pickle.loads(base64.b64decode(handle))
         device = self._asyncrl_device()
         ours = str(torch.cuda.get_device_properties(device).uuid)
         if shared["gpu"] != ours:
-            raise RuntimeError(f"the trainer's weight buffer is on GPU {shared['gpu']} but this worker runs on "
-                               f"{ours}: ipc sync needs trainer and server on one GPU")  # fmt: skip
+            raise RuntimeError(
+                f"the trainer's weight buffer is on GPU {shared['gpu']} but this worker runs on "
+                f"{ours}: ipc sync needs trainer and server on one GPU"
+            )
         args = list(shared["args"])
         args[DEVICE_INDEX_ARG] = device
         self._asyncrl_buffer = rebuild_cuda_tensor(*args)
@@ -77,5 +80,8 @@ class WeightBufferExtension:
 
     def _asyncrl_device(self) -> int:
         device = getattr(self, "device", None)
-        return device.index if isinstance(device, torch.device) and device.index is not None \
-            else torch.cuda.current_device()  # fmt: skip
+        return (
+            device.index
+            if isinstance(device, torch.device) and device.index is not None
+            else torch.cuda.current_device()
+        )

@@ -60,8 +60,9 @@ class WeightsDir:
         """An adapter directory whose files all lie under the root; AdapterNotFound (vLLM's 404) otherwise."""
         resolved = self._inside(path, "directory")
         if resolved is None or any(self._inside(str(f), "file") is None for f in resolved.iterdir() if f.is_file()):
-            raise AdapterNotFound(f"Loading lora {name} failed: No adapter found at lora_path: "
-                                  f"{self._refusal('adapter directories')}")  # fmt: skip
+            raise AdapterNotFound(
+                f"Loading lora {name} failed: No adapter found at lora_path: {self._refusal('adapter directories')}"
+            )
         return resolved
 
 

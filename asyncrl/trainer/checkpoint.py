@@ -35,8 +35,10 @@ from asyncrl.config.schema import Config
 from asyncrl.model_kind import is_vision_language
 
 CHECKPOINT_PREFIX = "step_"
-STATE_KEYS = {"trainer_state.json": ("step", "model_version", "prompts_consumed"),
-              "rollout_state.json": ("prompt_index",)}  # fmt: skip
+STATE_KEYS = {
+    "trainer_state.json": ("step", "model_version", "prompts_consumed"),
+    "rollout_state.json": ("prompt_index",),
+}
 TORCH_STATES = ("optimizer.pt", "rng_state.pt")
 
 
@@ -59,10 +61,17 @@ def checkpoints_dir(output_dir: Path) -> Path:
 
 
 def save_checkpoint(
-    output_dir: Path, state: TrainerState, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any,
-    total_limit: int | None, write_weights: Callable[[Path], None] | None = None, num_processes: int = 1,
+    output_dir: Path,
+    state: TrainerState,
+    model: Any,
+    tokenizer: Any,
+    optimizer: Any,
+    scheduler: Any,
+    total_limit: int | None,
+    write_weights: Callable[[Path], None] | None = None,
+    num_processes: int = 1,
     processor_files: dict[str, bytes] | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks);
     ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES)."""
     root = checkpoints_dir(output_dir)
@@ -80,9 +89,18 @@ def save_checkpoint(
     save_processor_files(processor_files or {}, tmp)
     torch.save(states, tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng_state.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(
-        {"step": state.step, "model_version": state.model_version, "prompts_consumed": state.prompts_consumed,
-         "num_processes": num_processes, "extra": state.extra}, indent=2))  # fmt: skip
+    (tmp / "trainer_state.json").write_text(
+        json.dumps(
+            {
+                "step": state.step,
+                "model_version": state.model_version,
+                "prompts_consumed": state.prompts_consumed,
+                "num_processes": num_processes,
+                "extra": state.extra,
+            },
+            indent=2,
+        )
+    )
     (tmp / "rollout_state.json").write_text(json.dumps({"prompt_index": state.prompt_index}, indent=2))
     publish(tmp, final)
     if total_limit:
@@ -102,8 +120,13 @@ def processor_files(source: str | os.PathLike[str], revision: str | None = None)
 
     found = {}
     for name in PROCESSOR_FILES:
-        path = cached_file(str(source), name, revision=revision, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)  # fmt: skip
+        path = cached_file(
+            str(source),
+            name,
+            revision=revision,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
         if path is not None:
             found[name] = Path(path).read_bytes()
     return found
@@ -138,8 +161,11 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir()  # not the .tmp or .old of a save in progress
-            if p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX) :].isdigit()]  # fmt: skip
+    done = [
+        p
+        for p in root.iterdir()  # not the .tmp or .old of a save in progress
+        if p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
+    ]
     return sorted(done, key=checkpoint_step)
 
 
@@ -159,15 +185,19 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
         return found[-1]
     path = Path(spec)
     if not path.is_dir():
-        raise ResumeError(f"trainer.resume_from_checkpoint={spec}: no such directory (give a checkpoint "
-                          "directory, a run directory, or latest with hydra.run.dir=<the run>)")  # fmt: skip
+        raise ResumeError(
+            f"trainer.resume_from_checkpoint={spec}: no such directory (give a checkpoint "
+            "directory, a run directory, or latest with hydra.run.dir=<the run>)"
+        )
     if (path / "trainer_state.json").is_file():
         return path
     found = list_checkpoints(path)
     if found:
         return found[-1]
-    raise ResumeError(f"trainer.resume_from_checkpoint={spec}: not a checkpoint (no trainer_state.json) nor a run "
-                      f"directory with one in {checkpoints_dir(path)}")  # fmt: skip
+    raise ResumeError(
+        f"trainer.resume_from_checkpoint={spec}: not a checkpoint (no trainer_state.json) nor a run "
+        f"directory with one in {checkpoints_dir(path)}"
+    )
 
 
 def check_checkpoint(path: Path) -> None:
@@ -250,8 +280,13 @@ def load_checkpoint(path: Path, optimizer: Any, scheduler: Any) -> TrainerState:
     _set_rng_state(_safe_load(path / "rng_state.pt"))
     trainer = _read_state(path, "trainer_state.json", STATE_KEYS["trainer_state.json"])
     rollout = _read_state(path, "rollout_state.json", STATE_KEYS["rollout_state.json"])
-    return TrainerState(trainer["step"], trainer["model_version"], rollout["prompt_index"],
-                        trainer["prompts_consumed"], trainer.get("extra", {}))  # fmt: skip
+    return TrainerState(
+        trainer["step"],
+        trainer["model_version"],
+        rollout["prompt_index"],
+        trainer["prompts_consumed"],
+        trainer.get("extra", {}),
+    )
 
 
 def check_no_later_checkpoints(path: Path, output_dir: Path) -> None:

@@ -26,8 +26,11 @@ HIGH_WAIT_FRAC = 0.1
 """A wait counts as high above this fraction of the step time (of one second when no step time was logged)."""
 
 GENERATION_BOUND, TRAINER_BOUND, TOO_TIGHT, BALANCED = (
-    "generation-bound", "trainer-bound", "max_staleness too tight", "balanced",
-)  # fmt: skip
+    "generation-bound",
+    "trainer-bound",
+    "max_staleness too tight",
+    "balanced",
+)
 
 _PLAIN_COLUMNS = (  # (metric, label, format) in display order
     ("reward", "reward", "{:.3f}"),
@@ -73,18 +76,24 @@ def diagnose_bottleneck(metrics: Mapping[str, Any], max_staleness: int) -> str:
     backpressure = _value(metrics, "rollout/backpressure_s") or 0.0
     queue = _queue_text(metrics)
     if label == GENERATION_BOUND:
-        return (f"{label}: training waited {wait:.2f} s/step for samples ({queue}); look at "
-                "rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size")  # fmt: skip
+        return (
+            f"{label}: training waited {wait:.2f} s/step for samples ({queue}); look at "
+            "rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size"
+        )
     if label == TRAINER_BOUND:
         staleness = _value(metrics, "sample/staleness_mean")
         stale = "" if staleness is None else f", staleness {staleness:.1f} of max {max_staleness}"
         return f"{label}: generation waited {backpressure:.2f} s for training ({queue}{stale}); training is slower"
     if label == TOO_TIGHT and max_staleness == 0:
-        return (f"{label}: synchronous mode (staleness.max_staleness=0), generation and training take turns; "
-                "raise staleness.max_staleness to overlap them")  # fmt: skip
+        return (
+            f"{label}: synchronous mode (staleness.max_staleness=0), generation and training take turns; "
+            "raise staleness.max_staleness to overlap them"
+        )
     if label == TOO_TIGHT:
-        return (f"{label}: training waited {wait:.2f} s/step while generation waited {backpressure:.2f} s "
-                f"({queue}); raise staleness.max_staleness (now {max_staleness})")  # fmt: skip
+        return (
+            f"{label}: training waited {wait:.2f} s/step while generation waited {backpressure:.2f} s "
+            f"({queue}); raise staleness.max_staleness (now {max_staleness})"
+        )
     return f"{label}: training waited {wait:.2f} s/step, generation {backpressure:.2f} s ({queue})"
 
 
@@ -122,12 +131,17 @@ class Console:
         self.max_staleness = config.staleness.max_staleness
         self.started = time.monotonic()
         self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-            TimeRemainingColumn(), console=self.console,
-        )  # fmt: skip
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
         by_steps = self.max_steps > 0
-        self.task = self.progress.add_task(self._position(0, 0.0), total=self.max_steps if by_steps else
-                                           config.trainer.num_train_epochs)  # fmt: skip
+        self.task = self.progress.add_task(
+            self._position(0, 0.0), total=self.max_steps if by_steps else config.trainer.num_train_epochs
+        )
         self.live: Live | None = None
 
     def _position(self, step: int, epoch: float) -> str:
@@ -196,8 +210,12 @@ class Console:
         table.add_column("reward", justify="right")
         table.add_column("advantage", justify="right")
         for r in shown:
-            table.add_row(escape(_text(r["prompt"])), escape(_text(r["completion"])),
-                          _fmt(r, "reward", "{:.3f}"), _fmt(r, "advantage", "{:+.3f}"))  # fmt: skip
+            table.add_row(
+                escape(_text(r["prompt"])),
+                escape(_text(r["completion"])),
+                _fmt(r, "reward", "{:.3f}"),
+                _fmt(r, "advantage", "{:+.3f}"),
+            )
         self.console.print(table)
 
     def note(self, text: str) -> None:

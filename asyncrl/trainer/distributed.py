@@ -9,100 +9,39 @@ with a zero loss, because every rank must run the same forwards for FSDP's colle
 divides its loss by the step's trained tokens summed over all ranks, so the summed gradient is the
 single-process one.
 
-``python -m asyncrl.trainer.distributed RUN_DIR`` is one rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in its
-environment); asyncrl/trainer/supervise.py starts them.
+``python -m asyncrl.trainer.rank_main RUN_DIR`` is one rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in its
+environment); asyncrl/trainer/supervise.py starts them. Their process group is ``Ranks`` (trainer/ranks.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import faulthandler
-import logging
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
 
 from asyncrl.config.schema import Config
+from asyncrl.dtypes import torch_dtype
 from asyncrl.losses.step import StepCounts, StepLoss
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
+from asyncrl.server.command import serving_dtype
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import wait_for_device
-from asyncrl.trainer.supervise import SERVER_URL_ENV
+from asyncrl.trainer.ranks import Ranks
 
-# Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the supervisor's to catch.
-COLLECTIVE_TIMEOUT = timedelta(hours=2)
 ORPHAN_GRACE_S = 10.0
 """How long a rank whose CLI died may take to end by itself before ``watch_parent`` ends it."""
 ORPHANED_EXIT = 3
-
-
-def world_size(config: Config) -> int:
-    """trainer.num_processes, else trainer.gpus on a GPU machine, else 1."""
-    t = config.trainer
-    if t.num_processes is not None:
-        return t.num_processes
-    return (t.gpus or 1) if torch.cuda.is_available() else 1
-
-
-class Ranks:
-    """This process's place among the trainer ranks and the few collectives the trainer makes."""
-
-    def __init__(self, rank: int, world: int, device: torch.device) -> None:
-        self.rank, self.world, self.device = rank, world, device
-
-    @classmethod
-    def from_env(cls) -> Ranks:
-        """Join the process group: nccl on GPU (one device per local rank), gloo on CPU."""
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-            device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        return cls(rank, world, device)
-
-    def command(self, name: str, payloads: list[Any] | None = None) -> Any:
-        """Rank 0: send ``name`` with payloads[r] to each rank r; returns rank 0's own payload."""
-        items = [(name, None if payloads is None else payloads[r]) for r in range(self.world)]
-        received: list[Any] = [None]
-        dist.scatter_object_list(received, items, src=0)
-        return received[0][1]
-
-    def receive(self) -> tuple[str, Any]:
-        """A follower: the next command and this rank's payload."""
-        received: list[Any] = [None]
-        dist.scatter_object_list(received, None, src=0)
-        return received[0]
-
-    def announce(self, index: int = 0) -> int:
-        """Rank 0 says which parameter to gather next (-1: done); every rank returns that index."""
-        value = torch.tensor([index], dtype=torch.long, device=self.device)
-        dist.broadcast(value, src=0)
-        return int(value.item())
-
-    def sum(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` on rank 0 (an empty list on the others)."""
-        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out or []
 
 
 @dataclass
@@ -182,7 +121,7 @@ class Follower:
             self.loss.load_state_dict(load_checkpoint(resume, self.optimizer, self.scheduler).extra.get("loss", {}))
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
         self.attention = str(config.packing.get("attention", "auto"))
-        self.dtype = serving_dtype(config)
+        self.dtype = torch_dtype(serving_dtype(config))
 
     def serve(self) -> None:
         while True:
@@ -210,12 +149,6 @@ class Follower:
         self.ranks.gather(result.metrics)
 
 
-def serving_dtype(config: Config) -> torch.dtype | None:
-    from asyncrl.trainer.sync.tensors import serving_dtype as dtype_of
-
-    return dtype_of(config)
-
-
 def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any, Any, Path | None]:
     """Model (loaded, then sharded), optimizer, scheduler, and the checkpoint resumed from, whose sharded
     weights and optimizer state are then loaded (its scheduler and TrainerState are the caller's)."""
@@ -233,44 +166,6 @@ def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any
     if resume is not None:
         fsdp.load_sharded(resume, model, optimizer)
     return model, optimizer, scheduler, resume
-
-
-def main(run_dir: Path) -> int:
-    """One rank of a multi-rank run, from the run directory's config.yaml."""
-    from asyncrl.launch import EXPECTED_ERRORS, _terminate_on_sigterm, load_run_config
-
-    config = load_run_config(run_dir)
-    _terminate_on_sigterm()
-    faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
-    watch_parent(os.getppid())
-    ranks = Ranks.from_env()
-    if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
-        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    try:
-        if ranks.rank == 0:
-            run_rank_zero(config, run_dir, ranks)
-        else:
-            Follower(config, run_dir, ranks).serve()
-        # Tear the process group down together: a rank that destroys it while another still talks to the
-        # store can abort in gloo's threads ("terminate called without an active exception").
-        dist.barrier()
-    except EXPECTED_ERRORS as exc:
-        print(f"error ({type(exc).__name__}): {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # the CLI stops the ranks with SIGTERM and says why itself
-        return 130
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
-    from asyncrl.server.handle import AttachedServer
-    from asyncrl.trainer.loop import run_training
-    from asyncrl.trainer.setup import prepare
-
-    server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout, booting=True)
-    run_training(config, run_dir, server, prepare(config), ranks=ranks)
 
 
 def watch_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S) -> threading.Thread:
@@ -301,7 +196,3 @@ def leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    leave(main(Path(sys.argv[1])))

@@ -73,10 +73,16 @@ def packed_forward(
             **extra,
         )
     out = compute_token_logprobs(
-        captured["hidden"][0], head, row.target_ids.to(device), temperature, top_ids=row.top_ids,
-        sampling_masks=row.sampling_masks, chunk_tokens=logit_chunk_tokens, compute_dtype=captured["dtype"],
+        captured["hidden"][0],
+        head,
+        row.target_ids.to(device),
+        temperature,
+        top_ids=row.top_ids,
+        sampling_masks=row.sampling_masks,
+        chunk_tokens=logit_chunk_tokens,
+        compute_dtype=captured["dtype"],
         compile_backend=backend,
-    )  # fmt: skip
+    )
     aux_loss = output.aux_loss if router_aux else None
     return ForwardOutput(out.logprobs, out.top_logprobs, out.entropy, time.perf_counter() - started, aux_loss)
 
@@ -92,8 +98,10 @@ def check_head(config: object) -> None:
     """The log-probabilities are computed from the LM head's input: refuse models that transform its output."""
     found = {key: getattr(config, key) for key in _LOGIT_TRANSFORMS if getattr(config, key, None) not in (None, 1.0)}
     if found:
-        raise ValueError(f"packed_forward: {type(config).__name__} transforms the LM head's logits ({found}), which "
-                         "the chunked log-probabilities (trainer/token_logprobs.py) do not apply")  # fmt: skip
+        raise ValueError(
+            f"packed_forward: {type(config).__name__} transforms the LM head's logits ({found}), which "
+            "the chunked log-probabilities (trainer/token_logprobs.py) do not apply"
+        )
 
 
 @contextmanager
@@ -129,8 +137,10 @@ def resolve_compile(compile_layers: bool | str, device: torch.device) -> str | N
     from torch._dynamo import list_backends
 
     if compile_layers not in list_backends(exclude_tags=()):
-        raise ValueError(f"packing.compile_layers={compile_layers!r} must be true, false, auto or a torch.compile "
-                         f"backend ({', '.join(list_backends())})")  # fmt: skip
+        raise ValueError(
+            f"packing.compile_layers={compile_layers!r} must be true, false, auto or a torch.compile "
+            f"backend ({', '.join(list_backends())})"
+        )
     return compile_layers
 
 

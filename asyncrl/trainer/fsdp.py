@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from asyncrl.config.schema import Config
-
-if TYPE_CHECKING:
-    from asyncrl.trainer.distributed import Ranks
+from asyncrl.trainer.ranks import Ranks
 
 SHARDED_DIR = "sharded"
 """The torch.distributed.checkpoint files (fp32 master weights and optimizer state) inside a checkpoint."""
@@ -38,8 +36,10 @@ def shard(model: torch.nn.Module, config: Config, mixed_precision: bool) -> torc
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(f"trainer.num_processes>1: {type(model).__name__} names no decoder layer class "
-                         "(_no_split_modules), so FSDP2 has nothing to shard per layer")  # fmt: skip
+        raise ValueError(
+            f"trainer.num_processes>1: {type(model).__name__} names no decoder layer class "
+            "(_no_split_modules), so FSDP2 has nothing to shard per layer"
+        )
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -218,8 +218,9 @@ def serve_gathers(model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | Non
         gather_bucket([params[i] for i in starts[start]], dtype)
 
 
-def save_weights(directory: Path, model: torch.nn.Module, optimizer: Any, ranks: Ranks,
-                 dtype: torch.dtype | None, *, resumable: bool) -> None:  # fmt: skip
+def save_weights(
+    directory: Path, model: torch.nn.Module, optimizer: Any, ranks: Ranks, dtype: torch.dtype | None, *, resumable: bool
+) -> None:
     """On every rank: the sharded resume files (``resumable``) and, written by rank 0, a consolidated
     ``model.safetensors`` in the serving dtype with the model's config."""
     import torch.distributed.checkpoint as dcp

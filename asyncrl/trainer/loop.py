@@ -15,6 +15,7 @@ from typing import Any
 
 from asyncrl.client import ControlClient, policy_model
 from asyncrl.config.schema import Config
+from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import evaluate
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
@@ -23,7 +24,7 @@ from asyncrl.packing import build_row_factory
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
-from asyncrl.server.command import served_model_name
+from asyncrl.server.command import served_model_name, serving_dtype
 from asyncrl.server.handle import check_alive
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
@@ -38,7 +39,7 @@ from asyncrl.trainer.checkpoint import (
     source_processor_files,
 )
 from asyncrl.trainer.console import Console
-from asyncrl.trainer.distributed import Ranks, build_sharded, split_rows, train_rows
+from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows
 from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
@@ -46,9 +47,9 @@ from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
+from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
-from asyncrl.trainer.sync.tensors import serving_dtype
 from asyncrl.trainer.timeline import Timeline
 from asyncrl.trainer.weight_sync import WeightSyncError, build_weight_sync
 
@@ -273,7 +274,7 @@ class Trainer:
         """One weight sync; with several ranks every parameter is gathered as the transport reads it."""
         if self.ranks is None:
             return self.sync.push(self.model, version)
-        dtype = serving_dtype(self.config)
+        dtype = torch_dtype(serving_dtype(self.config))
         self.ranks.command("sync", [dtype] * self.world)
         view = GatheredModel(self.model, self.ranks, dtype)
         metrics = self.sync.push(view, version)
@@ -386,7 +387,7 @@ class Trainer:
     def _write_sharded(self, directory: Path, command: str) -> None:
         """With every rank: ``save`` the resume shards and the consolidated model, or the ``final`` model only."""
         self.ranks.command(command, [str(directory)] * self.world)
-        save_weights(directory, self.model, self.optimizer, self.ranks, serving_dtype(self.config),
+        save_weights(directory, self.model, self.optimizer, self.ranks, torch_dtype(serving_dtype(self.config)),
                      resumable=command == "save")  # fmt: skip
 
     def _stop_worker(self) -> None:

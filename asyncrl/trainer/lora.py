@@ -39,9 +39,16 @@ def peft_config(config: Config, exclude: Sequence[str] = ()) -> Any:
     lora = config.lora
     modules_to_save = list(lora.modules_to_save) if lora.modules_to_save else None
     excluded = "|".join(re.escape(prefix) + ".*" for prefix in exclude) or None  # peft full-matches module names
-    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=_targets(config), bias=lora.bias, modules_to_save=modules_to_save,
-                      exclude_modules=excluded)  # fmt: skip
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=_targets(config),
+        bias=lora.bias,
+        modules_to_save=modules_to_save,
+        exclude_modules=excluded,
+    )
 
 
 def adapter_modules(config: Config, model_config: Any) -> list[str]:
@@ -88,8 +95,11 @@ def wrap(config: Config, base: torch.nn.Module, path: str) -> torch.nn.Module:
     if is_adapter_dir(path):
         return PeftModel.from_pretrained(base, path, is_trainable=True)
     if config.trainer.save_strategy == "no":
-        warnings.warn("lora with trainer.save_strategy=no: only checkpoints keep the trained adapter (the server's "
-                      "adapter cache is not one); an interrupted run leaves nothing", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "lora with trainer.save_strategy=no: only checkpoints keep the trained adapter (the server's "
+            "adapter cache is not one); an interrupted run leaves nothing",
+            stacklevel=2,
+        )
     _check_tied_embeddings(config, base)
     model = get_peft_model(base, peft_config(config, non_text_prefixes(base)))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
 from asyncrl.server.command import resolve_backend
+from asyncrl.trainer import lora
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
 def use_bf16(config: Config) -> bool:
@@ -61,29 +61,35 @@ def freeze_non_text(model: torch.nn.Module) -> None:
     frozen = [p for name, p in model.named_parameters() if name.startswith(prefixes)]
     for param in frozen:
         param.requires_grad_(False)
-    log.info("vision-language checkpoint trained text-only: %s frozen (%d parameters)", ", ".join(
-        p.rstrip(".") for p in prefixes), sum(p.numel() for p in frozen))  # fmt: skip
+    log.info(
+        "vision-language checkpoint trained text-only: %s frozen (%d parameters)",
+        ", ".join(p.rstrip(".") for p in prefixes),
+        sum(p.numel() for p in frozen),
+    )
 
 
 def load_model(config: Config, path: str) -> torch.nn.Module:
     """The model at ``path``; with ``lora.enabled`` the base model wrapped with adapters (``path`` may then
     be an adapter checkpoint, whose base is model.name_or_path). A vision-language checkpoint loads whole (its
     checkpoints stay servable) with everything outside the text model frozen."""
-    from asyncrl.trainer import lora
-
     m = config.model
     adapter_path = path if config.lora.enabled else None
     if lora.is_adapter_dir(path):
         if not config.lora.enabled:
-            raise ValueError(f"{path} holds a LoRA adapter: resume it with the lora settings it was trained with "
-                             "(lora=default or lora.enabled=true)")  # fmt: skip
+            raise ValueError(
+                f"{path} holds a LoRA adapter: resume it with the lora settings it was trained with "
+                "(lora=default or lora.enabled=true)"
+            )
         path = m.name_or_path
-    if m.dtype not in _DTYPES:
-        raise ValueError(f"model.dtype={m.dtype!r} must be one of {', '.join(_DTYPES)}")
     source: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
     if m.revision and path == m.name_or_path:
         source["revision"] = m.revision
-    kwargs = {"dtype": _DTYPES[m.dtype], "attn_implementation": m.attn_implementation, **source, **m.model_init_kwargs}
+    kwargs = {
+        "dtype": torch_dtype(m.dtype) or "auto",
+        "attn_implementation": m.attn_implementation,
+        **source,
+        **m.model_init_kwargs,
+    }
     model = auto_model_class(path, **source).from_pretrained(path, **kwargs)
     model.config.use_cache = False
     freeze_non_text(model)
@@ -97,8 +103,10 @@ def build_optimizer(config: Config, model: torch.nn.Module) -> tuple[torch.optim
 
     t = config.trainer
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
-                                  weight_decay=t.weight_decay)  # fmt: skip
-    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.warmup_steps,
-                              num_training_steps=max(t.max_steps, 1))  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, weight_decay=t.weight_decay
+    )
+    scheduler = get_scheduler(
+        t.lr_scheduler_type, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=max(t.max_steps, 1)
+    )
     return optimizer, scheduler

@@ -28,8 +28,10 @@ def router_aux_coef(config: Config, model_config: Any) -> float:
     coef = config.model.router_aux_loss_coef
     if not is_moe(model_config):
         if coef is not None:
-            raise ConfigError(f"model.router_aux_loss_coef={coef} is set, but {config.model.name_or_path} is not a "
-                              "Mixture-of-Experts model: remove the override")  # fmt: skip
+            raise ConfigError(
+                f"model.router_aux_loss_coef={coef} is set, but {config.model.name_or_path} is not a "
+                "Mixture-of-Experts model: remove the override"
+            )
         return 0.0
     return float(model_config.get_text_config().router_aux_loss_coef if coef is None else coef)
 
@@ -41,6 +43,7 @@ def check_router_aux_coef(config: Config) -> float:
     m = config.model
     if m.router_aux_loss_coef is not None and m.router_aux_loss_coef < 0:
         raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0 (0 disables)")
-    model_config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
-                                              trust_remote_code=m.trust_remote_code)  # fmt: skip
+    model_config = AutoConfig.from_pretrained(
+        m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+    )
     return router_aux_coef(config, model_config)

@@ -1,6 +1,6 @@
 """The CLI's side of a multi-rank run: start the trainer ranks, watch them and the server, stop them all.
 
-Each rank is ``python -m asyncrl.trainer.distributed RUN_DIR`` in its own session (its rollout worker with
+Each rank is ``python -m asyncrl.trainer.rank_main RUN_DIR`` in its own session (its rollout worker with
 it) that the kernel terminates if the CLI dies. When a rank fails, the server dies or the CLI is interrupted,
 every rank's session is terminated, then killed after a grace period; the CLI's server context stops the
 server. Rank 0 writes to the CLI's console; the other ranks to logs/rank_N.log.
@@ -44,16 +44,25 @@ class RankProcesses:
     def __init__(self, run_dir: Path, world: int, server_url: str) -> None:
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               SERVER_URL_ENV: server_url}  # fmt: skip
+        env = {
+            **os.environ,
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            SERVER_URL_ENV: server_url,
+        }
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(world):
             out = None if rank == 0 else open(self.log_path(rank), "wb")  # noqa: SIM115 - closed with the process
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.trainer.distributed", str(run_dir)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out,
-                stderr=subprocess.STDOUT if out else None, preexec_fn=die_with_parent(),
-            ))  # fmt: skip
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "asyncrl.trainer.rank_main", str(run_dir)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    preexec_fn=die_with_parent(),
+                )
+            )
             if out is not None:
                 out.close()
 

@@ -33,8 +33,12 @@ class CandidateSets:
         slots = [slot for slot, ids in enumerate(sets) if ids is not None for _ in ids]
         ids = [token for candidates in sets if candidates is not None for token in candidates]
         restricted = torch.tensor([ids is not None for ids in sets], dtype=torch.bool)
-        return cls(torch.tensor(slots, dtype=torch.long).to(device), torch.tensor(ids, dtype=torch.long).to(device),
-                   restricted.to(device), [bisect.bisect_left(slots, start) for start in chunk_starts])  # fmt: skip
+        return cls(
+            torch.tensor(slots, dtype=torch.long).to(device),
+            torch.tensor(ids, dtype=torch.long).to(device),
+            restricted.to(device),
+            [bisect.bisect_left(slots, start) for start in chunk_starts],
+        )
 
     def keep(self, index: int, lo: int, hi: int, vocab: int) -> torch.Tensor:
         """[hi - lo, vocab] bool: the candidate set of each slot of chunk ``index`` (all for unrestricted slots)."""
@@ -44,8 +48,9 @@ class CandidateSets:
         return keep
 
 
-def chunk_stats(logits: torch.Tensor, keep: torch.Tensor | None, targets: torch.Tensor, top_ids: torch.Tensor,
-                temperature: float) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def chunk_stats(
+    logits: torch.Tensor, keep: torch.Tensor | None, targets: torch.Tensor, top_ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, ...]:
     """One chunk's log-normaliser, target and top-K log-probabilities and entropy, from its raw head output
     (consumed: the float passes run in place, so eagerly at most three [chunk x vocabulary] buffers exist)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -61,9 +66,16 @@ def chunk_stats(logits: torch.Tensor, keep: torch.Tensor | None, targets: torch.
     return log_z, logp.gather(1, targets[:, None]).squeeze(1), logp.gather(1, top_ids), -plogp.sum(-1)
 
 
-def chunk_grad_logits(logits: torch.Tensor, keep: torch.Tensor | None, log_z: torch.Tensor, targets: torch.Tensor,
-                      top_ids: torch.Tensor, grad_logprobs: torch.Tensor, grad_top: torch.Tensor,
-                      temperature: float) -> torch.Tensor:  # fmt: skip
+def chunk_grad_logits(
+    logits: torch.Tensor,
+    keep: torch.Tensor | None,
+    log_z: torch.Tensor,
+    targets: torch.Tensor,
+    top_ids: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_top: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
     """d(loss)/d(raw head output) of one chunk, in its dtype: sum_j g_j (onehot(id_j) - p) / temperature, zero
     outside the set (``logits`` consumed as in chunk_stats)."""
     z = logits.to(log_z.dtype)
@@ -109,8 +121,9 @@ class Chunking:
         """(chunk index, lo, hi) over ``length`` tokens."""
         return [(i, lo, min(lo + self.size, length)) for i, lo in enumerate(range(0, length, self.size))]
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: int, lo: int,
-               hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: int, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One chunk's raw head output (compute dtype) and its candidate mask (None: whole vocabulary)."""
         dtype = self.compute_dtype
         z = F.linear(hidden[lo:hi].to(dtype), weight, None if bias is None else bias.to(dtype))
@@ -123,8 +136,15 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     """(hidden [T, D], weight [V, D], bias) -> target logprobs [T], top-K logprobs [T, K], entropy [T] (no grad)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                top_ids: torch.Tensor, chunking: Chunking) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        top_ids: torch.Tensor,
+        chunking: Chunking,
+    ) -> tuple[torch.Tensor, ...]:
         length = hidden.shape[0]
         w = weight.to(chunking.compute_dtype)
         log_z = hidden.new_empty(length, dtype=chunking.float_dtype)
@@ -142,8 +162,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return logprobs, top, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_top: torch.Tensor | None,
-                 _grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+    def backward(
+        ctx: Any, grad_logprobs: torch.Tensor | None, grad_top: torch.Tensor | None, _grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, top_ids, log_z = ctx.saved_tensors
         chunking: Chunking = ctx.chunking
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
@@ -158,8 +179,16 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         grad_logits = chunking.epilogue(chunk_grad_logits)
         for index, lo, hi in chunking.ranges(hidden.shape[0]):
             z, keep = chunking.logits(hidden, w, bias, index, lo, hi)
-            grad_z = grad_logits(z, keep, log_z[lo:hi], targets[lo:hi], top_ids[lo:hi], grad_logprobs[lo:hi],
-                                 grad_top[lo:hi], chunking.temperature)  # fmt: skip
+            grad_z = grad_logits(
+                z,
+                keep,
+                log_z[lo:hi],
+                targets[lo:hi],
+                top_ids[lo:hi],
+                grad_logprobs[lo:hi],
+                grad_top[lo:hi],
+                chunking.temperature,
+            )
             if grad_hidden is not None:
                 grad_hidden[lo:hi] = grad_z @ w
             if grad_weight is not None:

@@ -28,22 +28,20 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from asyncrl.client import ControlClient
 from asyncrl.config.schema import Config
 from asyncrl.registry import Registry
+from asyncrl.server.checks import ServerFacts, check_server
 from asyncrl.trainer.sync.adapter import AdapterSync
 from asyncrl.trainer.sync.base import Transport, WeightSyncError, run_step
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.choice import use_adapter_sync
 from asyncrl.trainer.sync.tensors import serving_bytes
-from asyncrl.trainer.sync.vllm_common import ipc_transport, nccl_transport
-
-if TYPE_CHECKING:
-    from asyncrl.server.checks import ServerFacts
+from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +148,17 @@ def build_weight_sync(
 ) -> WeightSync | AdapterSync:
     """Check the running server against the config, then build the sync backend it speaks (not yet init'ed):
     adapter-only sync when lora.sync resolves to it (``use_adapter_sync``), else a merged/full weight round."""
-    from asyncrl.server.checks import check_server
-
-    facts = check_server(config, control, dataset=getattr(prepared, "dataset", None),
-                         tokenizer=getattr(prepared, "tokenizer", None))  # fmt: skip
-    log.info("server %s %s: max_model_len %d, weight transfer %s, candidate sets %s", facts.backend, facts.version,
-             facts.max_model_len, facts.weight_transfer, facts.candidate_sets)  # fmt: skip
+    facts = check_server(
+        config, control, dataset=getattr(prepared, "dataset", None), tokenizer=getattr(prepared, "tokenizer", None)
+    )
+    log.info(
+        "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
+        facts.backend,
+        facts.version,
+        facts.max_model_len,
+        facts.weight_transfer,
+        facts.candidate_sets,
+    )
     if use_adapter_sync(config, control, facts.backend):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")

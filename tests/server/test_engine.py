@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny import EOS_ID, VOCAB_SIZE
 
+from asyncrl.sampling import SamplingParams
 from asyncrl.server.engine import Engine, EngineConfig
 from asyncrl.server.rows import GenerationRequest, GenerationResult
-from asyncrl.server.sampling import SamplingSettings
 
 
 @pytest.fixture
@@ -32,8 +32,8 @@ def make_engine(tiny_model):
 
 def make_request(i: int, prompt_len: int, max_tokens: int, **settings) -> GenerationRequest:
     prompt = [(7 * i + 3 * j) % (VOCAB_SIZE - 3) + 3 for j in range(prompt_len)]
-    settings = SamplingSettings(num_logprobs=0, **settings)
-    return GenerationRequest(f"r{i}", prompt, max_tokens, settings, seed=100 + i, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, seed=100 + i, ignore_eos=True, **settings)
+    return GenerationRequest(f"r{i}", prompt, params)
 
 
 REQUESTS = [
@@ -62,7 +62,7 @@ def test_rows_decoded_together_match_rows_decoded_alone(make_engine):
     together = generate(engine, REQUESTS)
     alone = [generate(engine, [request])[0] for request in REQUESTS]
     assert_same_generations(together, alone)
-    assert [len(r.token_ids) for r in together] == [r.max_tokens for r in REQUESTS]
+    assert [len(r.token_ids) for r in together] == [r.params.max_tokens for r in REQUESTS]
     assert max(engine.stats().batch_sizes) > 1
 
 
@@ -77,7 +77,8 @@ def test_rows_joining_into_freed_cache_slots_match_rows_decoded_alone(make_engin
 
 def test_a_group_sharing_one_prompt_is_prefilled_once_and_samples_as_if_alone(make_engine, tiny_model):
     engine = make_engine()
-    group = [replace(make_request(0, 9, 10), request_id=f"g{k}", seed=200 + k) for k in range(6)]
+    group = [replace(make_request(0, 9, 10), request_id=f"g{k}") for k in range(6)]
+    group = [replace(r, params=replace(r.params, seed=200 + k)) for k, r in enumerate(group)]
     requests = [*group[:3], make_request(1, 9, 8), *group[3:]]
     prefills: list[tuple[int, ...]] = []
 

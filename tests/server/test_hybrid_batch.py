@@ -9,12 +9,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncrl.assets.model_families import build_model, hybrid_text_config, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
+from asyncrl.sampling import SamplingParams
 from asyncrl.server.batch import RunningBatch
 from asyncrl.server.cache import StateLayer, build_slack_cache
 from asyncrl.server.engine import Engine, EngineConfig
 from asyncrl.server.lora import AdapterSet, LoraLimits
-from asyncrl.server.rows import GenerationRequest, Row
-from asyncrl.server.sampling import SamplingSettings
+from asyncrl.server.rows import DecodeRow, GenerationRequest
 
 TOLERANCE = 1e-4
 
@@ -38,12 +38,12 @@ def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(7, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def make_row(name: str, tokens: list[int], max_tokens: int) -> Row:
-    request = GenerationRequest(name, tokens, max_tokens, SamplingSettings(temperature=0.0, num_logprobs=0))
-    return Row(request, torch.Generator())
+def make_row(name: str, tokens: list[int], max_tokens: int) -> DecodeRow:
+    request = GenerationRequest(name, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return DecodeRow(request, torch.Generator())
 
 
-def assert_matches_a_plain_forward(model: torch.nn.Module, rows: list[Row]) -> None:
+def assert_matches_a_plain_forward(model: torch.nn.Module, rows: list[DecodeRow]) -> None:
     """Each row's tokens are greedy and its logprobs are those of one unpadded, uncached forward of its tokens."""
     for row in rows:
         prompt_ids, output = row.request.prompt_ids, row.output_ids
@@ -51,12 +51,12 @@ def assert_matches_a_plain_forward(model: torch.nn.Module, rows: list[Row]) -> N
             logits = model(input_ids=torch.tensor([prompt_ids + output])).logits[0].double()
         logprobs = logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
         chosen = logprobs.gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
-        assert len(output) == row.request.max_tokens, row.request.request_id
+        assert len(output) == row.request.params.max_tokens, row.request.request_id
         torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), chosen, atol=TOLERANCE, rtol=0)
         assert bool((chosen >= logprobs.max(-1).values - TOLERANCE).all()), f"{row.request.request_id} not greedy"
 
 
-def run_schedule(model: torch.nn.Module, joins: dict[int, list[Row]], preempt_at: int) -> set[int]:
+def run_schedule(model: torch.nn.Module, joins: dict[int, list[DecodeRow]], preempt_at: int) -> set[int]:
     """Decode greedily, rows joining at their step and leaving at max_tokens; at ``preempt_at`` every row loses
     its cache and is re-prefilled from its tokens. Returns the number of slots seen per step (free ones included)."""
     batch, step, slot_counts = RunningBatch(model), 0, set()
@@ -70,7 +70,7 @@ def run_schedule(model: torch.nn.Module, joins: dict[int, list[Row]], preempt_at
                 token = int(logprobs.argmax())
                 row.output_ids.append(token)
                 row.logprobs.append(float(logprobs[token]))
-            batch.remove([row for row in batch.rows if len(row.output_ids) >= row.request.max_tokens])
+            batch.remove([row for row in batch.rows if len(row.output_ids) >= row.request.params.max_tokens])
             slot_counts.add(len(batch._slots))
             step += 1
     return slot_counts
@@ -107,14 +107,14 @@ def test_left_padding_leaves_the_delta_net_states_of_a_fresh_prefill(hybrid):
 
 
 def greedy_request(name: str, tokens: list[int], max_tokens: int, adapter: str | None = None) -> GenerationRequest:
-    settings = SamplingSettings(temperature=0.0, num_logprobs=0)
-    return GenerationRequest(name, tokens, max_tokens, settings, ignore_eos=True, adapter=adapter)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerationRequest(name, tokens, params, adapter=adapter)
 
 
-def generate(engine: Engine, requests: list[GenerationRequest]) -> list[Row]:
+def generate(engine: Engine, requests: list[GenerationRequest]) -> list[DecodeRow]:
     """Submit every request at once to the started engine; each row carries its result's tokens and logprobs."""
     results = [future.result(timeout=120) for future in [engine.submit(request) for request in requests]]
-    rows = [make_row(request.request_id, request.prompt_ids, request.max_tokens) for request in requests]
+    rows = [make_row(request.request_id, request.prompt_ids, request.params.max_tokens) for request in requests]
     for row, result in zip(rows, results, strict=True):
         row.output_ids, row.logprobs = result.token_ids, result.logprobs
     return rows

@@ -8,21 +8,22 @@ import pytest
 import torch
 from tiny import VOCAB_SIZE
 
-from asyncrl.server.sampling import RowInput, SamplingSettings, process_logits, sample_step
+from asyncrl.sampling import SamplingParams
+from asyncrl.server.sampling import RowInput, process_logits, sample_step
 
 ROWS = [
-    (SamplingSettings(), set(), ()),
-    (SamplingSettings(temperature=0.7, top_k=5), set(), ()),
-    (SamplingSettings(top_p=0.8), set(), ()),
-    (SamplingSettings(temperature=1.3, top_k=10, top_p=0.9), set(), ()),
-    (SamplingSettings(temperature=0.5, min_p=0.1), set(), ()),
-    (SamplingSettings(repetition_penalty=1.3), {3, 7, 11, 40}, ()),
-    (SamplingSettings(temperature=0.0, top_k=3), set(), ()),
-    (SamplingSettings(top_k=4), set(), (1, 2)),
+    (SamplingParams(), set(), ()),
+    (SamplingParams(temperature=0.7, top_k=5), set(), ()),
+    (SamplingParams(top_p=0.8), set(), ()),
+    (SamplingParams(temperature=1.3, top_k=10, top_p=0.9), set(), ()),
+    (SamplingParams(temperature=0.5, min_p=0.1), set(), ()),
+    (SamplingParams(repetition_penalty=1.3), {3, 7, 11, 40}, ()),
+    (SamplingParams(temperature=0.0, top_k=3), set(), ()),
+    (SamplingParams(top_k=4), set(), (1, 2)),
 ]
 
 
-def reference_processed(logits: torch.Tensor, settings: SamplingSettings, seen: set[int], suppressed) -> torch.Tensor:
+def reference_processed(logits: torch.Tensor, settings: SamplingParams, seen: set[int], suppressed) -> torch.Tensor:
     """One row, float64, written as loops: suppression, penalty, temperature, min-p, top-k, top-p."""
     x = logits.double().clone()
     x[list(suppressed)] = float("-inf")
@@ -69,7 +70,7 @@ def test_processed_logprobs_match_a_float64_reference_for_every_processor():
 
 
 def test_sample_step_reports_candidates_top_logprobs_and_greedy_argmax():
-    rows = [(replace(s, num_logprobs=4, return_sampling_mask=True), seen, sup) for s, seen, sup in ROWS]
+    rows = [(replace(s, logprobs=4, return_sampling_mask=True), seen, sup) for s, seen, sup in ROWS]
     logits = torch.randn(len(rows), VOCAB_SIZE, generator=torch.Generator().manual_seed(1)) * 3
     draws = sample_step(logits, row_inputs(rows))
     processed = process_logits(logits, row_inputs(rows)).log_softmax(-1)
@@ -86,7 +87,7 @@ def test_sample_step_reports_candidates_top_logprobs_and_greedy_argmax():
 
 def test_draws_follow_the_processed_distribution_and_seeds_repeat():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB_SIZE - 4)]).repeat(4000, 1)
-    rows = [(SamplingSettings(temperature=0.8), set(), ())] * 4000
+    rows = [(SamplingParams(temperature=0.8), set(), ())] * 4000
     tokens = torch.tensor([draw.token_id for draw in sample_step(logits, row_inputs(rows))])
     frequencies = torch.bincount(tokens, minlength=VOCAB_SIZE)[:4].double() / 4000
     torch.testing.assert_close(frequencies, (logits[0, :4].double() / 0.8).softmax(-1), atol=0.03, rtol=0)

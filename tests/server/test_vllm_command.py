@@ -11,7 +11,7 @@ import pytest
 from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config, moe_config
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import ConfigError, compose, to_config
-from asyncrl.server.command import server_command
+from asyncrl.server.choice import server_command
 from asyncrl.server.vllm import (
     WORKER_EXTENSION,
     CheckpointKind,

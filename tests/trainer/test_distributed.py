@@ -86,7 +86,8 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
 
     from asyncrl.client import ControlClient
     from asyncrl.trainer import fsdp
-    from asyncrl.trainer.distributed import Follower, Ranks, build_sharded, leave, split_rows, train_rows
+    from asyncrl.trainer.distributed import Follower, build_sharded, leave, split_rows, train_rows
+    from asyncrl.trainer.ranks import Ranks
     from asyncrl.trainer.sync.builtin import FileTransport
     from asyncrl.trainer.weight_sync import WeightSync
 
@@ -94,7 +95,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
     try:
         if rank != 0:
             Follower(config, out, ranks).serve()
-            dist.barrier()  # leave together (see asyncrl.trainer.distributed.main)
+            dist.barrier()  # leave together (see asyncrl.trainer.rank_main.main)
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
         loss = StepLoss(LOSSES.build(config.loss))

@@ -38,12 +38,11 @@ from asyncrl.trainer.sync.vllm_common import (
     Background,
     ipc_buffer_bytes,
     ipc_json,
-    ipc_transport,
-    nccl_transport,
     run_watched,
 )
 from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
 from asyncrl.trainer.sync.vllm_factory import RoundClient, serving_source
+from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
 from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
 
 STEPS = ("stage", "pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
@@ -433,7 +432,7 @@ def test_ipc_loads_in_place_where_the_extension_can(facts, direct_load, expected
     monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
     config = to_config(compose([f"server.ipc_direct_load={direct_load}"]))
     server = ServerFacts("vllm", "0.26.0", 4096, "ipc", False, **{"worker_extension": WORKER_EXTENSION, **facts})
-    with caplog.at_level(logging.INFO, logger="asyncrl.trainer.sync.vllm_common"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.trainer.sync.vllm_transports"):
         assert type(ipc_transport(config=config, run_dir=tmp_path, facts=server)).__name__ == expected
     if why is not None:
         assert re.search(f"through vLLM's engine.*{why}", caplog.text)

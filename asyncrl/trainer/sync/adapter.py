@@ -28,8 +28,9 @@ from safetensors.torch import save_file
 
 from asyncrl.client import ControlClient, policy_model
 from asyncrl.config.schema import Config
+from asyncrl.dtypes import torch_dtype
+from asyncrl.server.command import serving_dtype
 from asyncrl.trainer.sync.base import WeightSyncError, run_step
-from asyncrl.trainer.sync.tensors import serving_dtype
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ def adapter_tensors(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[s
 
     model = getattr(model, "module", model)
     if not isinstance(model, PeftModel):
-        raise WeightSyncError(f"lora.sync=adapter needs the trainer's peft model, got {type(model).__name__} "
-                              "(several trainer ranks are not supported yet: use lora.sync=merged)")  # fmt: skip
+        raise WeightSyncError(
+            f"lora.sync=adapter needs the trainer's peft model, got {type(model).__name__} "
+            "(several trainer ranks are not supported yet: use lora.sync=merged)"
+        )
     state = get_peft_model_state_dict(model, save_embedding_layers=False)
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     return {name: cast(t.detach()).contiguous().cpu() for name, t in state.items()}
@@ -71,7 +74,7 @@ class AdapterSync:
         self.base_name = config.model.name_or_path
         self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers
         self.root = output_dir / CACHE_DIR
-        self.dtype = serving_dtype(config)
+        self.dtype = torch_dtype(serving_dtype(config))
         self.keep = config.staleness.max_staleness + 1
         self.registered: deque[int] = deque()
         self.unloaded: list[int] = []

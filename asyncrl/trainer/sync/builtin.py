@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from asyncrl.client import ControlClient
 from asyncrl.config.schema import Config
+from asyncrl.dtypes import torch_dtype
+from asyncrl.server.checks import ServerFacts
+from asyncrl.server.command import serving_dtype
 from asyncrl.trainer.sync.base import Transport
-from asyncrl.trainer.sync.tensors import serving_dtype, unique_state_dict
-
-if TYPE_CHECKING:
-    from asyncrl.server.checks import ServerFacts
+from asyncrl.trainer.sync.tensors import unique_state_dict
 
 
 class FileTransport(Transport):
@@ -34,7 +33,7 @@ class FileTransport(Transport):
     @classmethod
     def from_config(cls, *, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> FileTransport:
         """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
-        return cls(Path(config.server.weights_dir or run_dir), serving_dtype(config))
+        return cls(Path(config.server.weights_dir or run_dir), torch_dtype(serving_dtype(config)))
 
     def init(self, control: ControlClient) -> None:
         control.init_weight_transfer({"backend": "builtin"})

@@ -58,10 +58,14 @@ def adapter_problem(config: Config, control: ControlClient, backend: str) -> str
     if backend == "vllm" and str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("1", "true"):
         return "the server refuses runtime adapter loading: restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
     if int(lora.get("max_lora_rank", 0)) < config.lora.r:
-        return f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}: " \
-               f"restart it with --max-lora-rank {rank}"  # fmt: skip
+        return (
+            f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}: "
+            f"restart it with --max-lora-rank {rank}"
+        )
     needed = config.staleness.max_staleness + 2
     if int(lora.get("max_loras", 0)) < needed:
-        return f"the server holds {lora.get('max_loras')} adapters and max_staleness + 2 versions are alive at " \
-               f"once: restart it with --max-loras {max(loras, needed)}"  # fmt: skip
+        return (
+            f"the server holds {lora.get('max_loras')} adapters and max_staleness + 2 versions are alive at "
+            f"once: restart it with --max-loras {max(loras, needed)}"
+        )
     return None

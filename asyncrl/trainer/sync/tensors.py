@@ -12,16 +12,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from asyncrl.config.schema import Config
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.trainer import lora
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def serving_dtype(config: Config) -> torch.dtype | None:
-    """The dtype the server computes in (server.dtype, else model.dtype); None for "auto" (send as trained)."""
-    return _DTYPES.get(config.server.dtype or config.model.dtype)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,84 +1,24 @@
-"""What the vLLM transports share: choosing the trainer API by the installed vLLM, IPC handles as JSON, the
-NCCL rendezvous address, and the watchdog that turns a silent peer into an error instead of a hang."""
+"""What the vLLM transports share: IPC handles as JSON, the NCCL rendezvous address, and the watchdog that turns
+a silent peer into an error instead of a hang (trainer/sync/vllm_transports.py picks the transport)."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import logging
 import pickle
 import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 import torch
 
-from asyncrl.config.schema import Config
-from asyncrl.server import vllm
-from asyncrl.trainer.sync.base import Transport, WeightSyncError
-from asyncrl.trainer.sync.tensors import serving_dtype
-
-if TYPE_CHECKING:
-    from asyncrl.server.checks import ServerFacts
-
-log = logging.getLogger(__name__)
+from asyncrl.trainer.sync.base import WeightSyncError
 
 R = TypeVar("R")
-FACTORY_API_SINCE = (0, 28)  # WeightTransferTrainerFactory.trainer_init + engine.send_weights()
 IPC_BUFFER_LIMIT = 2 << 30  # bytes: a model up to ~1B parameters in bf16 goes over as one packed buffer
-
-
-def _uses_factory_api() -> bool:
-    version = vllm.installed_vllm_version()
-    if version is None:
-        raise WeightSyncError("vLLM weight sync needs vllm on the trainer side too (the server's release)")
-    return vllm.parse_version(version)[:2] >= FACTORY_API_SINCE
-
-
-def ipc_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:
-    """CUDA IPC: server and trainer share one GPU. In place through asyncrl's worker extension when the server
-    runs it (server.ipc_direct_load), else vLLM's ipc engine, through the installed vLLM's trainer API."""
-    if config.server.ipc_direct_load and facts is not None:
-        refusal = in_place_refusal(facts)
-        if refusal is None:
-            from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
-
-            return DirectIpcTransport(serving_dtype(config), IPC_BUFFER_LIMIT)
-        log.info("ipc sync through vLLM's engine (layerwise reload): %s", refusal)
-    if _uses_factory_api():
-        from asyncrl.trainer.sync.vllm_factory import FactoryTransport
-
-        return FactoryTransport("ipc", serving_dtype(config), config.server.timeout)
-    from asyncrl.trainer.sync.vllm_static import StaticIpcTransport
-
-    return StaticIpcTransport(serving_dtype(config), config.server.timeout)
-
-
-def in_place_refusal(facts: ServerFacts) -> str | None:
-    """Why asyncrl's worker extension cannot load this server's weights in place; None when it can."""
-    if facts.worker_extension != vllm.WORKER_EXTENSION:
-        return f"start the server with --worker-extension-cls {vllm.WORKER_EXTENSION} to load weights in place"
-    if facts.quantization:
-        return (f"the server quantizes its weights ({facts.quantization}) after loading them, which an in-place "
-                "load would not redo")  # fmt: skip
-    if facts.gpus > 1:
-        return f"the server spans {facts.gpus} GPUs and the shared weight buffer lives on one"
-    return None
-
-
-def nccl_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:
-    """An NCCL broadcast from the trainer (rank 0) to every server worker: they have their own GPUs."""
-    if _uses_factory_api():
-        from asyncrl.trainer.sync.vllm_factory import FactoryTransport
-
-        return FactoryTransport("nccl", serving_dtype(config), config.server.timeout)
-    from asyncrl.trainer.sync.vllm_static import StaticNcclTransport
-
-    return StaticNcclTransport(serving_dtype(config), config.server.timeout)
 
 
 def fields_of(info: Any) -> dict[str, Any]:

@@ -68,12 +68,15 @@ class DirectIpcTransport(Transport):
             for slot_name, view in weight_buffer.views(self.buffer, chunk):
                 name, tensor = next(self._pending, (None, None))
                 if name != slot_name or tensor is None:
-                    raise WeightSyncError(f"the model's parameters no longer match the shared weight buffer "
-                                          f"({name} where {slot_name} was laid out)")  # fmt: skip
+                    raise WeightSyncError(
+                        f"the model's parameters no longer match the shared weight buffer "
+                        f"({name} where {slot_name} was laid out)"
+                    )
                 view.copy_(tensor)
         if chunk is self.chunks[-1] and (extra := next(self._pending, None)) is not None:
-            raise WeightSyncError(f"the model's parameters no longer match the shared weight buffer ({extra[0]} "
-                                  "was not laid out)")  # fmt: skip
+            raise WeightSyncError(
+                f"the model's parameters no longer match the shared weight buffer ({extra[0]} was not laid out)"
+            )
         if self.buffer.is_cuda:
             torch.cuda.current_stream().synchronize()  # the server reads the buffer from another process
 

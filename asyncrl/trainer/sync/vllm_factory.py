@@ -92,8 +92,9 @@ class FactoryTransport(Transport):
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         address = rendezvous_address(control.base_url)
-        return NCCLTrainerInitInfo(master_address=address, master_port=free_port(address),
-                                   world_size=control.world_size() + 1, rank=0)  # fmt: skip
+        return NCCLTrainerInitInfo(
+            master_address=address, master_port=free_port(address), world_size=control.world_size() + 1, rank=0
+        )
 
     def send(self, control: ControlClient) -> float:
         run_watched(f"{self.backend} send_weights", self.engine.send_weights, self.timeout_s)

@@ -58,12 +58,23 @@ class StaticNcclTransport(Transport):
         world_size = control.world_size() + 1
         address = rendezvous_address(control.base_url)
         port = free_port(address)
-        server_side = Background("POST /init_weight_transfer_engine", control.init_weight_transfer, {
-            "master_address": address, "master_port": port, "rank_offset": 1, "world_size": world_size,
-        })  # fmt: skip
+        server_side = Background(
+            "POST /init_weight_transfer_engine",
+            control.init_weight_transfer,
+            {
+                "master_address": address,
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": world_size,
+            },
+        )
         trainer_info = {"master_address": address, "master_port": port, "world_size": world_size}
-        self.group = run_watched("NCCL rendezvous", lambda: NCCLWeightTransferEngine.trainer_init(trainer_info),
-                                 self.timeout_s, peer=server_side)  # fmt: skip
+        self.group = run_watched(
+            "NCCL rendezvous",
+            lambda: NCCLWeightTransferEngine.trainer_init(trainer_info),
+            self.timeout_s,
+            peer=server_side,
+        )
         server_side.result(self.timeout_s)
 
     def send(self, control: ControlClient) -> float:
@@ -71,9 +82,12 @@ class StaticNcclTransport(Transport):
 
         assert self.model is not None, "stage() runs before send()"
         model, meta = self.model, parameter_metadata(self.model, self.dtype)
-        update_info = {"names": [name for name, _, _ in meta],
-                       "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
-                       "shapes": [shape for _, _, shape in meta], "packed": self.PACKED}  # fmt: skip
+        update_info = {
+            "names": [name for name, _, _ in meta],
+            "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
+            "shapes": [shape for _, _, shape in meta],
+            "packed": self.PACKED,
+        }
         server_side = Background("POST /update_weights", control.update_weights, update_info)
 
         def broadcast() -> None:

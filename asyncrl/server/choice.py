@@ -1,0 +1,41 @@
+"""Which server a run starts: the built-in server's command (server/command.py) or vLLM's (server/vllm.py)."""
+
+from __future__ import annotations
+
+from asyncrl.config.errors import ConfigError
+from asyncrl.config.schema import Config
+from asyncrl.server.command import ServerCommand, builtin_command, resolve_backend
+
+
+def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]:
+    """What `asyncrl config --server-command` prints, and a warning: on a machine with fewer GPUs than the vLLM run
+    needs (a login node preparing a cluster job) the command is built for the GPUs the job will have."""
+    if resolve_backend(config) != "vllm":
+        return builtin_command(config), None
+    # server/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
+    from asyncrl.server.vllm import CheckpointKind, checkpoint_kind, needed_gpus, visible_gpus, vllm_command
+
+    warnings = []
+    try:
+        kind = checkpoint_kind(config)
+    except ConfigError as error:  # a Hub id this machine cannot reach: still print the command, and say what it lacks
+        kind = CheckpointKind()
+        warnings.append(f"{error}; the command lacks the flags a vision-language or gated-DeltaNet checkpoint needs")
+    visible, needed = visible_gpus(), needed_gpus(config)
+    gpus = visible
+    if config.server.launch and len(visible) < needed:
+        gpus = [str(index) for index in range(needed)]
+        warnings.append(
+            f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
+            f"CUDA_VISIBLE_DEVICES={','.join(gpus)}"
+        )
+    return vllm_command(config, gpus=gpus, checkpoint=kind), "; ".join(warnings) or None
+
+
+def server_command(config: Config) -> ServerCommand:
+    backend = resolve_backend(config)
+    if backend == "vllm":
+        from asyncrl.server.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
+
+        return vllm_command(config)
+    return builtin_command(config)

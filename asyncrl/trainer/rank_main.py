@@ -1,0 +1,58 @@
+"""``python -m asyncrl.trainer.rank_main RUN_DIR``: one trainer rank of a multi-rank run, from the run directory's
+config.yaml (asyncrl/trainer/supervise.py starts them; trainer/distributed.py says what each rank does)."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from asyncrl.config.schema import Config
+from asyncrl.launch import EXPECTED_ERRORS, load_run_config, terminate_on_sigterm
+from asyncrl.server.handle import AttachedServer
+from asyncrl.trainer.distributed import Follower, leave, watch_parent
+from asyncrl.trainer.loop import run_training
+from asyncrl.trainer.ranks import Ranks
+from asyncrl.trainer.setup import prepare
+from asyncrl.trainer.supervise import SERVER_URL_ENV
+
+
+def main(run_dir: Path) -> int:
+    """One rank of a multi-rank run, from the run directory's config.yaml."""
+    config = load_run_config(run_dir)
+    terminate_on_sigterm()
+    faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
+    watch_parent(os.getppid())
+    ranks = Ranks.from_env()
+    if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    try:
+        if ranks.rank == 0:
+            run_rank_zero(config, run_dir, ranks)
+        else:
+            Follower(config, run_dir, ranks).serve()
+        # Tear the process group down together: a rank that destroys it while another still talks to the
+        # store can abort in gloo's threads ("terminate called without an active exception").
+        dist.barrier()
+    except EXPECTED_ERRORS as exc:
+        print(f"error ({type(exc).__name__}): {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the CLI stops the ranks with SIGTERM and says why itself
+        return 130
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
+    """Rank 0 is the trainer of a single-process run, attached to the server the CLI started."""
+    server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout, booting=True)
+    run_training(config, run_dir, server, prepare(config), ranks=ranks)
+
+
+if __name__ == "__main__":
+    leave(main(Path(sys.argv[1])))

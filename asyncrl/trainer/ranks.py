@@ -1,0 +1,73 @@
+"""The trainer's ranks: how many a run has, and this process's place among them with the few collectives the
+trainer makes (trainer/distributed.py drives them)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.config.schema import Config
+
+# Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the supervisor's to catch.
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+
+def world_size(config: Config) -> int:
+    """trainer.num_processes, else trainer.gpus on a GPU machine, else 1."""
+    t = config.trainer
+    if t.num_processes is not None:
+        return t.num_processes
+    return (t.gpus or 1) if torch.cuda.is_available() else 1
+
+
+class Ranks:
+    """This process's place among the trainer ranks and the few collectives the trainer makes."""
+
+    def __init__(self, rank: int, world: int, device: torch.device) -> None:
+        self.rank, self.world, self.device = rank, world, device
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        """Join the process group: nccl on GPU (one device per local rank), gloo on CPU."""
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        return cls(rank, world, device)
+
+    def command(self, name: str, payloads: list[Any] | None = None) -> Any:
+        """Rank 0: send ``name`` with payloads[r] to each rank r; returns rank 0's own payload."""
+        items = [(name, None if payloads is None else payloads[r]) for r in range(self.world)]
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, items, src=0)
+        return received[0][1]
+
+    def receive(self) -> tuple[str, Any]:
+        """A follower: the next command and this rank's payload."""
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, None, src=0)
+        return received[0]
+
+    def announce(self, index: int = 0) -> int:
+        """Rank 0 says which parameter to gather next (-1: done); every rank returns that index."""
+        value = torch.tensor([index], dtype=torch.long, device=self.device)
+        dist.broadcast(value, src=0)
+        return int(value.item())
+
+    def sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on rank 0 (an empty list on the others)."""
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out or []
