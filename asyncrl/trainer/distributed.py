@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,11 +35,14 @@ from asyncrl.losses.step import StepCounts, StepLoss
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
-from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import wait_for_device
 from asyncrl.trainer.supervise import SERVER_URL_ENV
+
+if TYPE_CHECKING:
+    from asyncrl.components import Components
 
 # Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the supervisor's to catch.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
@@ -135,8 +138,7 @@ class RowsResult:
     """Per trained row: the loss's metrics and the row's mean entropy."""
 
 
-def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config,
-               attention: str) -> RowsResult:  # fmt: skip
+def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config) -> RowsResult:
     """This rank's forwards and backwards of one step, its loss normalised over all ranks' trained tokens."""
     real = [row for row, weight in work.rows if weight > 0]
     loss.start_step(real)
@@ -147,10 +149,7 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
     metrics = []
     for row, weight in work.rows:
         started = time.perf_counter()
-        out = packed_forward(model, row, config.sampling.temperature, attention=attention,
-                             logit_chunk_tokens=config.trainer.logit_chunk_tokens,
-                             compile_layers=config.packing.get("compile_layers", "auto"),
-                             router_aux=bool(loss.router_aux_coef))  # fmt: skip
+        out = trainer_forward(model, row, config, router_aux=bool(loss.router_aux_coef))
         if weight == 0:
             value = out.logprobs.sum() * 0.0
         else:
@@ -168,20 +167,16 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
 class Follower:
     """A rank other than 0: the same sharded model and optimizer, driven by rank 0's commands."""
 
-    def __init__(self, config: Config, run_dir: Path, ranks: Ranks) -> None:
-        from asyncrl.advantages import ADVANTAGES
-        from asyncrl.losses import LOSSES
+    def __init__(self, config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
         from asyncrl.trainer.checkpoint import load_checkpoint
 
         self.config, self.ranks = config, ranks
         use_cpu_threads(config, ranks.world)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
-        self.loss = StepLoss(LOSSES.build(config.loss), ADVANTAGES.build(config.advantage),
-                             config.sampling.max_completion_length)  # fmt: skip
+        self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
         if resume is not None:
             self.loss.load_state_dict(load_checkpoint(resume, self.optimizer, self.scheduler).extra.get("loss", {}))
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
-        self.attention = str(config.packing.get("attention", "auto"))
         self.dtype = serving_dtype(config)
 
     def serve(self) -> None:
@@ -201,7 +196,7 @@ class Follower:
 
     def _step(self, work: RankWork) -> None:
         self.model.train()
-        result = train_rows(self.model, self.loss, work, self.ranks, self.config, self.attention)
+        result = train_rows(self.model, self.loss, work, self.ranks, self.config)
         fsdp.FsdpAccelerator().clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -239,7 +234,7 @@ def main(run_dir: Path) -> int:
     """One rank of a multi-rank run, from the run directory's config.yaml."""
     from asyncrl.launch import EXPECTED_ERRORS, _terminate_on_sigterm, load_run_config
 
-    config = load_run_config(run_dir)
+    config, components = load_run_config(run_dir)
     _terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
     watch_parent(os.getppid())
@@ -248,9 +243,9 @@ def main(run_dir: Path) -> int:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         if ranks.rank == 0:
-            run_rank_zero(config, run_dir, ranks)
+            run_rank_zero(config, components, run_dir, ranks)
         else:
-            Follower(config, run_dir, ranks).serve()
+            Follower(config, components, run_dir, ranks).serve()
         # Tear the process group down together: a rank that destroys it while another still talks to the
         # store can abort in gloo's threads ("terminate called without an active exception").
         dist.barrier()
@@ -264,13 +259,13 @@ def main(run_dir: Path) -> int:
     return 0
 
 
-def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
+def run_rank_zero(config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
     from asyncrl.server.handle import AttachedServer
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
     server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout, booting=True)
-    run_training(config, run_dir, server, prepare(config), ranks=ranks)
+    run_training(config, run_dir, server, prepare(config, components), ranks=ranks)
 
 
 def watch_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S) -> threading.Thread:
