@@ -2,8 +2,9 @@
 
 ``build_components`` resolves the four component groups (``reward_funcs``, ``loss``, ``advantage``,
 ``packing``) against their registries; a misspelt name or option fails with one line naming the key and the
-real ones. The ``Components`` bundle travels to the rollout worker inside its spec, so everything in it pickles
-(``asyncrl.trainer.setup.prepare`` checks that once).
+real ones. The rewards and the estimator travel to the rollout worker in its spec, pickled (checked once, by
+``asyncrl.trainer.setup.prepare``); the loss and the packer stay with the trainer (unpickling them would import
+torch into the worker, which runs without it).
 """
 
 from __future__ import annotations

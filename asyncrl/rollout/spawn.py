@@ -35,7 +35,7 @@ def check_picklable(obj: Any, label: str) -> None:
 
 
 def check_spec(spec: WorkerSpec) -> None:
-    """What prepare() has not checked (it checks the components)."""
+    """What prepare() has not checked (it checks the reward functions and the advantage estimator)."""
     check_picklable(spec.loop_cls, f"rollout loop class {spec.loop_cls!r} (rollout.loop_cls)")
     check_picklable(spec.tokenizer, "tokenizer")
     check_picklable(spec.dataset, "training dataset")

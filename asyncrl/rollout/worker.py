@@ -18,7 +18,7 @@ import time
 import traceback
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -28,11 +28,8 @@ from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
 from asyncrl.rollout.loop import PromptTooLong
 from asyncrl.rollout.pacing import StalenessPacer
-from asyncrl.rollout.scoring import RewardFunctionError, score_group
+from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, score_group
 from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
-
-if TYPE_CHECKING:
-    from asyncrl.components import Components
 
 
 @dataclass
@@ -42,9 +39,9 @@ class WorkerSpec:
     config: Any
     tokenizer: Any
     dataset: Any
-    components: Components
-    """The run's reward functions and advantage estimator (and the trainer's loss and packer)."""
+    reward_sources: list[RewardSource]
     loop_cls: type
+    advantage_fn: Any
     base_url: str
     model_name: str
     max_model_len: int
@@ -292,7 +289,7 @@ class WorkerDriver:
 
         group = job.group
         started = time.monotonic()
-        per_source = await score_group(group, self.spec.components.rewards)
+        per_source = await score_group(group, self.spec.reward_sources)
         self.metrics["rollout/score_s"].append(time.monotonic() - started)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         drop = group_drop_reason(group.rewards)
@@ -443,6 +440,6 @@ async def _amain(spec: WorkerSpec, channels: WorkerChannels) -> None:
 
     config = spec.config
     async with GenerationClient(spec.base_url, spec.model_name, timeout_s=config.server.timeout) as client:
-        loop = spec.loop_cls(config, spec.tokenizer, client, spec.components.advantage, spec.max_model_len,
+        loop = spec.loop_cls(config, spec.tokenizer, client, spec.advantage_fn, spec.max_model_len,
                              seed_offset=spec.start_prompt_index * 1000)  # fmt: skip
         await WorkerDriver(spec, channels, loop).run()

@@ -273,7 +273,7 @@ class Trainer:
     # ---- rank-0 services -------------------------------------------------------------------------------------
 
     def _start_worker(self) -> None:
-        c = self.config
+        c, components = self.config, self.prepared.components
         self.progress = PromptProgress(cursor=self.state.prompt_index, consumed=self.state.prompts_consumed)
         self.num_tokens = int(self.state.extra.get("num_tokens", 0))
         rows_per_step = c.trainer.gradient_accumulation_steps * self.world
@@ -281,7 +281,8 @@ class Trainer:
         self.channels.model_version.value = self.state.model_version
         spec = WorkerSpec(
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
-            components=self.prepared.components, loop_cls=self.prepared.loop_cls, base_url=self.server.base_url,
+            reward_sources=components.rewards, advantage_fn=components.advantage, loop_cls=self.prepared.loop_cls,
+            base_url=self.server.base_url,
             model_name=served_model_name(c), max_model_len=self.max_model_len,
             adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),

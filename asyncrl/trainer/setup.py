@@ -17,7 +17,8 @@ class Prepared:
     eval_dataset: Any | None
     tokenizer: Any
     components: Components
-    """Built once by validation; the trainer runs them and the worker gets them in its spec."""
+    """Built once by validation; the trainer runs them, and the worker gets the rewards and estimator in its
+    spec."""
     loop_cls: type
 
     def total_prompts(self, config: Config) -> int | None:
@@ -87,14 +88,12 @@ def prepare(config: Config, components: Components) -> Prepared:
 
 
 def check_components_pickle(components: Components) -> None:
-    """The components cross to the rollout worker pickled: each one must, named in the error if not."""
+    """The rewards and the estimator cross to the rollout worker pickled (its spec): each must, named if not."""
     from asyncrl.rollout.spawn import check_picklable
 
     for source in components.rewards:
         check_picklable(source.fn, f"reward function '{source.name}'")
     check_picklable(components.advantage, "advantage estimator (advantage.name)")
-    check_picklable(components.loss, "loss (loss.name)")
-    check_picklable(components.packer, "packer (packing.name)")
 
 
 def check_agents(config: Config, tokenizer: Any) -> None:

@@ -22,8 +22,8 @@ def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tin
     prepared = prepare(config, components)
     channels = WorkerChannels.create(64)  # a small allowance, and no trainer consumes: admission soon waits
     spec = WorkerSpec(
-        config=config, tokenizer=prepared.tokenizer, dataset=prepared.dataset, components=prepared.components,
-        loop_cls=prepared.loop_cls, base_url=tiny_server.base_url,
+        config=config, tokenizer=prepared.tokenizer, dataset=prepared.dataset, reward_sources=components.rewards,
+        loop_cls=prepared.loop_cls, advantage_fn=components.advantage, base_url=tiny_server.base_url,
         model_name=served_model_name(config), max_model_len=256, adapter_prefix=None, start_prompt_index=0,
         total_prompts=None,
     )  # fmt: skip
