@@ -8,24 +8,14 @@ import torch
 from torch import Tensor
 
 from asyncrl.losses.base import clip_metrics
-from asyncrl.losses.policy import (
-    LOSSES,
-    ImportanceSampling,
-    Normalization,
-    PolicyLoss,
-    PolicyOptions,
-    PolicyView,
-    Terms,
-)
+from asyncrl.losses.policy import LOSSES, PolicyLoss, PolicyView, SequenceOptions, Terms
 
 
 @dataclass(frozen=True)
-class GspoOptions(PolicyOptions):
+class GspoOptions(SequenceOptions):
     """GSPO's and LUSPO's options: no token correction and the mean over sequences by default, and the paper's
     clip range (a geometric-mean ratio moves far less than a token ratio)."""
 
-    importance_sampling: ImportanceSampling = ImportanceSampling.none
-    normalization: Normalization = Normalization.sequence
     epsilon: float = 3e-4
     epsilon_high: float = 4e-4
 

@@ -93,6 +93,14 @@ class PolicyOptions:
         return self.entropy_coef != 0 or self.entropy_target is not None
 
 
+@dataclass(frozen=True)
+class SequenceOptions(PolicyOptions):
+    """The defaults of losses whose papers correct the ratio themselves and average per sequence (GSPO, SAPO)."""
+
+    importance_sampling: ImportanceSampling = ImportanceSampling.none
+    normalization: Normalization = Normalization.sequence
+
+
 @dataclass
 class PolicyView:
     """One micro-batch as a loss sees it, every mask and correction applied; [T] per slot, [S] per sequence.

@@ -7,21 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.losses.base import clip_metrics
-from asyncrl.losses.policy import (
-    LOSSES,
-    ImportanceSampling,
-    Normalization,
-    PolicyLoss,
-    PolicyOptions,
-    PolicyView,
-    Terms,
-)
+from asyncrl.losses.policy import LOSSES, PolicyLoss, PolicyView, SequenceOptions, Terms
 
 
 @dataclass(frozen=True)
-class SapoOptions(PolicyOptions):
-    importance_sampling: ImportanceSampling = ImportanceSampling.none
-    normalization: Normalization = Normalization.sequence
+class SapoOptions(SequenceOptions):
     tau_pos: float = 1.0
     tau_neg: float = 1.05
 
