@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config.errors import ConfigError
+from asyncrl.config.messages import moved_key
 from asyncrl.registry import ComponentRegistry, RegistryError
 from asyncrl.rollout.scoring import RewardSource, reward_name
 
@@ -63,13 +64,4 @@ def _build(registry: ComponentRegistry[Any], spec: Mapping[str, Any], key: str) 
     try:
         return registry.build(spec)
     except RegistryError as exc:
-        raise ConfigError(f"{key}: {exc}{moved_key_hint(key, spec)}") from exc
-
-
-MOVED_KEYS = {("packing", "attention"): "trainer.attention", ("packing", "compile_layers"): "trainer.compile_layers"}
-
-
-def moved_key_hint(group: str, spec: Mapping[str, Any]) -> str:
-    """Where an option that used to live in this group is now (``packing.attention`` -> ``trainer.attention``)."""
-    moved = [f"{group}.{key} is now {MOVED_KEYS[group, key]}" for key in spec if (group, key) in MOVED_KEYS]
-    return f" ({'; '.join(moved)})" if moved else ""
+        raise ConfigError(f"{key}: {exc}{''.join(moved_key(f'{key}.{option}') for option in spec)}") from exc

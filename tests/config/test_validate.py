@@ -46,7 +46,7 @@ BAD_INPUTS = [
     (["packing.name=nope"], "packing"),
     (["trainer.attention=flash9"], "trainer.attention: unknown attention 'flash9'"),
     (["trainer.compile_layers=yes"], "trainer.compile_layers='yes'"),
-    (["+packing.attention=sdpa"], "packing.attention is now trainer.attention"),
+    (["+packing.attention=sdpa"], "packing.attention is now trainer.attention: set trainer.attention instead"),
     (["+packing.compile_layers=false"], "packing.compile_layers is now trainer.compile_layers"),
     (["loss.importance_sampling=tokn_mask"], "loss: loss 'clipped': importance_sampling='tokn_mask' must be one of"),
     (["packing.token_budget=0"], "packing: packing 'tree': token_budget=0 must be >= 1"),
