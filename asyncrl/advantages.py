@@ -2,26 +2,46 @@
 
 The rollout worker sums each rollout's rewards (NaN where every reward function returned None), drops the
 group if ``group_drop_reason`` gives a reason, and otherwise asks the rollout loop, which calls the configured
-estimator through ``estimate_advantages``. An estimator that normalises over a batch declares a ``step_rule``:
-the worker computes the group part and the trainer's ``StepLoss`` finishes it over each optimizer step's
-rollouts, the asynchronous counterpart of a synchronous trainer's generation batch.
+``Estimator`` through ``estimate_advantages``. An estimator that normalises over a batch declares a
+``step_rule``: the worker computes the group part and the trainer's ``StepLoss`` finishes it over each
+optimizer step's rollouts, the asynchronous counterpart of a synchronous trainer's generation batch.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from enum import StrEnum
+from typing import ClassVar
 
 import numpy as np
 
-from asyncrl.registry import Registry
+from asyncrl.registry import Component, ComponentRegistry
 
-AdvantageFn = Callable[..., np.ndarray]
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage")
-STEP_RULES = ("reward_std", "zscore")
 EPSILON = 1e-8
-F = TypeVar("F", bound=Callable[..., Any])
+
+
+class StepRule(StrEnum):
+    """How the trainer finishes an estimator's advantages over each optimizer step (see ``step_affine``)."""
+
+    reward_std = "reward_std"
+    zscore = "zscore"
+
+
+class Estimator(Component):
+    """A registered advantage estimator: ``estimator(rewards, components)`` -> one advantage per rollout.
+
+    ``rewards``: the summed reward per rollout (NaN = unscorable); ``components``: one reward array per reward
+    function, as ``RolloutGroup.reward_components``. ``step_rule``: set when the trainer normalises the output
+    over each optimizer step's rollouts; None when the group's advantages are final.
+    """
+
+    step_rule: ClassVar[StepRule | None] = None
+
+    def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} must define __call__(rewards, components)")
+
+
+ADVANTAGES: ComponentRegistry[Estimator] = ComponentRegistry("advantage", Estimator)
 
 
 def scorable(rewards: np.ndarray) -> np.ndarray:
@@ -74,42 +94,14 @@ def over_scorable(rewards: np.ndarray, transform: Callable[[np.ndarray], np.ndar
 # ---- how an estimator is called ------------------------------------------------------------------------------
 
 
-def per_reward_function(fn: F) -> F:
-    """Mark an estimator that takes ``components`` (one reward array per reward function) besides the sum."""
-    fn.uses_components = True  # type: ignore[attr-defined]
-    return fn
+def estimate_advantages(
+    estimator: Estimator, rewards: np.ndarray, components: Mapping[str, np.ndarray]
+) -> np.ndarray:  # fmt: skip
+    """One float64 advantage per rollout."""
+    return np.asarray(estimator(rewards, components), dtype=np.float64)
 
 
-def finished_per_step(rule: str) -> Callable[[F], F]:
-    """Mark an estimator whose output the trainer normalises over each step's rollouts (see ``step_affine``)."""
-    if rule not in STEP_RULES:
-        raise ValueError(f"step rule {rule!r} is not one of {STEP_RULES}")
-
-    def decorator(fn: F) -> F:
-        fn.step_rule = rule  # type: ignore[attr-defined]
-        return fn
-
-    return decorator
-
-
-def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return fn
-
-
-def step_rule(fn: Callable[..., Any] | None) -> str | None:
-    return None if fn is None else getattr(_unwrapped(fn), "step_rule", None)
-
-
-def estimate_advantages(fn: AdvantageFn, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
-    """One advantage per rollout, passing the per-function rewards to estimators that ask for them."""
-    if getattr(_unwrapped(fn), "uses_components", False):
-        return np.asarray(fn(rewards, components=components), dtype=np.float64)
-    return np.asarray(fn(rewards), dtype=np.float64)
-
-
-def step_affine(rule: str, rewards: np.ndarray, advantages: np.ndarray) -> tuple[float, float]:
+def step_affine(rule: StepRule, rewards: np.ndarray, advantages: np.ndarray) -> tuple[float, float]:
     """(shift, scale) with A' = (A - shift) / scale over a step's rollouts, from its scorable ones.
 
     reward_std (LitePPO): shift 0, scale = std of the summed rewards + 1e-8. zscore (GDPO): the advantages'
@@ -123,56 +115,34 @@ def step_affine(rule: str, rewards: np.ndarray, advantages: np.ndarray) -> tuple
     if rule == "zscore":
         values = np.asarray(advantages, dtype=np.float64)[kept]
         return float(values.mean()), float(values.std()) + EPSILON
-    raise ValueError(f"step rule {rule!r} is not one of {STEP_RULES}")
+    raise ValueError(f"step rule {rule!r} is not one of {', '.join(StepRule)}")
 
 
 # ---- the estimators ------------------------------------------------------------------------------------------
 
 
-@ADVANTAGES.register("group_zscore")
 def group_zscore(rewards: np.ndarray) -> np.ndarray:
     """GRPO's group z-score (r - mean) / (std + 1e-8) over scorable rollouts; 0 for unscorable ones.
 
     std is the population std (ddof=0) as in TRL's async trainer, not GRPOTrainer's Bessel-corrected one.
-
-    Args:
-        rewards: one summed reward per rollout of the group, NaN where the rollout is unscorable.
     """
     return over_scorable(rewards, lambda v: (v - v.mean()) / (v.std(ddof=0) + EPSILON))
 
 
-@ADVANTAGES.register("group_mean")
 def group_mean(rewards: np.ndarray) -> np.ndarray:
-    """Dr. GRPO: r - mean over scorable rollouts, no std, so hard and easy prompts are not rescaled."""
+    """r - mean over scorable rollouts; 0 for unscorable ones."""
     return over_scorable(rewards, lambda v: v - v.mean())
 
 
-@ADVANTAGES.register("rloo")
 def rloo(rewards: np.ndarray) -> np.ndarray:
-    """RLOO: r_i minus the mean of the other scorable rollouts, = n / (n - 1) (r_i - mean); 0 when n < 2."""
+    """r_i minus the mean of the other scorable rollouts, = n / (n - 1) (r_i - mean); 0 when n < 2."""
     return over_scorable(rewards, lambda v: v - (v.sum() - v) / (v.size - 1) if v.size > 1 else np.zeros_like(v))
 
 
-@ADVANTAGES.register("group_mean_batch_std")
-@finished_per_step("reward_std")
-def group_mean_batch_std(rewards: np.ndarray) -> np.ndarray:
-    """LitePPO: r - group mean here, divided by the std of all rewards of the optimizer step at the trainer."""
-    return over_scorable(rewards, lambda v: v - v.mean())
-
-
-@ADVANTAGES.register("gdpo")
-@per_reward_function
-@finished_per_step("zscore")
 def gdpo(rewards: np.ndarray, *, components: Mapping[str, np.ndarray]) -> np.ndarray:
-    """GDPO: the sum over reward functions of each one's group z-score, z-scored over the step at the trainer.
+    """The sum over reward functions of each one's group z-score; 0 for an unscorable rollout (NaN sum).
 
-    Normalising each function before summing keeps distinct reward combinations distinct (summing first can
-    map them to equal advantages). A function's NaN (not applicable) entries are left out of its own mean and
-    std and contribute 0.
-
-    Args:
-        rewards: the summed reward per rollout (NaN = unscorable: advantage 0).
-        components: one reward array per reward function, as ``RolloutGroup.reward_components``.
+    A function's NaN (not applicable) entries are left out of its own mean and std and contribute 0.
     """
     if not components:
         raise ValueError("advantage 'gdpo' needs the per-function rewards (RolloutGroup.reward_components); got none")
@@ -183,3 +153,51 @@ def gdpo(rewards: np.ndarray, *, components: Mapping[str, np.ndarray]) -> np.nda
             raise ValueError(f"advantage 'gdpo': rewards of '{name}' have shape {values.shape}, expected {total.shape}")
         total += group_zscore(values)
     return np.where(scorable(rewards), total, 0.0)
+
+
+@ADVANTAGES.register("group_zscore")
+class GroupZscore(Estimator):
+    """GRPO: ``group_zscore`` of the summed rewards."""
+
+    def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
+        return group_zscore(rewards)
+
+
+@ADVANTAGES.register("group_mean")
+class GroupMean(Estimator):
+    """Dr. GRPO: ``group_mean``, no std, so hard and easy prompts are not rescaled."""
+
+    def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
+        return group_mean(rewards)
+
+
+@ADVANTAGES.register("rloo")
+class Rloo(Estimator):
+    """RLOO: the leave-one-out baseline (``rloo``)."""
+
+    def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
+        return rloo(rewards)
+
+
+@ADVANTAGES.register("group_mean_batch_std")
+class GroupMeanBatchStd(Estimator):
+    """LitePPO: r - group mean here, divided by the std of all rewards of the optimizer step at the trainer."""
+
+    step_rule = StepRule.reward_std
+
+    def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
+        return group_mean(rewards)
+
+
+@ADVANTAGES.register("gdpo")
+class Gdpo(Estimator):
+    """GDPO: ``gdpo`` (each reward function's group z-score, summed), z-scored over the step at the trainer.
+
+    Normalising each function before summing keeps distinct reward combinations distinct (summing first can
+    map them to equal advantages).
+    """
+
+    step_rule = StepRule.zscore
+
+    def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
+        return gdpo(rewards, components=components)

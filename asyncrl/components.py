@@ -1,14 +1,40 @@
-"""The component registries by config group, so config validation and the CLI can list and build them."""
+"""The configured components of a run, built once: validation checks them, the trainer and the worker run them.
+
+``build_components`` resolves the four component groups (``reward_funcs``, ``loss``, ``advantage``,
+``packing``) against their registries; a misspelt name or option fails with one line naming the key and the
+real ones. The rewards and the estimator travel to the rollout worker in its spec, pickled (checked once, by
+``asyncrl.trainer.setup.prepare``); the loss and the packer stay with the trainer (unpickling them would import
+torch into the worker, which runs without it).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.registry import Registry
+from asyncrl.config.errors import ConfigError
+from asyncrl.config.messages import moved_key
+from asyncrl.registry import ComponentRegistry, RegistryError
+from asyncrl.rollout.scoring import RewardSource, reward_name
+
+if TYPE_CHECKING:
+    from asyncrl.advantages import Estimator
+    from asyncrl.config.schema import Config
+    from asyncrl.losses import PolicyLoss
+    from asyncrl.packing import Packer
 
 
-def component_registries() -> dict[str, Registry[Any]]:
+@dataclass(frozen=True)
+class Components:
+    loss: PolicyLoss
+    advantage: Estimator
+    packer: Packer
+    rewards: list[RewardSource]
+    """The reward functions in ``reward_funcs`` order, named for metrics."""
+
+
+def component_registries() -> dict[str, ComponentRegistry[Any]]:
     """Import every built-in component module (which registers it) and return the registries by group."""
     from asyncrl.advantages import ADVANTAGES
     from asyncrl.losses import LOSSES
@@ -18,5 +44,24 @@ def component_registries() -> dict[str, Registry[Any]]:
     return {"reward": REWARDS, "loss": LOSSES, "advantage": ADVANTAGES, "packing": PACKERS}
 
 
-def build_loss(spec: Mapping[str, Any]) -> Any:
-    return component_registries()["loss"].build(spec)
+def build_components(config: Config) -> Components:
+    """Every component group of ``config``, built; a bad name or option raises ConfigError naming its key."""
+    registries = component_registries()
+    rewards = []
+    for index, spec in enumerate(config.reward_funcs):
+        fn = _build(registries["reward"], spec, f"reward_funcs[{index}]")
+        name = spec["name"] if spec["name"] in registries["reward"] else reward_name(fn)
+        rewards.append(RewardSource(name, fn))
+    return Components(
+        loss=_build(registries["loss"], config.loss, "loss"),
+        advantage=_build(registries["advantage"], config.advantage, "advantage"),
+        packer=_build(registries["packing"], config.packing, "packing"),
+        rewards=rewards,
+    )
+
+
+def _build(registry: ComponentRegistry[Any], spec: Mapping[str, Any], key: str) -> Any:
+    try:
+        return registry.build(spec)
+    except RegistryError as exc:
+        raise ConfigError(f"{key}: {exc}{''.join(moved_key(f'{key}.{option}') for option in spec)}") from exc

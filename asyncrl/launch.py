@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from asyncrl.config.compose import conf_dir, register_schema, to_config, to_yaml
+from asyncrl.config.compose import conf_dir, register_schema, to_config_and_components, to_yaml
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 
 if TYPE_CHECKING:
+    from asyncrl.components import Components
     from asyncrl.server.command import ServerCommand
 
 log = logging.getLogger("asyncrl")
@@ -83,14 +84,14 @@ def _hydra_job(cfg: DictConfig) -> None:
     from asyncrl.config.messages import config_error_line
 
     try:
-        config = to_config(cfg)
+        config, components = to_config_and_components(cfg)
     except ConfigError as exc:
         print(f"config error: {config_error_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from exc
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the metrics
     try:
-        run_job(config, run_dir)
+        run_job(config, components, run_dir)
     except EXPECTED_ERRORS as exc:
         details = getattr(exc, "details", "")
         log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
@@ -150,8 +151,9 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     )
 
 
-def run_job(config: Config, run_dir: Path) -> None:
-    """One training job in ``run_dir``: the server is stopped however the job ends."""
+def run_job(config: Config, components: Components, run_dir: Path) -> None:
+    """One training job in ``run_dir`` with the components its validation built: the server is stopped however
+    the job ends."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if config.trainer.output_dir is None:
         config.trainer.output_dir = str(run_dir)
@@ -166,7 +168,7 @@ def run_job(config: Config, run_dir: Path) -> None:
         claim_server_access(config, run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     terminate_on_sigterm()
-    prepared = prepare(config)  # data, rewards, picklability: fail before the server starts
+    prepared = prepare(config, components)  # data, picklability: fail before the server starts
     with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if world > 1:
             from asyncrl.trainer.supervise import run_ranks
@@ -228,12 +230,14 @@ def _check_fresh(run_dir: Path, output_dir: Path) -> None:
         )
 
 
-def load_run_config(run_dir: Path) -> Config:
-    """The resolved config a job wrote to its run directory (what each of its child processes reads)."""
+def load_run_config(run_dir: Path) -> tuple[Config, Components]:
+    """The resolved config a job wrote to its run directory (what each of its child processes reads), and its
+    components built by validating it."""
     from omegaconf import OmegaConf
 
     register_schema()
-    return to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
+    return to_config_and_components(cfg)  # type: ignore[arg-type]
 
 
 def claim_server_access(config: Config, run_dir: Path) -> None:

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from asyncrl.config import compose, to_config  # noqa: E402
+from asyncrl.config import compose, to_config_and_components  # noqa: E402
 from asyncrl.packing.trie import TreeRow  # noqa: E402
 from asyncrl.rollout.types import RolloutSample, TrainingSequence  # noqa: E402
 from asyncrl.server.process import free_port  # noqa: E402
@@ -73,13 +73,13 @@ def grpo_rows(args: argparse.Namespace, vocab: int) -> list[Any]:
     return [row.pack(0) for row in rows[: args.rows]]
 
 
-def config_for(model_dir: Path, args: argparse.Namespace, world: int) -> Any:
+def config_for(model_dir: Path, args: argparse.Namespace, world: int) -> tuple[Any, Any]:
     # cispo: no ratio clipping of the gradient, so random sampler log-probabilities still give every token one
-    return to_config(compose([
+    return to_config_and_components(compose([
         f"model.name_or_path={model_dir}", "data.path=unused.jsonl", f"trainer.num_processes={world}",
         f"model.dtype={'float32' if args.tiny else 'bfloat16'}", "trainer.learning_rate=1e-5",
         "trainer.gradient_checkpointing=true", "loss=cispo", f"trainer.bf16={'false' if args.tiny else 'true'}",
-        "packing.attention=auto", "++packing.compile_layers=false",
+        "trainer.attention=auto", "trainer.compile_layers=false",
     ]))  # fmt: skip
 
 
@@ -89,27 +89,26 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
                       MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
 
-    from asyncrl.losses import LOSSES
     from asyncrl.losses.step import StepLoss
     from asyncrl.trainer import fsdp
     from asyncrl.trainer.distributed import Follower, build_sharded, split_rows, train_rows
     from asyncrl.trainer.ranks import Ranks
 
-    config = config_for(model_dir, args, world)
+    config, components = config_for(model_dir, args, world)
     ranks = Ranks.from_env()
     try:
         if rank != 0:
-            Follower(config, out, ranks).serve()
+            Follower(config, components, out, ranks).serve()
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
-        loss = StepLoss(LOSSES.build(config.loss))
+        loss = StepLoss(components.loss)
         steps = []
         for step in range(args.steps):
             started = time.perf_counter()
             loss.start_step(rows)
             placement = [list(range(start, start + world)) for start in range(0, len(rows), world)]  # row r -> rank r
             mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
-            result = train_rows(model, loss, mine, ranks, config, str(config.packing.get("attention", "auto")))
+            result = train_rows(model, loss, mine, ranks, config)
             grad_norm = float(fsdp.FsdpAccelerator().clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm))
             optimizer.step()
             scheduler.step()

@@ -5,7 +5,7 @@ checkpointing. Rows: groups of 8 completions (128-2048 tokens, long-tailed) of o
 planned by the trainer's planner (dp=1) and forwarded by the trainer's `packed_forward` (LM-head log-probs in
 chunks of --logit-chunk-tokens); padded batches go through transformers' own SDPA with a padding mask and the
 same chunked log-probabilities. Every budget runs padded, flat and tree with eager decoder layers, then flat
-and tree again with torch.compile'd layers (the trainer's packing.compile_layers); exactness of each attention
+and tree again with torch.compile'd layers (the trainer's trainer.compile_layers); exactness of each attention
 backend against unpacked SDPA comes last. Imports only torch, transformers and asyncrl.packing/asyncrl.trainer
 (no hydra), so it runs on a bare GPU box; with $OUT set, the results also go to $OUT/packing.json:
 
@@ -317,7 +317,7 @@ Run = tuple[str, str, list[Batch], float]
 
 def timing_runs(model, samples, budget: int, attentions: list[str], config, chunk: int,
                 compile_layers: bool | str) -> list[Run]:  # fmt: skip
-    """Padded (eager only), flat and tree batches; compile_layers as the trainer's packing.compile_layers."""
+    """Padded (eager only), flat and tree batches; compile_layers as the trainer's trainer.compile_layers."""
     runs: list[Run] = []
     if not compile_layers:
         model.set_attn_implementation("sdpa")

@@ -119,7 +119,7 @@ def max_diff(model: torch.nn.Module, samples: list[Sample]) -> float:
 
 def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.client import ControlClient, GenerationClient, SamplingParams
-    from asyncrl.config import compose, to_config
+    from asyncrl.config import compose, to_config_and_components
     from asyncrl.launch import start_server
     from asyncrl.server.command import served_model_name
     from asyncrl.trainer.model import load_model
@@ -128,8 +128,8 @@ def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.trainer.weight_sync import WeightSync, build_weight_sync
 
     out.mkdir(parents=True, exist_ok=True)
-    config = to_config(compose([*overrides(backend), f"trainer.output_dir={out}"]))
-    prepared = prepare(config)
+    config, components = to_config_and_components(compose([*overrides(backend), f"trainer.output_dir={out}"]))
+    prepared = prepare(config, components)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     with start_server(config, out) as server, ControlClient(server.base_url, timeout_s=600) as control:

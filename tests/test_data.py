@@ -50,7 +50,7 @@ def test_extra_columns_reach_the_reward_and_gold_answers_score(tmp_path):
         tool_failure_counts=[0] * 6, model_version=0, group_id=0, row_index=0, env_rewards=[None] * 6,
         rollout_rewards=[None] * 6,
     )  # fmt: skip
-    per_source = asyncio.run(score_group(group, [RewardSource("accuracy", REWARDS.get("accuracy")),
+    per_source = asyncio.run(score_group(group, [RewardSource("accuracy", REWARDS.build("accuracy")),
                                                  RewardSource("spy", spy)]))  # fmt: skip
     assert set(seen) == set(dataset.column_names) - {"prompt"}
     parsable = [i for i, r in enumerate(rows) if r["solution"] not in ("", "?", "\\ldots", "\\text{}")]

@@ -8,6 +8,7 @@ from DictConfig to the typed ``Config`` that the rest of asyncrl reads.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -20,6 +21,9 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.messages import check_known_keys
 from asyncrl.config.schema import Config
 from asyncrl.config.validate import validate
+
+if TYPE_CHECKING:
+    from asyncrl.components import Components
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
@@ -59,14 +63,18 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
 
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations, build the typed Config and run every validation check."""
+    return to_config_and_components(cfg)[0]
+
+
+def to_config_and_components(cfg: DictConfig) -> tuple[Config, Components]:
+    """``to_config``, and the run's components that validation built, for a run to use as they are."""
     check_known_keys(cfg)
     try:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(str(exc)) from exc
     assert isinstance(config, Config)
-    validate(config)
-    return config
+    return config, validate(config)
 
 
 def to_yaml(config: Config) -> str:

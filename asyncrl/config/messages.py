@@ -18,10 +18,22 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from asyncrl.config.errors import ConfigError
 
+MOVED_KEYS = {"packing.attention": "trainer.attention", "packing.compile_layers": "trainer.compile_layers"}
+"""Keys that were renamed: the old spelling fails naming the new one."""
+
+
+def moved_key(full_key: str) -> str:
+    """`` (moved: set NEW instead)`` for a renamed key, else ""."""
+    new = MOVED_KEYS.get(full_key)
+    return f" ({full_key} is now {new}: set {new} instead)" if new else ""
+
 
 def config_error_line(exc: BaseException) -> str:
-    """The error as one line; a key that is not in its settings group lists the group's real keys."""
+    """The error as one line; a key that is not in its settings group lists the group's real keys, a renamed one
+    names its new key."""
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None) in MOVED_KEYS:
+        return f"{cause.full_key}: no such key{moved_key(cause.full_key)}"
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         if isinstance(cause, ConfigKeyError | ConfigAttributeError) and dataclasses.is_dataclass(cause.object_type):
             return unknown_key(cause.full_key, cause.object_type)

@@ -1,8 +1,9 @@
 """Typed schema of every settings group; Hydra uses it so a wrong type or unknown key fails at composition.
 
-Settings groups are dataclasses. Component groups (`reward`, `loss`, `advantage`, `packing`) are free-form
-``{name, **params}`` mappings checked against the component's signature by its registry
-(see ``asyncrl.config.validate``). Defaults follow the spec (reference/async_grpo.md, AsyncGRPOConfig).
+Settings groups are dataclasses. Component groups (`reward`, `loss`, `advantage`, `packing`) are
+``{name, **options}`` mappings, free-form here: the named component's registry builds its typed options
+from them (``asyncrl.components.build_components``). Defaults follow the spec (reference/async_grpo.md,
+AsyncGRPOConfig).
 """
 
 from __future__ import annotations
@@ -190,6 +191,11 @@ class TrainerConfig:
     logit_chunk_tokens: int = 4096
     """Trained tokens whose LM-head logits exist at once (their [tokens x vocabulary] float32 buffers bound a
     step's memory); 0 = all of a row's at once."""
+    attention: str = "auto"
+    """Attention backend of the packed forward (asyncrl/packing/attention.py): auto (sdpa on CPU, varlen on
+    CUDA) | sdpa | varlen | flex | kernels."""
+    compile_layers: str = "auto"
+    """torch.compile the decoder layers: true | false | auto (on CUDA) | a torch.compile backend's name."""
     bf16: bool | None = None
     """None: bf16 mixed precision on GPU, off on CPU."""
     peak_tflops: float | None = None

@@ -1,17 +1,21 @@
 """Cross-field checks, all run before any process starts.
 
 Each ``check_*`` looks at one rule and raises ``ConfigError`` naming the key, its value and the override
-that fixes it. ``validate`` runs them all; component groups are resolved against their registries here
-so a misspelt component or parameter fails before the server is launched.
+that fixes it. ``validate`` runs them all and builds the run's ``Components`` (a misspelt component or option
+fails there, before the server is launched); the checks of ``COMPONENT_CHECKS`` read the built components.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
 from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
+
+if TYPE_CHECKING:
+    from asyncrl.components import Components
 
 
 def check_sampling_ranges(config: Config) -> None:
@@ -193,59 +197,48 @@ def check_rollout_loop(config: Config) -> None:
         raise ConfigError(f"rollout.loop_cls: {exc}") from exc
 
 
-def check_components(config: Config) -> None:
-    """Resolve every component group against its registry (names and parameters)."""
-    from asyncrl.components import component_registries
-
-    registries = component_registries()
+def check_reward_funcs(config: Config) -> None:
     if not config.reward_funcs and config.rollout.environment_factory is None:
         raise ConfigError(
             "reward_funcs is empty (and no rollout.environment_factory supplies a reward): choose a preset "
             "(reward=accuracy) or list functions (reward_funcs=[{name: accuracy}, {name: my_pkg.rewards:fn}])"
         )
-    for index, spec in enumerate(config.reward_funcs):
-        _build(registries["reward"], spec, f"reward_funcs[{index}]")
-    for group in ("loss", "advantage", "packing"):
-        _build(registries[group], getattr(config, group), group)
-    from asyncrl.packing import check_attention
+
+
+def check_trainer_forward(config: Config) -> None:
+    """trainer.attention names a registered backend, trainer.compile_layers is true, false, auto or a backend."""
+    import torch
+
+    from asyncrl.packing.attention import ATTENTION
     from asyncrl.registry import RegistryError
+    from asyncrl.trainer.forward import resolve_compile
 
     try:
-        check_attention(str(config.packing.get("attention", "auto")))
+        ATTENTION.get(config.trainer.attention)
     except RegistryError as exc:
-        raise ConfigError(f"packing.attention: {exc}") from exc
+        raise ConfigError(f"trainer.attention: {exc}") from exc
+    try:
+        resolve_compile(config.trainer.compile_layers, torch.device("cpu"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
-def check_loss_requirements(config: Config) -> None:
-    from asyncrl.components import build_loss
-    from asyncrl.losses import loss_requirements
-
-    needs = loss_requirements(build_loss(config.loss))
-    if "sampler_top_logprobs" in needs and config.sampling.num_sampler_logprobs < 1:
+def check_loss_requirements(config: Config, components: Components) -> None:
+    if "sampler_top_logprobs" in components.loss.requires and config.sampling.num_sampler_logprobs < 1:
         raise ConfigError(
             f"loss={config.loss['name']} needs the sampler's top log-probabilities: "
             "set sampling.num_sampler_logprobs >= 1 (default 8) or choose loss=clipped"
         )
 
 
-def check_loss_options(config: Config) -> None:
-    """Run the configured loss once on a tiny batch: a bad option or an unsupported combination fails here."""
-    from asyncrl.components import build_loss
+def check_loss_options(config: Config, components: Components) -> None:
+    """Run the configured loss once on a tiny batch: an unsupported combination fails here, not mid-run."""
     from asyncrl.losses.step import check_loss
 
     try:
-        check_loss(build_loss(config.loss), config.sampling.num_sampler_logprobs)
+        check_loss(components.loss, config.sampling.num_sampler_logprobs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"loss={config.loss['name']}: {exc}") from exc
-
-
-def _build(registry, spec, key: str) -> None:  # type: ignore[no-untyped-def]
-    from asyncrl.registry import RegistryError
-
-    try:
-        registry.build(spec)
-    except RegistryError as exc:
-        raise ConfigError(f"{key}: {exc}") from exc
 
 
 def check_agent_config(config: Config) -> None:
@@ -313,12 +306,12 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_vllm_server,
     check_rollout_limits,
     check_rollout_loop,
-    check_components,
+    check_reward_funcs,
+    check_trainer_forward,
     check_agent_config,
     check_data_source,
-    check_loss_requirements,
-    check_loss_options,
 )
+COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (check_loss_requirements, check_loss_options)
 
 
 def trainer_ranks(config: Config) -> int:
@@ -345,6 +338,13 @@ def check_ranks(config: Config) -> None:
         )
 
 
-def validate(config: Config) -> None:
+def validate(config: Config) -> Components:
+    """Run every check, and return the run's components, built here once (``asyncrl.components``)."""
+    from asyncrl.components import build_components
+
     for check in CHECKS:
         check(config)
+    components = build_components(config)
+    for component_check in COMPONENT_CHECKS:
+        component_check(config, components)
+    return components

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from asyncrl.losses import cispo, clipped, gspo, luspo, sapo, score_centering, vespo
-from asyncrl.losses.base import LOSSES, LossBatch, LossFn, LossOutput, loss_requirements, requires
+from asyncrl.losses.base import LossBatch, LossOutput
+from asyncrl.losses.policy import LOSSES, PolicyLoss, PolicyOptions
 
 __all__ = [
     "LOSSES",
     "LossBatch",
-    "LossFn",
     "LossOutput",
+    "PolicyLoss",
+    "PolicyOptions",
     "cispo",
     "clipped",
     "gspo",
-    "loss_requirements",
     "luspo",
-    "requires",
     "sapo",
     "score_centering",
     "vespo",

@@ -1,23 +1,18 @@
 """The loss contract: what the trainer hands a loss (LossBatch), what it gets back (LossOutput), and the
 helpers every loss shares (the importance-sampling mask and the spec's sampling/clip metrics).
 
-The trainer calls ``LOSSES.build(config.loss)(batch)`` once per micro-batch (through ``StepLoss``, which
-divides ``loss_sum`` by the step's normaliser and adds the entropy bonus); a loss knows nothing of config or
-ranks.
+The trainer calls the configured loss (``Components.loss``, a ``PolicyLoss``) once per micro-batch through
+``StepLoss``, which divides ``loss_sum`` by the step's normaliser and adds the entropy bonus; a loss knows
+nothing of config or ranks.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
-
-from asyncrl.registry import Registry
 
 
 @dataclass
@@ -76,31 +71,7 @@ class LossOutput:
     """Mean entropy over the loss's token set, whose gradient is the entropy's; only when a bonus is configured."""
 
 
-LossFn = Callable[..., LossOutput]
-LOSSES: Registry[LossFn] = Registry("loss")
-
-F = TypeVar("F", bound=Callable[..., Any])
 OPTIONAL_FIELDS = frozenset(f.name for f in fields(LossBatch) if f.default is None)
-
-
-def requires(*names: str) -> Callable[[F], F]:
-    """Declare the optional LossBatch fields a loss reads, so config validation can reject configs lacking them."""
-    unknown = sorted(set(names) - OPTIONAL_FIELDS)
-    if unknown:
-        raise ValueError(f"requires(): {unknown} are not optional LossBatch fields ({sorted(OPTIONAL_FIELDS)})")
-
-    def decorator(fn: F) -> F:
-        fn.requires = frozenset(names)  # type: ignore[attr-defined]
-        return fn
-
-    return decorator
-
-
-def loss_requirements(fn: Callable[..., Any]) -> frozenset[str]:
-    """Optional LossBatch fields ``fn`` needs, seen through (nested) functools.partial; empty if undeclared."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return frozenset(getattr(fn, "requires", frozenset()))
 
 
 def importance_mask(log_ratio: Tensor, is_clip_min: float, is_clip_max: float) -> Tensor:

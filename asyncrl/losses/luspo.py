@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from asyncrl.losses.base import LOSSES
-from asyncrl.losses.gspo import sequence_objective
-from asyncrl.losses.policy import PolicyView, Terms, policy_loss
+from asyncrl.losses.gspo import GspoOptions, sequence_objective
+from asyncrl.losses.policy import LOSSES, PolicyLoss, PolicyView, Terms
 
 
 @LOSSES.register("luspo")
-@policy_loss(importance_sampling="none", normalization="sequence")
-def luspo_loss(view: PolicyView, *, epsilon: float = 3e-4, epsilon_high: float = 4e-4) -> Terms:
+class Luspo(PolicyLoss):
     """LUSPO (Meituan, arXiv 2602.05261): |o_i| * GSPO's sequence loss, averaged over sequences.
 
     The GSPO sequence ratio's gradient spreads 1/|o_i| over each token, so long answers get less push per
@@ -17,5 +15,10 @@ def luspo_loss(view: PolicyView, *, epsilon: float = 3e-4, epsilon_high: float =
     length. Each slot carries |o_i| * loss_i, and normalization=sequence gives (1/G) sum_i |o_i| loss_i, as
     TRL's luspo does.
     """
-    loss, metrics = sequence_objective(view, epsilon, epsilon_high)
-    return Terms(loss=(view.lengths * loss)[view.slot], metrics=metrics)
+
+    Options = GspoOptions
+    options: GspoOptions
+
+    def terms(self, view: PolicyView) -> Terms:
+        loss, metrics = sequence_objective(view, self.options.epsilon, self.options.epsilon_high)
+        return Terms(loss=(view.lengths * loss)[view.slot], metrics=metrics)

@@ -1,33 +1,59 @@
 """The options every policy loss shares, applied in one place for all of them.
 
-A loss module writes only its per-slot objective as a function of a ``PolicyView`` and registers it through
-``policy_loss``, which adds the shared keyword options of ``PolicyOptions`` to its signature (the registry
-checks them like the loss's own parameters) and turns the per-slot objective into a ``LossOutput``.
+A loss is a ``PolicyLoss`` subclass (registered in ``LOSSES``) whose ``Options`` extend ``PolicyOptions`` with
+its own fields (and may change a shared default, e.g. GSPO's sequence normalisation). It writes only its
+per-slot objective, ``terms(view)``, as a function of a ``PolicyView``; ``PolicyLoss.__call__`` applies the
+shared options and turns the objective into a ``LossOutput``.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from asyncrl.losses.base import LossBatch, LossOutput, importance_mask, sampling_metrics, to_floats
+from asyncrl.losses.base import (
+    OPTIONAL_FIELDS,
+    LossBatch,
+    LossOutput,
+    importance_mask,
+    sampling_metrics,
+    to_floats,
+)
+from asyncrl.registry import Component, ComponentRegistry
 
-IS_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate", "none")
-NORMALIZATIONS = ("token", "sequence", "constant", "micro_batch")
+
+class ImportanceSampling(StrEnum):
+    """Correction against the sampler: {token,sequence}_{mask,truncate} within [is_clip_min, is_clip_max], or none."""
+
+    token_mask = "token_mask"
+    token_truncate = "token_truncate"
+    sequence_mask = "sequence_mask"
+    sequence_truncate = "sequence_truncate"
+    none = "none"
+
+
+class Normalization(StrEnum):
+    """token (DAPO), sequence (GRPO), constant (Dr. GRPO) or micro_batch (BNPO); StepLoss divides accordingly."""
+
+    token = "token"
+    sequence = "sequence"
+    constant = "constant"
+    micro_batch = "micro_batch"
+
+
+IS_MODES = tuple(ImportanceSampling)
 
 
 @dataclass(frozen=True)
 class PolicyOptions:
     """Shared loss options; docs/losses.md describes each one."""
 
-    importance_sampling: str = "token_mask"
-    """Correction against the sampler: {token,sequence}_{mask,truncate} within [is_clip_min, is_clip_max], or none."""
+    importance_sampling: ImportanceSampling = ImportanceSampling.token_mask
     is_clip_min: float = 0.5
     is_clip_max: float = 5.0
     off_policy_mask_threshold: float | None = None
@@ -35,8 +61,7 @@ class PolicyOptions:
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
     """Keep only slots whose entropy is in this top fraction of the micro-batch (1.0 keeps all)."""
-    normalization: str = "token"
-    """token (DAPO), sequence (GRPO), constant (Dr. GRPO) or micro_batch (BNPO); StepLoss divides accordingly."""
+    normalization: Normalization = Normalization.token
     entropy_coef: float = 0.0
     entropy_target: float | None = None
     """None: entropy_coef is a fixed bonus coefficient; a value: the coefficient adapts toward it (StepLoss)."""
@@ -45,16 +70,15 @@ class PolicyOptions:
     entropy_coef_max: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.importance_sampling not in IS_MODES:
-            raise ValueError(f"importance_sampling={self.importance_sampling!r} must be one of {', '.join(IS_MODES)}")
+        for name, kind in (("importance_sampling", ImportanceSampling), ("normalization", Normalization)):
+            if getattr(self, name) not in set(kind):  # set directly rather than by the registry
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(kind)}")
         if not 0 <= self.is_clip_min <= self.is_clip_max:
             raise ValueError(f"is_clip_min={self.is_clip_min}, is_clip_max={self.is_clip_max}: need 0 <= min <= max")
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
             raise ValueError(f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0 (or null)")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1]")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization={self.normalization!r} must be one of {', '.join(NORMALIZATIONS)}")
         if self.entropy_coef < 0 or self.entropy_coef_delta < 0:
             raise ValueError(f"entropy_coef={self.entropy_coef} and entropy_coef_delta must be >= 0")
         adaptive = self.entropy_target is not None
@@ -69,7 +93,12 @@ class PolicyOptions:
         return self.entropy_coef != 0 or self.entropy_target is not None
 
 
-SHARED = {f.name: f.default for f in fields(PolicyOptions)}
+@dataclass(frozen=True)
+class SequenceOptions(PolicyOptions):
+    """The defaults of losses whose papers correct the ratio themselves and average per sequence (GSPO, SAPO)."""
+
+    importance_sampling: ImportanceSampling = ImportanceSampling.none
+    normalization: Normalization = Normalization.sequence
 
 
 @dataclass
@@ -120,50 +149,36 @@ class Terms:
     metrics: dict[str, Tensor]
 
 
-Core = Callable[..., Terms]
-KEYWORD = inspect.Parameter.KEYWORD_ONLY
+class PolicyLoss(Component):
+    """A registered loss: ``loss(batch) -> LossOutput`` under its ``options``.
 
-
-def policy_loss(*, masks_own_ratio: bool = False, **defaults: Any) -> Callable[[Core], Callable[..., LossOutput]]:
-    """Register-ready loss from ``core(view, *, own params) -> Terms``, with the shared options added.
-
-    ``defaults`` overrides shared option defaults for this loss (e.g. GSPO's sequence normalisation).
-    ``masks_own_ratio``: token_mask does not drop slots; the loss applies ``view.inside`` to each ratio itself.
+    Class attributes declare what it needs: ``requires``, the optional LossBatch fields it reads (config
+    validation rejects a config lacking them, the trainer computes them); ``masks_own_ratio``, token_mask does
+    not drop slots and the loss applies ``view.inside`` to each ratio itself.
     """
-    unknown = sorted(set(defaults) - set(SHARED))
-    if unknown:
-        raise ValueError(f"policy_loss(): {unknown} are not shared options ({sorted(SHARED)})")
 
-    def wrap(core: Core) -> Callable[..., LossOutput]:
-        own = [p for p in inspect.signature(core).parameters.values() if p.kind is KEYWORD]
-        shared = [inspect.Parameter(n, KEYWORD, default=defaults.get(n, d)) for n, d in SHARED.items()]
-        batch = inspect.Parameter("batch", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=LossBatch)
-        signature = inspect.Signature([batch, *own, *shared], return_annotation=LossOutput)
+    Options: ClassVar[type] = PolicyOptions
+    options: PolicyOptions
+    requires: ClassVar[frozenset[str]] = frozenset()
+    masks_own_ratio: ClassVar[bool] = False
 
-        def loss(*args: Any, **kwargs: Any) -> LossOutput:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            values = dict(bound.arguments)
-            options = PolicyOptions(**{name: values[name] for name in SHARED})
-            view = build_view(values["batch"], options, masks_own_ratio)
-            terms = core(view, **{p.name: values[p.name] for p in own})
-            return finish(view, terms)
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        unknown = sorted(cls.requires - OPTIONAL_FIELDS)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.requires: {unknown} are not optional LossBatch fields "
+                            f"({sorted(OPTIONAL_FIELDS)})")  # fmt: skip
 
-        loss.__signature__ = signature  # type: ignore[attr-defined]
-        loss.__name__, loss.__qualname__, loss.__doc__ = core.__name__, core.__qualname__, core.__doc__
-        loss.__module__ = core.__module__
-        return loss
+    def __call__(self, batch: LossBatch) -> LossOutput:
+        view = build_view(batch, self.options, self.masks_own_ratio)
+        return finish(view, self.terms(view))
 
-    return wrap
+    def terms(self, view: PolicyView) -> Terms:
+        """The per-slot objective to minimise and the loss's own metrics."""
+        raise NotImplementedError(f"{type(self).__name__} must define terms(view)")
 
 
-def policy_options(loss_fn: Callable[..., Any]) -> PolicyOptions:
-    """The shared options a built loss (a partial of a registered loss) runs with; defaults for other callables."""
-    try:
-        parameters = inspect.signature(loss_fn).parameters
-    except (TypeError, ValueError):
-        return PolicyOptions()
-    return PolicyOptions(**{n: p.default for n, p in parameters.items() if n in SHARED and p.default is not p.empty})
+LOSSES: ComponentRegistry[PolicyLoss] = ComponentRegistry("loss", PolicyLoss)
 
 
 def log_bounds(options: PolicyOptions) -> tuple[float, float]:

@@ -4,17 +4,30 @@ sampler at every position, estimated over the sampler's top-K tokens."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from asyncrl.losses.base import LOSSES, clip_metrics, masked_mean, requires
-from asyncrl.losses.policy import PolicyView, Terms, correct_token_ratio, policy_loss
+from asyncrl.losses.base import clip_metrics, masked_mean
+from asyncrl.losses.clipped import ClippedOptions
+from asyncrl.losses.policy import LOSSES, PolicyLoss, PolicyView, Terms, correct_token_ratio
+
+
+@dataclass(frozen=True)
+class ScoreCenteringOptions(ClippedOptions):
+    """epsilon/epsilon_high only feed clip_ratio/* (nothing is clipped)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.importance_sampling.startswith("sequence"):
+            raise ValueError(
+                f"loss 'score_centering' centres each position: importance_sampling="
+                f"{self.importance_sampling} must be token_mask, token_truncate or none"
+            )
 
 
 @LOSSES.register("score_centering")
-@requires("top_logprobs", "sampler_top_logprobs")
-@policy_loss(masks_own_ratio=True)
-def score_centering_loss(view: PolicyView, *, epsilon: float = 0.2, epsilon_high: float | None = None) -> Terms:
+class ScoreCentering(PolicyLoss):
     """Score centering: grad = -A (f(r_t) grad log pi(o_t) - sum_{v in top-K} mu(v) f(r_v) grad log pi(v)).
 
     f(r) = r on [is_clip_min, is_clip_max] and 0 outside (token_mask); f(r) = clip(r) under token_truncate;
@@ -33,31 +46,35 @@ def score_centering_loss(view: PolicyView, *, epsilon: float = 0.2, epsilon_high
     epsilon/epsilon_high only feed clip_ratio/*, which count trained tokens outside [1 - epsilon,
     1 + epsilon_high] since nothing is clipped here.
     """
-    batch = view.batch
-    if batch.top_logprobs is None or batch.sampler_top_logprobs is None:
-        raise ValueError(
-            "loss 'score_centering' needs LossBatch.top_logprobs and sampler_top_logprobs "
-            "(set sampling.num_sampler_logprobs > 0, or use loss=clipped)"
-        )
-    if view.options.importance_sampling.startswith("sequence"):
-        raise ValueError(
-            f"loss 'score_centering' centres each position: importance_sampling="
-            f"{view.options.importance_sampling} must be token_mask, token_truncate or none"
-        )
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    # where() before exp(): excluded and padding slots become exp(-inf) = 0 with an exactly zero gradient.
-    sampled_term = torch.where(view.keep & view.inside, view.log_ratio, -math.inf).exp()
 
-    sampler_top = batch.sampler_top_logprobs
-    listed = sampler_top.isfinite() & view.keep.unsqueeze(-1)
-    top_log_ratio, top_inside = correct_token_ratio(torch.where(listed, batch.top_logprobs - sampler_top, 0),
-                                                    view.options)  # fmt: skip
-    # mu(v) f(r_v) with the bounds held fixed is exp(log mu(v) + corrected log r_v).
-    centering_term = torch.where(listed & top_inside, sampler_top + top_log_ratio, -math.inf).exp().sum(-1)
+    Options = ScoreCenteringOptions
+    options: ScoreCenteringOptions
+    requires = frozenset({"top_logprobs", "sampler_top_logprobs"})
+    masks_own_ratio = True
 
-    ratio = view.raw_log_ratio.exp()
-    low = view.keep & (ratio < 1 - epsilon)
-    high = view.keep & (ratio > 1 + epsilon_high)
-    metrics = clip_metrics(low, high, batch)
-    metrics["sampling/sampler_mass"] = masked_mean(sampler_top.detach().exp().sum(-1), batch.mask > 0)
-    return Terms(loss=-view.advantages * (sampled_term - centering_term), metrics=metrics)
+    def terms(self, view: PolicyView) -> Terms:
+        options = self.options
+        batch = view.batch
+        if batch.top_logprobs is None or batch.sampler_top_logprobs is None:
+            raise ValueError(
+                "loss 'score_centering' needs LossBatch.top_logprobs and sampler_top_logprobs "
+                "(set sampling.num_sampler_logprobs > 0, or use loss=clipped)"
+            )
+        epsilon = options.epsilon
+        epsilon_high = epsilon if options.epsilon_high is None else options.epsilon_high
+        # where() before exp(): excluded and padding slots become exp(-inf) = 0 with an exactly zero gradient.
+        sampled_term = torch.where(view.keep & view.inside, view.log_ratio, -math.inf).exp()
+
+        sampler_top = batch.sampler_top_logprobs
+        listed = sampler_top.isfinite() & view.keep.unsqueeze(-1)
+        top_log_ratio, top_inside = correct_token_ratio(torch.where(listed, batch.top_logprobs - sampler_top, 0),
+                                                        options)  # fmt: skip
+        # mu(v) f(r_v) with the bounds held fixed is exp(log mu(v) + corrected log r_v).
+        centering_term = torch.where(listed & top_inside, sampler_top + top_log_ratio, -math.inf).exp().sum(-1)
+
+        ratio = view.raw_log_ratio.exp()
+        low = view.keep & (ratio < 1 - epsilon)
+        high = view.keep & (ratio > 1 + epsilon_high)
+        metrics = clip_metrics(low, high, batch)
+        metrics["sampling/sampler_mass"] = masked_mean(sampler_top.detach().exp().sum(-1), batch.mask > 0)
+        return Terms(loss=-view.advantages * (sampled_term - centering_term), metrics=metrics)

@@ -9,7 +9,6 @@ needs the whole step: the normaliser, the entropy bonus and its adaptive coeffic
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asyncrl.advantages import step_affine, step_rule
-from asyncrl.losses.base import LossBatch, loss_requirements
-from asyncrl.losses.policy import policy_options
+from asyncrl.advantages import Estimator, step_affine
+from asyncrl.losses.base import LossBatch
+from asyncrl.losses.policy import PolicyLoss
 
 if TYPE_CHECKING:
     from asyncrl.packing.row import PackedRow
@@ -50,13 +49,12 @@ class StepLoss:
     """
 
     def __init__(
-        self, loss_fn: Callable[..., Any], advantage_fn: Callable[..., Any] | None = None,
-        max_completion_length: int = 1,
+        self, loss_fn: PolicyLoss, advantage: Estimator | None = None, max_completion_length: int = 1
     ) -> None:  # fmt: skip
         self.loss_fn = loss_fn
-        self.options = policy_options(loss_fn)
-        self.requires = loss_requirements(loss_fn)
-        self.advantage_rule = step_rule(advantage_fn)
+        self.options = loss_fn.options
+        self.requires = loss_fn.requires
+        self.advantage_rule = None if advantage is None else advantage.step_rule
         self.max_completion_length = max_completion_length
         self.entropy_coef = self.options.entropy_coef
         # Counting a micro-batch's tokens syncs the device, so only where the result depends on it.
@@ -164,11 +162,10 @@ class StepLoss:
         return torch.where(scorable[row.sequence_index], scaled, 0).to(row.advantages.dtype)
 
 
-def check_loss(loss_fn: Callable[..., Any], top_k: int) -> None:
-    """Run a built loss once on a two-slot batch, so a bad option fails at validation, not mid-run."""
-    policy_options(loss_fn)
+def check_loss(loss_fn: PolicyLoss, top_k: int) -> None:
+    """Run a built loss once on a two-slot batch, so an unsupported combination fails at validation, not mid-run."""
     top = None
-    if "sampler_top_logprobs" in loss_requirements(loss_fn):
+    if "sampler_top_logprobs" in loss_fn.requires:
         top = torch.log(torch.full((2, max(top_k, 1)), 1 / (max(top_k, 1) + 1), dtype=torch.float64))
     loss_fn(LossBatch(
         logprobs=torch.tensor([-1.0, -2.0], dtype=torch.float64), sampler_logprobs=torch.tensor([-1.1, -1.9],

@@ -1,15 +1,17 @@
-"""Packers: how samples become rows. Registry `packing`; each entry builds a row factory for a token budget."""
+"""Packers: how samples become rows. Registry `packing`; each entry makes empty rows of a token budget."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 from asyncrl.packing.flat import FlatRow
 from asyncrl.packing.planner import MicroBatchPlanner, plan_micro_batches
 from asyncrl.packing.row import PackedRow, Segment
 from asyncrl.packing.trie import TreeRow
-from asyncrl.registry import Registry
+from asyncrl.registry import Component, ComponentRegistry
 from asyncrl.rollout.types import RolloutSample
 
 
@@ -23,54 +25,50 @@ class Row(Protocol):
 
 
 RowFactory = Callable[[], Row]
-PACKERS: Registry[Callable[..., RowFactory]] = Registry("packing")
+
+
+@dataclass(frozen=True)
+class PackingOptions:
+    token_budget: int | None = None
+    """Tokens per row (unique tokens for tree packing); None = the server's max_model_len."""
+
+    def __post_init__(self) -> None:
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget={self.token_budget} must be >= 1 (or null: the server's max_model_len)")
+
+
+class Packer(Component):
+    """A registered packer: which row layout samples are packed into, within a token budget."""
+
+    Options: ClassVar[type] = PackingOptions
+    options: PackingOptions
+    row: ClassVar[Callable[[int], Row]]
+    """The row class, built with the row's token budget."""
+
+    def rows(self, max_model_len: int) -> tuple[RowFactory, int]:
+        """A factory of empty rows and their token budget (the configured one, else ``max_model_len``)."""
+        budget = self.options.token_budget or max_model_len
+        return functools.partial(type(self).row, budget), budget
+
+
+PACKERS: ComponentRegistry[Packer] = ComponentRegistry("packing", Packer)
 
 
 @PACKERS.register("flat")
-def flat(*, token_budget: int | None = None, default_budget: int = 4096, attention: str = "auto",
-         compile_layers: bool | str = "auto") -> RowFactory:  # fmt: skip
-    """Padding-free packing; token_budget (None = the server's max_model_len) bounds each row's tokens;
-    compile_layers: torch.compile the decoder layers (true, false, auto = on CUDA)."""
-    check_attention(attention)
-    check_compile_layers(compile_layers)
-    budget = token_budget or default_budget
-    return lambda: FlatRow(budget)
+class Flat(Packer):
+    """Padding-free packing: samples concatenated in a row, attention never crosses samples."""
+
+    row = FlatRow
 
 
 @PACKERS.register("tree")
-def tree(*, token_budget: int | None = None, default_budget: int = 4096, attention: str = "auto",
-         compile_layers: bool | str = "auto") -> RowFactory:  # fmt: skip
-    """Prefix-trie packing; token_budget (None = the server's max_model_len) bounds each row's unique tokens;
-    compile_layers as for flat."""
-    check_attention(attention)
-    check_compile_layers(compile_layers)
-    budget = token_budget or default_budget
-    return lambda: TreeRow(budget)
+class Tree(Packer):
+    """Prefix-trie packing: a prefix shared by samples is forwarded once (the budget counts unique tokens)."""
 
-
-def check_attention(attention: str) -> None:
-    """Fail at startup on an unknown attention backend name (the error lists the registered ones)."""
-    from asyncrl.packing.attention import ATTENTION
-
-    ATTENTION.get(attention)
-
-
-def check_compile_layers(compile_layers: bool | str) -> None:
-    """Fail at startup on a compile_layers value other than true, false or auto."""
-    import torch
-
-    from asyncrl.trainer.forward import resolve_compile
-
-    resolve_compile(compile_layers, torch.device("cpu"))
-
-
-def build_row_factory(spec: dict[str, Any], default_budget: int) -> tuple[RowFactory, int]:
-    """The configured packer and its effective token budget."""
-    budget = int(spec.get("token_budget") or default_budget)
-    return PACKERS.build({**spec, "token_budget": budget})(), budget
+    row = TreeRow
 
 
 __all__ = [
-    "PACKERS", "MicroBatchPlanner", "PackedRow", "Row", "RowFactory", "Segment", "TreeRow", "build_row_factory",
-    "check_attention", "check_compile_layers", "flat", "plan_micro_batches", "tree",
+    "PACKERS", "Flat", "FlatRow", "MicroBatchPlanner", "PackedRow", "Packer", "PackingOptions", "Row", "RowFactory",
+    "Segment", "Tree", "TreeRow", "plan_micro_batches",
 ]  # fmt: skip

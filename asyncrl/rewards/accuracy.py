@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.rewards.base import REWARDS, Message, final_answer_text
+from asyncrl.rewards.base import REWARDS, Message, Reward, final_answer_text
 from asyncrl.rewards.boxed import last_boxed_answer
 from asyncrl.rewards.verifier import check_answer
 
 
-@REWARDS.register("accuracy")
 def accuracy(
     prompts: Sequence[Sequence[Message]],
     completions: Sequence[Sequence[Message]],
@@ -35,3 +35,21 @@ def accuracy(
         verdict = check_answer("" if gold is None else str(gold), answer, timeout_s)
         rewards.append(None if verdict is None else float(verdict))
     return rewards
+
+
+@dataclass(frozen=True)
+class AccuracyOptions:
+    timeout_s: float = 5
+    """Seconds math-verify may spend on one parse or comparison before the answer scores 0.0."""
+
+
+@REWARDS.register("accuracy")
+class Accuracy(Reward):
+    """``accuracy`` against the dataset's ``solution`` column."""
+
+    Options = AccuracyOptions
+    options: AccuracyOptions
+
+    def __call__(self, prompts: Sequence[Sequence[Message]], completions: Sequence[Sequence[Message]],
+                 completion_ids: Sequence[Sequence[int]], **columns: Any) -> list[float | None]:  # fmt: skip
+        return accuracy(prompts, completions, completion_ids, timeout_s=self.options.timeout_s, **columns)

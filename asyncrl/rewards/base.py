@@ -1,7 +1,9 @@
 """The reward registry and the message helpers reward functions share.
 
 A reward function is ``f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]``
-(None = not applicable); the rollout worker calls it from threads and sums the results per rollout.
+(None = not applicable); the rollout worker calls it from threads and sums the results per rollout. A
+registered reward is a ``Reward`` (its options a dataclass); a user's reward, named by import path, may also be
+a plain function whose named keyword parameters are its options.
 """
 
 from __future__ import annotations
@@ -9,11 +11,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncrl.registry import Registry
+from asyncrl.registry import Component, ComponentRegistry
 
 RewardFn = Callable[..., list[float | None]]
-REWARDS: Registry[RewardFn] = Registry("reward", call_arguments=("prompts", "completions", "completion_ids"))
-"""Options are a reward's named parameters: its ``**columns`` receives the dataset's columns, not options."""
+
+
+class Reward(Component):
+    """A registered reward function, called as ``reward(prompts, completions, completion_ids, **columns)``."""
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
+                 **columns: Any) -> list[float | None]:  # fmt: skip
+        raise NotImplementedError(f"{type(self).__name__} must define __call__")
+
+
+REWARDS: ComponentRegistry[RewardFn] = ComponentRegistry(
+    "reward", Reward, call_arguments=("prompts", "completions", "completion_ids")
+)
+"""A plain function's ``**columns`` receives the dataset's columns, not options."""
 
 Message = dict[str, Any]
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.rewards.base import REWARDS, Message, final_answer_text
+from asyncrl.rewards.base import REWARDS, Message, Reward, final_answer_text
 from asyncrl.rewards.boxed import boxed_answers
 
 
-@REWARDS.register("format")
 def boxed_format(
     prompts: Sequence[Sequence[Message]],
     completions: Sequence[Sequence[Message]],
@@ -22,3 +21,12 @@ def boxed_format(
         answers = boxed_answers(final_answer_text(completion))
         rewards.append(1.0 if len(answers) == 1 and answers[0] is not None and answers[0].strip() else 0.0)
     return rewards
+
+
+@REWARDS.register("format")
+class Format(Reward):
+    """``boxed_format``; no options."""
+
+    def __call__(self, prompts: Sequence[Sequence[Message]], completions: Sequence[Sequence[Message]],
+                 completion_ids: Sequence[Sequence[int]], **columns: Any) -> list[float | None]:  # fmt: skip
+        return boxed_format(prompts, completions, completion_ids)

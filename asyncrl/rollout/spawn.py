@@ -35,10 +35,8 @@ def check_picklable(obj: Any, label: str) -> None:
 
 
 def check_spec(spec: WorkerSpec) -> None:
-    for source in spec.reward_sources:
-        check_picklable(source.fn, f"reward function '{source.name}'")
+    """What prepare() has not checked (it checks the reward functions and the advantage estimator)."""
     check_picklable(spec.loop_cls, f"rollout loop class {spec.loop_cls!r} (rollout.loop_cls)")
-    check_picklable(spec.advantage_fn, "advantage estimator (advantage.name)")
     check_picklable(spec.tokenizer, "tokenizer")
     check_picklable(spec.dataset, "training dataset")
     check_picklable(spec.config, "config")

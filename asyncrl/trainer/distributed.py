@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -33,11 +33,14 @@ from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
 from asyncrl.server.command import serving_dtype
 from asyncrl.trainer import fsdp
-from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import wait_for_device
 from asyncrl.trainer.ranks import Ranks
+
+if TYPE_CHECKING:
+    from asyncrl.components import Components
 
 ORPHAN_GRACE_S = 10.0
 """How long a rank whose CLI died may take to end by itself before ``watch_parent`` ends it."""
@@ -74,8 +77,7 @@ class RowsResult:
     """Per trained row: the loss's metrics and the row's mean entropy."""
 
 
-def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config,
-               attention: str) -> RowsResult:  # fmt: skip
+def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config) -> RowsResult:
     """This rank's forwards and backwards of one step, its loss normalised over all ranks' trained tokens."""
     real = [row for row, weight in work.rows if weight > 0]
     loss.start_step(real)
@@ -86,10 +88,7 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
     metrics = []
     for row, weight in work.rows:
         started = time.perf_counter()
-        out = packed_forward(model, row, config.sampling.temperature, attention=attention,
-                             logit_chunk_tokens=config.trainer.logit_chunk_tokens,
-                             compile_layers=config.packing.get("compile_layers", "auto"),
-                             router_aux=bool(loss.router_aux_coef))  # fmt: skip
+        out = trainer_forward(model, row, config, router_aux=bool(loss.router_aux_coef))
         if weight == 0:
             value = out.logprobs.sum() * 0.0
         else:
@@ -107,20 +106,16 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
 class Follower:
     """A rank other than 0: the same sharded model and optimizer, driven by rank 0's commands."""
 
-    def __init__(self, config: Config, run_dir: Path, ranks: Ranks) -> None:
-        from asyncrl.advantages import ADVANTAGES
-        from asyncrl.losses import LOSSES
+    def __init__(self, config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
         from asyncrl.trainer.checkpoint import load_checkpoint
 
         self.config, self.ranks = config, ranks
         use_cpu_threads(config, ranks.world)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
-        self.loss = StepLoss(LOSSES.build(config.loss), ADVANTAGES.build(config.advantage),
-                             config.sampling.max_completion_length)  # fmt: skip
+        self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
         if resume is not None:
             self.loss.load_state_dict(load_checkpoint(resume, self.optimizer, self.scheduler).extra.get("loss", {}))
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
-        self.attention = str(config.packing.get("attention", "auto"))
         self.dtype = torch_dtype(serving_dtype(config))
 
     def serve(self) -> None:
@@ -140,7 +135,7 @@ class Follower:
 
     def _step(self, work: RankWork) -> None:
         self.model.train()
-        result = train_rows(self.model, self.loss, work, self.ranks, self.config, self.attention)
+        result = train_rows(self.model, self.loss, work, self.ranks, self.config)
         fsdp.FsdpAccelerator().clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()

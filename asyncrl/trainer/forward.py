@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.config.schema import Config
 from asyncrl.packing.attention import attach_tree_attention, build_plan, unwrap_model
 from asyncrl.packing.deltanet import PLAN_KEYWORD, build_recurrent_plan, conv_kernel_size, deltanet_layers
 from asyncrl.packing.row import PackedRow
@@ -38,6 +39,14 @@ class ForwardOutput:
     """The MoE router's load-balancing loss over the row's forwarded tokens (trainer/moe.py), when asked for."""
 
 
+def trainer_forward(model: torch.nn.Module, row: PackedRow, config: Config, router_aux: bool = False) -> ForwardOutput:
+    """``packed_forward`` as the trainer runs it: the sampling temperature and the trainer's forward settings."""
+    t = config.trainer
+    return packed_forward(model, row, config.sampling.temperature, attention=t.attention,
+                          logit_chunk_tokens=t.logit_chunk_tokens, compile_layers=t.compile_layers,
+                          router_aux=router_aux)  # fmt: skip
+
+
 def packed_forward(
     model: torch.nn.Module,
     row: PackedRow,
@@ -49,7 +58,7 @@ def packed_forward(
     router_aux: bool = False,
 ) -> ForwardOutput:
     """``attention``: the tree attention backend, ``compile_layers``: torch.compile the decoder layers and the
-    log-probability epilogues (see resolve_compile), both from the packing config; ``logit_chunk_tokens``:
+    log-probability epilogues (see resolve_compile), both trainer settings; ``logit_chunk_tokens``:
     trained tokens whose logits exist at once (0 = all), trainer.logit_chunk_tokens; ``router_aux``: also return
     an MoE model's load-balancing loss."""
     device = next(model.parameters()).device
@@ -128,17 +137,19 @@ def _head_input(head: torch.nn.Module) -> Iterator[dict]:
 
 
 def resolve_compile(compile_layers: bool | str, device: torch.device) -> str | None:
-    """The packing config's ``compile_layers`` as a torch.compile backend (None = eager): true = inductor,
-    auto = inductor on CUDA, or a backend's name (aot_eager traces as inductor does, without code generation)."""
+    """``trainer.compile_layers`` as a torch.compile backend (None = eager): true = inductor, auto = inductor on
+    CUDA, or a backend's name (aot_eager traces as inductor does, without code generation). The config's string
+    field holds a YAML boolean as "True"/"False"."""
     if compile_layers == "auto":
         return "inductor" if device.type == "cuda" else None
-    if isinstance(compile_layers, bool):
-        return "inductor" if compile_layers else None
+    flag = {"true": True, "false": False}.get(str(compile_layers).lower())
+    if flag is not None:
+        return "inductor" if flag else None
     from torch._dynamo import list_backends
 
     if compile_layers not in list_backends(exclude_tags=()):
         raise ValueError(
-            f"packing.compile_layers={compile_layers!r} must be true, false, auto or a torch.compile "
+            f"trainer.compile_layers={compile_layers!r} must be true, false, auto or a torch.compile "
             f"backend ({', '.join(list_backends())})"
         )
     return compile_layers
@@ -153,7 +164,7 @@ def compile_decoder_layers(model: torch.nn.Module, backend: str) -> None:
         return
     layers = getattr(inner.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"packing.compile_layers: {type(inner).__name__}'s decoder has no `layers` list to compile")
+        raise ValueError(f"trainer.compile_layers: {type(inner).__name__}'s decoder has no `layers` list to compile")
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
     setattr(inner, _COMPILED, True)

@@ -17,10 +17,8 @@ from asyncrl.client import ControlClient, policy_model
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import evaluate
-from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import JsonlSink, MetricWindow
-from asyncrl.packing import build_row_factory
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
@@ -41,7 +39,7 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows
 from asyncrl.trainer.flops import mfu_meter
-from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
@@ -94,13 +92,13 @@ class Trainer:
         if resume is not None:
             self.state = load_checkpoint(resume, self.optimizer, self.scheduler)
             log.info("resumed from %s at step %d, prompt %d", resume, self.state.step, self.state.prompt_index)
-        self.loss = StepLoss(LOSSES.build(c.loss), self.prepared.advantage_fn, c.sampling.max_completion_length)
+        components = self.prepared.components
+        self.loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
         self.loss.load_state_dict(self.state.extra.get("loss", {}))
         self.loss.router_aux_coef = router_aux_coef(c, self.accelerator.unwrap_model(self.model).config)
         self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
         self.mfu, self.step_flops = mfu_meter(c, self.accelerator.unwrap_model(self.model).config, self.world), 0.0
-        self.row_factory, self.token_budget = build_row_factory(dict(c.packing), self.max_model_len)
-        self.attention = str(c.packing.get("attention", "auto"))
+        self.row_factory, self.token_budget = components.packer.rows(self.max_model_len)
         self.window, self.timeline = MetricWindow(), Timeline()
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
         self.console = Console(c)
@@ -213,16 +211,13 @@ class Trainer:
         if self.ranks is not None:
             work = split_rows(rows, step.placement, (self.loss.shift, self.loss.scale))
             mine = self.ranks.command("step", work)
-            result = train_rows(self.model, self.loss, mine, self.ranks, self.config, self.attention)
+            result = train_rows(self.model, self.loss, mine, self.ranks, self.config)
             return result.forward_s, result.forward_backward_s, result.metrics
         fwd_s = fwd_bwd_s = 0.0
         for row in rows:
             t0 = time.perf_counter()
             with phase("forward"):
-                out = packed_forward(self.model, row, self.config.sampling.temperature, attention=self.attention,
-                                     logit_chunk_tokens=self.config.trainer.logit_chunk_tokens,
-                                     compile_layers=self.config.packing.get("compile_layers", "auto"),
-                                     router_aux=bool(self.loss.router_aux_coef))  # fmt: skip
+                out = trainer_forward(self.model, row, self.config, router_aux=bool(self.loss.router_aux_coef))
                 loss, loss_metrics = self.loss(self.loss.batch(row, out), out.aux_loss)
             fwd_s += time.perf_counter() - t0
             with phase("backward"):
@@ -284,7 +279,7 @@ class Trainer:
     # ---- rank-0 services -------------------------------------------------------------------------------------
 
     def _start_worker(self) -> None:
-        c = self.config
+        c, components = self.config, self.prepared.components
         self.progress = PromptProgress(cursor=self.state.prompt_index, consumed=self.state.prompts_consumed)
         self.num_tokens = int(self.state.extra.get("num_tokens", 0))
         rows_per_step = c.trainer.gradient_accumulation_steps * self.world
@@ -292,8 +287,8 @@ class Trainer:
         self.channels.model_version.value = self.state.model_version
         spec = WorkerSpec(
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
-            reward_sources=self.prepared.reward_sources, loop_cls=self.prepared.loop_cls,
-            advantage_fn=self.prepared.advantage_fn, base_url=self.server.base_url,
+            reward_sources=components.rewards, advantage_fn=components.advantage, loop_cls=self.prepared.loop_cls,
+            base_url=self.server.base_url,
             model_name=served_model_name(c), max_model_len=self.max_model_len,
             adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),
@@ -343,7 +338,7 @@ class Trainer:
         p = self.prepared
         model = policy_model(served_model_name(self.config), self.sync.adapter_prefix, self.state.model_version)
         return evaluate(self.config, self.server.base_url, model, p.tokenizer,
-                        p.eval_dataset, p.reward_sources, self.max_model_len)  # fmt: skip
+                        p.eval_dataset, p.components.rewards, self.max_model_len)  # fmt: skip
 
     def _report_evaluations(self) -> None:
         import json

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from asyncrl.components import Components
 from asyncrl.config.schema import Config
 from asyncrl.launch import EXPECTED_ERRORS, load_run_config, terminate_on_sigterm
 from asyncrl.server.handle import AttachedServer
@@ -23,7 +24,7 @@ from asyncrl.trainer.supervise import SERVER_URL_ENV
 
 def main(run_dir: Path) -> int:
     """One rank of a multi-rank run, from the run directory's config.yaml."""
-    config = load_run_config(run_dir)
+    config, components = load_run_config(run_dir)
     terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
     watch_parent(os.getppid())
@@ -32,9 +33,9 @@ def main(run_dir: Path) -> int:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         if ranks.rank == 0:
-            run_rank_zero(config, run_dir, ranks)
+            run_rank_zero(config, components, run_dir, ranks)
         else:
-            Follower(config, run_dir, ranks).serve()
+            Follower(config, components, run_dir, ranks).serve()
         # Tear the process group down together: a rank that destroys it while another still talks to the
         # store can abort in gloo's threads ("terminate called without an active exception").
         dist.barrier()
@@ -48,10 +49,10 @@ def main(run_dir: Path) -> int:
     return 0
 
 
-def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
+def run_rank_zero(config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
     """Rank 0 is the trainer of a single-process run, attached to the server the CLI started."""
     server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout, booting=True)
-    run_training(config, run_dir, server, prepare(config), ranks=ranks)
+    run_training(config, run_dir, server, prepare(config, components), ranks=ranks)
 
 
 if __name__ == "__main__":

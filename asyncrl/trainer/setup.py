@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.components import Components
 from asyncrl.config.schema import Config
 from asyncrl.registry import import_object
-from asyncrl.rollout.scoring import RewardSource, reward_name
 
 
 @dataclass
@@ -16,9 +16,10 @@ class Prepared:
     dataset: Any
     eval_dataset: Any | None
     tokenizer: Any
-    reward_sources: list[RewardSource]
+    components: Components
+    """Built once by validation; the trainer runs them, and the worker gets the rewards and estimator in its
+    spec."""
     loop_cls: type
-    advantage_fn: Any
 
     def total_prompts(self, config: Config) -> int | None:
         """Prompts in the whole run when it stops on epochs; None when max_steps decides."""
@@ -57,23 +58,12 @@ def load_tokenizer(config: Config) -> Any:
     return tokenizer
 
 
-def build_reward_sources(config: Config) -> list[RewardSource]:
-    from asyncrl.rewards import REWARDS
-
-    sources = []
-    for spec in config.reward_funcs:
-        fn = REWARDS.build(spec)
-        name = spec["name"] if spec["name"] in REWARDS else reward_name(fn)
-        sources.append(RewardSource(name, fn))
-    return sources
-
-
-def prepare(config: Config) -> Prepared:
-    from asyncrl.advantages import ADVANTAGES
+def prepare(config: Config, components: Components) -> Prepared:
+    """Everything the run needs besides the model and the server, checked before the server starts;
+    ``components``: what validation built (``asyncrl.config.compose.to_config_and_components``)."""
     from asyncrl.data import load_prompts
     from asyncrl.rollout.environments import check_routing, environment_rows
     from asyncrl.rollout.loop import AsyncRolloutLoop
-    from asyncrl.rollout.spawn import check_picklable
     from asyncrl.trainer.moe import check_router_aux_coef
 
     check_model_path(config)
@@ -89,14 +79,21 @@ def prepare(config: Config) -> Prepared:
     loop_cls = import_object(config.rollout.loop_cls)
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
         raise TypeError(f"rollout.loop_cls={config.rollout.loop_cls} is not a subclass of AsyncRolloutLoop")
-    sources = build_reward_sources(config)
-    for source in sources:
-        check_picklable(source.fn, f"reward function '{source.name}'")
+    check_components_pickle(components)
     tokenizer = load_tokenizer(config)
     check_agents(config, tokenizer)
     check_router_aux_coef(config)
     check_routing(dataset, config.rollout.environment_factory)
-    return Prepared(dataset, eval_dataset, tokenizer, sources, loop_cls, ADVANTAGES.build(config.advantage))
+    return Prepared(dataset, eval_dataset, tokenizer, components, loop_cls)
+
+
+def check_components_pickle(components: Components) -> None:
+    """The rewards and the estimator cross to the rollout worker pickled (its spec): each must, named if not."""
+    from asyncrl.rollout.spawn import check_picklable
+
+    for source in components.rewards:
+        check_picklable(source.fn, f"reward function '{source.name}'")
+    check_picklable(components.advantage, "advantage estimator (advantage.name)")
 
 
 def check_agents(config: Config, tokenizer: Any) -> None:

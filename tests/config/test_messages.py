@@ -20,6 +20,10 @@ CASES = {
     "[constant, constant_with_warmup, linear, cosine,",
     "staleness.max_staleness=lots": "staleness.max_staleness: Value 'lots' of type 'str' could not be converted",
     "loss=clipd": "In 'config': Could not find 'loss/clipd'; options: cispo, clipped,",
+    "packing.attention=sdpa": "packing.attention: no such key (packing.attention is now trainer.attention: set "
+    "trainer.attention instead)",
+    "packing.compile_layers=false": "packing.compile_layers: no such key (packing.compile_layers is now "
+    "trainer.compile_layers",
 }
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.losses import LossBatch
+from asyncrl.losses import LOSSES, LossBatch, LossOutput
 
 
 def build_batch(
@@ -40,6 +40,11 @@ def build_batch(
         entropy=tensor(entropy),
         truncated=None if truncated is None else torch.tensor(truncated, dtype=torch.bool),
     )
+
+
+def run_loss(name: str, batch: LossBatch, **options) -> LossOutput:
+    """The registered loss ``name`` built with ``options`` (as YAML sets them), on ``batch``."""
+    return LOSSES.build({"name": name, **options})(batch)
 
 
 @pytest.fixture

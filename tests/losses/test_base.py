@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
 
-from asyncrl.losses import LOSSES, LossBatch, loss_requirements, requires
+from asyncrl.losses import LOSSES, LossBatch, PolicyLoss
 from asyncrl.losses.base import importance_mask, masked_extreme, per_sequence_fraction
 from asyncrl.registry import RegistryError
 
@@ -32,17 +31,18 @@ def test_loss_batch_needs_both_top_k_fields_with_matching_shapes():
         LossBatch(**base, top_logprobs=torch.zeros(3, 2), sampler_top_logprobs=torch.zeros(3, 4))
 
 
-def test_loss_requirements_sees_through_partials_and_the_registry():
-    assert loss_requirements(LOSSES.get("score_centering")) == {"top_logprobs", "sampler_top_logprobs"}
+def test_requirements_are_declared_on_the_loss_class_and_read_off_the_built_loss():
+    assert LOSSES.get("score_centering").requires == {"top_logprobs", "sampler_top_logprobs"}
     built = LOSSES.build({"name": "score_centering", "epsilon": 0.3})
-    assert loss_requirements(functools.partial(built, is_clip_max=4.0)) == {"top_logprobs", "sampler_top_logprobs"}
-    assert loss_requirements(LOSSES.get("clipped")) == frozenset()
-    assert loss_requirements(lambda batch: None) == frozenset()
+    assert built.requires == {"top_logprobs", "sampler_top_logprobs"} and built.options.epsilon == 0.3
+    assert LOSSES.build({"name": "clipped"}).requires == frozenset()
 
 
 def test_requires_rejects_unknown_fields():
-    with pytest.raises(ValueError, match="top_logprob"):
-        requires("top_logprob")
+    with pytest.raises(TypeError, match="top_logprob"):
+
+        class Misdeclared(PolicyLoss):
+            requires = frozenset({"top_logprob"})
 
 
 def test_registry_rejects_a_misspelt_parameter():
@@ -68,7 +68,7 @@ def test_per_sequence_fraction_ignores_untrained_tokens_and_handles_sparse_ids()
 
 def test_metrics_are_nan_without_trained_tokens():
     batch = LossBatch(torch.zeros(2), torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2, dtype=torch.long))
-    out = LOSSES.get("clipped")(batch)
+    out = LOSSES.build({"name": "clipped"})(batch)
     assert out.loss_sum.item() == 0.0
     assert math.isnan(out.metrics["sampling/importance_sampling_ratio/mean"])
     assert math.isnan(out.metrics["clip_ratio/high_max"])

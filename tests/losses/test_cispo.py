@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from asyncrl.losses import LossBatch
-from asyncrl.losses.cispo import cispo_loss
 
-from .conftest import assert_float64_close, batch_of, random_sequences
+from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
 
 
 def test_caps_the_weight_and_ignores_masked_token(make_batch):
     batch = make_batch(logprobs=[-0.5, -1.0, -2.0], sampler_logprobs=[-1.5, -1.0, -2.0], advantages=[1.0, -2.0, 99.0],
                        mask=[1, 1, 0], sequence_index=[0, 1, 2])  # fmt: skip
     # slot 0: r = e > 2 -> weight 2 -> -(2 * 1 * -0.5) = 1; slot 1: r = 1 -> -(1 * -2 * -1) = -2; slot 2 masked
-    out = cispo_loss(batch, epsilon_high=2.0)
+    out = run_loss("cispo", batch, epsilon_high=2.0)
     assert_float64_close(out.loss_sum, -1.0)
     out.loss_sum.backward()
     # the weight is detached: d/d logprob = -weight * A
@@ -43,7 +42,7 @@ def reference(inputs, epsilon_high):
 def test_matches_float64_reference_with_masks_and_extreme_ratios(seed):
     inputs = random_sequences(seed)
     batch = batch_of(inputs)
-    out = cispo_loss(batch, epsilon_high=3.0)
+    out = run_loss("cispo", batch, epsilon_high=3.0)
     out.loss_sum.backward()
     value, grad = reference(inputs, 3.0)
     assert_float64_close(out.loss_sum, value)
@@ -56,7 +55,7 @@ def test_gradcheck_with_the_weight_held_fixed():
     log_ratio = torch.tensor([0.1, -0.3, 2.0, -1.0, 0.0], dtype=torch.float64)
 
     def loss(lp):
-        return cispo_loss(LossBatch(
+        return run_loss("cispo", LossBatch(
             logprobs=lp, sampler_logprobs=lp.detach() - log_ratio, advantages=torch.tensor([1.0, -1.0, 2.0, 0.5, -2.0],
             dtype=torch.float64), mask=torch.ones(5, dtype=torch.float64), sequence_index=torch.arange(5),
         ), epsilon_high=5.0).loss_sum  # fmt: skip

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from asyncrl.losses import LossBatch
-from asyncrl.losses.clipped import clipped_loss
+
+from .conftest import run_loss
 
 
 def test_clips_high_ratio_and_ignores_masked_token(make_batch):
@@ -21,7 +22,7 @@ def test_clips_high_ratio_and_ignores_masked_token(make_batch):
         sequence_index=[0, 0, 1],
     )
     # token 0: ratio e ~ 2.72 (inside [0.5, 5]) -> clipped to 1.2 -> -1.2; token 1: ratio 1 -> +1.0; token 2 masked
-    out = clipped_loss(batch, epsilon=0.2)
+    out = run_loss("clipped", batch, epsilon=0.2)
     torch.testing.assert_close(out.loss_sum, torch.tensor(-0.2, dtype=torch.float64))
     out.loss_sum.backward()
     # token 0 sits on the flat clipped branch; token 1: d/dlogp of -(r * -1) = r = 1
@@ -44,7 +45,7 @@ def test_drops_tokens_outside_importance_bounds_and_uses_epsilon_high(make_batch
     # token 0: ratio e^2 = 7.39 > 5 dropped; token 1: ratio e^-2 = 0.135 < 0.5 dropped
     # token 2: ratio e^0.25 = 1.284, A = 2 -> clip at 1 + 0.28 -> -2.56
     # token 3: ratio e^-0.5 = 0.607, A = -1 -> min(-0.607, -0.8) = -0.8 (clipped low) -> +0.8
-    out = clipped_loss(batch, epsilon=0.2, epsilon_high=0.28)
+    out = run_loss("clipped", batch, epsilon=0.2, epsilon_high=0.28)
     torch.testing.assert_close(out.loss_sum, torch.tensor(-1.76, dtype=torch.float64))
     assert out.metrics["sampling/masked_mean"] == pytest.approx(0.5)
     assert out.metrics["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-2))
@@ -79,7 +80,7 @@ def test_matches_float64_reference_with_masks_and_extreme_ratios(make_batch, see
     advantages[mask == 0] = -1e6
     batch = make_batch(logprobs.tolist(), sampler.tolist(), advantages.tolist(), mask.tolist())
 
-    out = clipped_loss(batch, epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0)
+    out = run_loss("clipped", batch, epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0)
     out.loss_sum.backward()
     value, grad = reference(logprobs, sampler, advantages, mask, 0.2, 0.28, 0.5, 5.0)
     torch.testing.assert_close(out.loss_sum, torch.tensor(value, dtype=torch.float64))
@@ -102,6 +103,6 @@ def test_gradcheck():
             mask=torch.tensor([1, 1, 1, 1, 1, 1, 0, 1], dtype=torch.float64),
             sequence_index=torch.zeros(T, dtype=torch.long),
         )
-        return clipped_loss(batch, epsilon=0.2, epsilon_high=0.28).loss_sum
+        return run_loss("clipped", batch, epsilon=0.2, epsilon_high=0.28).loss_sum
 
     assert torch.autograd.gradcheck(loss, (logprobs,))

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from asyncrl.losses import LossBatch
-from asyncrl.losses.gspo import gspo_loss
-from asyncrl.losses.luspo import luspo_loss
 
-from .conftest import assert_float64_close, batch_of, random_sequences
+from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
 
 
 def test_one_ratio_per_sequence(make_batch):
@@ -20,12 +18,12 @@ def test_one_ratio_per_sequence(make_batch):
                        advantages=[1.0, 1.0, -1.0, 7.0], mask=[1, 1, 1, 0], sequence_index=[0, 0, 1, 2])  # fmt: skip
     # sequence 0: mean log-ratio (0.1 - 0.1) / 2 = 0 -> s = 1, A = 1 -> loss -1; gradient per slot -A s / 2
     # sequence 1: s = e^1 > 1 + 0.28, A < 0 -> min(-e, -1.28) = -e -> loss +e; gradient -A s = e
-    out = gspo_loss(batch, epsilon=0.2, epsilon_high=0.28)
+    out = run_loss("gspo", batch, epsilon=0.2, epsilon_high=0.28)
     assert_float64_close(out.loss_sum, -1.0 + math.e)
     out.loss_sum.backward()
     assert_float64_close(batch.logprobs.grad, [-0.5, -0.5, math.e, 0.0])
     # LUSPO multiplies each sequence's loss by its length (2 and 1)
-    assert_float64_close(luspo_loss(batch, epsilon=0.2, epsilon_high=0.28).loss_sum, -2.0 + math.e)
+    assert_float64_close(run_loss("luspo", batch, epsilon=0.2, epsilon_high=0.28).loss_sum, -2.0 + math.e)
 
 
 def reference(inputs, epsilon, epsilon_high, by_length):
@@ -52,21 +50,21 @@ def reference(inputs, epsilon, epsilon_high, by_length):
 def test_matches_float64_reference_with_masks_and_extreme_ratios(seed, epsilon, epsilon_high, by_length):
     inputs = random_sequences(seed)
     batch = batch_of(inputs)
-    out = (luspo_loss if by_length else gspo_loss)(batch, epsilon=epsilon, epsilon_high=epsilon_high)
+    out = run_loss("luspo" if by_length else "gspo", batch, epsilon=epsilon, epsilon_high=epsilon_high)
     out.loss_sum.backward()
     value, grad = reference(inputs, epsilon, epsilon_high, by_length)
     assert_float64_close(out.loss_sum, value)
     assert_float64_close(batch.logprobs.grad, grad)
 
 
-@pytest.mark.parametrize("loss_fn", [gspo_loss, luspo_loss])
-def test_gradcheck(loss_fn):
+@pytest.mark.parametrize("name", ["gspo", "luspo"])
+def test_gradcheck(name):
     sampler = -torch.rand(7, dtype=torch.float64) - 0.2
     # sequences of 3, 2 and 2 slots; their mean log-ratios (0.1, -0.3, 0.6) keep s away from 1 -+ 0.2/0.28
     offsets = torch.tensor([0.2, -0.1, 0.2, -0.5, -0.1, 0.9, 0.3], dtype=torch.float64)
 
     def loss(lp):
-        return loss_fn(LossBatch(
+        return run_loss(name, LossBatch(
             logprobs=lp, sampler_logprobs=sampler, advantages=torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 2.0, 2.0],
             dtype=torch.float64), mask=torch.ones(7, dtype=torch.float64),
             sequence_index=torch.tensor([0, 0, 0, 1, 1, 2, 2]),

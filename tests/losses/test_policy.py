@@ -3,7 +3,6 @@ per-sequence normalisation, the entropy term), checked on the clipped loss again
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -11,10 +10,9 @@ import pytest
 import torch
 
 from asyncrl.losses import LOSSES, LossBatch
-from asyncrl.losses.clipped import clipped_loss
-from asyncrl.losses.policy import IS_MODES, PolicyOptions, policy_loss, policy_options
+from asyncrl.losses.policy import IS_MODES, ImportanceSampling, Normalization, PolicyOptions
 
-from .conftest import assert_float64_close, batch_of, random_sequences
+from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
 
 EPS, EPS_HIGH = 0.2, 0.28
 
@@ -69,7 +67,9 @@ def check(seed, *, truncated=None, **options):
     names = {"mode": "importance_sampling", "delta": "off_policy_mask_threshold", "c_min": "is_clip_min",
              "c_max": "is_clip_max", "mask_truncated": "mask_truncated_completions",
              "quantile": "top_entropy_quantile"}  # fmt: skip
-    out = clipped_loss(batch, epsilon=EPS, epsilon_high=EPS_HIGH, **{names.get(k, k): v for k, v in options.items()})
+    out = run_loss(
+        "clipped", batch, epsilon=EPS, epsilon_high=EPS_HIGH, **{names.get(k, k): v for k, v in options.items()}
+    )
     out.loss_sum.backward()
     value, grad = reference(inputs, truncated, **options)
     assert_float64_close(out.loss_sum, value)
@@ -106,7 +106,7 @@ def test_sequence_mask_hand_example(make_batch):
     )
     # sequence 0: log w = 0.5 + 0.2 -> w = e^0.7 = 2.0138 inside [0.5, 5]; each slot -w * A = -4.0275
     # sequence 1: w = 1 -> +1; sequence 2: w = e^-2 = 0.135 < 0.5 dropped
-    out = clipped_loss(batch, importance_sampling="sequence_mask")
+    out = run_loss("clipped", batch, importance_sampling="sequence_mask")
     w = math.exp(0.7)
     assert_float64_close(out.loss_sum, -2 * 2 * w + 1.0)
     out.loss_sum.backward()
@@ -118,13 +118,13 @@ def test_top_entropy_extremes_and_truncation_need_their_fields(make_batch):
     args = dict(logprobs=[-1.0, -1.0, -1.0], sampler_logprobs=[-1.0, -1.0, -1.0], advantages=[1.0, 2.0, 4.0],
                 mask=[1, 1, 1], sequence_index=[0, 1, 2])  # fmt: skip
     # quantile 0 keeps only the highest-entropy slot (A = 2); 1 keeps all
-    only_max = clipped_loss(make_batch(**args, entropy=[0.1, 0.9, 0.5]), top_entropy_quantile=0.0)
+    only_max = run_loss("clipped", make_batch(**args, entropy=[0.1, 0.9, 0.5]), top_entropy_quantile=0.0)
     assert_float64_close(only_max.loss_sum, -2.0)
-    assert_float64_close(clipped_loss(make_batch(**args, entropy=[0.1, 0.9, 0.5])).loss_sum, -7.0)
+    assert_float64_close(run_loss("clipped", make_batch(**args, entropy=[0.1, 0.9, 0.5])).loss_sum, -7.0)
     with pytest.raises(ValueError, match="LossBatch.entropy"):
-        clipped_loss(make_batch(**args), top_entropy_quantile=0.5)
+        run_loss("clipped", make_batch(**args), top_entropy_quantile=0.5)
     with pytest.raises(ValueError, match="LossBatch.truncated"):
-        clipped_loss(make_batch(**args), mask_truncated_completions=True)
+        run_loss("clipped", make_batch(**args), mask_truncated_completions=True)
 
 
 def test_gradcheck_with_masks_and_sequence_normalisation():
@@ -142,7 +142,7 @@ def test_gradcheck_with_masks_and_sequence_normalisation():
                 entropy=torch.tensor([0.1, 0.2, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4], dtype=torch.float64))  # fmt: skip
 
     def loss(lp):
-        return clipped_loss(LossBatch(logprobs=lp, **base), epsilon_high=0.28, off_policy_mask_threshold=0.5,
+        return run_loss("clipped", LossBatch(logprobs=lp, **base), epsilon_high=0.28, off_policy_mask_threshold=0.5,
                             top_entropy_quantile=0.8, normalization="sequence").loss_sum  # fmt: skip
 
     assert torch.autograd.gradcheck(loss, ((sampler + offsets).requires_grad_(),))
@@ -157,12 +157,12 @@ def test_entropy_term_value_and_exact_gradient(make_batch):
         mask=[1, 1, 1, 0], sequence_index=[0, 0, 1, 2], entropy=[0.5, 1.5, 2.5, math.nan], truncated=[0, 0, 1, 0],
     )  # fmt: skip
     batch.entropy.requires_grad_()
-    out = clipped_loss(batch, entropy_coef=0.1, mask_truncated_completions=True)
+    out = run_loss("clipped", batch, entropy_coef=0.1, mask_truncated_completions=True)
     # the set is the trained, non-truncated slots 0 and 1: mean (0.5 + 1.5) / 2
     assert_float64_close(out.entropy_mean, 1.0)
     out.entropy_mean.backward()
     assert_float64_close(batch.entropy.grad, [0.5, 0.5, 0.0, 0.0])
-    assert clipped_loss(batch).entropy_mean is None
+    assert run_loss("clipped", batch).entropy_mean is None
 
 
 def test_entropy_score_function_gradient_is_the_entropy_gradient_in_expectation():
@@ -180,14 +180,14 @@ def test_entropy_score_function_gradient_is_the_entropy_gradient_in_expectation(
         batch = LossBatch(logprobs=lp, sampler_logprobs=sampler[o : o + 1], advantages=0 * one, mask=one,
                           sequence_index=torch.zeros(1, dtype=torch.long),
                           entropy=entropy.detach().reshape(1))  # fmt: skip
-        out = clipped_loss(batch, importance_sampling="none", entropy_coef=1.0)
+        out = run_loss("clipped", batch, importance_sampling="none", entropy_coef=1.0)
         assert_float64_close(out.entropy_mean, entropy.detach())
         (estimate,) = torch.autograd.grad(out.entropy_mean, logits)
         expected += sampler[o].exp() * estimate
     assert_float64_close(expected, exact)
 
 
-# ---- options and the decorator ------------------------------------------------------------------------------
+# ---- options ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -207,10 +207,9 @@ def test_bad_options_fail_naming_the_key(options, named):
         PolicyOptions(**options)
 
 
-def test_policy_options_read_the_built_loss_and_per_loss_defaults():
-    assert policy_options(LOSSES.build({"name": "clipped", "normalization": "constant"})).normalization == "constant"
-    assert policy_options(LOSSES.get("gspo")).normalization == "sequence"
-    assert policy_options(LOSSES.get("cispo")).importance_sampling == "none"
-    assert policy_options(functools.partial(lambda batch: None)) == PolicyOptions()
-    with pytest.raises(ValueError, match="not shared options"):
-        policy_loss(normalisation="token")
+def test_options_are_typed_with_per_loss_defaults():
+    built = LOSSES.build({"name": "clipped", "normalization": "constant"})
+    assert built.options.normalization is Normalization.constant
+    assert LOSSES.build({"name": "gspo"}).options.normalization is Normalization.sequence
+    assert LOSSES.build({"name": "cispo"}).options.importance_sampling is ImportanceSampling.none
+    assert LOSSES.build({"name": "clipped"}).options.importance_sampling is ImportanceSampling.token_mask

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from asyncrl.losses import LossBatch
-from asyncrl.losses.sapo import sapo_loss
 
-from .conftest import assert_float64_close, batch_of, random_sequences
+from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
 
 
 def sigmoid(x):
@@ -24,7 +23,7 @@ def test_gate_is_the_plain_gradient_on_policy_and_fades_off_policy(make_batch):
     # slot 0: r = 1, A > 0, tau 1: f = sigmoid(0) * 4 = 2 -> -2; gradient -A * 4 s (1 - s) r = -1
     # slot 1: r = e^0.5, A < 0, tau 1.05: f = sigmoid(1.05 (r - 1)) * 4 / 1.05 -> +f
     r, s = math.exp(0.5), sigmoid(1.05 * (math.exp(0.5) - 1))
-    out = sapo_loss(batch)
+    out = run_loss("sapo", batch)
     assert_float64_close(out.loss_sum, -2.0 + s * 4 / 1.05)
     out.loss_sum.backward()
     assert_float64_close(batch.logprobs.grad, [-1.0, 4 * s * (1 - s) * r, 0.0])
@@ -49,7 +48,7 @@ def reference(inputs, tau_pos, tau_neg):
 def test_matches_float64_reference_with_masks_and_extreme_ratios(seed):
     inputs = random_sequences(seed)
     batch = batch_of(inputs)
-    out = sapo_loss(batch, tau_pos=0.9, tau_neg=1.05)
+    out = run_loss("sapo", batch, tau_pos=0.9, tau_neg=1.05)
     out.loss_sum.backward()
     value, grad = reference(inputs, 0.9, 1.05)
     assert_float64_close(out.loss_sum, value)
@@ -59,7 +58,7 @@ def test_matches_float64_reference_with_masks_and_extreme_ratios(seed):
 def test_rejects_non_positive_temperatures(make_batch):
     batch = make_batch([-1.0], [-1.0], [1.0], [1])
     with pytest.raises(ValueError, match="tau_neg"):
-        sapo_loss(batch, tau_neg=0.0)
+        run_loss("sapo", batch, tau_neg=0.0)
 
 
 def test_gradcheck():
@@ -67,7 +66,7 @@ def test_gradcheck():
     offsets = torch.tensor([0.1, -0.4, 1.5, -2.0, 0.0, 0.3], dtype=torch.float64)
 
     def loss(lp):
-        return sapo_loss(LossBatch(
+        return run_loss("sapo", LossBatch(
             logprobs=lp, sampler_logprobs=sampler, advantages=torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0, -0.5],
             dtype=torch.float64), mask=torch.ones(6, dtype=torch.float64), sequence_index=torch.arange(6) // 2,
         )).loss_sum  # fmt: skip

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.losses import LOSSES, LossBatch
-from asyncrl.losses.score_centering import score_centering_loss
+from asyncrl.losses import LossBatch
+
+from .conftest import run_loss
 
 
 def test_hand_example_three_tokens(make_batch):
@@ -27,7 +28,7 @@ def test_hand_example_three_tokens(make_batch):
     #          -> -(1) * (1.25 - (0.5 + 0.3)) = -0.45
     # token 1: r = 10 > 5 dropped; top ratios 0.857 kept, 10 dropped, 1.0 kept -> -(-2) * (0 - (0.6 + 0.2)) = -1.6
     # token 2: masked (advantage 99 ignored). Total -2.05.
-    out = score_centering_loss(batch)
+    out = run_loss("score_centering", batch)
     torch.testing.assert_close(out.loss_sum, torch.tensor(-2.05, dtype=torch.float64))
     out.loss_sum.backward()
     # d/d logprob = -A r where kept; d/d top logprob = +A pi(v) where kept (raw mu weights, not renormalised)
@@ -88,7 +89,7 @@ def test_matches_float64_reference_with_masks_and_extreme_ratios(make_policy_bat
         logits, torch.tensor(sampler_np), torch.tensor(tokens), torch.tensor(advantages), torch.tensor(mask), K
     )
     mode = "token_truncate" if truncate else "token_mask"
-    out = score_centering_loss(batch, is_clip_min=0.5, is_clip_max=5.0, importance_sampling=mode)
+    out = run_loss("score_centering", batch, is_clip_min=0.5, is_clip_max=5.0, importance_sampling=mode)
     out.loss_sum.backward()
 
     value, grad = reference_gradient(logits_np, sampler_np, tokens, advantages, mask, K, 0.5, 5.0, truncate)
@@ -116,7 +117,7 @@ def test_gradcheck():
             top_logprobs=tp,
             sampler_top_logprobs=sampler_top,
         )
-        return score_centering_loss(batch).loss_sum
+        return run_loss("score_centering", batch).loss_sum
 
     assert torch.autograd.gradcheck(loss, (logprobs, top))
 
@@ -137,7 +138,7 @@ def expected_gradient(loss_name, theta, sampler_logits, advantage, **options):
         top_logprobs=logp,
         sampler_top_logprobs=sampler_logp,
     )
-    (grad,) = torch.autograd.grad(LOSSES.get(loss_name)(batch, **options).loss_sum, theta)
+    (grad,) = torch.autograd.grad(run_loss(loss_name, batch, **options).loss_sum, theta)
     return grad
 
 
@@ -164,11 +165,11 @@ def test_expected_gradient_vanishes_even_with_mismatch_and_masked_ratios(mode):
 def test_requires_sampler_top_logprobs(make_batch):
     batch = make_batch(logprobs=[-0.5], sampler_logprobs=[-0.5], advantages=[1.0], mask=[1])
     with pytest.raises(ValueError, match="num_sampler_logprobs"):
-        score_centering_loss(batch)
+        run_loss("score_centering", batch)
 
 
 @pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
 def test_rejects_sequence_level_corrections(make_batch, mode):
     batch = make_batch([-0.5], [-0.5], [1.0], [1], top_logprobs=[[-0.5]], sampler_top_logprobs=[[-0.5]])
     with pytest.raises(ValueError, match="token_mask, token_truncate or none"):
-        score_centering_loss(batch, importance_sampling=mode)
+        run_loss("score_centering", batch, importance_sampling=mode)

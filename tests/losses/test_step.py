@@ -20,7 +20,7 @@ import torch
 
 from asyncrl.advantages import ADVANTAGES
 from asyncrl.assets.tiny_model import build_model, build_tokenizer
-from asyncrl.config import ConfigError, compose, to_config
+from asyncrl.config import ConfigError, compose, to_config, to_config_and_components
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import MetricWindow
@@ -96,7 +96,7 @@ def test_truncated_completions_leave_the_loss_and_its_denominator():
     # kept tokens: 2 + 4 = 6; -(1 * 2 + 0.5 * 4) / 6
     assert step_total(step_loss, rows) == pytest.approx(-4 / 6, rel=1e-6)
     assert step_loss.counts.tokens == 6 and step_loss.counts.sequences == 2
-    assert step_total(StepLoss(LOSSES.get("clipped")), rows) == pytest.approx(2 / 9, rel=1e-6)
+    assert step_total(StepLoss(LOSSES.build("clipped")), rows) == pytest.approx(2 / 9, rel=1e-6)
 
 
 def test_static_entropy_bonus_is_the_step_token_mean_whatever_the_normalisation():
@@ -130,7 +130,7 @@ def test_adaptive_coefficient_is_gated_moves_toward_the_target_and_survives_a_ch
     resumed = StepLoss(LOSSES.build(spec))
     resumed.load_state_dict(step_loss.state_dict())
     assert resumed.entropy_coef == pytest.approx(0.07)
-    assert StepLoss(LOSSES.get("clipped")).state_dict() == {}
+    assert StepLoss(LOSSES.build("clipped")).state_dict() == {}
 
 
 def test_default_loss_keeps_the_global_token_mean():
@@ -142,7 +142,7 @@ def test_default_loss_keeps_the_global_token_mean():
     forward.top_logprobs = torch.full((row.num_trained, 1), -5.0)
     batch = step_loss.batch(row, forward)
     loss, metrics = step_loss(batch)
-    torch.testing.assert_close(loss, LOSSES.get("score_centering")(batch).loss_sum / 9)
+    torch.testing.assert_close(loss, LOSSES.build("score_centering")(batch).loss_sum / 9)
     assert step_loss.end_step() == {"loss": pytest.approx(float(loss))} and "sampling/sampler_mass" in metrics
 
 
@@ -155,13 +155,13 @@ def test_step_level_advantages():
         sample(0.0, 2, reward=math.nan, rollout_id="c"),
     ]
     rows = rows_of(samples)
-    lite = StepLoss(LOSSES.get("clipped"), ADVANTAGES.get("group_mean_batch_std"))
+    lite = StepLoss(LOSSES.build("clipped"), ADVANTAGES.build("group_mean_batch_std"))
     lite.start_step(rows)
     # std of the rewards 3 and 1 is 1: advantages unchanged in value
     torch.testing.assert_close(lite.batch(rows[0], on_policy(rows[0])).advantages,
                                torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0]))  # fmt: skip
 
-    gdpo = StepLoss(LOSSES.get("clipped"), ADVANTAGES.build({"name": "gdpo"}))
+    gdpo = StepLoss(LOSSES.build("clipped"), ADVANTAGES.build({"name": "gdpo"}))
     shifted = rows_of([sample(a + 2.0, n, reward=s.reward, rollout_id=s.rollout_id) for a, n, s in
                        zip((1.0, 1.0, -1.0, 0.0), (2, 1, 2, 2), samples, strict=True)])  # fmt: skip
     gdpo.start_step(shifted)
@@ -184,7 +184,7 @@ def test_rollouts_that_hit_the_length_budget_are_flagged_for_the_loss():
                              model_version=0, rollout_id=str(i))
                for i, seqs in enumerate(group.completions_sequences)]  # fmt: skip
     (row,) = rows_of(samples)
-    batch = StepLoss(LOSSES.get("clipped")).batch(row, on_policy(row))
+    batch = StepLoss(LOSSES.build("clipped")).batch(row, on_policy(row))
     assert batch.truncated.tolist() == [False, False, True, True, True, True]
 
 
@@ -216,16 +216,15 @@ def tokenizer():
 
 
 def trainer_for(overrides: list[str], model: torch.nn.Module) -> Trainer:
-    config = to_config(compose(["trainer.weight_decay=0.0", "trainer.learning_rate=1e-3", *overrides]))
+    overrides = ["trainer.weight_decay=0.0", "trainer.learning_rate=1e-3", *overrides]
+    config, components = to_config_and_components(compose(overrides))
     trainer = Trainer.__new__(Trainer)
     trainer.config, trainer.ranks, trainer.world = config, None, 1
     trainer.accelerator = build_accelerator(config)
     optimizer, scheduler = build_optimizer(config, model)
     trainer.model, trainer.optimizer, trainer.scheduler = trainer.accelerator.prepare(model, optimizer, scheduler)
-    trainer.loss = StepLoss(LOSSES.build(config.loss), ADVANTAGES.build(config.advantage),
-                            config.sampling.max_completion_length)  # fmt: skip
+    trainer.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
     trainer.top_k = config.sampling.num_sampler_logprobs if "sampler_top_logprobs" in trainer.loss.requires else 0
-    trainer.attention = "auto"
     trainer.window, trainer.timeline = MetricWindow(), Timeline()
     trainer.token_budget = 256
     trainer.channels = SimpleNamespace(rollout_queue=queue.Queue())

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from asyncrl.losses import LossBatch
-from asyncrl.losses.vespo import vespo_loss
 
-from .conftest import assert_float64_close, batch_of, random_sequences
+from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
 
 
 def phi(w, k, lam):
@@ -23,7 +22,7 @@ def test_weight_is_one_on_policy_and_shrinks_off_policy(make_batch):
                        advantages=[1.0, 2.0, -5.0], mask=[1, 1, 0], sequence_index=[0, 1, 2])  # fmt: skip
     # sequence 0: w = 1 -> phi = 1 -> -(1 * 1 * -1) = 1; sequence 1: w = 2, A > 0 -> phi = 4 e^-3 -> -(phi * 2 * -2)
     weight = phi(2.0, 2.0, 3.0)
-    out = vespo_loss(batch)
+    out = run_loss("vespo", batch)
     assert_float64_close(out.loss_sum, 1.0 + 4 * weight)
     out.loss_sum.backward()
     assert_float64_close(batch.logprobs.grad, [-1.0, -2 * weight, 0.0])
@@ -50,7 +49,7 @@ def reference(inputs, k_pos, lambda_pos, k_neg, lambda_neg):
 def test_matches_float64_reference_with_masks_and_extreme_ratios(seed):
     inputs = random_sequences(seed, extreme=seed % 2 == 0)
     batch = batch_of(inputs)
-    out = vespo_loss(batch, k_pos=2.1, lambda_pos=3.3, k_neg=2.9, lambda_neg=1.7)
+    out = run_loss("vespo", batch, k_pos=2.1, lambda_pos=3.3, k_neg=2.9, lambda_neg=1.7)
     out.loss_sum.backward()
     value, grad = reference(inputs, 2.1, 3.3, 2.9, 1.7)
     assert_float64_close(out.loss_sum, value)
@@ -59,7 +58,7 @@ def test_matches_float64_reference_with_masks_and_extreme_ratios(seed):
 
 def test_rejects_a_non_positive_lambda(make_batch):
     with pytest.raises(ValueError, match="lambda"):
-        vespo_loss(make_batch([-1.0], [-1.0], [1.0], [1]), lambda_neg=0.0)
+        run_loss("vespo", make_batch([-1.0], [-1.0], [1.0], [1]), lambda_neg=0.0)
 
 
 def test_gradcheck_with_the_weight_held_fixed():
@@ -67,7 +66,7 @@ def test_gradcheck_with_the_weight_held_fixed():
     log_ratio = torch.tensor([0.1, -0.3, 0.5, -1.0, 0.2], dtype=torch.float64)
 
     def loss(lp):
-        return vespo_loss(LossBatch(
+        return run_loss("vespo", LossBatch(
             logprobs=lp, sampler_logprobs=lp.detach() - log_ratio, advantages=torch.tensor([1.0, 1.0, -2.0, -2.0, 0.5],
             dtype=torch.float64), mask=torch.ones(5, dtype=torch.float64), sequence_index=torch.tensor([0, 0, 1, 1, 2]),
         )).loss_sum  # fmt: skip

@@ -36,5 +36,5 @@ def test_format_reward_reads_only_the_final_assistant_message():
         {"role": "tool", "content": "ok"},
         {"role": "assistant", "content": r"final \boxed{2}"},
     ]
-    reward = REWARDS.get("format")(prompts=[[]], completions=[completion], completion_ids=[[1]], solution=["2"])
+    reward = REWARDS.build("format")(prompts=[[]], completions=[completion], completion_ids=[[1]], solution=["2"])
     assert reward == [1.0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from asyncrl.config import compose, to_config
+from asyncrl.config import compose, to_config_and_components
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
@@ -15,15 +15,15 @@ from asyncrl.trainer.setup import prepare
 
 
 def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tiny_model_dir, arithmetic_data_dir):
-    config = to_config(compose([
+    config, components = to_config_and_components(compose([
         f"model.name_or_path={random_tiny_model_dir}", f"data.path={Path(arithmetic_data_dir) / 'train.jsonl'}",
         "data.eval_path=null", "reward=length", "server.launch=false", f"server.base_url={tiny_server.base_url}",
     ]))  # fmt: skip
-    prepared = prepare(config)
+    prepared = prepare(config, components)
     channels = WorkerChannels.create(64)  # a small allowance, and no trainer consumes: admission soon waits
     spec = WorkerSpec(
-        config=config, tokenizer=prepared.tokenizer, dataset=prepared.dataset, reward_sources=prepared.reward_sources,
-        loop_cls=prepared.loop_cls, advantage_fn=prepared.advantage_fn, base_url=tiny_server.base_url,
+        config=config, tokenizer=prepared.tokenizer, dataset=prepared.dataset, reward_sources=components.rewards,
+        loop_cls=prepared.loop_cls, advantage_fn=components.advantage, base_url=tiny_server.base_url,
         model_name=served_model_name(config), max_model_len=256, adapter_prefix=None, start_prompt_index=0,
         total_prompts=None,
     )  # fmt: skip

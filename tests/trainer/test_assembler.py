@@ -9,7 +9,7 @@ import time
 import pytest
 
 from asyncrl.metrics import MetricWindow
-from asyncrl.packing import build_row_factory
+from asyncrl.packing import PACKERS
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
 from asyncrl.rollout.types import EndOfBatch, RolloutSample, TrainingSequence
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, StepAssembler
@@ -34,7 +34,7 @@ def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSa
 
 def assembler(channels: WorkerChannels, *, budget: int = 25, rows: int = 2, max_staleness: int = 1,
               timeout_s: float = 60.0, dp: int = 1) -> tuple[StepAssembler, PromptProgress, MetricWindow]:  # fmt: skip
-    factory, budget = build_row_factory({"name": "flat"}, budget)
+    factory, budget = PACKERS.build({"name": "flat"}).rows(budget)
     progress, window = PromptProgress(cursor=0), MetricWindow()
     return (StepAssembler(channels, factory, budget, rows, max_staleness, progress, window, lambda: None, timeout_s,
                           dp=dp), progress, window)  # fmt: skip

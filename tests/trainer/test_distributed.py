@@ -85,6 +85,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
     import torch.distributed as dist
 
     from asyncrl.client import ControlClient
+    from asyncrl.components import build_components
     from asyncrl.trainer import fsdp
     from asyncrl.trainer.distributed import Follower, build_sharded, leave, split_rows, train_rows
     from asyncrl.trainer.ranks import Ranks
@@ -94,14 +95,14 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
     ranks = Ranks.from_env()
     try:
         if rank != 0:
-            Follower(config, out, ranks).serve()
+            Follower(config, build_components(config), out, ranks).serve()
             dist.barrier()  # leave together (see asyncrl.trainer.rank_main.main)
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
         loss = StepLoss(LOSSES.build(config.loss))
         loss.start_step(rows)
         mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
-        result = train_rows(model, loss, mine, ranks, config, "auto")
+        result = train_rows(model, loss, mine, ranks, config)
         fsdp.FsdpAccelerator().clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm)
         optimizer.step()
         scheduler.step()

@@ -188,7 +188,8 @@ def test_compile_setting_resolves_per_device():
     assert resolve_compile("auto", cuda) == "inductor" and resolve_compile("auto", cpu) is None
     assert resolve_compile(True, cpu) == "inductor" and resolve_compile(False, cuda) is None
     assert resolve_compile("aot_eager", cpu) == "aot_eager"
-    with pytest.raises(ValueError, match="packing.compile_layers='yes'"):
+    assert resolve_compile("True", cpu) == "inductor" and resolve_compile("false", cuda) is None  # from the config
+    with pytest.raises(ValueError, match="trainer.compile_layers='yes'"):
         resolve_compile("yes", cpu)
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from asyncrl.packing import build_row_factory
+from asyncrl.packing import PACKERS
 from asyncrl.rollout.types import RolloutSample, TrainingSequence
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.step_metrics import batch_metrics
@@ -23,7 +23,7 @@ def sample(completion: list[int]) -> RolloutSample:
 def test_masked_token_frac_counts_forwarded_positions_that_train_nothing(packing):
     """Two identical completions share every tree position, so they train more tokens than the row forwards;
     the masked fraction is still the share of forwarded positions without a loss slot."""
-    factory, _ = build_row_factory({"name": packing}, 64)
+    factory, _ = PACKERS.build({"name": packing}).rows(64)
     row = factory()
     for completion in ([9, 10, 1], [9, 10, 1]):
         row.add(sample(completion))
