@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from asyncrl.client import ServerError
-from asyncrl.rollout.admission import Admission
+from asyncrl.flow import FlowControl
+from asyncrl.rollout.admission import WorkerFlow
 from asyncrl.rollout.channels import PromptDone, WorkerChannels
-from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
+from asyncrl.rollout.concurrency import LoadPoller
 from asyncrl.rollout.loop import PromptTooLong
-from asyncrl.rollout.pacing import StalenessPacer
 from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, score_group
 from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
 
@@ -85,14 +85,10 @@ class WorkerDriver:
     def __init__(self, spec: WorkerSpec, channels: WorkerChannels, loop: Any) -> None:
         self.spec, self.channels, self.loop = spec, channels, loop
         self.config = spec.config
-        g, limits = self.config.sampling.num_generations, self.config.staleness
-        self.admission = Admission(g, limits.max_concurrent_rollouts, asynchronous=limits.max_staleness > 0)
-        self.concurrency = ConcurrencyController(limits.max_concurrent_rollouts)
-        self.pacer = StalenessPacer(limits.max_concurrent_rollouts, g, limits.max_staleness)
+        self.flow = WorkerFlow(FlowControl.from_config(self.config))
+        self.admission = self.flow.admission
         self.inflight_versions: Counter[int] = Counter()
         """Groups generating, by the policy version they started under."""
-        self.sync_mode = limits.max_staleness == 0
-        self.batch_start_tokens = 0
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self.generation_spans: list[tuple[float, float]] = []
         self.completion_records: list[dict[str, Any]] = []
@@ -118,7 +114,7 @@ class WorkerDriver:
 
     async def _run_loop(self) -> None:
         await self.loop.setup()
-        poller = LoadPoller(self.spec.base_url, self.concurrency, self._rollout_counts, self.metrics)
+        poller = LoadPoller(self.spec.base_url, self.flow.concurrency, self.flow.rollout_counts, self.metrics)
         try:
             await poller.start(self.spec.max_model_len)
             async with asyncio.TaskGroup() as tasks:
@@ -145,10 +141,6 @@ class WorkerDriver:
         while not self.channels.stop_event.is_set():
             await asyncio.sleep(0.05)
         raise StopRequested
-
-    def _rollout_counts(self) -> tuple[int, int]:
-        """(rollouts in flight, rollouts completed so far), for the concurrency controller."""
-        return self.admission.inflight_rollouts, self.admission.rollouts_seen
 
     async def _drive(self, tasks: asyncio.TaskGroup) -> None:
         n_rows = len(self.spec.dataset)
@@ -183,42 +175,32 @@ class WorkerDriver:
     async def _admit(self) -> None:
         """Wait until a new group may start; in synchronous mode close the batch at the allowance."""
         waited_since: float | None = None
+        clock = self.flow.clock
         while True:
-            reason = self.admission.wait_reason(
-                self.channels.token_allowance.value, self._tokens_released(), min(self.concurrency.cap, self.pacer.cap),
-            )  # fmt: skip
-            if reason == "concurrency" and self.pacer.cap < self.concurrency.cap:
-                reason = "staleness pacing"  # finished groups came back too late: fewer rollouts in flight
-            if reason is None and self.score_queue.full():
-                reason = "scoring (rollout.score_queue_maxsize groups wait to be scored)"
+            reason = self.flow.wait_reason(self.channels.token_allowance.value, self.channels.tokens_consumed.value,
+                                           self.score_queue.full())  # fmt: skip
             if reason is None:
                 break
-            waited_since = waited_since or time.monotonic()
-            if reason == "backpressure" and self.sync_mode:
+            waited_since = waited_since or clock()
+            if self.flow.closes_batch(reason):
                 await self._end_sync_batch()
                 continue
             self.channels.beat(f"admission: {reason} ({self.admission.inflight_rollouts} rollouts in flight)")
             await asyncio.sleep(0.01)
         if waited_since is not None:
-            self.metrics["rollout/backpressure_s"].append(time.monotonic() - waited_since)
+            self.metrics["rollout/backpressure_s"].append(clock() - waited_since)
 
     async def _end_sync_batch(self) -> None:
         """max_staleness=0: finish in-flight groups, mark the batch, wait for the trainer's weight sync."""
         await self._wait_idle()
-        if self.admission.queued_tokens(self._tokens_released()) < self.channels.token_allowance.value:
+        if self.flow.batch_has_room(self.channels.token_allowance.value):
             return  # dropped groups left room: generate more under the same weights
         version = self.channels.model_version.value
         self._push(EndOfBatch(version))
         while self.channels.model_version.value == version and not self.channels.stop_event.is_set():
             self.channels.beat(f"synchronous mode: waiting for weight sync to version {version + 1}")
             await asyncio.sleep(0.01)
-        self.batch_start_tokens = self.admission.tokens_pushed
-
-    def _tokens_released(self) -> int:
-        """Tokens no longer counted against the allowance: consumed by the trainer (asynchronous mode), or
-        every token of earlier batches (synchronous mode, where a batch is closed at the allowance even
-        though the trainer pulls samples while it waits for the batch's end)."""
-        return self.batch_start_tokens if self.sync_mode else self.channels.tokens_consumed.value
+        self.flow.start_batch()
 
     async def _wait_idle(self) -> None:
         while self.admission.inflight_groups > 0:
@@ -308,8 +290,8 @@ class WorkerDriver:
 
     def _pace(self, start_version: int) -> None:
         """Feed the group's lag to the staleness pacer, before its samples join the queue."""
-        if self.pacer.enabled:
-            late = self.pacer.on_group_done(start_version, self.channels.model_version.value, *self._rollout_counts())
+        late = self.flow.on_group_queued(start_version, self.channels.model_version.value)
+        if late is not None:
             self.metrics["rollout/late_group_count"].append(float(late))
 
     async def _one_rollout(self, row: dict[str, Any], group_id: int) -> Rollout:
@@ -382,10 +364,10 @@ class WorkerDriver:
             rate = (self.generated_tokens - last_tokens) / (now - last_time)
             self.metrics["rollout/generated_tokens_per_s"].append(rate)
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
-            self.metrics["rollout/concurrency_cap"].append(self.concurrency.cap)
+            self.metrics["rollout/concurrency_cap"].append(self.flow.concurrency.cap)
             self.metrics["rollout/score_queue_size"].append(self.score_queue.qsize())
-            if self.pacer.enabled:
-                self.metrics["rollout/staleness_cap"].append(self.pacer.cap)
+            if self.flow.pacer is not None:
+                self.metrics["rollout/staleness_cap"].append(self.flow.pacer.cap)
             retries = self.loop.client.retry_count
             self.metrics["rollout/vllm_retry_count"].append(retries - last_retries)
             last_time, last_tokens, last_retries = now, self.generated_tokens, retries

@@ -34,6 +34,7 @@ import httpx
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, WeightTransfer
 from asyncrl.config.validate import VLLM_LORA_RANKS
+from asyncrl.flow import FlowControl
 from asyncrl.model_kind import is_vision_language
 from asyncrl.server.command import ServerCommand, served_model_name
 
@@ -390,7 +391,7 @@ def max_lora_rank(config: Config) -> int:
 
 def max_loras(config: Config) -> int:
     """Adapter versions alive at once: max_staleness + 1 in use, plus the next one loaded before the oldest goes."""
-    return config.server.max_loras or config.staleness.max_staleness + 2
+    return config.server.max_loras or FlowControl.from_config(config).adapter_slots
 
 
 def _listen_address(config: Config) -> tuple[str, int]:
