@@ -34,6 +34,8 @@ class ScriptedQueue:
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.idle_since = clock.now
+        self.transit_s = 0.0
+        """How long a put item takes through the pipe before ``get`` can see it."""
         self.items: deque[object] = deque()
         self.events: list[tuple[float, int, Callable[[], None]]] = []
 
@@ -43,7 +45,10 @@ class ScriptedQueue:
         self.events.sort()
 
     def put(self, item: object) -> None:
-        self.items.append(item)
+        if self.transit_s:
+            self.at(self.transit_s, lambda: self.items.append(item))
+        else:
+            self.items.append(item)
 
     def get_nowait(self) -> object:
         if not self.items:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from asyncrl.flow import FlowControl
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing import MicroBatchPlanner, Row, RowFactory
-from asyncrl.rollout.channels import PromptDone, WorkerChannels
-from asyncrl.rollout.types import EndOfBatch, RolloutSample
+from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.types import EndOfBatch, PromptDone, RolloutSample
 from asyncrl.trainer.group_watch import GroupWatch
 
 IN_TRANSIT_TIMEOUT_S = 5.0
@@ -215,11 +215,10 @@ class StepAssembler:
 
     def _version(self) -> int:
         """The policy version training now (weight syncs done)."""
-        return self.channels.model_version.value
+        return self.channels.model_version
 
     def _consume(self, sample: RolloutSample) -> None:
-        with self.channels.tokens_consumed.get_lock():
-            self.channels.tokens_consumed.value += sample.num_tokens
+        self.channels.consume(sample.num_tokens)
 
     def _get(self) -> tuple[object, float]:
         """The next item: a PromptDone first, then the oldest-version sample that arrived, an EndOfBatch last."""
@@ -265,7 +264,7 @@ class StepAssembler:
 
     def _drain_sent(self) -> None:
         """Receive every item the worker had sent by now (bounded by IN_TRANSIT_TIMEOUT_S)."""
-        sent = self.channels.items_sent.value
+        sent = self.channels.items_sent
         deadline = self.clock() + IN_TRANSIT_TIMEOUT_S
         while self._received < sent and self.clock() < deadline:
             self._receive(timeout_s=0.05)
@@ -291,14 +290,12 @@ class StepAssembler:
             self._markers.append(item)
 
     def _check_worker(self) -> None:
-        if self.channels.failed_event.is_set():
-            try:
-                line, trace = self.channels.exception_queue.get(timeout=5)
-            except queue.Empty:
-                line, trace = "(no error received)", ""
+        failure = self.channels.failure()
+        if failure is not None:
+            line, trace = failure
             raise RolloutWorkerError(f"the rollout worker failed: {line}", details=trace)
         self.health_check()
-        silent_s = time.time() - self.channels.heartbeat.value
+        silent_s = time.time() - self.channels.heartbeat
         if silent_s > self.worker_timeout_s:
             raise RolloutWorkerError(
                 f"the rollout worker made no progress for {silent_s:.0f}s (staleness.rollout_worker_timeout="

@@ -20,7 +20,6 @@ import faulthandler
 import logging
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +33,7 @@ from asyncrl.config.schema import Config
 from asyncrl.losses.step import StepCounts, StepLoss
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
+from asyncrl.parent import exit_with_parent
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import use_cpu_threads
@@ -44,8 +44,7 @@ from asyncrl.trainer.supervise import SERVER_URL_ENV
 # Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the supervisor's to catch.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 ORPHAN_GRACE_S = 10.0
-"""How long a rank whose CLI died may take to end by itself before ``watch_parent`` ends it."""
-ORPHANED_EXIT = 3
+"""How long a rank whose CLI died may take to end by itself before ``exit_with_parent`` ends it."""
 
 
 def world_size(config: Config) -> int:
@@ -242,7 +241,9 @@ def main(run_dir: Path) -> int:
     config = load_run_config(run_dir)
     _terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
-    watch_parent(os.getppid())
+    cli = os.getppid()  # a rank waiting inside a collective never runs its SIGTERM handler: leave after a grace
+    exit_with_parent(cli, grace_s=ORPHAN_GRACE_S,
+                     message=f"trainer rank: the CLI (pid {cli}) is gone; leaving")  # fmt: skip
     ranks = Ranks.from_env()
     if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
@@ -271,23 +272,6 @@ def run_rank_zero(config: Config, run_dir: Path, ranks: Ranks) -> None:
 
     server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout, booting=True)
     run_training(config, run_dir, server, prepare(config), ranks=ranks)
-
-
-def watch_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S) -> threading.Thread:
-    """A rank never outlives the CLI. The kernel sends SIGTERM when the CLI dies, but a rank waiting inside a
-    collective never runs its handler (Python handles signals between bytecodes, in the main thread), so this
-    thread ends the rank ``grace_s`` after the parent is gone if it has not ended by itself."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        time.sleep(grace_s)
-        print(f"trainer rank: the CLI (pid {parent_pid}) is gone; leaving", file=sys.stderr, flush=True)
-        os._exit(ORPHANED_EXIT)
-
-    thread = threading.Thread(target=watch, name="asyncrl-watch-parent", daemon=True)
-    thread.start()
-    return thread
 
 
 def leave(code: int) -> NoReturn:

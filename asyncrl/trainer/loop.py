@@ -240,14 +240,14 @@ class Trainer:
     def _grant_allowance(self, step: Step, rows: list[Any]) -> None:
         """Let the worker hold the tokens of the next steps, measured on this one (``FlowControl.allowance``)."""
         consumed, forwarded = sum(s.num_tokens for s in step.samples), sum(r.num_forwarded for r in rows)
-        self.channels.token_allowance.value = self.flow.allowance(consumed, forwarded, self.rows_per_step,
+        self.channels.token_allowance = self.flow.allowance(consumed, forwarded, self.rows_per_step,
                                                                   self.token_budget)  # fmt: skip
 
     def _sync_weights(self) -> None:
         version = self.state.model_version + 1
         self.window.update(self._push(version))
         self.state.model_version = version
-        self.channels.model_version.value = version
+        self.channels.model_version = version
 
     def _push(self, version: int) -> dict[str, float]:
         """One weight sync; a failed one caused by the server's death says so, with the end of its log."""
@@ -275,8 +275,8 @@ class Trainer:
         self.progress = PromptProgress(cursor=self.state.prompt_index, consumed=self.state.prompts_consumed)
         self.num_tokens = int(self.state.extra.get("num_tokens", 0))
         self.rows_per_step = c.trainer.gradient_accumulation_steps * self.world
-        self.channels.token_allowance.value = self.flow.initial_allowance(self.rows_per_step, self.token_budget)
-        self.channels.model_version.value = self.state.model_version
+        self.channels.token_allowance = self.flow.initial_allowance(self.rows_per_step, self.token_budget)
+        self.channels.model_version = self.state.model_version
         spec = WorkerSpec(
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
             reward_sources=self.prepared.reward_sources, loop_cls=self.prepared.loop_cls,
@@ -295,7 +295,7 @@ class Trainer:
 
     def _check_processes(self) -> None:
         check_alive(self.server)
-        if not self.worker.is_alive() and not self.channels.failed_event.is_set():
+        if not self.worker.is_alive() and self.channels.failure() is None:
             raise RolloutWorkerError(f"the rollout worker exited with code {self.worker.exitcode} without an error")
 
     def _log(self) -> None:
@@ -378,7 +378,7 @@ class Trainer:
                      resumable=command == "save")  # fmt: skip
 
     def _stop_worker(self) -> None:
-        self.channels.stop_event.set()
+        self.channels.stop()
         self.worker.join(timeout=5)
         if self.worker.is_alive():
             self.worker.terminate()

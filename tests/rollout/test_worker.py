@@ -36,11 +36,11 @@ def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tin
             assert worker.is_alive(), "the worker exited early"
             time.sleep(0.1)
         stopped = time.monotonic()
-        channels.stop_event.set()
+        channels.stop()
         worker.join(timeout=10)
         assert not worker.is_alive() and worker.exitcode == 0
         assert time.monotonic() - stopped < 3.0  # it was waiting for room that would never come
-        assert not channels.failed_event.is_set()
+        assert channels.failure() is None
     finally:
         if worker.is_alive():
             worker.kill()
@@ -53,9 +53,9 @@ def test_a_worker_spawned_ahead_of_its_spec_ends_when_stopped_without_one():
     try:
         time.sleep(0.5)
         assert worker.is_alive()  # waiting for its spec
-        channels.stop_event.set()
+        channels.stop()
         worker.join(timeout=30)  # its imports may still be running
-        assert not worker.is_alive() and worker.exitcode == 0 and not channels.failed_event.is_set()
+        assert not worker.is_alive() and worker.exitcode == 0 and channels.failure() is None
     finally:
         if worker.is_alive():
             worker.kill()

@@ -10,8 +10,8 @@ import pytest
 from asyncrl.flow import FlowControl
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing import build_row_factory
-from asyncrl.rollout.channels import PromptDone, WorkerChannels
-from asyncrl.rollout.types import EndOfBatch, RolloutSample, TrainingSequence
+from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.types import EndOfBatch, PromptDone, RolloutSample, TrainingSequence
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, StepAssembler
 from asyncrl.trainer.distributed import split_rows
 from asyncrl.trainer.step_metrics import batch_metrics
@@ -55,7 +55,7 @@ def test_rows_close_when_full_and_the_step_has_rows_per_step_rows():
     step = asm.next_step()  # rows of 2 samples (20 of 25 tokens); the 5th sample waits for the next step
     assert [len(r.samples) for r in step.rows] == [2, 2]
     assert progress.cursor == 4
-    assert channels.tokens_consumed.value == 40 and asm.held == 1
+    assert channels.tokens_consumed == 40 and asm.held == 1
 
 
 def test_two_ranks_get_micro_batches_balanced_by_cost_and_an_idle_rank_a_filler():
@@ -91,7 +91,7 @@ def test_one_rank_steps_report_balance_and_split_rejects_a_malformed_placement()
 
 def test_stale_and_oversize_samples_are_dropped_and_counted():
     channels, _ = scripted_channels()
-    channels.model_version.value = 3
+    channels.model_version = 3
     asm, progress, window = assembler(channels, rows=1)
     put(channels, sample(0, version=1), sample(1, n_tokens=30, version=3), sample(2, version=2), sample(3, version=3),
         sample(4, version=3))  # fmt: skip
@@ -121,8 +121,7 @@ def test_synchronous_mode_takes_everything_up_to_the_end_of_batch():
 def test_worker_failure_is_raised_as_its_line_with_the_traceback_as_details():
     channels, _ = scripted_channels()
     asm, _, _ = assembler(channels)
-    channels.exception_queue.put(("RuntimeError: boom in reward", "Traceback (most recent call last):\n..."))
-    channels.failed_event.set()
+    channels.report_failure("RuntimeError: boom in reward", "Traceback (most recent call last):\n...")
     with pytest.raises(RolloutWorkerError, match="^the rollout worker failed: RuntimeError: boom in reward$") as err:
         asm.next_step()
     assert err.value.details.startswith("Traceback")
@@ -131,7 +130,7 @@ def test_worker_failure_is_raised_as_its_line_with_the_traceback_as_details():
 def test_a_silent_worker_fails_naming_what_it_waited_on():
     channels, _ = scripted_channels()
     channels.set_status("waiting for 16 rollouts in flight")
-    channels.heartbeat.value = time.time() - 10
+    channels.heartbeat = time.time() - 10
     asm, _, _ = assembler(channels, timeout_s=1.0)
     with pytest.raises(RolloutWorkerError, match=r"no progress for \d+s(.|\n)*waiting for 16 rollouts in flight"):
         asm.next_step()
@@ -139,7 +138,7 @@ def test_a_silent_worker_fails_naming_what_it_waited_on():
 
 def test_the_oldest_policy_version_that_arrived_is_taken_first():
     channels, _ = scripted_channels()
-    channels.model_version.value = 1
+    channels.model_version = 1
     asm, progress, window = assembler(channels, rows=1)
     put(channels, sample(0, version=1), sample(1, version=0), PromptDone(2, "zero_std"), sample(3, version=1),
         sample(4, version=0))  # fmt: skip
@@ -152,12 +151,12 @@ def test_the_oldest_policy_version_that_arrived_is_taken_first():
 def test_a_sample_that_would_open_the_next_step_is_checked_at_that_steps_version():
     """The next step trains after a weight sync: a sample within the limit now may be past it then."""
     channels, _ = scripted_channels()
-    channels.model_version.value = 1
+    channels.model_version = 1
     asm, _, window = assembler(channels, rows=1, max_staleness=2)
     put(channels, *(sample(i, version=0) for i in range(3)))
     first = asm.next_step()
     assert [s.prompt_index for s in first.samples] == [0, 1] and window.reduce()["sample/staleness_max"] == 1
-    channels.model_version.value = 3  # two syncs later
+    channels.model_version = 3  # two syncs later
     put(channels, sample(3, version=3), sample(4, version=3), EndOfBatch(3))
     second = asm.next_step()
     assert [s.prompt_index for s in second.samples] == [3, 4]
@@ -167,13 +166,13 @@ def test_a_sample_that_would_open_the_next_step_is_checked_at_that_steps_version
 
 def test_a_full_step_takes_one_more_micro_batch_of_samples_at_their_last_version():
     channels, _ = scripted_channels()
-    channels.model_version.value = 1
+    channels.model_version = 1
     asm, _, window = assembler(channels, rows=1, max_staleness=1)
     put(channels, *(sample(i, version=0) for i in range(5)), sample(5, version=1))
     step = asm.next_step()  # rows hold two: [0, 1] fills the step, [2, 3] trains rather than expire, 4 cannot
     assert [[s.prompt_index for s in row.samples] for row in step.rows] == [[0, 1], [2, 3]]
     assert window.reduce()["batch/overflow_micro_batch_count"] == 1 and asm.held == 2
-    channels.model_version.value = 2
+    channels.model_version = 2
     put(channels, sample(6, version=2), EndOfBatch(2))
     assert [s.prompt_index for s in asm.next_step().samples] == [5, 6]  # only one extra micro-batch: 4 expired
     assert window.reduce()["sample/dropped_stale_count"] == 1
@@ -186,7 +185,7 @@ def after_one_step(elapsed_s: float) -> tuple[WorkerChannels, FakeClock, StepAss
     """At version 2 with max_staleness 1, one step done ``elapsed_s`` ago: that time bounds the next step's wait
     for expiring groups. Sample 2 is held for the next step."""
     channels, clock = scripted_channels()
-    channels.model_version.value = 2
+    channels.model_version = 2
     asm, _, window = assembler(channels, rows=1, max_staleness=1)
     put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
     asm.next_step()
@@ -245,14 +244,9 @@ def test_samples_still_in_the_queues_pipe_when_their_group_ends_join_the_step():
     put(channels, sample(3, version=2))
 
     def group_ends_with_its_samples_in_the_pipe() -> None:
-        with channels.items_sent.get_lock():
-            channels.items_sent.value += 2  # sent, not yet through the pipe
+        channels.rollout_queue.transit_s = 0.3  # sent now, through the pipe 0.3 s later
+        put(channels, sample(4, version=1), sample(5, version=1))
         channels.publish_inflight({})
 
-    def samples_come_through() -> None:
-        for item in (sample(4, version=1), sample(5, version=1)):
-            channels.rollout_queue.put(item)  # counted above
-
     channels.rollout_queue.at(0.1, group_ends_with_its_samples_in_the_pipe)
-    channels.rollout_queue.at(0.4, samples_come_through)
     assert [s.prompt_index for s in asm.next_step().samples] == [4, 5]
