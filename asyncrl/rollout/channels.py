@@ -43,6 +43,19 @@ _VERSION, _ALLOWANCE, _CONSUMED = range(3)  # trainer_counters
 _SENT, _HEARTBEAT_MS, _INFLIGHT = range(3)  # worker_counters; (version, groups) pairs from _INFLIGHT on
 
 
+class _Cell:
+    """One field of a counter array, read and written as an int attribute of the channels."""
+
+    def __init__(self, array: str, index: int) -> None:
+        self.array, self.index = array, index
+
+    def __get__(self, channels: WorkerChannels, owner: type) -> int:
+        return int(getattr(channels, self.array)[self.index])
+
+    def __set__(self, channels: WorkerChannels, value: int) -> None:
+        getattr(channels, self.array)[self.index] = value
+
+
 @dataclass
 class WorkerChannels:
     rollout_queue: Any  # mp.Queue of RolloutSample | PromptDone | EndOfBatch
@@ -75,28 +88,9 @@ class WorkerChannels:
 
     # ---- written by the trainer ------------------------------------------------------------------------------
 
-    @property
-    def model_version(self) -> int:
-        """Weight syncs done."""
-        return int(self.trainer_counters[_VERSION])
-
-    @model_version.setter
-    def model_version(self, version: int) -> None:
-        self.trainer_counters[_VERSION] = version
-
-    @property
-    def token_allowance(self) -> int:
-        """Tokens the worker may hold queued or in flight."""
-        return int(self.trainer_counters[_ALLOWANCE])
-
-    @token_allowance.setter
-    def token_allowance(self, tokens: int) -> None:
-        self.trainer_counters[_ALLOWANCE] = tokens
-
-    @property
-    def tokens_consumed(self) -> int:
-        """Sample tokens the trainer pulled so far (trained or dropped)."""
-        return int(self.trainer_counters[_CONSUMED])
+    model_version = _Cell("trainer_counters", _VERSION)  # weight syncs done
+    token_allowance = _Cell("trainer_counters", _ALLOWANCE)  # tokens the worker may hold queued or in flight
+    tokens_consumed = _Cell("trainer_counters", _CONSUMED)  # sample tokens pulled so far (trained or dropped)
 
     def consume(self, tokens: int) -> None:
         with self.trainer_counters.get_lock():
@@ -124,9 +118,7 @@ class WorkerChannels:
             flat = self.worker_counters[_INFLIGHT:]
         return next((n for v, n in zip(flat[::2], flat[1::2], strict=True) if n and v == version), 0)
 
-    @property
-    def items_sent(self) -> int:
-        return int(self.worker_counters[_SENT])
+    items_sent = _Cell("worker_counters", _SENT)
 
     @property
     def heartbeat(self) -> float:
