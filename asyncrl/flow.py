@@ -4,7 +4,8 @@ One run's rules, built once from ``StalenessConfig``; the trainer and the rollou
 
 - ``FlowControl`` (both sides): whether the run is synchronous (``max_staleness == 0``: generation and training
   take turns, one batch per step), when a sample is too stale to train, the token allowance the trainer grants,
-  and how many LoRA adapter versions stay alive. Nothing else reads ``max_staleness``.
+  and how many LoRA adapter versions stay alive. Nothing else decides by ``max_staleness`` (config validation
+  checks its range, the console prints it).
 - ``WorkerFlow`` (the worker's side, rollout/admission.py): whether a group may start now, under the allowance,
   the cap that follows the server's load (rollout/concurrency.py), the cap that follows the groups' lag
   (rollout/pacing.py) and room in the scoring queue.
