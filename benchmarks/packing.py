@@ -34,11 +34,9 @@ from transformers import Qwen3Config
 from asyncrl.packing import FlatRow, TreeRow, plan_micro_batches
 from asyncrl.packing.row import PackedRow
 from asyncrl.rollout.types import RolloutSample, TrainingSequence
+from asyncrl.trainer.flops import forward_flops, peak_tflops, row_flops
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
-
-PEAK_TFLOPS = 990.0  # H200 dense bf16 (datasheet); a large bf16 matmul measures about 790
-
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -91,41 +89,6 @@ def grpo_samples(num_groups: int, vocab: int, seed: int, scale: float = 1.0) -> 
     return samples
 
 
-# ---- FLOPs --------------------------------------------------------------------------------------------------
-
-
-def model_flops(config: Any, tokens: int, logits: int, pairs: int) -> float:
-    """fwd+bwd model FLOPs (3x forward): linear layers per token, the LM head per kept logit, attention per pair
-    in attention layers; a gated-DeltaNet layer's projections per token plus its state update (read and write of a
-    key x value state per value head, 4 FLOPs a cell). Qwen3.5's attention layers also project a gate per query."""
-    d, heads, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    attention_layers = types.count("full_attention")
-    gated = 2 if config.model_type.startswith("qwen3_5") else 1  # q_proj holds queries and their output gate
-    mlp = 3 * d * config.intermediate_size
-    attention = d * heads * hd * (1 + gated) + 2 * d * kv * hd
-    forward = 2 * (attention + mlp) * attention_layers * tokens + 4 * heads * hd * attention_layers * pairs
-    if attention_layers < len(types):
-        key, value = (
-            config.linear_num_key_heads * config.linear_key_head_dim,
-            config.linear_num_value_heads * config.linear_value_head_dim,
-        )
-        deltanet = d * (2 * key + value) + d * value + 2 * d * config.linear_num_value_heads + value * d
-        state = 4 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-        forward += (2 * (deltanet + mlp) + state) * (len(types) - attention_layers) * tokens
-    forward += 2 * d * config.vocab_size * logits
-    return 3.0 * forward
-
-
-def row_pairs(row: PackedRow) -> int:
-    """Causal (bottom-right) query-key pairs of a row's segments: the attention work actually needed."""
-    total = 0
-    for seg in row.segments:
-        n_q, n_kv = seg.q_end - seg.q_start, int(seg.kv_index.numel())
-        total += n_q * (n_kv - n_q) + n_q * (n_q + 1) // 2
-    return total
-
-
 # ---- the three ways to forward ------------------------------------------------------------------------------
 
 
@@ -160,7 +123,7 @@ def packed_batches(model, samples, packer, budget, attention, config, chunk: int
         return run
 
     batches = [Batch(step(r), r.num_raw_tokens, r.num_forwarded, r.num_trained, len(r.samples),
-                     model_flops(config, r.num_forwarded, r.num_trained, row_pairs(r))) for r in rows]  # fmt: skip
+                     row_flops(config, r)) for r in rows]  # fmt: skip
     return batches, pack_s
 
 
@@ -203,7 +166,9 @@ def _padded_batch(model, group: list[RolloutSample], config, chunk: int) -> Batc
 
     raw = sum(s.num_tokens for s in group)
     pairs = sum(s.num_tokens * (s.num_tokens + 1) // 2 for s in group)
-    return Batch(run, raw, len(group) * width, len(targets), len(group), model_flops(config, raw, len(targets), pairs))
+    return Batch(
+        run, raw, len(group) * width, len(targets), len(group), 3.0 * forward_flops(config, raw, len(targets), pairs)
+    )
 
 
 # ---- measuring ----------------------------------------------------------------------------------------------
@@ -223,6 +188,7 @@ def measure(model, batches: list[Batch], device: torch.device) -> dict[str, floa
     seconds = time.perf_counter() - started
     model.zero_grad(set_to_none=True)
     trained = sum(b.trained for b in batches)
+    peak = peak_tflops(device, "bf16")  # the datasheet's dense bf16 figure (an H200: 989.5; a large matmul: ~790)
     return {
         "rows": len(batches),
         "samples_per_row": sum(b.samples for b in batches) / len(batches),
@@ -231,7 +197,7 @@ def measure(model, batches: list[Batch], device: torch.device) -> dict[str, floa
         "seconds": seconds,
         "trained_per_s": trained / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "mfu": sum(b.flops for b in batches) / seconds / (PEAK_TFLOPS * 1e12),
+        "mfu": sum(b.flops for b in batches) / seconds / (peak * 1e12) if peak else None,
     }
 
 
@@ -433,7 +399,7 @@ def _print_row(r: dict[str, Any], results: list[dict[str, Any]], flush: bool = F
     print(
         f"{lead} {r['rows']:>5} {r['samples_per_row']:>7.2f} {r['packing_ratio']:>6.2f} {r['forwarded_per_row']:>8.0f} "
         f"{r['seconds']:>9.2f} {r['trained_per_s']:>13,.0f} {speedup:>7.2f} {r['peak_gib'] or float('nan'):>8.1f} "
-        f"{100 * r['mfu']:>5.1f}% {r['pack_s']:>6.2f}",
+        f"{100 * (r['mfu'] or float('nan')):>5.1f}% {r['pack_s']:>6.2f}",
         flush=flush,
     )
 

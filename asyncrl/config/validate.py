@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
+from asyncrl.flow import FlowControl
 from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def check_staleness(config: Config) -> None:
         raise ConfigError(f"staleness.weight_sync_steps={st.weight_sync_steps} must be >= 1")
     if st.max_concurrent_rollouts < 1:
         raise ConfigError(f"staleness.max_concurrent_rollouts={st.max_concurrent_rollouts} must be >= 1")
-    if st.max_staleness == 0 and st.weight_sync_steps != 1:
+    if FlowControl.from_config(config).synchronous and st.weight_sync_steps != 1:
         raise ConfigError(
             f"staleness.max_staleness=0 is synchronous GRPO: every step trains on the weights just synced, so "
             f"staleness.weight_sync_steps={st.weight_sync_steps} must be 1"
@@ -143,7 +144,7 @@ def check_lora(config: Config) -> None:
         raise ConfigError("lora.target_modules must not include lm_head: adapters on lm_head are not supported")
     if sv.max_lora_rank is not None and lora.r > sv.max_lora_rank:
         raise ConfigError(f"lora.r={lora.r} exceeds server.max_lora_rank={sv.max_lora_rank}")
-    needed = config.staleness.max_staleness + 2
+    needed = FlowControl.from_config(config).adapter_slots
     if lora.sync == LoraSync.adapter and sv.max_loras is not None and sv.max_loras < needed:
         raise ConfigError(
             f"lora.sync=adapter keeps max_staleness + 1 adapter versions and loads the next before unloading: "

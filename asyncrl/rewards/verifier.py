@@ -3,7 +3,8 @@
 math-verify bounds its work with SIGALRM, which only the main thread can use, and the rollout worker scores
 from threads; with its timeouts off, ``verify`` on an answer like ``9^{9^{9^9}}`` runs for minutes. Each child
 runs math-verify on its own main thread with those timeouts on, the caller adds a hard deadline and kills a
-child that misses it, and a child exits when its stdin closes, so it cannot outlive its parent.
+child that misses it, and a child exits when its stdin closes or its parent is gone (``exit_with_parent``: a
+verdict that runs on cannot keep it alive), so it cannot outlive its parent.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import signal
 import subprocess
 import sys
 import threading
+
+from asyncrl.parent import exit_with_parent
 
 STARTUP_TIMEOUT_S = 120.0
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ def serve() -> None:
     """Child loop: one JSON ``[gold, answer, timeout_s]`` per stdin line -> one JSON verdict line. It ends when
     its parent closes stdin; a terminal's Ctrl-C, which reaches it too, is ignored (no traceback per child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(os.getppid())
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints from sympy must not corrupt the replies
     logging.getLogger("math_verify").setLevel(logging.ERROR)

@@ -15,12 +15,19 @@ is max_staleness x the last step's tokens and the next steps may take fewer (row
 10-20% more or fewer sample tokens from step to step). Synchronous mode closes its batch at the allowance
 and trains the overshoot. Until the first group completes, the size of a rollout is unknown, so groups
 start one at a time.
+
+``WorkerFlow`` is the worker's side of the run's ``FlowControl`` (flow.py): it holds this bookkeeping and both
+caps on rollouts in flight, and gives the one answer the worker waits on.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from asyncrl.flow import FlowControl
+from asyncrl.rollout.concurrency import ConcurrencyController
+from asyncrl.rollout.pacing import StalenessPacer
 
 RECENT_GRANTS = 4
 
@@ -104,3 +111,63 @@ class Admission:
         self.completed_groups += 1
         self.unqueued_tokens -= rollout_tokens
         self.tokens_pushed += pushed_tokens
+
+
+class WorkerFlow:
+    """The worker's side: may a group start now? It owns the token bookkeeping and both caps on rollouts in
+    flight (the server's load moves ``concurrency`` through the load poller; the groups' lag moves ``pacer``,
+    which synchronous mode has none of)."""
+
+    def __init__(self, flow: FlowControl) -> None:
+        self.flow, self.clock = flow, flow.clock
+        ceiling, g = flow.max_concurrent_rollouts, flow.num_generations
+        self.admission = Admission(g, ceiling, asynchronous=not flow.synchronous)
+        self.concurrency = ConcurrencyController(ceiling)
+        self.pacer = None if flow.synchronous else StalenessPacer(ceiling, g, flow.max_staleness)
+        self.batch_start_tokens = 0
+        """Synchronous mode: the tokens pushed before the current batch."""
+
+    @property
+    def pacing_cap(self) -> int:
+        return self.flow.max_concurrent_rollouts if self.pacer is None else self.pacer.cap
+
+    def released(self, tokens_consumed: int) -> int:
+        """Tokens no longer counted against the allowance: consumed by the trainer (asynchronous mode), or every
+        token of earlier batches (synchronous mode, where a batch is closed at the allowance even though the
+        trainer pulls samples while it waits for the batch's end)."""
+        return self.batch_start_tokens if self.flow.synchronous else tokens_consumed
+
+    def wait_reason(self, allowance: int, tokens_consumed: int, scoring_full: bool) -> str | None:
+        """None if a new group may start now, else what it waits on (the backpressure reason first)."""
+        pacing = self.pacing_cap
+        reason = self.admission.wait_reason(allowance, self.released(tokens_consumed),
+                                            min(self.concurrency.cap, pacing))  # fmt: skip
+        if reason == "concurrency" and pacing < self.concurrency.cap:
+            return "staleness pacing"  # finished groups came back too late: fewer rollouts in flight
+        if reason is None and scoring_full:
+            return "scoring (rollout.score_queue_maxsize groups wait to be scored)"
+        return reason
+
+    def closes_batch(self, reason: str | None) -> bool:
+        """Synchronous mode closes its batch where the allowance is reached, instead of waiting for room."""
+        return reason == "backpressure" and self.flow.synchronous
+
+    def batch_has_room(self, allowance: int) -> bool:
+        """After the batch's groups finished: dropped groups may have left room for more under the same weights."""
+        return self.admission.queued_tokens(self.batch_start_tokens) < allowance
+
+    def start_batch(self) -> None:
+        """The weights moved after a synchronous batch: the next one starts from the tokens pushed so far."""
+        self.batch_start_tokens = self.admission.tokens_pushed
+
+    def on_group_queued(self, start_version: int, version: int) -> bool | None:
+        """Feed a group's lag to the pacer before its samples join the queue; whether it was late (None when
+        nothing is paced)."""
+        if self.pacer is None:
+            return None
+        inflight, completed = self.rollout_counts()
+        return self.pacer.on_group_done(start_version, version, inflight, completed)
+
+    def rollout_counts(self) -> tuple[int, int]:
+        """(rollouts in flight, rollouts completed so far), for the caps."""
+        return self.admission.inflight_rollouts, self.admission.rollouts_seen

@@ -1,13 +1,32 @@
-"""Shared state between the trainer (rank 0) and the rollout worker process.
+"""The channels between the trainer (rank 0) and its rollout worker process: seven shared primitives.
 
-Everything here is a multiprocessing primitive from the `spawn` context, created by the trainer and
-handed to the worker at spawn time. The rollout queue carries `RolloutSample`, `PromptDone` and
-`EndOfBatch` items in the order the worker produced them.
+Created by the trainer from the ``spawn`` context and handed to the worker at spawn time. Each carries what no
+other can:
+
+1. ``rollout_queue`` (worker -> trainer): ``RolloutSample``, ``PromptDone`` and ``EndOfBatch`` items in the order
+   the worker produced them: the data.
+2. ``metrics_queue`` (worker -> trainer): the worker's metric buffers, about once a second; apart from the data,
+   which the trainer reads by the sample, these it reads at its logging steps.
+3. ``failure_queue`` (worker -> trainer): the failed worker's one-line summary and traceback; apart from the data
+   so that the trainer sees it at once, whatever samples still wait ahead of it.
+4. ``control_queue`` (trainer -> worker): the ``WorkerSpec`` (the worker process starts before the spec exists),
+   then a stop request; a thread of the worker blocks on it, so a stop wakes the worker at once.
+5. ``trainer_counters`` (written by the trainer only): weight syncs done, the token allowance and the sample tokens
+   consumed, which the worker's admission reads whenever it decides.
+6. ``worker_counters`` (written by the worker only): the items it sent (the trainer knows what is still in the
+   queue's pipe), its heartbeat, and how many groups generate under each recent policy version (the trainer waits
+   for a group that must train in its next step).
+7. ``status``: what the worker is doing or waiting on, for the trainer's error messages.
+
+The counters are arrays rather than one value each: every field of one array has a single writer, so one lock
+covers them and nothing is lost by sharing it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import queue
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,82 +36,137 @@ INFLIGHT_VERSIONS = 64
 """How many of the newest policy versions with groups generating are published (``inflight_at``); an older one
 is past any staleness bound the trainer checks."""
 
+STOP = "stop"
+"""The trainer's stop request on the control queue."""
 
-@dataclass(frozen=True)
-class PromptDone:
-    """A prompt that produced no sample (filtered, or its group dropped): it still counts as consumed."""
+_VERSION, _ALLOWANCE, _CONSUMED = range(3)  # trainer_counters
+_SENT, _HEARTBEAT_MS, _INFLIGHT = range(3)  # worker_counters; (version, groups) pairs from _INFLIGHT on
 
-    prompt_index: int
-    reason: str
-    """filtered | zero_std | too_few_scorable | failed | prompt_too_long"""
-    rewards: tuple[str, ...] = ()
-    """The reward sources that left the group without signal (constant, or None for its rollouts)."""
-    detail: str = ""
-    """What happened, for the error that stops a run whose groups all drop (trainer/group_watch.py)."""
+
+class _Cell:
+    """One field of a counter array, read and written as an int attribute of the channels."""
+
+    def __init__(self, array: str, index: int) -> None:
+        self.array, self.index = array, index
+
+    def __get__(self, channels: WorkerChannels, owner: type) -> int:
+        return int(getattr(channels, self.array)[self.index])
+
+    def __set__(self, channels: WorkerChannels, value: int) -> None:
+        getattr(channels, self.array)[self.index] = value
 
 
 @dataclass
 class WorkerChannels:
     rollout_queue: Any  # mp.Queue of RolloutSample | PromptDone | EndOfBatch
     metrics_queue: Any  # mp.Queue of dict[str, list[float]]
-    exception_queue: Any  # mp.Queue of (one-line summary, formatted traceback)
-    failed_event: Any  # mp.Event
-    stop_event: Any  # mp.Event
-    model_version: Any  # mp.Value('q'): weight syncs done
-    token_allowance: Any  # mp.Value('q'): tokens the worker may hold queued or in flight
-    tokens_consumed: Any  # mp.Value('q'): sample tokens the trainer pulled so far (trained or dropped)
-    inflight_groups: Any  # mp.Array('q'): (version, groups generating under it) pairs, newest first, 0-padded
-    items_sent: Any  # mp.Value('q'): items the worker has put on the rollout queue
-    heartbeat: Any  # mp.Value('d'): time.time() of the worker's last progress
-    status: Any  # mp.Array('c'): what the worker is doing or waiting on, for error messages
-    spec_queue: Any  # mp.Queue of the one WorkerSpec: the worker process starts before its spec is known
+    failure_queue: Any  # mp.Queue of (one-line summary, formatted traceback)
+    control_queue: Any  # mp.Queue of the one WorkerSpec, then STOP
+    trainer_counters: Any  # mp.Array('q', 3): model version, token allowance, tokens consumed
+    worker_counters: Any  # mp.Array('q'): items sent, heartbeat (ms since the epoch), (version, groups) pairs
+    status: Any  # mp.Array('c', 256)
+    _failure: tuple[str, str] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
-    def create(cls, initial_allowance: int) -> WorkerChannels:
+    def create(cls, initial_allowance: int, in_process: bool = False) -> WorkerChannels:
+        """The channels for a spawned worker; ``in_process``: for a worker driven in this process (tests), with
+        plain queues that hand items over at once."""
         ctx = mp.get_context("spawn")
-        return cls(
-            rollout_queue=ctx.Queue(),
-            metrics_queue=ctx.Queue(),
-            exception_queue=ctx.Queue(),
-            failed_event=ctx.Event(),
-            stop_event=ctx.Event(),
-            model_version=ctx.Value("q", 0),
-            token_allowance=ctx.Value("q", int(initial_allowance)),
-            tokens_consumed=ctx.Value("q", 0),
-            inflight_groups=ctx.Array("q", 2 * INFLIGHT_VERSIONS),
-            items_sent=ctx.Value("q", 0),
-            heartbeat=ctx.Value("d", time.time()),
+        make_queue = LocalQueue if in_process else ctx.Queue
+        channels = cls(
+            rollout_queue=make_queue(),
+            metrics_queue=make_queue(),
+            failure_queue=make_queue(),
+            control_queue=make_queue(),
+            trainer_counters=ctx.Array("q", 3),
+            worker_counters=ctx.Array("q", _INFLIGHT + 2 * INFLIGHT_VERSIONS),
             status=ctx.Array("c", 256),
-            spec_queue=ctx.Queue(),
         )
+        channels.token_allowance = int(initial_allowance)
+        channels.heartbeat = time.time()
+        return channels
 
-    def send(self, item: Any) -> None:
-        """The worker: put an item on the rollout queue and count it (the trainer knows what is still in transit:
-        ``put`` returns before a feeder thread writes the item to the pipe)."""
-        self.rollout_queue.put(item)
-        with self.items_sent.get_lock():
-            self.items_sent.value += 1
+    # ---- written by the trainer ------------------------------------------------------------------------------
 
-    def publish_inflight(self, groups: Mapping[int, int]) -> None:
-        """The worker: how many groups generate under each policy version (the newest INFLIGHT_VERSIONS)."""
-        newest = sorted(((v, n) for v, n in groups.items() if n > 0), reverse=True)[:INFLIGHT_VERSIONS]
-        flat = [x for pair in newest for x in pair]
-        with self.inflight_groups.get_lock():
-            self.inflight_groups[:] = flat + [0] * (len(self.inflight_groups) - len(flat))
+    model_version = _Cell("trainer_counters", _VERSION)  # weight syncs done
+    token_allowance = _Cell("trainer_counters", _ALLOWANCE)  # tokens the worker may hold queued or in flight
+    tokens_consumed = _Cell("trainer_counters", _CONSUMED)  # sample tokens pulled so far (trained or dropped)
+
+    def consume(self, tokens: int) -> None:
+        with self.trainer_counters.get_lock():
+            self.trainer_counters[_CONSUMED] += tokens
+
+    def send_spec(self, spec: object) -> None:
+        self.control_queue.put(spec)
+
+    def stop(self) -> None:
+        """Ask the worker to end now, rollouts in flight included (or, before its spec, to end without one)."""
+        self.control_queue.put(STOP)
+
+    def failure(self) -> tuple[str, str] | None:
+        """The worker's (summary, traceback) once it has failed; kept, so every later call says so too."""
+        if self._failure is None:
+            try:
+                self._failure = self.failure_queue.get_nowait()
+            except queue.Empty:
+                pass
+        return self._failure
 
     def inflight_at(self, version: int) -> int:
-        """The trainer: groups still generating under ``version``."""
-        with self.inflight_groups.get_lock():
-            flat = self.inflight_groups[:]
+        """Groups still generating under ``version``."""
+        with self.worker_counters.get_lock():
+            flat = self.worker_counters[_INFLIGHT:]
         return next((n for v, n in zip(flat[::2], flat[1::2], strict=True) if n and v == version), 0)
 
+    items_sent = _Cell("worker_counters", _SENT)
+
+    @property
+    def heartbeat(self) -> float:
+        """time.time() of the worker's last progress."""
+        return self.worker_counters[_HEARTBEAT_MS] / 1000
+
+    @heartbeat.setter
+    def heartbeat(self, seconds: float) -> None:
+        self.worker_counters[_HEARTBEAT_MS] = int(seconds * 1000)
+
+    def get_status(self) -> str:
+        return self.status.value.decode(errors="replace")
+
+    # ---- written by the worker -------------------------------------------------------------------------------
+
+    def send(self, item: Any) -> None:
+        """Put an item on the rollout queue and count it (the trainer knows what is still in transit: ``put``
+        returns before a feeder thread writes the item to the pipe)."""
+        self.rollout_queue.put(item)
+        with self.worker_counters.get_lock():
+            self.worker_counters[_SENT] += 1
+
+    def publish_inflight(self, groups: Mapping[int, int]) -> None:
+        """How many groups generate under each policy version (the newest INFLIGHT_VERSIONS)."""
+        newest = sorted(((v, n) for v, n in groups.items() if n > 0), reverse=True)[:INFLIGHT_VERSIONS]
+        flat = [x for pair in newest for x in pair]
+        with self.worker_counters.get_lock():
+            self.worker_counters[_INFLIGHT:] = flat + [0] * (2 * INFLIGHT_VERSIONS - len(flat))
+
     def beat(self, status: str | None = None) -> None:
-        self.heartbeat.value = time.time()
+        self.heartbeat = time.time()
         if status is not None:
             self.set_status(status)
 
     def set_status(self, status: str) -> None:
         self.status.value = status.encode()[:255]
 
-    def get_status(self) -> str:
-        return self.status.value.decode(errors="replace")
+    def report_failure(self, line: str, trace: str) -> None:
+        self.failure_queue.put((line, trace))
+
+    def abandon(self) -> None:
+        """Stopping: exit without waiting for the items nobody will read to be flushed to the trainer."""
+        self.rollout_queue.cancel_join_thread()
+        self.metrics_queue.cancel_join_thread()
+
+
+class LocalQueue(queue.Queue):
+    """A queue within one process, with the part of the multiprocessing queue's interface the channels use."""
+
+    def cancel_join_thread(self) -> None:
+        """No feeder thread to wait for."""

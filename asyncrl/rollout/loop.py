@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.advantages import estimate_advantages
+from asyncrl.advantages import Estimator, estimate_advantages
 from asyncrl.client import GenerationClient, SamplingParams
 from asyncrl.config.schema import Config
 from asyncrl.rollout.reconcile import reconcile
@@ -56,7 +56,7 @@ class AsyncRolloutLoop:
         config: Config,
         tokenizer: Any,
         client: GenerationClient,
-        advantage_fn: Callable[[np.ndarray], np.ndarray],
+        advantage_fn: Estimator,
         max_model_len: int,
         seed_offset: int = 0,
     ) -> None:

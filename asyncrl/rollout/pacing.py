@@ -17,8 +17,8 @@ settles under the lag limit instead of sawtoothing. Admission waits on min(this 
 
 A group queued exactly at the limit is not a signal: it is trained if the trainer pulls it before its next
 sync, which the worker cannot see, and at max_staleness=1 such groups are the norm. Samples that age in
-the queue are admission's part (admission.py). Synchronous mode (max_staleness=0) has no lag: the cap
-stays at the ceiling.
+the queue are admission's part (admission.py). Synchronous mode (max_staleness=0) has no lag and no pacer
+(``WorkerFlow`` in flow.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class StalenessPacer:
 
     def __init__(self, ceiling: int, num_generations: int, max_staleness: int) -> None:
         self.ceiling, self.num_generations, self.max_staleness = ceiling, num_generations, max_staleness
-        self.enabled = max_staleness >= 1
         self.cap = ceiling
         self.late_groups = 0
         self._version_at_cut = -1
@@ -49,8 +48,6 @@ class StalenessPacer:
         """Move the cap for a group queued at ``version`` that started at ``start_version``; True if it is
         late. ``inflight``: rollouts still in flight, not counting its own; ``completed``: rollouts finished
         since the start, counting its own."""
-        if not self.enabled:
-            return False
         if version - start_version > self.max_staleness:
             self.late_groups += 1
             if start_version > self._version_at_cut:

@@ -70,4 +70,4 @@ def spawn_worker(channels: WorkerChannels) -> mp.process.BaseProcess:
 def send_spec(spec: WorkerSpec, channels: WorkerChannels) -> None:
     """Hand the waiting worker its spec, after checking that all of it pickles."""
     check_spec(spec)
-    channels.spec_queue.put(spec)
+    channels.send_spec(spec)

@@ -1,7 +1,7 @@
 """Every type that crosses a boundary between the rollout loop, the worker process and the trainer.
 
-Field names follow the spec's API reference (TurnRecord, Rollout, RolloutGroup); TrainingSequence and
-RolloutSample are what crosses the process boundary (pickled through the rollout queue).
+Field names follow the spec's API reference (TurnRecord, Rollout, RolloutGroup); TrainingSequence, RolloutSample,
+PromptDone and EndOfBatch are what crosses the process boundary (pickled through the rollout queue, channels.py).
 """
 
 from __future__ import annotations
@@ -135,3 +135,16 @@ class EndOfBatch:
     """Queue marker from the worker in synchronous mode (max_staleness=0): the step's samples are all queued."""
 
     model_version: int
+
+
+@dataclass(frozen=True)
+class PromptDone:
+    """A prompt that produced no sample (filtered, or its group dropped): it still counts as consumed."""
+
+    prompt_index: int
+    reason: str
+    """filtered | zero_std | too_few_scorable | failed | prompt_too_long"""
+    rewards: tuple[str, ...] = ()
+    """The reward sources that left the group without signal (constant, or None for its rollouts)."""
+    detail: str = ""
+    """What happened, for the error that stops a run whose groups all drop (trainer/group_watch.py)."""

@@ -1,47 +1,91 @@
-"""The rollout worker process: streams prompts through the loop's hooks, scores groups, queues samples.
+"""The rollout worker process: prompt -> admit -> generate -> score -> queue.
 
-Spawned by trainer rank 0 (``spawn_worker``, then ``send_spec``) with no GPU and no distributed variables. The
-driver walks the prompt stream in the recorded order, starts a group only when admission control allows it (the
-token allowance, and the smaller of the KV-load and staleness caps on rollouts in flight, and room in the
-scoring queue), scores the finished groups one at a time from that queue, feeds each one's lag to the staleness
-pacer, and pushes samples (or a ``PromptDone`` for a dropped/filtered prompt, or a group whose prompt was too long
-or whose generation failed after the client's retries) to the trainer. Any other exception reaches the trainer
-with its traceback; a dead parent ends the worker.
+Spawned by trainer rank 0 (``spawn_worker``, then ``send_spec``) with no GPU and no distributed variables;
+``worker_entry`` waits for the spec and ``run_worker`` runs it. ``WorkerDriver.run`` is the whole path of a sample:
+
+- prompt: the prompt stream in the recorded order (``prompts``); a filtered prompt is a ``PromptDone`` at once;
+- admit: ``_admit`` waits until the worker's side of flow control (``WorkerFlow``: the token allowance, the
+  smaller of the KV-load and staleness caps on rollouts in flight, room in the scoring queue) lets a group start;
+- generate: ``_generate`` (a task per group) runs its rollouts and puts it in the scoring queue, or drops it (its
+  prompt too long, or its requests failed after the client's retries);
+- score: ``_score_loop`` takes the generated groups one at a time, in the order they finished, and ``_score``
+  scores them and computes advantages;
+- queue: ``_queue`` sends the group's samples, or a ``PromptDone`` saying why it was dropped, to the trainer.
+
+The worker wakes on events: a finished rollout or group sets ``changed``, the trainer's stop request (a thread
+blocked on the control queue) sets ``stopping``. The trainer's counters (allowance, tokens consumed, weight
+version) are shared memory that signals nothing: ``_wait_for_change`` is the one place that polls them. Any other
+exception reaches the trainer with its traceback; a dead parent ends the worker (parent.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
+import contextlib
+import threading
 import time
 import traceback
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncrl.client import ServerError
-from asyncrl.rollout.admission import Admission
-from asyncrl.rollout.channels import PromptDone, WorkerChannels
-from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller
-from asyncrl.rollout.loop import PromptTooLong
-from asyncrl.rollout.pacing import StalenessPacer
+from asyncrl.advantages import Estimator, group_drop_reason, silent_rewards
+from asyncrl.client import ROLLOUT_MODEL, GenerationClient, ServerError, policy_model
+from asyncrl.config.schema import Config
+from asyncrl.flow import FlowControl
+from asyncrl.parent import exit_with_parent
+from asyncrl.rollout.admission import WorkerFlow
+from asyncrl.rollout.channels import STOP, WorkerChannels
+from asyncrl.rollout.concurrency import LoadPoller
+from asyncrl.rollout.environments import Agents
+from asyncrl.rollout.group_metrics import completion_records, group_metrics
+from asyncrl.rollout.loop import AsyncRolloutLoop, PromptTooLong
 from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, score_group
-from asyncrl.rollout.types import EndOfBatch, Rollout, RolloutGroup, RolloutSample
+from asyncrl.rollout.types import EndOfBatch, PromptDone, Rollout, RolloutGroup, RolloutSample
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+POLL_S = 0.01
+"""How often a waiting worker reads the trainer's counters, which change with no signal."""
+
+
+def worker_entry(channels: WorkerChannels, parent_pid: int) -> None:
+    """Process entry: import what the rollouts run while the trainer prepares the spec, then run it. Without a
+    spec it ends when the trainer asks it to stop; it never outlives the trainer."""
+    import transformers  # noqa: F401 - the tokenizer and the loop need it: import it before the spec comes
+
+    exit_with_parent(parent_pid)
+    spec = channels.control_queue.get()
+    if isinstance(spec, WorkerSpec):  # not the stop request
+        run_worker(spec, channels)
+
+
+def run_worker(spec: WorkerSpec, channels: WorkerChannels) -> None:
+    """Run the worker until its prompts end or the trainer stops it; a failure reaches the trainer as its one-line
+    summary and traceback."""
+    try:
+        asyncio.run(WorkerDriver(spec, channels).run())
+    except BaseException as exc:
+        channels.report_failure(failure_line(exc), traceback.format_exc())
 
 
 @dataclass
 class WorkerSpec:
     """Everything the worker needs; pickled at spawn (checked beforehand by the trainer)."""
 
-    config: Any
-    tokenizer: Any
-    dataset: Any
+    config: Config
+    tokenizer: PreTrainedTokenizerBase
+    dataset: Dataset | Sequence[dict[str, Any]]
+    """The prompt rows; a list of one empty row when environments supply the prompts (environment_rows)."""
     reward_sources: list[RewardSource]
-    loop_cls: type
-    advantage_fn: Any
+    loop_cls: type[AsyncRolloutLoop]
+    advantage_fn: Estimator
     base_url: str
     model_name: str
     max_model_len: int
@@ -50,7 +94,31 @@ class WorkerSpec:
     start_prompt_index: int = 0
     total_prompts: int | None = None
     """Stop after this global prompt index (epoch-based runs); None = cycle epochs until stopped."""
-    parent_pid: int = field(default_factory=os.getpid)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One position of the prompt stream: its global index, dataset row and epoch."""
+
+    index: int
+    row_index: int
+    row: dict[str, Any]
+    epoch: int
+    ends_epoch: bool
+
+
+def prompts(spec: WorkerSpec) -> Iterator[Prompt]:
+    """The prompt stream from ``spec.start_prompt_index``, epoch after epoch in each epoch's recorded order, to
+    ``spec.total_prompts`` (or for ever)."""
+    n_rows = len(spec.dataset)
+    index, order_epoch, order = spec.start_prompt_index, -1, np.arange(0)
+    while spec.total_prompts is None or index < spec.total_prompts:
+        epoch, position = divmod(index, n_rows)
+        if epoch != order_epoch:
+            order_epoch, order = epoch, prompt_order(n_rows, epoch, spec.config.trainer.seed, spec.config.data.shuffle)
+        row_index = int(order[position])
+        yield Prompt(index, row_index, spec.dataset[row_index], epoch, ends_epoch=position == n_rows - 1)
+        index += 1
 
 
 def prompt_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -78,177 +146,168 @@ class ScoreJob:
 
 
 class StopRequested(Exception):
-    """The trainer set the stop event: the worker ends now, rollouts in flight included."""
+    """The trainer asked the worker to stop: it ends now, rollouts in flight included."""
 
 
 class WorkerDriver:
-    def __init__(self, spec: WorkerSpec, channels: WorkerChannels, loop: Any) -> None:
-        self.spec, self.channels, self.loop = spec, channels, loop
-        self.config = spec.config
-        g, limits = self.config.sampling.num_generations, self.config.staleness
-        self.admission = Admission(g, limits.max_concurrent_rollouts, asynchronous=limits.max_staleness > 0)
-        self.concurrency = ConcurrencyController(limits.max_concurrent_rollouts)
-        self.pacer = StalenessPacer(limits.max_concurrent_rollouts, g, limits.max_staleness)
+    def __init__(self, spec: WorkerSpec, channels: WorkerChannels) -> None:
+        self.spec, self.channels, self.config = spec, channels, spec.config
+        self.flow = WorkerFlow(FlowControl.from_config(self.config))
+        self.admission = self.flow.admission
         self.inflight_versions: Counter[int] = Counter()
         """Groups generating, by the policy version they started under."""
-        self.sync_mode = limits.max_staleness == 0
-        self.batch_start_tokens = 0
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self.generation_spans: list[tuple[float, float]] = []
         self.completion_records: list[dict[str, Any]] = []
         self.generated_tokens = 0
         self.group_ids = iter(range(10**12))
         self.score_queue: asyncio.Queue[ScoreJob] = asyncio.Queue(self.config.rollout.score_queue_maxsize)
-        self._orders: dict[int, np.ndarray] = {}
-
-    # ---- main loop -------------------------------------------------------------------------------------------
+        self.changed = asyncio.Event()
+        """Set when a rollout or group of this worker ends, or the scorer takes a group: admission may move."""
+        self.stopping = asyncio.Event()
+        """Set when the trainer's stop request arrives (``_listen_for_stop``)."""
 
     async def run(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
+        """prompt -> admit -> generate -> score -> queue, until the prompts end or the trainer stops the worker."""
+        async with self._running() as tasks:
+            accepted = 0
+            for prompt in prompts(self.spec):
+                if not self.loop.filter_prompt(prompt.row_index, prompt.row, prompt.epoch):
+                    self.channels.send(PromptDone(prompt.index, "filtered"))
+                else:
+                    accepted += 1
+                    await self._admit()
+                    self.admission.on_group_start()
+                    tasks.create_task(self._generate(prompt))
+                if prompt.ends_epoch:
+                    if not accepted:
+                        raise RuntimeError(f"filter_prompt rejected every prompt of epoch {prompt.epoch}: no batch "
+                                           "can be trained")  # fmt: skip
+                    accepted = 0
+            await self._wait_idle()
+            self.channels.send(EndOfBatch(self.channels.model_version))
+            self.channels.beat("all prompts generated; waiting for the trainer to stop")
 
-        from asyncrl.rollout.environments import Agents
-
+    @contextlib.asynccontextmanager
+    async def _running(self) -> AsyncIterator[asyncio.TaskGroup]:
+        """What the main loop runs beside, for as long as it runs: the rollout loop and its client, the tool
+        threads, the load poller, the scorer, the stop listener and the periodic metrics. A stop request cancels
+        the main loop and every group in flight wherever they wait, and ends the worker without an error."""
         tool_pool = ThreadPoolExecutor(self.config.staleness.max_concurrent_rollouts, thread_name_prefix="tool")
-        self.loop.tool_pool = tool_pool
-        self.agents = Agents.from_config(self.config, tool_pool)
+        spec = self.spec
         try:
-            await self._run_loop()
+            async with GenerationClient(spec.base_url, spec.model_name, timeout_s=self.config.server.timeout) as client:
+                self.loop = spec.loop_cls(self.config, spec.tokenizer, client, spec.advantage_fn, spec.max_model_len,
+                                          seed_offset=spec.start_prompt_index * 1000)  # fmt: skip
+                self.loop.tool_pool = tool_pool
+                self.agents = Agents.from_config(self.config, tool_pool)
+                await self.loop.setup()
+                poller = LoadPoller(spec.base_url, self.flow.concurrency, self.flow.rollout_counts, self.metrics)
+                try:
+                    await poller.start(spec.max_model_len)
+                    async with asyncio.TaskGroup() as tasks:
+                        background = [
+                            asyncio.create_task(self._report()),
+                            asyncio.create_task(poller.run()),
+                            tasks.create_task(self._watch_stop()),
+                            tasks.create_task(self._score_loop()),
+                        ]
+                        threading.Thread(target=self._listen_for_stop, args=(asyncio.get_running_loop(),),
+                                         name="asyncrl-stop", daemon=True).start()  # fmt: skip
+                        try:
+                            yield tasks
+                        finally:
+                            for task in background:
+                                task.cancel()
+                except* StopRequested:
+                    # nobody reads the queues any more: exiting must not wait for their buffered items to be flushed
+                    self.channels.abandon()
+                finally:
+                    await poller.aclose()
+                    await self.loop.close()
+                    self._flush_metrics()
         finally:
             tool_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run_loop(self) -> None:
-        await self.loop.setup()
-        poller = LoadPoller(self.spec.base_url, self.concurrency, self._rollout_counts, self.metrics)
-        try:
-            await poller.start(self.spec.max_model_len)
-            async with asyncio.TaskGroup() as tasks:
-                background = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_parent()),
-                              asyncio.create_task(poller.run()), tasks.create_task(self._watch_stop()),
-                              tasks.create_task(self._score_loop())]  # fmt: skip
-                try:
-                    await self._drive(tasks)
-                finally:
-                    for task in background:
-                        task.cancel()
-        except* StopRequested:
-            # nobody reads the queues any more: exiting must not wait for their buffered items to be flushed
-            self.channels.rollout_queue.cancel_join_thread()
-            self.channels.metrics_queue.cancel_join_thread()
-        finally:
-            await poller.aclose()
-            await self.loop.close()
-            self._flush_metrics()
+    def _listen_for_stop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A thread: block on the control queue until the trainer's stop request comes, then wake the driver."""
+        while self.channels.control_queue.get() != STOP:
+            pass
+        with contextlib.suppress(RuntimeError):  # the event loop ended first: nothing left to stop
+            loop.call_soon_threadsafe(self.stopping.set)
 
     async def _watch_stop(self) -> None:
-        """Raise StopRequested once the trainer sets the stop event: the task group then cancels the driver and
-        every group in flight, wherever they wait (admission backpressure waits for as long as nobody trains)."""
-        while not self.channels.stop_event.is_set():
-            await asyncio.sleep(0.05)
+        """Raise StopRequested once the trainer asks: the task group then cancels the main loop and every group
+        in flight, wherever they wait (admission backpressure waits for as long as nobody trains)."""
+        await self.stopping.wait()
         raise StopRequested
 
-    def _rollout_counts(self) -> tuple[int, int]:
-        """(rollouts in flight, rollouts completed so far), for the concurrency controller."""
-        return self.admission.inflight_rollouts, self.admission.rollouts_seen
-
-    async def _drive(self, tasks: asyncio.TaskGroup) -> None:
-        n_rows = len(self.spec.dataset)
-        index = self.spec.start_prompt_index
-        accepted_in_epoch: dict[int, int] = defaultdict(int)
-        while not self.channels.stop_event.is_set():
-            if self.spec.total_prompts is not None and index >= self.spec.total_prompts:
-                break
-            epoch, position = divmod(index, n_rows)
-            row_index = int(self._order(epoch)[position])
-            row = self.spec.dataset[row_index]
-            if not self.loop.filter_prompt(row_index, row, epoch):
-                self._push(PromptDone(index, "filtered"))
-            else:
-                accepted_in_epoch[epoch] += 1
-                await self._admit()
-                self.admission.on_group_start()
-                tasks.create_task(self._run_group(index, row_index, row, epoch))
-            if position == n_rows - 1 and accepted_in_epoch[epoch] == 0:
-                raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}: no batch can be trained")
-            index += 1
-        await self._wait_idle()
-        self._push(EndOfBatch(self.channels.model_version.value))
-        self.channels.beat("all prompts generated; waiting for the trainer to stop")
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: prompt_order(len(self.spec.dataset), epoch, self.config.trainer.seed,
-                                                self.config.data.shuffle)}  # fmt: skip
-        return self._orders[epoch]
+    # ---- admit -----------------------------------------------------------------------------------------------
 
     async def _admit(self) -> None:
         """Wait until a new group may start; in synchronous mode close the batch at the allowance."""
         waited_since: float | None = None
         while True:
-            reason = self.admission.wait_reason(
-                self.channels.token_allowance.value, self._tokens_released(), min(self.concurrency.cap, self.pacer.cap),
-            )  # fmt: skip
-            if reason == "concurrency" and self.pacer.cap < self.concurrency.cap:
-                reason = "staleness pacing"  # finished groups came back too late: fewer rollouts in flight
-            if reason is None and self.score_queue.full():
-                reason = "scoring (rollout.score_queue_maxsize groups wait to be scored)"
+            reason = self.flow.wait_reason(self.channels.token_allowance, self.channels.tokens_consumed,
+                                           self.score_queue.full())  # fmt: skip
             if reason is None:
                 break
-            waited_since = waited_since or time.monotonic()
-            if reason == "backpressure" and self.sync_mode:
+            waited_since = waited_since or self.flow.clock()
+            if self.flow.closes_batch(reason):
                 await self._end_sync_batch()
                 continue
             self.channels.beat(f"admission: {reason} ({self.admission.inflight_rollouts} rollouts in flight)")
-            await asyncio.sleep(0.01)
+            await self._wait_for_change(POLL_S)
         if waited_since is not None:
-            self.metrics["rollout/backpressure_s"].append(time.monotonic() - waited_since)
+            self.metrics["rollout/backpressure_s"].append(self.flow.clock() - waited_since)
+
+    async def _wait_for_change(self, poll_s: float | None) -> None:
+        """Until a rollout or group of this worker ends or the scorer takes a group, or at most ``poll_s``: the
+        trainer's counters change with no signal, so a wait on them reads them again after that long."""
+        self.changed.clear()  # set before this wait: already taken into account by the caller's check
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), poll_s)
 
     async def _end_sync_batch(self) -> None:
         """max_staleness=0: finish in-flight groups, mark the batch, wait for the trainer's weight sync."""
         await self._wait_idle()
-        if self.admission.queued_tokens(self._tokens_released()) < self.channels.token_allowance.value:
+        if self.flow.batch_has_room(self.channels.token_allowance):
             return  # dropped groups left room: generate more under the same weights
-        version = self.channels.model_version.value
-        self._push(EndOfBatch(version))
-        while self.channels.model_version.value == version and not self.channels.stop_event.is_set():
+        version = self.channels.model_version
+        self.channels.send(EndOfBatch(version))
+        while self.channels.model_version == version and not self.stopping.is_set():
             self.channels.beat(f"synchronous mode: waiting for weight sync to version {version + 1}")
-            await asyncio.sleep(0.01)
-        self.batch_start_tokens = self.admission.tokens_pushed
-
-    def _tokens_released(self) -> int:
-        """Tokens no longer counted against the allowance: consumed by the trainer (asynchronous mode), or
-        every token of earlier batches (synchronous mode, where a batch is closed at the allowance even
-        though the trainer pulls samples while it waits for the batch's end)."""
-        return self.batch_start_tokens if self.sync_mode else self.channels.tokens_consumed.value
+            await self._wait_for_change(POLL_S)
+        self.flow.start_batch()
 
     async def _wait_idle(self) -> None:
         while self.admission.inflight_groups > 0:
             self.channels.beat(f"waiting for {self.admission.inflight_rollouts} rollouts in flight")
-            await asyncio.sleep(0.01)
+            await self._wait_for_change(None)
 
-    # ---- one group -------------------------------------------------------------------------------------------
+    # ---- generate --------------------------------------------------------------------------------------------
 
-    async def _run_group(self, prompt_index: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
+    async def _generate(self, prompt: Prompt) -> None:
         """Generate the group and queue it for scoring (``_score_loop`` sends its samples), or drop it here."""
-        from asyncrl.client import ROLLOUT_MODEL, policy_model
-
-        version = self.channels.model_version.value
+        version = self.channels.model_version
         self._generating(version, +1)
         started = time.time()
         ROLLOUT_MODEL.set(policy_model(self.spec.model_name, self.spec.adapter_prefix, version))  # this task only
         group_id = next(self.group_ids)
-        outcomes = await asyncio.gather(*(self._one_rollout(row, group_id)
+        outcomes = await asyncio.gather(*(self._one_rollout(prompt.row, group_id)
                                           for _ in range(self.config.sampling.num_generations)),
                                         return_exceptions=True)  # fmt: skip
         rollouts = [r for r in outcomes if isinstance(r, Rollout)]
         if len(rollouts) < len(outcomes):
             errors = [e for e in outcomes if not isinstance(e, Rollout)]
-            self._drop_ungenerated(prompt_index, version, rollouts, errors)
+            self._drop_ungenerated(prompt.index, version, rollouts, errors)
             return
-        group = self.loop.build_group(row.get("prompt") or [], row, rollouts, group_id=group_id,
-                                      row_index=row_index, model_version=version)  # fmt: skip
+        group = self.loop.build_group(prompt.row.get("prompt") or [], prompt.row, rollouts, group_id=group_id,
+                                      row_index=prompt.row_index, model_version=version)  # fmt: skip
         self.generation_spans.append((started, time.time()))
         blocked = time.monotonic()
-        await self.score_queue.put(ScoreJob(group, prompt_index, epoch, version, sum(map(rollout_tokens, rollouts))))
+        job = ScoreJob(group, prompt.index, prompt.epoch, version, sum(map(rollout_tokens, rollouts)))
+        await self.score_queue.put(job)
         group.queued_at = time.monotonic()  # before the scorer can run: this task has not yielded since the put
         self.metrics["rollout/score_block_s"].append(group.queued_at - blocked)
 
@@ -272,21 +331,23 @@ class WorkerDriver:
         self.metrics["rollout/skipped_long_prompt_count" if reason == "prompt_too_long" else
                      "rollout/failed_group_count"].append(1.0)  # fmt: skip
         self.admission.on_group_done(0, sum(map(rollout_tokens, rollouts)))
-        self._push(PromptDone(prompt_index, reason, detail=str(error)[:500]))
+        self.changed.set()
+        self.channels.send(PromptDone(prompt_index, reason, detail=str(error)[:500]))
         self._generating(version, -1)
         self.channels.beat(f"group dropped: {reason}")
 
+    # ---- score and queue -------------------------------------------------------------------------------------
+
     async def _score_loop(self) -> None:
-        """Score the queued groups one at a time, in the order their generation finished."""
+        """Score the generated groups one at a time, in the order their generation finished."""
         while True:
             job = await self.score_queue.get()
+            self.changed.set()  # room in the scoring queue
             self.metrics["rollout/score_wait_s"].append(time.monotonic() - job.group.queued_at)
             await self._score(job)
 
     async def _score(self, job: ScoreJob) -> None:
-        """Score, compute advantages, send the samples (or a PromptDone saying why the group was dropped)."""
-        from asyncrl.advantages import group_drop_reason, silent_rewards
-
+        """Score the group, compute its advantages, feed its lag to the pacer, and queue it."""
         group = job.group
         started = time.monotonic()
         per_source = await score_group(group, self.spec.reward_sources)
@@ -295,21 +356,27 @@ class WorkerDriver:
         drop = group_drop_reason(group.rewards)
         self._record_group(group, per_source, drop, advantages)
         self._pace(job.version)
+        self._queue(job, per_source, advantages, drop)
+
+    def _queue(self, job: ScoreJob, per_source: dict[str, np.ndarray], advantages: np.ndarray,
+               drop: str | None) -> None:  # fmt: skip
+        """Send the group's samples to the trainer, or a PromptDone saying why it was dropped."""
         if drop is not None:
             self.admission.on_group_done(0, job.generated)
-            self._push(PromptDone(job.prompt_index, drop, *silent_rewards(per_source)))
+            self.channels.send(PromptDone(job.prompt_index, drop, *silent_rewards(per_source)))
         else:
-            samples = self._samples(group, advantages, per_source, job.prompt_index, job.epoch)
+            samples = build_samples(job.group, advantages, per_source, job.prompt_index, job.epoch)
             self.admission.on_group_done(sum(s.num_tokens for s in samples), job.generated)
             for sample in samples:
-                self._push(sample)
+                self.channels.send(sample)
+        self.changed.set()
         self._generating(job.version, -1)  # after its samples are sent (and counted): the trainer drains them
         self.channels.beat("group queued")
 
     def _pace(self, start_version: int) -> None:
         """Feed the group's lag to the staleness pacer, before its samples join the queue."""
-        if self.pacer.enabled:
-            late = self.pacer.on_group_done(start_version, self.channels.model_version.value, *self._rollout_counts())
+        late = self.flow.on_group_queued(start_version, self.channels.model_version)
+        if late is not None:
             self.metrics["rollout/late_group_count"].append(float(late))
 
     async def _one_rollout(self, row: dict[str, Any], group_id: int) -> Rollout:
@@ -319,6 +386,7 @@ class WorkerDriver:
             rollout = await self.loop.generate_one(episode.prompt, episode.tools, group_id)
         except BaseException:
             self.admission.on_rollout_failed()
+            self.changed.set()
             raise
         rollout.env_reward, reward_s = await self.agents.end(episode)
         for name, seconds in (("env/reset_s", episode.reset_s), ("env/reward_s", reward_s)):
@@ -327,45 +395,19 @@ class WorkerDriver:
         self.metrics["rollout/duration_s"].append(time.monotonic() - started)
         self.generated_tokens += sum(len(t.output_ids) for t in rollout.turns)
         self.admission.on_rollout_done(rollout_tokens(rollout))
+        self.changed.set()
         self.channels.beat("rollout done")
         return rollout
-
-    def _samples(
-        self, group: RolloutGroup, advantages: np.ndarray, per_source: dict[str, np.ndarray], prompt_index: int,
-        epoch: int,
-    ) -> list[RolloutSample]:  # fmt: skip
-        assert group.rewards is not None
-        scored = group.rewards[~np.isnan(group.rewards)]
-        group_std = float(np.std(scored)) if scored.size else 0.0
-        components = {name: (np.nanstd(values) if np.isfinite(values).any() else np.nan)
-                      for name, values in per_source.items()}  # fmt: skip
-        samples = []
-        for i, (rollout, sequences) in enumerate(zip(group.rollouts, group.completions_sequences, strict=True)):
-            for sequence in sequences:
-                samples.append(RolloutSample(
-                    sequence=sequence, advantage=float(advantages[i]), reward=float(group.rewards[i]),
-                    group_id=group.group_id, row_index=group.row_index, prompt_index=prompt_index,
-                    model_version=group.model_version,
-                    rollout_id=rollout.rollout_id, epoch=epoch, group_std=group_std,
-                    reward_components={f"rewards/{n}/group_std": float(s) for n, s in components.items()},
-                    queued_at=time.time(),
-                ))  # fmt: skip
-        return samples
 
     def _record_group(
         self, group: RolloutGroup, per_source: dict[str, np.ndarray], drop: str | None, advantages: np.ndarray
     ) -> None:
-        from asyncrl.rollout.group_metrics import completion_records, group_metrics
-
         for name, values in group_metrics(group, per_source, drop).items():
             self.metrics[name].extend(values)
         if self.config.logging.log_completions:
             self.completion_records.extend(completion_records(group, advantages))
 
     # ---- plumbing --------------------------------------------------------------------------------------------
-
-    def _push(self, item: Any) -> None:
-        self.channels.send(item)
 
     def _flush_metrics(self) -> None:
         if self.metrics or self.generation_spans or self.completion_records:
@@ -375,54 +417,48 @@ class WorkerDriver:
             self.generation_spans, self.completion_records = [], []
 
     async def _report(self, interval_s: float = 1.0) -> None:
+        """Every ``interval_s``: the rate and load metrics, flushed to the trainer, and a heartbeat (a wait on an
+        event, such as a long rollout, sends none itself)."""
         last_time, last_tokens, last_retries = time.monotonic(), 0, 0
         while True:
             await asyncio.sleep(interval_s)
+            self.channels.beat()
             now = time.monotonic()
             rate = (self.generated_tokens - last_tokens) / (now - last_time)
             self.metrics["rollout/generated_tokens_per_s"].append(rate)
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
-            self.metrics["rollout/concurrency_cap"].append(self.concurrency.cap)
+            self.metrics["rollout/concurrency_cap"].append(self.flow.concurrency.cap)
             self.metrics["rollout/score_queue_size"].append(self.score_queue.qsize())
-            if self.pacer.enabled:
-                self.metrics["rollout/staleness_cap"].append(self.pacer.cap)
+            if self.flow.pacer is not None:
+                self.metrics["rollout/staleness_cap"].append(self.flow.pacer.cap)
             retries = self.loop.client.retry_count
             self.metrics["rollout/vllm_retry_count"].append(retries - last_retries)
             last_time, last_tokens, last_retries = now, self.generated_tokens, retries
             self._flush_metrics()
 
-    async def _watch_parent(self) -> None:
-        while True:
-            if os.getppid() != self.spec.parent_pid:
-                os._exit(3)  # the trainer died without stopping us: never outlive it
-            await asyncio.sleep(0.5)
 
-
-def worker_entry(channels: WorkerChannels, parent_pid: int) -> None:
-    """Process entry: import what the rollouts run, wait for the spec, run. Without a spec it ends when the
-    trainer sets the stop event or dies."""
-    import transformers  # noqa: F401 - the tokenizer and the loop need it: import it before the spec comes
-
-    import asyncrl.client  # noqa: F401
-    import asyncrl.rollout.loop  # noqa: F401
-
-    while True:
-        try:
-            spec = channels.spec_queue.get(timeout=0.2)
-            break
-        except queue.Empty:
-            if channels.stop_event.is_set() or os.getppid() != parent_pid:
-                return
-    worker_main(spec, channels)
-
-
-def worker_main(spec: WorkerSpec, channels: WorkerChannels) -> None:
-    """Process entry: run the driver; on failure hand the trainer its one-line summary and the traceback."""
-    try:
-        asyncio.run(_amain(spec, channels))
-    except BaseException as exc:
-        channels.exception_queue.put((failure_line(exc), traceback.format_exc()))
-        channels.failed_event.set()
+def build_samples(
+    group: RolloutGroup, advantages: np.ndarray, per_source: dict[str, np.ndarray], prompt_index: int,
+    epoch: int,
+) -> list[RolloutSample]:  # fmt: skip
+    """One sample per rollout sequence, with its rollout's advantage and reward and the group's spread."""
+    assert group.rewards is not None
+    scored = group.rewards[~np.isnan(group.rewards)]
+    group_std = float(np.std(scored)) if scored.size else 0.0
+    components = {name: (np.nanstd(values) if np.isfinite(values).any() else np.nan)
+                  for name, values in per_source.items()}  # fmt: skip
+    samples = []
+    for i, (rollout, sequences) in enumerate(zip(group.rollouts, group.completions_sequences, strict=True)):
+        for sequence in sequences:
+            samples.append(RolloutSample(
+                sequence=sequence, advantage=float(advantages[i]), reward=float(group.rewards[i]),
+                group_id=group.group_id, row_index=group.row_index, prompt_index=prompt_index,
+                model_version=group.model_version,
+                rollout_id=rollout.rollout_id, epoch=epoch, group_std=group_std,
+                reward_components={f"rewards/{n}/group_std": float(s) for n, s in components.items()},
+                queued_at=time.time(),
+            ))  # fmt: skip
+    return samples
 
 
 def failure_line(exc: BaseException) -> str:
@@ -433,13 +469,3 @@ def failure_line(exc: BaseException) -> str:
         return str(exc)
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-async def _amain(spec: WorkerSpec, channels: WorkerChannels) -> None:
-    from asyncrl.client import GenerationClient
-
-    config = spec.config
-    async with GenerationClient(spec.base_url, spec.model_name, timeout_s=config.server.timeout) as client:
-        loop = spec.loop_cls(config, spec.tokenizer, client, spec.advantage_fn, spec.max_model_len,
-                             seed_offset=spec.start_prompt_index * 1000)  # fmt: skip
-        await WorkerDriver(spec, channels, loop).run()

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 
 from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend
+from asyncrl.flow import FlowControl
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM's --max-lora-rank accepts (the built-in server takes the same)."""
@@ -78,4 +79,4 @@ def max_lora_rank(config: Config) -> int:
 
 def max_loras(config: Config) -> int:
     """Adapter versions alive at once: max_staleness + 1 in use, plus the next one loaded before the oldest goes."""
-    return config.server.max_loras or config.staleness.max_staleness + 2
+    return config.server.max_loras or FlowControl.from_config(config).adapter_slots

@@ -1,18 +1,16 @@
 """Lifecycle of the generation server subprocess: start, wait for health, stop; never an orphan.
 
 The server runs in its own process group (so its children go with it) with its log in the run directory.
-If the CLI dies, even by SIGKILL, the kernel's parent-death signal (Linux prctl) terminates the server.
+If the CLI dies, even by SIGKILL, the kernel's parent-death signal terminates the server (``die_with_parent``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -20,27 +18,11 @@ from types import TracebackType
 
 import httpx
 
-_PR_SET_PDEATHSIG = 1
+from asyncrl.parent import die_with_parent
 
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message carries the end of its log."""
-
-
-def die_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn``: in the child, before exec, start a session and ask the kernel for SIGTERM when the
-    parent dies; a parent already gone by then (it died between fork and the request) ends the child at once."""
-    parent = os.getpid()
-
-    def in_child() -> None:
-        os.setsid()
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return in_child
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -6,8 +6,9 @@ does not fit. Asynchronous mode closes a step after ``gradient_accumulation_step
 Synchronous mode (max_staleness=0) takes everything up to the worker's ``EndOfBatch`` marker. Of the samples
 that have arrived, the oldest policy version is taken first: groups finish out of their start order, and a
 sample one sync from its staleness limit must not wait behind younger ones that have time to spare. For the
-same reason a step waits (bounded) for a group still generating at its last version, and a full step takes one
-more micro-batch of samples at their last version instead of dropping them. A step never carries a sample into
+same reason a step waits for a group still generating at its last version (for as long as ``ExpiringWait`` in
+flow.py allows), and a full step takes one more micro-batch of samples at their last version instead of
+dropping them. A step never carries a sample into
 the next one: that one trains after a sync, so the sample is checked again when it is pulled. While
 waiting, the worker's failure, silence and the server's death are checked so a broken run fails within
 seconds with the reason, never hangs.
@@ -23,10 +24,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from asyncrl.flow import FlowControl
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing import MicroBatchPlanner, Row, RowFactory
-from asyncrl.rollout.channels import PromptDone, WorkerChannels
-from asyncrl.rollout.types import EndOfBatch, RolloutSample
+from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.types import EndOfBatch, PromptDone, RolloutSample
 from asyncrl.trainer.group_watch import GroupWatch
 
 IN_TRANSIT_TIMEOUT_S = 5.0
@@ -100,7 +102,7 @@ class StepAssembler:
         row_factory: RowFactory,
         token_budget: int,
         micro_batches_per_step: int,
-        max_staleness: int,
+        flow: FlowControl,
         progress: PromptProgress,
         window: MetricWindow,
         health_check: Callable[[], None],
@@ -109,8 +111,8 @@ class StepAssembler:
         watch: GroupWatch | None = None,
     ) -> None:
         self.channels, self.token_budget = channels, token_budget
-        self.micro_batches_per_step, self.max_staleness = micro_batches_per_step, max_staleness
-        self.sync_mode = max_staleness == 0
+        self.micro_batches_per_step, self.flow = micro_batches_per_step, flow
+        self.clock, self.expiring = flow.clock, flow.expiring_wait()
         self.progress, self.window = progress, window
         self.health_check, self.worker_timeout_s = health_check, worker_timeout_s
         self.planner = MicroBatchPlanner(row_factory, dp, token_budget)
@@ -118,8 +120,6 @@ class StepAssembler:
         self._samples: list[tuple[int, int, RolloutSample]] = []  # heap by (model_version, arrival)
         self._markers: deque[PromptDone | EndOfBatch] = deque()
         self._arrivals = itertools.count()
-        self._step_started: float | None = None
-        self._expiring_deadline = self._expiring_wait_s = 0.0
         self._sync_follows = True
         self._received = 0  # items taken off the rollout queue (the worker counts those it sent)
 
@@ -135,10 +135,8 @@ class StepAssembler:
         is at its last chance in this one."""
         micro_batches: list[list[Row]] = []
         wait_s, overflow = 0.0, False
-        now = time.monotonic()
-        previous_s = now - self._step_started - self._expiring_wait_s if self._step_started is not None else 0.0
-        self._expiring_deadline = now + previous_s  # the last step's time, not counting its own expiring wait
-        self._step_started, self._expiring_wait_s, self._sync_follows = now, 0.0, sync_follows
+        self.expiring.start_step()
+        self._sync_follows = sync_follows
         while True:
             item, waited = self._get()
             wait_s += waited
@@ -147,8 +145,8 @@ class StepAssembler:
                 continue
             if isinstance(item, EndOfBatch):
                 self._close(micro_batches, self.planner.flush())
-                if micro_batches or not self.sync_mode:
-                    return self._step(micro_batches, wait_s, final=not self.sync_mode, overflow=overflow)
+                if micro_batches or not self.flow.synchronous:
+                    return self._step(micro_batches, wait_s, final=not self.flow.synchronous, overflow=overflow)
                 continue
             if self._dropped(item):
                 continue
@@ -163,8 +161,8 @@ class StepAssembler:
             self._close(micro_batches, self.planner.offer(item))
 
     def _step(self, micro_batches: list[list[Row]], wait_s: float, final: bool = False, overflow: bool = False) -> Step:
-        if not self.sync_mode:
-            self.window.add("sample/expiring_wait_s", self._expiring_wait_s)
+        if not self.flow.synchronous:
+            self.window.add("sample/expiring_wait_s", self.expiring.waited_s)
             self.window.add("batch/overflow_micro_batch_count", float(overflow))
         return Step.of(micro_batches, wait_s, final)
 
@@ -183,17 +181,17 @@ class StepAssembler:
         after the next weight sync, one version later, so the sample goes back among the held ones instead of
         waiting in a row where its staleness would no longer be checked."""
         last = len(micro_batches) == self.micro_batches_per_step - 1 + overflow
-        return last and not self.sync_mode and not self.planner.fits(sample)
+        return last and not self.flow.synchronous and not self.planner.fits(sample)
 
     def _last_chance(self, sample: RolloutSample) -> bool:
         """The sample trains in this step or is dropped by the next: a step that is full takes one more
         micro-batch of such samples rather than waste their generation (the loss is normalised per step, so a
         step of more rows is a larger batch, as a synchronous step's overshoot is)."""
-        return self._sync_follows and self.channels.model_version.value - sample.model_version >= self.max_staleness
+        return self._sync_follows and sample.model_version <= self.flow.last_chance_version(self._version())
 
     def _drop_reason(self, sample: RolloutSample) -> str | None:
         """ "stale" for a sample too stale to train now, "oversize" for one too long for any row, else None."""
-        if self.channels.model_version.value - sample.model_version > self.max_staleness:
+        if self.flow.is_stale(sample.model_version, self._version()):
             return "stale"
         return "oversize" if sample.num_tokens > self.token_budget else None
 
@@ -210,35 +208,38 @@ class StepAssembler:
     def _take(self, sample: RolloutSample) -> None:
         """Count the sample as consumed: it trains in this step, at the current version."""
         self._consume(sample)
-        staleness = self.channels.model_version.value - sample.model_version
+        staleness = self._version() - sample.model_version
         self.window.add("sample/staleness_mean", staleness)
         self.window.add("sample/staleness_max", staleness)
         self.window.add("sample/time_in_queue_s", time.time() - sample.queued_at)
 
+    def _version(self) -> int:
+        """The policy version training now (weight syncs done)."""
+        return self.channels.model_version
+
     def _consume(self, sample: RolloutSample) -> None:
-        with self.channels.tokens_consumed.get_lock():
-            self.channels.tokens_consumed.value += sample.num_tokens
+        self.channels.consume(sample.num_tokens)
 
     def _get(self) -> tuple[object, float]:
         """The next item: a PromptDone first, then the oldest-version sample that arrived, an EndOfBatch last."""
-        started = time.monotonic()
+        started = self.clock()
         waited_on_expiring = False
         while True:
             expiring = self._expiring_in_flight()
             if self._markers or (self._samples and not expiring):
                 break
             waited_on_expiring |= expiring
-            passed, held_back = time.monotonic(), expiring and bool(self._samples)
+            passed, held_back = self.clock(), expiring and bool(self._samples)
             self._receive(timeout_s=0.05 if expiring else 0.2)
             if held_back:  # samples were here to train: the time is the expiring group's
-                self._expiring_wait_s += time.monotonic() - passed
+                self.expiring.held_back(passed)
         if waited_on_expiring:  # the group is done, but its last samples may still be in the queue's pipe
             self._drain_sent()
         while self._receive(timeout_s=0.0):
             pass
         if self._markers and (isinstance(self._markers[0], PromptDone) or not self._samples):
-            return self._markers.popleft(), time.monotonic() - started
-        return heapq.heappop(self._samples)[2], time.monotonic() - started
+            return self._markers.popleft(), self.clock() - started
+        return heapq.heappop(self._samples)[2], self.clock() - started
 
     def _receive(self, timeout_s: float) -> bool:
         """Hold the next item off the rollout queue (waiting up to ``timeout_s``); False if none came."""
@@ -263,9 +264,9 @@ class StepAssembler:
 
     def _drain_sent(self) -> None:
         """Receive every item the worker had sent by now (bounded by IN_TRANSIT_TIMEOUT_S)."""
-        sent = self.channels.items_sent.value
-        deadline = time.monotonic() + IN_TRANSIT_TIMEOUT_S
-        while self._received < sent and time.monotonic() < deadline:
+        sent = self.channels.items_sent
+        deadline = self.clock() + IN_TRANSIT_TIMEOUT_S
+        while self._received < sent and self.clock() < deadline:
             self._receive(timeout_s=0.05)
 
     def _expiring_in_flight(self) -> bool:
@@ -273,9 +274,9 @@ class StepAssembler:
         the step with younger samples that can wait a step (at most one step's time per step). Short groups
         finish first, so without this a long group started just before a sync misses the last step it may train
         in, and its generation is wasted."""
-        if self.sync_mode or not self._sync_follows or time.monotonic() >= self._expiring_deadline:
+        if self.flow.synchronous or not self._sync_follows or not self.expiring.open():
             return False
-        last_chance = self.channels.model_version.value - self.max_staleness  # this version trains now or never
+        last_chance = self.flow.last_chance_version(self._version())  # this version trains now or never
         if self._samples and self._samples[0][0] <= last_chance:
             return False  # one of them is here: take it first
         return self.channels.inflight_at(last_chance) > 0  # older groups are past saving: not waited for
@@ -289,14 +290,12 @@ class StepAssembler:
             self._markers.append(item)
 
     def _check_worker(self) -> None:
-        if self.channels.failed_event.is_set():
-            try:
-                line, trace = self.channels.exception_queue.get(timeout=5)
-            except queue.Empty:
-                line, trace = "(no error received)", ""
+        failure = self.channels.failure()
+        if failure is not None:
+            line, trace = failure
             raise RolloutWorkerError(f"the rollout worker failed: {line}", details=trace)
         self.health_check()
-        silent_s = time.time() - self.channels.heartbeat.value
+        silent_s = time.time() - self.channels.heartbeat
         if silent_s > self.worker_timeout_s:
             raise RolloutWorkerError(
                 f"the rollout worker made no progress for {silent_s:.0f}s (staleness.rollout_worker_timeout="

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +42,7 @@ if TYPE_CHECKING:
     from asyncrl.components import Components
 
 ORPHAN_GRACE_S = 10.0
-"""How long a rank whose CLI died may take to end by itself before ``watch_parent`` ends it."""
-ORPHANED_EXIT = 3
+"""How long a rank whose CLI died may take to end by itself before ``exit_with_parent`` ends it."""
 
 
 @dataclass
@@ -161,23 +159,6 @@ def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any
     if resume is not None:
         fsdp.load_sharded(resume, model, optimizer)
     return model, optimizer, scheduler, resume
-
-
-def watch_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S) -> threading.Thread:
-    """A rank never outlives the CLI. The kernel sends SIGTERM when the CLI dies, but a rank waiting inside a
-    collective never runs its handler (Python handles signals between bytecodes, in the main thread), so this
-    thread ends the rank ``grace_s`` after the parent is gone if it has not ended by itself."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        time.sleep(grace_s)
-        print(f"trainer rank: the CLI (pid {parent_pid}) is gone; leaving", file=sys.stderr, flush=True)
-        os._exit(ORPHANED_EXIT)
-
-    thread = threading.Thread(target=watch, name="asyncrl-watch-parent", daemon=True)
-    thread.start()
-    return thread
 
 
 def leave(code: int) -> NoReturn:

@@ -17,6 +17,7 @@ from asyncrl.client import ControlClient, policy_model
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import evaluate
+from asyncrl.flow import FlowControl
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.rollout.channels import WorkerChannels
@@ -72,6 +73,7 @@ class Trainer:
         use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlClient(server.base_url, timeout_s=config.server.timeout)
+        self.flow = FlowControl.from_config(config)
         self.channels = WorkerChannels.create(1)
         self.worker = spawn_worker(self.channels)  # it imports, and the model loads, while a launched server boots
         try:
@@ -143,13 +145,12 @@ class Trainer:
                     break
                 rows = self._optimize(step)
                 self.state.step += 1
-                synchronous = self.config.staleness.max_staleness == 0
-                if synchronous:  # the worker starts the next batch on it as soon as the weights move
+                if self.flow.grant_before_sync():
                     self._grant_allowance(step, rows)
                 if self.state.step % self.config.staleness.weight_sync_steps == 0:
                     with phase("weight_sync"):
                         self._sync_weights()
-                if not synchronous:  # after the sync: the groups it lets start run under the new weights
+                if not self.flow.grant_before_sync():
                     self._grant_allowance(step, rows)
             self._record_step_time(step, time.perf_counter() - step_started)
             if self.state.step % self.config.trainer.logging_steps == 0:
@@ -238,24 +239,16 @@ class Trainer:
             self.window.add("perf/wall_clock_mfu", self.mfu.mfu(self.step_flops, seconds))
 
     def _grant_allowance(self, step: Step, rows: list[Any]) -> None:
-        """Let the worker hold max(max_staleness, 1) steps' worth of the tokens this step consumed.
-
-        Synchronous mode generates exactly one batch per step, so a step is as large as the allowance: there
-        it is the sample tokens that fill the step's rows at the packing ratio just measured (tree rows hold
-        more sample tokens than their budget of unique tokens), never the batch itself, which would grow by
-        its own overshoot every step."""
-        consumed = sum(s.num_tokens for s in step.samples)
-        if self.config.staleness.max_staleness == 0:
-            forwarded = max(1, sum(r.num_forwarded for r in rows))
-            rows_per_step = self.config.trainer.gradient_accumulation_steps * self.world
-            consumed = int(rows_per_step * self.token_budget * consumed / forwarded)
-        self.channels.token_allowance.value = max(1, self.config.staleness.max_staleness) * max(consumed, 1)
+        """Let the worker hold the tokens of the next steps, measured on this one (``FlowControl.allowance``)."""
+        consumed, forwarded = sum(s.num_tokens for s in step.samples), sum(r.num_forwarded for r in rows)
+        self.channels.token_allowance = self.flow.allowance(consumed, forwarded, self.rows_per_step,
+                                                                  self.token_budget)  # fmt: skip
 
     def _sync_weights(self) -> None:
         version = self.state.model_version + 1
         self.window.update(self._push(version))
         self.state.model_version = version
-        self.channels.model_version.value = version
+        self.channels.model_version = version
 
     def _push(self, version: int) -> dict[str, float]:
         """One weight sync; a failed one caused by the server's death says so, with the end of its log."""
@@ -282,9 +275,9 @@ class Trainer:
         c, components = self.config, self.prepared.components
         self.progress = PromptProgress(cursor=self.state.prompt_index, consumed=self.state.prompts_consumed)
         self.num_tokens = int(self.state.extra.get("num_tokens", 0))
-        rows_per_step = c.trainer.gradient_accumulation_steps * self.world
-        self.channels.token_allowance.value = max(1, c.staleness.max_staleness) * rows_per_step * self.token_budget
-        self.channels.model_version.value = self.state.model_version
+        self.rows_per_step = c.trainer.gradient_accumulation_steps * self.world
+        self.channels.token_allowance = self.flow.initial_allowance(self.rows_per_step, self.token_budget)
+        self.channels.model_version = self.state.model_version
         spec = WorkerSpec(
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
             reward_sources=components.rewards, advantage_fn=components.advantage, loop_cls=self.prepared.loop_cls,
@@ -296,14 +289,14 @@ class Trainer:
         send_spec(spec, self.channels)
         self.assembler = StepAssembler(
             self.channels, self.row_factory, self.token_budget, c.trainer.gradient_accumulation_steps,
-            c.staleness.max_staleness, self.progress, self.window, self._check_processes,
+            self.flow, self.progress, self.window, self._check_processes,
             c.staleness.rollout_worker_timeout, dp=self.world,
             watch=GroupWatch(c.rollout.max_consecutive_dropped_groups, c.rollout.max_failed_group_fraction),
         )  # fmt: skip
 
     def _check_processes(self) -> None:
         check_alive(self.server)
-        if not self.worker.is_alive() and not self.channels.failed_event.is_set():
+        if not self.worker.is_alive() and self.channels.failure() is None:
             raise RolloutWorkerError(f"the rollout worker exited with code {self.worker.exitcode} without an error")
 
     def _log(self) -> None:
@@ -386,7 +379,7 @@ class Trainer:
                      resumable=command == "save")  # fmt: skip
 
     def _stop_worker(self) -> None:
-        self.channels.stop_event.set()
+        self.channels.stop()
         self.worker.join(timeout=5)
         if self.worker.is_alive():
             self.worker.terminate()

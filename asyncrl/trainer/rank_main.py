@@ -14,8 +14,9 @@ import torch.distributed as dist
 from asyncrl.components import Components
 from asyncrl.config.schema import Config
 from asyncrl.launch import EXPECTED_ERRORS, load_run_config, terminate_on_sigterm
+from asyncrl.parent import exit_with_parent
 from asyncrl.server.handle import AttachedServer
-from asyncrl.trainer.distributed import Follower, leave, watch_parent
+from asyncrl.trainer.distributed import ORPHAN_GRACE_S, Follower, leave
 from asyncrl.trainer.loop import run_training
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.setup import prepare
@@ -27,7 +28,8 @@ def main(run_dir: Path) -> int:
     config, components = load_run_config(run_dir)
     terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
-    watch_parent(os.getppid())
+    cli = os.getppid()  # a rank waiting inside a collective never runs its SIGTERM handler: leave after a grace
+    exit_with_parent(cli, grace_s=ORPHAN_GRACE_S, message=f"trainer rank: the CLI (pid {cli}) is gone; leaving")
     ranks = Ranks.from_env()
     if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")

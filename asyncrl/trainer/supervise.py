@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncrl.parent import die_with_parent
 from asyncrl.server.handle import check_alive
-from asyncrl.server.process import die_with_parent, free_port
+from asyncrl.server.process import free_port
 
 SERVER_URL_ENV = "ASYNCRL_SERVER_URL"
 GRACE_S = 10.0

@@ -1,6 +1,8 @@
-"""Admission arithmetic: one group until the first completes, then the token allowance and the cap."""
+"""Admission arithmetic: one group until the first completes, then the token allowance and the cap; the worker's
+side of flow control combining it with the two caps, the scoring queue and synchronous batches."""
 
-from asyncrl.rollout.admission import Admission
+from asyncrl.flow import FlowControl
+from asyncrl.rollout.admission import Admission, WorkerFlow
 
 
 def test_one_group_at_a_time_until_the_first_completes():
@@ -105,3 +107,48 @@ def test_the_initial_allowance_leaves_the_window_at_the_first_grant():
     assert a.wait_reason(allowance=150, tokens_consumed=0, concurrency_cap=512) == "backpressure"  # the guess
     # the first grant measured a step larger than the guess: the guess no longer bounds admission
     assert a.wait_reason(allowance=400, tokens_consumed=0, concurrency_cap=512) is None
+
+
+def started_and_done(flow: WorkerFlow, tokens: int, pushed: int | None = None) -> None:
+    """One group of ``tokens``-token rollouts generated and queued (``pushed`` sample tokens; all by default)."""
+    flow.admission.on_group_start()
+    for _ in range(flow.flow.num_generations):
+        flow.admission.on_rollout_done(tokens)
+    total = tokens * flow.flow.num_generations
+    flow.admission.on_group_done(total if pushed is None else pushed, total)
+
+
+def test_the_worker_says_what_it_waits_on_the_pacer_first_then_room_to_score():
+    flow = WorkerFlow(FlowControl(1, num_generations=4, max_concurrent_rollouts=8))
+    started_and_done(flow, tokens=10)
+    assert flow.wait_reason(allowance=10**6, tokens_consumed=40, scoring_full=True).startswith("scoring")
+    flow.admission.on_group_start()  # 4 in flight, another group fits the ceiling of 8
+    assert flow.wait_reason(10**6, 40, scoring_full=False) is None
+    assert flow.pacer is not None
+    assert flow.on_group_queued(start_version=0, version=2)  # late: the cap falls to 70% of 8 in flight
+    assert flow.pacing_cap == 5 and flow.wait_reason(10**6, 40, scoring_full=False) == "staleness pacing"
+    flow.concurrency.adapt(4)  # the server's load allows fewer: that is the reason now
+    assert flow.wait_reason(10**6, 40, scoring_full=False) == "concurrency"
+    assert flow.rollout_counts() == (4, 4)
+
+
+def test_a_synchronous_worker_closes_its_batch_at_the_allowance_and_counts_tokens_by_batch():
+    flow = WorkerFlow(FlowControl(0, num_generations=2, max_concurrent_rollouts=8))
+    assert flow.pacer is None and flow.on_group_queued(0, 5) is None
+    started_and_done(flow, tokens=50)
+    # the trainer pulled the batch's samples already, yet they count until the batch is closed
+    reason = flow.wait_reason(allowance=100, tokens_consumed=100, scoring_full=False)
+    assert reason == "backpressure" and flow.closes_batch(reason)
+    assert not flow.batch_has_room(100)
+    flow.start_batch()  # the weights moved
+    assert flow.released(tokens_consumed=0) == 100 and flow.wait_reason(100, 0, scoring_full=False) is None
+    started_and_done(flow, tokens=30, pushed=0)  # a dropped group leaves room under the same weights
+    assert flow.batch_has_room(100)
+
+
+def test_an_asynchronous_worker_waits_for_the_trainer_to_consume():
+    flow = WorkerFlow(FlowControl(2, num_generations=2, max_concurrent_rollouts=8))
+    started_and_done(flow, tokens=50)
+    reason = flow.wait_reason(allowance=100, tokens_consumed=0, scoring_full=False)
+    assert reason == "backpressure" and not flow.closes_batch(reason)
+    assert flow.wait_reason(allowance=100, tokens_consumed=100, scoring_full=False) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from asyncrl.flow import FlowControl
+from asyncrl.rollout.admission import WorkerFlow
 from asyncrl.rollout.pacing import StalenessPacer
 
 
@@ -57,7 +59,6 @@ def test_the_cap_never_falls_below_one_group():
 
 
 def test_synchronous_mode_is_not_paced():
-    pacer = StalenessPacer(ceiling=64, num_generations=8, max_staleness=0)
-    assert not pacer.enabled
-    assert not pacer.on_group_done(start_version=0, version=3, inflight=56, completed=8)
-    assert pacer.cap == 64 and pacer.late_groups == 0
+    flow = WorkerFlow(FlowControl(max_staleness=0, num_generations=8, max_concurrent_rollouts=64))
+    assert flow.pacer is None and flow.pacing_cap == 64
+    assert flow.on_group_queued(start_version=0, version=3) is None

@@ -1,15 +1,26 @@
-"""The rollout worker process against a real built-in server: it stops when the trainer says so, even while
-admission holds it back because nobody consumes its samples."""
+"""The rollout worker: as a process against a real built-in server, it stops when the trainer says so, even while
+admission holds it back because nobody consumes its samples; as a driver in this process, on in-process channels,
+its admission, samples, synchronous batches, failures and shutdown."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
 from asyncrl.config import compose, to_config_and_components
+from asyncrl.config.schema import Config
 from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.loop import AsyncRolloutLoop
+from asyncrl.rollout.scoring import RewardSource
 from asyncrl.rollout.spawn import send_spec, spawn_worker
-from asyncrl.rollout.worker import WorkerSpec
+from asyncrl.rollout.types import EndOfBatch, RolloutSample, TurnRecord
+from asyncrl.rollout.worker import WorkerDriver, WorkerSpec, run_worker
 from asyncrl.server.command import served_model_name
 from asyncrl.trainer.setup import prepare
 
@@ -36,11 +47,11 @@ def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tin
             assert worker.is_alive(), "the worker exited early"
             time.sleep(0.1)
         stopped = time.monotonic()
-        channels.stop_event.set()
+        channels.stop()
         worker.join(timeout=10)
         assert not worker.is_alive() and worker.exitcode == 0
         assert time.monotonic() - stopped < 3.0  # it was waiting for room that would never come
-        assert not channels.failed_event.is_set()
+        assert channels.failure() is None
     finally:
         if worker.is_alive():
             worker.kill()
@@ -53,9 +64,138 @@ def test_a_worker_spawned_ahead_of_its_spec_ends_when_stopped_without_one():
     try:
         time.sleep(0.5)
         assert worker.is_alive()  # waiting for its spec
-        channels.stop_event.set()
+        channels.stop()
         worker.join(timeout=30)  # its imports may still be running
-        assert not worker.is_alive() and worker.exitcode == 0 and not channels.failed_event.is_set()
+        assert not worker.is_alive() and worker.exitcode == 0 and channels.failure() is None
     finally:
         if worker.is_alive():
             worker.kill()
+
+
+# ---- the driver in this process, on in-process channels, its one server request answered by the loop ----------
+
+
+@functools.cache
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "asyncrl" / "assets" / "tiny-arith")
+
+
+class GatedLoop(AsyncRolloutLoop):
+    """The rollout loop with its server request answered here once the test opens the gate: 2 then 4 tokens,
+    alternately, so that a group's rewards (their lengths) differ."""
+
+    async def setup(self) -> None:
+        self.gate, self.turns = asyncio.Event(), 0
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        await self.gate.wait()
+        self.turns += 1
+        n = 2 if self.turns % 2 else 4
+        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=[11] * n, output_log_probs=[-0.5] * n)
+
+
+class OpenLoop(GatedLoop):
+    """Answers at once."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.gate.set()
+
+
+def centred(rewards: np.ndarray, components: object) -> np.ndarray:
+    return rewards - rewards.mean()
+
+
+def by_length(completion_ids: list[list[int]], **_: object) -> list[float]:
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def failing(completion_ids: list[list[int]], **_: object) -> list[float]:
+    raise ValueError("no reward today")
+
+
+def local_spec(reward=by_length, total_prompts: int = 3, max_staleness: int = 1) -> WorkerSpec:
+    config = Config()
+    config.sampling.num_generations, config.staleness.max_staleness, config.data.shuffle = 2, max_staleness, False
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + {i} ="}], "answer": str(2 * i)} for i in range(3)]
+    return WorkerSpec(
+        config=config, tokenizer=tokenizer(), dataset=rows,
+        reward_sources=[RewardSource(reward.__name__, reward)], loop_cls=GatedLoop, advantage_fn=centred,
+        base_url="http://127.0.0.1:9", model_name="tiny", max_model_len=256, total_prompts=total_prompts,
+    )  # fmt: skip
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the driver run until ``condition`` holds: it wakes on its own events, and reads the trainer's counters
+    every POLL_S."""
+    for _ in range(1_000_000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"the driver never got to {what}")
+
+
+def sent(channels: WorkerChannels) -> list[object]:
+    items = []
+    while not channels.rollout_queue.empty():
+        items.append(channels.rollout_queue.get_nowait())
+    return items
+
+
+def test_the_driver_admits_by_the_allowance_sends_samples_and_stops_when_asked():
+    channels = WorkerChannels.create(1, in_process=True)  # one token: a second group waits for the trainer
+    driver = WorkerDriver(local_spec(), channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: "first group" in channels.get_status() and channels.inflight_at(0) == 1, "one group")
+        assert driver.admission.inflight_rollouts == 2  # the next group waits for the first to finish
+        driver.loop.gate.set()
+        await until(lambda: "backpressure" in channels.get_status(), "backpressure")
+        first = sent(channels)
+        assert [type(item) for item in first] == [RolloutSample, RolloutSample] and channels.items_sent == 2
+        assert [(s.prompt_index, s.reward, s.advantage, s.group_std) for s in first] == [
+            (0, 2.0, -1.0, 1.0),
+            (0, 4.0, 1.0, 1.0),
+        ]
+        assert first[0].sequence.token_ids[-2:] == [11, 11] and channels.inflight_at(0) == 0
+        channels.consume(sum(s.num_tokens for s in first))  # the trainer: pulled them, and grants more
+        channels.token_allowance = 10**6
+        await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
+        rest = sent(channels)
+        assert [s.prompt_index for s in rest[:-1]] == [1, 1, 2, 2] and rest[-1] == EndOfBatch(0)
+        channels.stop()
+        await run  # no error: a stop ends the worker, rollouts in flight or not
+
+    asyncio.run(scenario())
+    metrics = channels.metrics_queue.get_nowait()
+    assert len(metrics["rollout/duration_s"]) == 6 and len(metrics["rollout/backpressure_s"]) >= 1
+
+
+def test_a_synchronous_driver_closes_its_batch_and_waits_for_the_weight_sync():
+    channels = WorkerChannels.create(1, in_process=True)
+    driver = WorkerDriver(local_spec(max_staleness=0, total_prompts=2), channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: hasattr(driver, "loop") and hasattr(driver.loop, "gate"), "its setup")
+        driver.loop.gate.set()
+        await until(lambda: "waiting for weight sync to version 1" in channels.get_status(), "the batch's end")
+        assert [type(item).__name__ for item in sent(channels)] == ["RolloutSample"] * 2 + ["EndOfBatch"]
+        channels.model_version = 1  # the trainer synced: the next batch starts
+        await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
+        assert [getattr(item, "prompt_index", None) for item in sent(channels)] == [1, 1, None]
+        channels.stop()
+        await run
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_reward_reaches_the_trainer_as_one_line_with_the_traceback():
+    channels = WorkerChannels.create(10**6, in_process=True)
+    spec = local_spec(reward=failing)
+    spec.loop_cls = OpenLoop
+    run_worker(spec, channels)
+    line, trace = channels.failure()
+    assert "failing" in line and "no reward today" in line and "Traceback" in trace
+    channels.stop()  # the stop listener's thread ends too

@@ -3,18 +3,19 @@ and a worker that fails or goes silent turning into an error instead of a hang."
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
+from asyncrl.flow import FlowControl
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing import PACKERS
-from asyncrl.rollout.channels import PromptDone, WorkerChannels
-from asyncrl.rollout.types import EndOfBatch, RolloutSample, TrainingSequence
+from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.types import EndOfBatch, PromptDone, RolloutSample, TrainingSequence
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, StepAssembler
 from asyncrl.trainer.distributed import split_rows
 from asyncrl.trainer.step_metrics import batch_metrics
+from tests.fakes import FakeClock, scripted_channels
 
 
 def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSample:
@@ -34,30 +35,31 @@ def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSa
 
 def assembler(channels: WorkerChannels, *, budget: int = 25, rows: int = 2, max_staleness: int = 1,
               timeout_s: float = 60.0, dp: int = 1) -> tuple[StepAssembler, PromptProgress, MetricWindow]:  # fmt: skip
+    """An assembler on the channels' scripted rollout queue, timing its waits by that queue's fake clock."""
     factory, budget = PACKERS.build({"name": "flat"}).rows(budget)
     progress, window = PromptProgress(cursor=0), MetricWindow()
-    return (StepAssembler(channels, factory, budget, rows, max_staleness, progress, window, lambda: None, timeout_s,
-                          dp=dp), progress, window)  # fmt: skip
+    flow = FlowControl(max_staleness, clock=channels.rollout_queue.clock)
+    return (StepAssembler(channels, factory, budget, rows, flow, progress, window, lambda: None, timeout_s, dp=dp),
+            progress, window)  # fmt: skip
 
 
 def put(channels: WorkerChannels, *items) -> None:
     for item in items:
         channels.send(item)
-    time.sleep(0.05)  # let the queue's feeder thread flush
 
 
 def test_rows_close_when_full_and_the_step_has_rows_per_step_rows():
-    channels = WorkerChannels.create(1000)
+    channels, _ = scripted_channels()
     asm, progress, _ = assembler(channels)
     put(channels, *(sample(i) for i in range(5)))
     step = asm.next_step()  # rows of 2 samples (20 of 25 tokens); the 5th sample waits for the next step
     assert [len(r.samples) for r in step.rows] == [2, 2]
     assert progress.cursor == 4
-    assert channels.tokens_consumed.value == 40 and asm.held == 1
+    assert channels.tokens_consumed == 40 and asm.held == 1
 
 
 def test_two_ranks_get_micro_batches_balanced_by_cost_and_an_idle_rank_a_filler():
-    channels = WorkerChannels.create(1000)
+    channels, _ = scripted_channels()
     asm, progress, _ = assembler(channels, dp=2)
     long, short, closer = sample(0, n_tokens=20), [sample(i, n_tokens=5) for i in (1, 2, 3)], sample(4, n_tokens=24)
     put(channels, long, *short, closer, EndOfBatch(0))
@@ -76,7 +78,7 @@ def test_two_ranks_get_micro_batches_balanced_by_cost_and_an_idle_rank_a_filler(
 
 
 def test_one_rank_steps_report_balance_and_split_rejects_a_malformed_placement():
-    channels = WorkerChannels.create(1000)
+    channels, _ = scripted_channels()
     asm, _, _ = assembler(channels)
     put(channels, *(sample(i, n_tokens=n) for i, n in enumerate((20, 5, 10, 10, 5, 10))))
     step = asm.next_step()
@@ -88,8 +90,8 @@ def test_one_rank_steps_report_balance_and_split_rejects_a_malformed_placement()
 
 
 def test_stale_and_oversize_samples_are_dropped_and_counted():
-    channels = WorkerChannels.create(1000)
-    channels.model_version.value = 3
+    channels, _ = scripted_channels()
+    channels.model_version = 3
     asm, progress, window = assembler(channels, rows=1)
     put(channels, sample(0, version=1), sample(1, n_tokens=30, version=3), sample(2, version=2), sample(3, version=3),
         sample(4, version=3))  # fmt: skip
@@ -109,7 +111,7 @@ def test_prompt_cursor_counts_dropped_groups_and_waits_for_gaps():
 
 
 def test_synchronous_mode_takes_everything_up_to_the_end_of_batch():
-    channels = WorkerChannels.create(1000)
+    channels, _ = scripted_channels()
     asm, _, _ = assembler(channels, rows=1, max_staleness=0)
     put(channels, sample(0), sample(1), sample(2), PromptDone(3, "zero_std"), EndOfBatch(0))
     step = asm.next_step()
@@ -117,27 +119,26 @@ def test_synchronous_mode_takes_everything_up_to_the_end_of_batch():
 
 
 def test_worker_failure_is_raised_as_its_line_with_the_traceback_as_details():
-    channels = WorkerChannels.create(1000)
+    channels, _ = scripted_channels()
     asm, _, _ = assembler(channels)
-    channels.exception_queue.put(("RuntimeError: boom in reward", "Traceback (most recent call last):\n..."))
-    channels.failed_event.set()
+    channels.report_failure("RuntimeError: boom in reward", "Traceback (most recent call last):\n...")
     with pytest.raises(RolloutWorkerError, match="^the rollout worker failed: RuntimeError: boom in reward$") as err:
         asm.next_step()
     assert err.value.details.startswith("Traceback")
 
 
 def test_a_silent_worker_fails_naming_what_it_waited_on():
-    channels = WorkerChannels.create(1000)
+    channels, _ = scripted_channels()
     channels.set_status("waiting for 16 rollouts in flight")
-    channels.heartbeat.value = time.time() - 10
+    channels.heartbeat = time.time() - 10
     asm, _, _ = assembler(channels, timeout_s=1.0)
     with pytest.raises(RolloutWorkerError, match=r"no progress for \d+s(.|\n)*waiting for 16 rollouts in flight"):
         asm.next_step()
 
 
 def test_the_oldest_policy_version_that_arrived_is_taken_first():
-    channels = WorkerChannels.create(1000)
-    channels.model_version.value = 1
+    channels, _ = scripted_channels()
+    channels.model_version = 1
     asm, progress, window = assembler(channels, rows=1)
     put(channels, sample(0, version=1), sample(1, version=0), PromptDone(2, "zero_std"), sample(3, version=1),
         sample(4, version=0))  # fmt: skip
@@ -149,13 +150,13 @@ def test_the_oldest_policy_version_that_arrived_is_taken_first():
 
 def test_a_sample_that_would_open_the_next_step_is_checked_at_that_steps_version():
     """The next step trains after a weight sync: a sample within the limit now may be past it then."""
-    channels = WorkerChannels.create(1000)
-    channels.model_version.value = 1
+    channels, _ = scripted_channels()
+    channels.model_version = 1
     asm, _, window = assembler(channels, rows=1, max_staleness=2)
     put(channels, *(sample(i, version=0) for i in range(3)))
     first = asm.next_step()
     assert [s.prompt_index for s in first.samples] == [0, 1] and window.reduce()["sample/staleness_max"] == 1
-    channels.model_version.value = 3  # two syncs later
+    channels.model_version = 3  # two syncs later
     put(channels, sample(3, version=3), sample(4, version=3), EndOfBatch(3))
     second = asm.next_step()
     assert [s.prompt_index for s in second.samples] == [3, 4]
@@ -164,14 +165,14 @@ def test_a_sample_that_would_open_the_next_step_is_checked_at_that_steps_version
 
 
 def test_a_full_step_takes_one_more_micro_batch_of_samples_at_their_last_version():
-    channels = WorkerChannels.create(1000)
-    channels.model_version.value = 1
+    channels, _ = scripted_channels()
+    channels.model_version = 1
     asm, _, window = assembler(channels, rows=1, max_staleness=1)
     put(channels, *(sample(i, version=0) for i in range(5)), sample(5, version=1))
     step = asm.next_step()  # rows hold two: [0, 1] fills the step, [2, 3] trains rather than expire, 4 cannot
     assert [[s.prompt_index for s in row.samples] for row in step.rows] == [[0, 1], [2, 3]]
     assert window.reduce()["batch/overflow_micro_batch_count"] == 1 and asm.held == 2
-    channels.model_version.value = 2
+    channels.model_version = 2
     put(channels, sample(6, version=2), EndOfBatch(2))
     assert [s.prompt_index for s in asm.next_step().samples] == [5, 6]  # only one extra micro-batch: 4 expired
     assert window.reduce()["sample/dropped_stale_count"] == 1
@@ -180,79 +181,72 @@ def test_a_full_step_takes_one_more_micro_batch_of_samples_at_their_last_version
     assert last.final and len(last.rows) == 2 and window.reduce()["batch/overflow_micro_batch_count"] == 1
 
 
-def after_one_step(sleep_s: float) -> tuple[WorkerChannels, StepAssembler, MetricWindow]:
-    """At version 2 with max_staleness 1, one step done ``sleep_s`` ago: that time bounds the next step's wait
+def after_one_step(elapsed_s: float) -> tuple[WorkerChannels, FakeClock, StepAssembler, MetricWindow]:
+    """At version 2 with max_staleness 1, one step done ``elapsed_s`` ago: that time bounds the next step's wait
     for expiring groups. Sample 2 is held for the next step."""
-    channels = WorkerChannels.create(1000)
-    channels.model_version.value = 2
+    channels, clock = scripted_channels()
+    channels.model_version = 2
     asm, _, window = assembler(channels, rows=1, max_staleness=1)
     put(channels, sample(0, version=2), sample(1, version=2), sample(2, version=2))
     asm.next_step()
-    time.sleep(sleep_s)
-    return channels, asm, window
+    clock.advance(elapsed_s)
+    return channels, clock, asm, window
 
 
 def test_a_step_waits_for_a_group_still_generating_at_its_last_version_within_one_steps_time():
-    channels, asm, window = after_one_step(0.6)
+    channels, clock, asm, window = after_one_step(0.6)
     assert window.reduce()["sample/expiring_wait_s"] == 0  # the first step: nothing to time the wait by
     channels.publish_inflight({1: 1, 2: 3})  # a version-1 group is generating: it trains in this step or never
     put(channels, sample(3, version=2))
 
     def finish_the_group() -> None:
-        time.sleep(0.2)
-        for item in (sample(4, version=1), sample(5, version=1)):
-            channels.send(item)
+        put(channels, sample(4, version=1), sample(5, version=1))
         channels.publish_inflight({2: 3})
 
-    threading.Thread(target=finish_the_group).start()
+    channels.rollout_queue.at(0.2, finish_the_group)
     step = asm.next_step()
     assert [s.prompt_index for s in step.samples] == [4, 5]  # not the younger ones that arrived first
-    assert 0.15 < window.reduce()["sample/expiring_wait_s"] < 0.6
+    assert window.reduce()["sample/expiring_wait_s"] == pytest.approx(0.2)
 
-    time.sleep(1.0)
-    channels.publish_inflight({1: 1})  # a group that never finishes: the step goes on after ~1 s
+    clock.advance(1.0)  # this step took 0.2 s of waiting and 1 s besides
+    channels.publish_inflight({1: 1})  # a group that never finishes: the step goes on after 1 s
     put(channels, sample(6, version=2))  # the sample that closes the step
-    started = time.monotonic()
+    started = clock()
     step = asm.next_step()
-    assert [s.model_version for s in step.samples] == [2, 2] and 0.8 < time.monotonic() - started < 3
+    assert [s.model_version for s in step.samples] == [2, 2]
     waited = window.reduce()["sample/expiring_wait_s"]
-    assert 0.8 < waited < 3
+    assert clock() - started == pytest.approx(waited) and waited == pytest.approx(1.0, abs=0.05)
     put(channels, sample(7, version=2), sample(8, version=2))
-    started = time.monotonic()
+    started = clock()
     asm.next_step()  # the last step's time, without its own wait, bounds this one: the wait does not grow
-    assert time.monotonic() - started < 0.5 * waited
+    assert clock() - started < 0.1 and window.reduce()["sample/expiring_wait_s"] < 0.1
 
 
 def test_no_wait_for_groups_past_saving_or_when_the_weights_do_not_move():
-    channels, asm, window = after_one_step(1.0)
+    channels, clock, asm, window = after_one_step(1.0)
     channels.publish_inflight({0: 1, 2: 1})  # the version-0 group's samples will be dropped whenever they come
     put(channels, sample(3, version=2), sample(4, version=2))
-    started = time.monotonic()
+    started = clock()
     asm.next_step()
-    assert time.monotonic() - started < 0.4 and window.reduce()["sample/expiring_wait_s"] == 0
-    time.sleep(1.0)
+    assert clock() == started and window.reduce()["sample/expiring_wait_s"] == 0
+    clock.advance(1.0)
     channels.publish_inflight({1: 1})  # at its last version if a sync followed this step, but none does
     put(channels, *(sample(i, version=1) for i in (5, 6, 7)))
-    started = time.monotonic()
     step = asm.next_step(sync_follows=False)
-    assert time.monotonic() - started < 0.4 and [s.prompt_index for s in step.samples] == [5, 6]
+    assert clock() == started + 1.0 and [s.prompt_index for s in step.samples] == [5, 6]
     assert window.reduce()["batch/overflow_micro_batch_count"] == 0  # 7 can train at this version next step
 
 
 def test_samples_still_in_the_queues_pipe_when_their_group_ends_join_the_step():
     """``put`` returns before the item reaches the pipe: the trainer counts what the worker sent."""
-    channels, asm, _ = after_one_step(0.5)
+    channels, _, asm, _ = after_one_step(0.5)
     channels.publish_inflight({1: 1})
     put(channels, sample(3, version=2))
 
-    def finish_with_a_slow_pipe() -> None:
-        time.sleep(0.1)
-        with channels.items_sent.get_lock():
-            channels.items_sent.value += 2  # sent, not yet through the pipe
+    def group_ends_with_its_samples_in_the_pipe() -> None:
+        channels.rollout_queue.transit_s = 0.3  # sent now, through the pipe 0.3 s later
+        put(channels, sample(4, version=1), sample(5, version=1))
         channels.publish_inflight({})
-        time.sleep(0.3)
-        for item in (sample(4, version=1), sample(5, version=1)):
-            channels.rollout_queue.put(item)  # counted above
 
-    threading.Thread(target=finish_with_a_slow_pipe).start()
+    channels.rollout_queue.at(0.1, group_ends_with_its_samples_in_the_pipe)
     assert [s.prompt_index for s in asm.next_step().samples] == [4, 5]

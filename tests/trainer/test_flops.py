@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.assets.model_families import build_model, hybrid_text_config, moe_config
 from asyncrl.assets.tiny_model import build_config, build_tokenizer
-from asyncrl.packing import build_row_factory
+from asyncrl.packing import PACKERS
 from asyncrl.rollout.types import RolloutSample, TrainingSequence
 from asyncrl.trainer.flops import MfuMeter, forward_flops, peak_tflops, row_flops, row_pairs
 
@@ -67,7 +67,7 @@ def test_a_row_costs_its_causal_pairs_once_and_logits_where_tokens_train(packing
     whole, then the second's branch (from its last prompt token, whose logit predicts its first completion token)
     attending to the 3 shared tokens before it."""
     config = build_config(TOKENIZER)
-    factory, _ = build_row_factory({"name": packing}, 64)
+    factory, _ = PACKERS.build({"name": packing}).rows(64)
     row = factory()
     for completion in ([9, 10], [11, 12, 13]):
         row.add(sample(completion))

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from asyncrl.client import ControlClient, policy_model
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
+from asyncrl.flow import FlowControl
 from asyncrl.server.command import serving_dtype
 from asyncrl.trainer.sync.base import WeightSyncError, run_step
 
@@ -75,7 +76,7 @@ class AdapterSync:
         self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers
         self.root = output_dir / CACHE_DIR
         self.dtype = torch_dtype(serving_dtype(config))
-        self.keep = config.staleness.max_staleness + 1
+        self.keep = FlowControl.from_config(config).live_versions
         self.registered: deque[int] = deque()
         self.unloaded: list[int] = []
 

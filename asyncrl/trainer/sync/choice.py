@@ -16,6 +16,7 @@ import logging
 
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, LoraSync
+from asyncrl.flow import FlowControl
 from asyncrl.server import vllm
 from asyncrl.server.checks import ServerCheckError
 
@@ -62,7 +63,7 @@ def adapter_problem(config: Config, control: ControlClient, backend: str) -> str
             f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}: "
             f"restart it with --max-lora-rank {rank}"
         )
-    needed = config.staleness.max_staleness + 2
+    needed = FlowControl.from_config(config).adapter_slots
     if int(lora.get("max_loras", 0)) < needed:
         return (
             f"the server holds {lora.get('max_loras')} adapters and max_staleness + 2 versions are alive at "
