@@ -21,8 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from asyncrl.config.schema import Config
+if TYPE_CHECKING:  # config validation imports this module, and importing the schema first runs asyncrl.config's
+    from asyncrl.config.schema import Config  # package init (which validates): the type is all this module needs
 
 Clock = Callable[[], float]
 
