@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prepare vLLM VERSION (0.28.0) with the torch, torchvision, triton and NCCL it pins for an offline install
-# on the H200 machine (torch 2.11 / CUDA 13, no network). Run from the project; ~10 minutes on 2 cores.
+# on the H200 machine (torch 2.11 / CUDA 13, no network). Run from the project; ~6 minutes on 2 cores.
 #   tools/vllm-kit/build.sh 0.28.0
 # Output (git-ignored): .vllm-kit/part00..NN (44,000,000 bytes each) and .vllm-kit/extra/ (install script,
-# zstd and its libraries, the last small piece). See README.md here for what is pruned and why.
+# zstd and its libraries, the last piece). See README.md here for what is pruned and why.
 # KEEP_ALL_ARCHS=1 keeps every GPU architecture's code (~500 MB more, ~20 pieces).
 set -euo pipefail
 version=${1:?usage: tools/vllm-kit/build.sh VLLM_VERSION  (e.g. 0.28.0)}
