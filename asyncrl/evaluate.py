@@ -1,7 +1,9 @@
 """Held-out evaluation through the generation server: the reward functions on the eval split.
 
 Runs before training (the server holds the initial weights) and after the last weight sync, greedy and
-sampled at the training temperature (pass@1), so a run ends with a before/after comparison.
+sampled at the training temperature (pass@1), so a run ends with a before/after comparison. Greedy is top-1
+sampling at temperature 1: a vLLM >= 0.28 that returns sampling masks (--return-sampling-mask, which asyncrl
+passes when top-k/top-p/min-p are on) refuses every request with temperature 0 or top_k 0.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ async def _evaluate(
     prompts = [render_prompt(tokenizer, row["prompt"], s.chat_template_kwargs) for row in rows]
     results: dict[str, float] = {}
     async with GenerationClient(base_url, model_name, timeout_s=config.server.timeout) as client:
-        for label, temperature in (("greedy", 0.0), ("sampled", s.temperature)):
+        # greedy as top-1 sampling: vLLM >= 0.28 started with --return-sampling-mask refuses temperature 0
+        for label, temperature, top_k in (("greedy", 1.0, 1), ("sampled", s.temperature, s.top_k)):
             params = [
                 SamplingParams.of(
                     s,
                     temperature=temperature,
+                    top_k=top_k,
                     logprobs=None,
                     seed=config.trainer.seed + i,
                     max_tokens=max(1, min(s.max_completion_length, max_model_len - len(ids))),

@@ -41,7 +41,7 @@ from asyncrl.trainer.sync.vllm_common import (
     run_watched,
 )
 from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
-from asyncrl.trainer.sync.vllm_factory import RoundClient, serving_source
+from asyncrl.trainer.sync.vllm_factory import FactoryTransport, RoundClient, serving_source
 from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
 from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
 
@@ -251,6 +251,23 @@ def test_the_packed_ipc_buffer_holds_one_sync_up_to_its_limit(model):
     assert serving_bytes(model, None) == 2 * payload  # float32 as trained
     assert payload <= ipc_buffer_bytes(payload) < payload + (1 << 20)
     assert ipc_buffer_bytes(1) == 1 << 20 and ipc_buffer_bytes(10 * IPC_BUFFER_LIMIT) == IPC_BUFFER_LIMIT
+
+
+class PackedEngine:
+    """vLLM >= 0.28's trainer engine as send() sees it: the buffer size it packs into, read when sending."""
+
+    packed_buffer_size_bytes = 1 << 30
+
+    def send_weights(self) -> None:
+        self.sent_with = self.packed_buffer_size_bytes
+
+
+def test_the_factory_ipc_engine_packs_into_a_buffer_sized_for_the_model(model):
+    transport = FactoryTransport("ipc", torch.bfloat16, timeout_s=5)
+    transport.engine = engine = PackedEngine()
+    transport.stage(model)
+    transport.send(None)  # type: ignore[arg-type] - the engine's client makes the HTTP calls
+    assert engine.sent_with == ipc_buffer_bytes(serving_bytes(model, torch.bfloat16)) == 7 << 20  # 6.4 MB, in MiB
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import torch
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.server.process import free_port
 from asyncrl.trainer.sync.base import Transport
-from asyncrl.trainer.sync.tensors import parameter_metadata, serving_parameters
-from asyncrl.trainer.sync.vllm_common import ipc_json, rendezvous_address, run_watched
+from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
+from asyncrl.trainer.sync.vllm_common import ipc_buffer_bytes, ipc_json, rendezvous_address, run_watched
 
 
 class RoundClient:
@@ -97,6 +97,11 @@ class FactoryTransport(Transport):
         )
 
     def send(self, control: ControlClient) -> float:
+        if self.backend == "ipc":
+            # vLLM's packed IPC buffer defaults to 1 GiB, smaller than one embedding of an 8B model (it refuses
+            # a tensor that does not fit) and larger than a small model needs; size it as the 0.26 path does.
+            assert self.model is not None, "stage() runs before send()"
+            self.engine.packed_buffer_size_bytes = ipc_buffer_bytes(serving_bytes(self.model, self.dtype))
         run_watched(f"{self.backend} send_weights", self.engine.send_weights, self.timeout_s)
         return 0.0
 

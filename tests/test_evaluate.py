@@ -1,0 +1,32 @@
+"""Held-out evaluation's requests: what every server asyncrl launches accepts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl import evaluate
+from asyncrl.client import Completion
+from asyncrl.config import compose, to_config
+
+
+def test_evaluation_never_asks_for_temperature_zero(monkeypatch):
+    """vLLM >= 0.28 with --return-sampling-mask refuses temperature 0 and top_k 0: greedy is top-1 sampling."""
+    sent: list[Any] = []
+
+    async def complete_all(client: Any, prompts: list[list[int]], params: list[Any], concurrency: int) -> list[Any]:
+        sent.extend(params)
+        return [Completion([1], None, None, None, "stop", ids) for ids in prompts]
+
+    async def mean_reward(*args: Any) -> float:
+        return 0.5
+
+    monkeypatch.setattr(evaluate, "render_prompt", lambda tokenizer, messages, kwargs: [3, 4, 5])
+    monkeypatch.setattr(evaluate, "_complete_all", complete_all)
+    monkeypatch.setattr(evaluate, "_mean_reward", mean_reward)
+    config = to_config(compose(["sampling.top_k=20", "sampling.temperature=0.7", "data.num_eval_prompts=2"]))
+    rows = [{"prompt": [{"role": "user", "content": "1+1"}]}] * 3
+    results = evaluate.evaluate(config, "http://unused", "m", None, rows, [], max_model_len=64)
+    assert results == {"eval/greedy_reward": 0.5, "eval/sampled_reward": 0.5}
+    greedy, sampled = sent[:2], sent[2:]
+    assert {(p.temperature, p.top_k) for p in greedy} == {(1.0, 1)}
+    assert {(p.temperature, p.top_k) for p in sampled} == {(0.7, 20)} and len(sampled) == 2

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On the GPU machine, once earlier runs (while the machine stayed up) have copied part00..partNN into
+# /tmp/carry (the last, small piece may come in extra/): install vLLM with its torch, triton, torchvision and
+# NCCL into /tmp/vk, and set the environment to use it. Source it:  source .vllm-kit/extra/install.sh || exit 1
+# A second source while the machine stays up only sets the environment. VLLM_KIT_PREFIX and VLLM_KIT_CARRY
+# change the two folders (the dry run on a CPU machine uses them).
+extra=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+prefix=${VLLM_KIT_PREFIX:-/tmp/vk}; carry=${VLLM_KIT_CARRY:-/tmp/carry}
+export PATH="$extra:$PATH"
+if [ ! -f "$prefix/installed" ]; then
+  pieces=() missing=()
+  for i in $(seq -f %02g 0 $(($(cat "$extra/pieces") - 1))); do
+    if [ -f "$carry/part$i" ]; then pieces+=("$carry/part$i"); elif [ -f "$extra/part$i" ]; then pieces+=("$extra/part$i")
+    else missing+=("part$i"); fi
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "vLLM kit: ${missing[*]} missing from $carry (did the machine stay up between the piece runs?)"
+    return 1 2>/dev/null || exit 1
+  fi
+  started=$SECONDS
+  rm -rf "$prefix" && mkdir -p "$prefix" \
+    && cat "${pieces[@]}" | LD_LIBRARY_PATH="$extra" zstd -d -q | tar -C "$prefix" -xf - \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$prefix/site" \
+         "$prefix"/deps/*.whl \
+    && rm -rf "$prefix/deps" && touch "$prefix/installed" \
+    || { echo "vLLM kit: install into $prefix failed (see above)"; return 1 2>/dev/null || exit 1; }
+  echo "vLLM kit: installed into $prefix in $((SECONDS - started)) s"
+fi
+export PYTHONPATH="$prefix/site:${PYTHONPATH:-}"
+# torch 2.13 loads NCCL 2.29 from $prefix/site/nvidia/nccl/lib through its RPATH; vLLM's pynccl opens it by path.
+export VLLM_NCCL_SO_PATH="$prefix/site/nvidia/nccl/lib/libnccl.so.2"
+# torch 2.13 was built against cuDNN 9.20 and refuses the machine's 9.19 at first use, though 9.19 exports every
+# symbol torch imports (symcheck.py); serving text models does not use cuDNN.
+export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+# flashinfer is not carried: vLLM's sampler would import it.
+export VLLM_USE_FLASHINFER_SAMPLER=0
+# The ipc weight-transfer backend sends pickled CUDA IPC handles over HTTP.
+export VLLM_ALLOW_INSECURE_SERIALIZATION=1
+python3 -c "import torch, vllm, vllm.entrypoints.openai.api_server as _
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+      'nccl', torch.cuda.nccl.version(), 'ready')" || { echo "vLLM kit: import failed (above)"; return 1 2>/dev/null || exit 1; }
