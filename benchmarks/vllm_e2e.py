@@ -124,7 +124,7 @@ def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.server.command import served_model_name
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
-    from asyncrl.trainer.sync.vllm_common import ipc_transport
+    from asyncrl.trainer.sync.vllm_transports import ipc_transport
     from asyncrl.trainer.weight_sync import WeightSync, build_weight_sync
 
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +198,7 @@ def phase_sync(backend: str, out: Path) -> None:
 
 
 def phase_lora(backend: str, out: Path, steps: int) -> None:
-    from asyncrl.config import compose, to_config
+    from asyncrl.config import compose, to_config_and_components
     from asyncrl.launch import start_server
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
@@ -207,8 +207,8 @@ def phase_lora(backend: str, out: Path, steps: int) -> None:
 
     adapter = ["lora=default", "lora.sync=adapter", "staleness.max_staleness=1"]
     out.mkdir(parents=True, exist_ok=True)
-    config = to_config(compose([*overrides(backend), *adapter, f"trainer.output_dir={out}"]))
-    prepared = prepare(config)
+    config, components = to_config_and_components(compose([*overrides(backend), *adapter, f"trainer.output_dir={out}"]))
+    prepared = prepare(config, components)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     with start_server(config, out) as server:
@@ -280,21 +280,23 @@ async def _window(base_url: str, sync: object, prompt: list[int]) -> dict[str, s
 def _retired_in_flight(server: object, sync: object, model: torch.nn.Module, prompts: list[list[int]],
                        device: str) -> str:  # fmt: skip
     """Long requests under the newest version while two more versions are pushed (which retires it): how they end."""
-    from asyncrl.client import GenerationClient, SamplingParams
+    from asyncrl.client import ControlClient, GenerationClient, SamplingParams
 
     version = sync.registered[-1]  # type: ignore[attr-defined]
     name = sync.name(version)  # type: ignore[attr-defined]
 
     async def run() -> list[str]:
         async with GenerationClient(server.base_url, name, timeout_s=120) as client:  # type: ignore[attr-defined]
-            params = SamplingParams(max_tokens=400, min_tokens=400, logprobs=0)
+            with ControlClient(server.base_url) as control:  # type: ignore[attr-defined]
+                room = control.max_model_len() - max(len(p) for p in prompts[:8])
+            params = SamplingParams(max_tokens=room, min_tokens=room, logprobs=0)  # as long as the context allows
             tasks = [asyncio.create_task(client.sample(p, params)) for p in prompts[:8]]
             await asyncio.sleep(0.2)
             for later in (version + 1, version + 2):
                 _perturb(model, later, device, scale=0.05)
                 await asyncio.to_thread(sync.push, model, later)  # type: ignore[attr-defined]
             done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=120)
-        return [type(d).__name__ if isinstance(d, BaseException) else f"{d.finish_reason}:{len(d.token_ids)}"
+        return [str(d)[:160] if isinstance(d, BaseException) else f"{d.finish_reason}:{len(d.token_ids)}"
                 for d in done]  # fmt: skip
 
     started = time.perf_counter()

@@ -367,6 +367,7 @@ class WorkerDriver:
         else:
             samples = build_samples(job.group, advantages, per_source, job.prompt_index, job.epoch)
             self.admission.on_group_done(sum(s.num_tokens for s in samples), job.generated)
+            self._flush_metrics()  # the group's scoring metrics reach the trainer no later than its samples
             for sample in samples:
                 self.channels.send(sample)
         self.changed.set()

@@ -229,6 +229,7 @@ def trainer_for(overrides: list[str], model: torch.nn.Module) -> Trainer:
     trainer.token_budget = 256
     trainer.channels = SimpleNamespace(rollout_queue=queue.Queue())
     trainer.num_tokens = 0
+    trainer.mfu, trainer.step_flops = None, 0.0  # a CPU: no peak, no MFU
     return trainer
 
 

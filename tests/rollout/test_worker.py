@@ -168,8 +168,18 @@ def test_the_driver_admits_by_the_allowance_sends_samples_and_stops_when_asked()
         await run  # no error: a stop ends the worker, rollouts in flight or not
 
     asyncio.run(scenario())
-    metrics = channels.metrics_queue.get_nowait()
+    metrics = drained_metrics(channels)
     assert len(metrics["rollout/duration_s"]) == 6 and len(metrics["rollout/backpressure_s"]) >= 1
+
+
+def drained_metrics(channels: WorkerChannels) -> dict[str, list[float]]:
+    """Every metric the worker flushed (once per queued group and at its end), merged by name."""
+    merged: dict[str, list[float]] = {}
+    while not channels.metrics_queue.empty():
+        for name, values in channels.metrics_queue.get_nowait().items():
+            if name.startswith(("rollout/", "sample/")):
+                merged.setdefault(name, []).extend(values)
+    return merged
 
 
 def test_a_synchronous_driver_closes_its_batch_and_waits_for_the_weight_sync():
