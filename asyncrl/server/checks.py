@@ -154,6 +154,10 @@ def _check_version(version: str, fix: _Fix) -> None:
             f"protocol changed in 0.28 and again in 0.33, so both sides need the same release: "
             f"pip install vllm=={version} here, or restart the server with vLLM {trainer}"
         )
+    if vllm.parse_version(version)[:2] not in vllm.VERIFIED_RELEASES:
+        verified = ", ".join(".".join(map(str, release)) for release in vllm.VERIFIED_RELEASES)
+        log.warning("vLLM %s has not been run with asyncrl here (verified: %s; README, 'vLLM versions'): its "
+                    "version-switched code paths follow vLLM's source only", version, verified)  # fmt: skip
 
 
 def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:

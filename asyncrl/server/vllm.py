@@ -40,6 +40,8 @@ from asyncrl.trainer.lora import adapter_modules
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (0, 26)
+VERIFIED_RELEASES = ((0, 26), (0, 28))
+"""Releases that have run asyncrl end to end on a GPU (README, "vLLM versions"); others get one warning."""
 SAMPLING_MASK_SINCE = (0, 28)  # --return-sampling-mask
 SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generate
 MANY_API_SERVERS_SINCE = (0, 32)  # top log-probabilities stop costing throughput with 8 API servers
