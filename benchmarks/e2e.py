@@ -32,7 +32,6 @@ sys.path.insert(0, str(REPO))
 
 from asyncrl.rollout.loop import AsyncRolloutLoop  # noqa: E402
 
-PEAK_TFLOPS = 990.0  # H200 dense bf16 (datasheet)
 SHAPES = {
     "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
@@ -182,7 +181,7 @@ def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, e
     return {"name": name, "cli_wall_s": wall, "rows": rows, "timeline": timeline}
 
 
-def summarise(run: dict[str, Any], model_cfg: dict[str, int], profiled: bool = False) -> dict[str, Any]:
+def summarise(run: dict[str, Any], profiled: bool = False) -> dict[str, Any]:
     """The table's quantities from one run's metrics rows (a profiled last step is left out of the timing)."""
     rows = [r.get("metrics", r) for r in run["rows"]]
 
@@ -197,19 +196,19 @@ def summarise(run: dict[str, Any], model_cfg: dict[str, int], profiled: bool = F
     steady = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else float("nan")
     # the first step compiles the layers: speed is read from the steps after it
     trained = series("batch/trained_tokens_per_step")[1:]
-    forwarded = series("batch/forwarded_tokens_per_step")[1:]
     fwd_bwd = series("perf/fwd_bwd_s")[1:]
     dropped = sum(series("sample/dropped_stale_count"))
     used = sum(series("batch/samples_per_step"))
-    flops = sum(train_flops(model_cfg, f, t) for f, t in zip(forwarded, trained, strict=False))
+    mfu = series("perf/fwd_bwd_mfu")[1:]  # logged by the trainer where the GPU's peak is known (trainer/flops.py)
+    mfu_weighted = sum(m * s for m, s in zip(mfu, fwd_bwd, strict=False)) / max(sum(fwd_bwd), 1e-9) if mfu else math.nan
     return {
         "name": run["name"], "steps": len(rows), "time_to_last_step_s": times[-1], "steady_step_s": steady,
         "sync_s": mean("perf/weight_sync_s", 1), "sync_pause_s": mean("perf/weight_sync_pause_s", 1),
         "sync_transfer_s": mean("perf/weight_sync_transfer_s", 1),
         "gen_tokens_per_s": mean("rollout/generated_tokens_per_s", 1), "concurrency": mean("rollout/concurrency", 1),
         "samples_per_step": mean("batch/samples_per_step", 1), "backpressure_s": mean("rollout/backpressure_s", 1),
-        "trained_tokens_per_s": sum(trained) / max(sum(fwd_bwd), 1e-9), "mfu": flops / max(sum(fwd_bwd), 1e-9)
-        / (PEAK_TFLOPS * 1e12), "packing_ratio": mean("batch/packing_ratio"),
+        "trained_tokens_per_s": sum(trained) / max(sum(fwd_bwd), 1e-9), "mfu": mfu_weighted,
+        "packing_ratio": mean("batch/packing_ratio"),
         "staleness_mean": mean("sample/staleness_mean"), "staleness_max": max(series("sample/staleness_max") or [0]),
         "dropped_stale_frac": dropped / max(dropped + used, 1), "overlap_frac": run["timeline"]["overlap_frac"],
         "phases_s": {k.split("/")[-1]: mean(k, 1) for k in ("perf/step_s", "perf/rollout_wait_s", "perf/fwd_bwd_s",
@@ -217,15 +216,6 @@ def summarise(run: dict[str, Any], model_cfg: dict[str, int], profiled: bool = F
         "cap": series("rollout/concurrency_cap"), "kv_usage": series("rollout/vllm_kv_cache_usage_frac"),
         "rows": rows,
     }  # fmt: skip
-
-
-def train_flops(cfg: dict[str, int], forwarded: float, trained: float) -> float:
-    """fwd+bwd FLOPs: 6 x (non-embedding params) per forwarded token + the LM head at trained positions only;
-    attention's quadratic term is left out, so the MFU printed is a slight underestimate."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg["intermediate_size"]
-    return 6 * layers * per_layer * forwarded + 6 * h * cfg["vocab_size"] * trained
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
@@ -314,7 +304,6 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
         print(f"[{backend}] standalone: {out['standalone_tokens_per_s']:,.0f} generated tokens/s", flush=True)
         if not train_runs:
             return out
-        model_cfg = SHAPES[args.shape]
         variants = [(f"staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
         variants += [] if args.no_flat else [("flat_staleness2", ["staleness.max_staleness=2", "packing=flat",
                                              f"packing.token_budget={WORKLOAD[args.shape][4]}"])]  # fmt: skip
@@ -329,7 +318,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
             if profiled:
                 table = args.work / "runs" / name_ / "profile" / f"step_{args.steps}.txt"
                 (args.out / f"profile_{name_}.txt").write_text(table.read_text())
-            summary = summarise(run, model_cfg, profiled)
+            summary = summarise(run, profiled)
             out["runs"].append(summary)
             (args.out / f"partial_{backend}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
             scalars = {k: v for k, v in summary.items() if not isinstance(v, list | dict)}
