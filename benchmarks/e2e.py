@@ -109,6 +109,8 @@ def base_overrides(args: argparse.Namespace, model_dir: Path, data: Path) -> lis
         f"staleness.max_concurrent_rollouts={args.concurrency}", "trainer.learning_rate=1e-6",
         "trainer.save_strategy=no", f"trainer.gradient_checkpointing={args.device == 'cuda'}",
         f"packing.token_budget={budget}", "logging.console=plain", f"server.port={args.port}", *server,
+        # the launched server loads weights only from here, where the attached runs write them
+        f"server.weights_dir={args.work / 'weights'}",
         # 4 rows a step: a 1-row step waits on its longest rollout and measures the tail, not the pipeline
         *([] if args.tiny else ["trainer.gradient_accumulation_steps=4"]), *cpu_threads(args), *args.extra,
     ]  # fmt: skip
@@ -253,6 +255,7 @@ def main() -> None:
     args.out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="e2e-"))
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = Path(tempfile.mkdtemp(prefix="e2e-work-"))  # runs and servers; only results go to --out
+    (args.work / "weights").mkdir()
     if args.server_url:
         wait_healthy(args.server_url)  # its --serve process builds the assets first
     started = time.perf_counter()
