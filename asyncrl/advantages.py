@@ -9,6 +9,7 @@ optimizer step's rollouts, the asynchronous counterpart of a synchronous trainer
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import ClassVar
@@ -27,7 +28,7 @@ class StepRule(StrEnum):
     zscore = "zscore"
 
 
-class Estimator(Component):
+class Estimator(Component, ABC):
     """A registered advantage estimator: ``estimator(rewards, components)`` -> one advantage per rollout.
 
     ``rewards``: the summed reward per rollout (NaN = unscorable); ``components``: one reward array per reward
@@ -37,8 +38,9 @@ class Estimator(Component):
 
     step_rule: ClassVar[StepRule | None] = None
 
+    @abstractmethod
     def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
-        raise NotImplementedError(f"{type(self).__name__} must define __call__(rewards, components)")
+        """One advantage per rollout."""
 
 
 ADVANTAGES: ComponentRegistry[Estimator] = ComponentRegistry("advantage", Estimator)

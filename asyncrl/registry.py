@@ -32,7 +32,8 @@ class NoOptions:
 
 
 class Component:
-    """A configured component: ``options`` is its ``Options`` dataclass, built from YAML by the registry."""
+    """A configured component: ``options`` is its ``Options`` dataclass, built from YAML by the registry. A kind's
+    base class (an ``abc.ABC``) marks what each component must define abstract: a class missing it fails at lookup."""
 
     Options: ClassVar[type] = NoOptions
 
@@ -124,6 +125,10 @@ class ComponentRegistry(Registry[Any], Generic[C]):
 
     def _check(self, name: str, entry: Any) -> None:
         if isinstance(entry, type) and issubclass(entry, self.base) and dataclasses.is_dataclass(entry.Options):
+            if inspect.isabstract(entry):
+                missing = ", ".join(sorted(entry.__abstractmethods__))
+                raise RegistryError(f"{self.kind} '{name}' ({entry.__name__}) must define {missing}, as every "
+                                    f"{self.base.__name__} does")  # fmt: skip
             return
         if self.call_arguments is not None and callable(entry) and not isinstance(entry, type):
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -26,9 +27,10 @@ class ScaleOptions:
             raise ValueError(f"factor={self.factor} must be > 0")
 
 
-class Widget(Component):
+class Widget(Component, ABC):
+    @abstractmethod
     def __call__(self, values: list[float]) -> list[float]:
-        raise NotImplementedError
+        """The widget's output."""
 
 
 class Scale(Widget):
@@ -84,6 +86,16 @@ def test_only_components_of_the_kind_register_or_resolve(registry):
         registry.register("join")(import_object("os.path:join"))
     with pytest.raises(RegistryError, match="widget 'os.path:join' is not a Widget subclass with an Options dataclass"):
         registry.get("os.path:join")
+
+
+class Unfinished(Widget):
+    """Forgot __call__."""
+
+
+def test_a_component_missing_what_its_kind_defines_fails_naming_it(registry):
+    """Checked where every entry is (registration and import-path lookup): the class never gets built."""
+    with pytest.raises(RegistryError, match=r"widget 'unfinished' \(Unfinished\) must define __call__, as every"):
+        registry.register("unfinished")(Unfinished)
 
 
 def test_plain_function_options_are_its_named_parameters_other_than_call_arguments():

@@ -9,6 +9,7 @@ shared options and turns the objective into a ``LossOutput``.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
@@ -149,7 +150,7 @@ class Terms:
     metrics: dict[str, Tensor]
 
 
-class PolicyLoss(Component):
+class PolicyLoss(Component, ABC):
     """A registered loss: ``loss(batch) -> LossOutput`` under its ``options``.
 
     Class attributes declare what it needs: ``requires``, the optional LossBatch fields it reads (config
@@ -173,9 +174,9 @@ class PolicyLoss(Component):
         view = build_view(batch, self.options, self.masks_own_ratio)
         return finish(view, self.terms(view))
 
+    @abstractmethod
     def terms(self, view: PolicyView) -> Terms:
         """The per-slot objective to minimise and the loss's own metrics."""
-        raise NotImplementedError(f"{type(self).__name__} must define terms(view)")
 
 
 LOSSES: ComponentRegistry[PolicyLoss] = ComponentRegistry("loss", PolicyLoss)

@@ -8,6 +8,7 @@ a plain function whose named keyword parameters are its options.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,12 +17,13 @@ from asyncrl.registry import Component, ComponentRegistry
 RewardFn = Callable[..., list[float | None]]
 
 
-class Reward(Component):
+class Reward(Component, ABC):
     """A registered reward function, called as ``reward(prompts, completions, completion_ids, **columns)``."""
 
+    @abstractmethod
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
                  **columns: Any) -> list[float | None]:  # fmt: skip
-        raise NotImplementedError(f"{type(self).__name__} must define __call__")
+        """One reward per completion (None: not applicable)."""
 
 
 REWARDS: ComponentRegistry[RewardFn] = ComponentRegistry(
