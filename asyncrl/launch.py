@@ -162,7 +162,7 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
     from asyncrl.trainer.setup import prepare
 
     world = world_size(config)
-    _check_resume(config, world, run_dir)  # before config.yaml: a refused run leaves the directory as it was
+    _check_resume(config, run_dir)  # before config.yaml: a refused run leaves the directory as it was
     check_port(config)
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
         claim_server_access(config, run_dir)
@@ -176,7 +176,10 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
             run_ranks(run_dir, world, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and
             # waits for the server's health after building its shard of the model
         else:
-            run_training(config, run_dir, server, prepared)
+            from asyncrl.trainer.ranks import Ranks
+
+            with Ranks.alone() as ranks:
+                run_training(config, run_dir, server, prepared, ranks)
     from asyncrl.report import write_report
 
     print(f"report: {write_report(run_dir)}", flush=True)
@@ -195,13 +198,12 @@ def check_port(config: Config) -> None:
         )
 
 
-def _check_resume(config: Config, world: int, run_dir: Path) -> None:
-    """Before anything loads: the checkpoint is whole, resumes on as many trainer ranks as wrote it, and not under
-    later checkpoints of another history; without resume, the directories hold no earlier run."""
+def _check_resume(config: Config, run_dir: Path) -> None:
+    """Before anything loads: the checkpoint is whole and not under later checkpoints of another history; without
+    resume, the directories hold no earlier run."""
     from asyncrl.trainer.checkpoint import (
         check_checkpoint,
         check_no_later_checkpoints,
-        check_world_size,
         resolve_checkpoint,
     )
 
@@ -212,7 +214,6 @@ def _check_resume(config: Config, world: int, run_dir: Path) -> None:
         return
     resume = resolve_checkpoint(spec, output_dir)
     check_checkpoint(resume)
-    check_world_size(resume, world)
     check_no_later_checkpoints(resume, output_dir)
 
 

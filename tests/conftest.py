@@ -17,6 +17,7 @@ from serving import serve_in_thread
 
 from asyncrl.client import TOKEN_ENV, ensure_token
 from asyncrl.server.process import ServerProcess
+from asyncrl.trainer.ranks import Ranks
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,6 +26,13 @@ def server_token() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(TOKEN_ENV, raising=False)
         yield ensure_token()
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[Ranks]:
+    """This process as a world of one (a one-process run's trainer), for the tests of a module."""
+    with Ranks.alone() as ranks:
+        yield ranks
 
 
 @pytest.fixture(scope="session")

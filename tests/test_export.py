@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from sharded import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
 from asyncrl.config import compose, to_config
 from asyncrl.export import ExportError, export, resolve_source
-from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint, source_processor_files
-from asyncrl.trainer.model import build_optimizer, load_model
+from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, source_processor_files
+from asyncrl.trainer.distributed import build_sharded
 
 INPUT_IDS = torch.tensor([[7, 20, 31, 42, 53, 11, 9, 64], [5, 6, 70, 71, 72, 73, 74, 75]])
 
@@ -89,22 +90,23 @@ def test_a_multi_rank_checkpoint_exports_its_consolidated_model(random_tiny_mode
     assert (logits(exported) - logits(model.float().eval())).abs().max() == 0
 
 
-def test_a_vision_language_checkpoint_resumes_and_exports_with_its_tower_bit_identical(random_tiny_vlm_dir, tmp_path):
+def test_a_vision_language_checkpoint_resumes_and_exports_with_its_tower_bit_identical(
+    random_tiny_vlm_dir, tmp_path, one_rank
+):
     """Train a step, checkpoint, resume from it, train and checkpoint again, export: the text model moved, the
     vision tower (and the image-processor config vLLM loads) came through exactly as the source had them."""
     config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}", "trainer.learning_rate=1e-3"]))
     tokenizer = AutoTokenizer.from_pretrained(random_tiny_vlm_dir)
-    path = random_tiny_vlm_dir
     for step in (1, 2):
-        model = load_model(config, str(path))
-        optimizer, scheduler = build_optimizer(config, model)
-        if step == 2:
-            load_checkpoint(path, optimizer, scheduler)
+        model, optimizer, scheduler, resume = build_sharded(config, tmp_path / "run", one_rank)
+        if resume is not None:
+            load_checkpoint(resume, scheduler)
         model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
         optimizer.step()
         files = source_processor_files(config, model.config)
-        path = save_checkpoint(tmp_path / "run", TrainerState(step, step, 0, 0, {}), model, tokenizer, optimizer,
-                               scheduler, None, processor_files=files)  # fmt: skip
+        path = save(tmp_path / "run", TrainerState(step, step, 0, 0, {}), model, tokenizer, optimizer, scheduler,
+                    one_rank, processor_files=files)  # fmt: skip
+        config.trainer.resume_from_checkpoint = str(path)
     export(tmp_path / "run", tmp_path / "out", dtype="float32")
     source = load_file(random_tiny_vlm_dir / "model.safetensors")
     exported = load_file(tmp_path / "out" / "model.safetensors")

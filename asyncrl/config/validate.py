@@ -321,16 +321,11 @@ def trainer_ranks(config: Config) -> int:
 
 
 def check_ranks(config: Config) -> None:
-    """Several trainer ranks: a count >= 1, full fine-tuning (the sharded path merges no adapter)."""
+    """Several trainer ranks: a count >= 1, and no CUDA IPC sync."""
     t = config.trainer
     if t.num_processes is not None and t.num_processes < 1:
         raise ConfigError(f"trainer.num_processes={t.num_processes} must be >= 1")
     ranks = trainer_ranks(config)
-    if ranks > 1 and config.lora.enabled:
-        raise ConfigError(
-            f"trainer.num_processes={ranks} with lora.enabled=true: multi-rank (FSDP2) training is "
-            "full fine-tuning only; train LoRA on one rank (trainer.num_processes=1)"
-        )
     if ranks > 1 and config.server.weight_transfer == "ipc":
         # vLLM's IPC sender all-gathers the handles over the trainer's process group, where only rank 0 sends
         raise ConfigError(

@@ -4,10 +4,10 @@ A checkpoint (and the final model) is written into ``NAME.tmp`` and renamed when
 a crash never leaves a half checkpoint that resume would pick up. It holds the model (save_pretrained: with
 LoRA only the adapter, which resume puts back on model.name_or_path) and tokenizer, the optimizer and
 scheduler states, RNG states, ``trainer_state.json`` (step, model_version, the number of trainer ranks, ...)
-and ``rollout_state.json``: the index of the first prompt not yet trained, where the worker resumes. A
-multi-rank (FSDP2) checkpoint holds instead of the model and optimizer states the sharded resume files
-(``sharded/``, fp32 master weights and optimizer state) plus a consolidated ``model.safetensors`` in the
-serving dtype (trainer/fsdp.py); it resumes only on as many ranks as wrote it.
+and ``rollout_state.json``: the index of the first prompt not yet trained, where the worker resumes. The model
+and optimizer are the sharded resume files (``sharded/``: torch.distributed.checkpoint's fp32 master weights and
+optimizer state, resharded on load for any number of ranks) plus a consolidated copy of the model in the serving
+dtype (with LoRA: the adapter) that a server or ``from_pretrained`` loads (trainer/fsdp.py).
 
 Resuming reads nothing that can run code: ``optimizer.pt`` and ``rng_state.pt`` hold only tensors and plain
 Python values (numpy's RNG state as a list) and load with ``torch.load(weights_only=True)``. ``check_checkpoint``
@@ -40,6 +40,8 @@ STATE_KEYS = {
     "rollout_state.json": ("prompt_index",),
 }
 TORCH_STATES = ("optimizer.pt", "rng_state.pt")
+SHARDED_DIR = "sharded"
+"""The torch.distributed.checkpoint files (fp32 master weights and optimizer state) inside a checkpoint."""
 
 
 class ResumeError(ValueError):
@@ -63,31 +65,24 @@ def checkpoints_dir(output_dir: Path) -> Path:
 def save_checkpoint(
     output_dir: Path,
     state: TrainerState,
-    model: Any,
     tokenizer: Any,
-    optimizer: Any,
     scheduler: Any,
     total_limit: int | None,
-    write_weights: Callable[[Path], None] | None = None,
-    num_processes: int = 1,
+    write_weights: Callable[[Path], None],
+    num_processes: int,
     processor_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """``write_weights(directory)``, when given, writes the model and optimizer states (the sharded ranks);
+    """``write_weights(directory)`` writes the model and optimizer states (with every rank: trainer/fsdp.py);
     ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES)."""
     root = checkpoints_dir(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    states = {"scheduler": scheduler.state_dict()}
-    if write_weights is None:
-        model.save_pretrained(tmp)
-        states["optimizer"] = optimizer.state_dict()
-    else:
-        write_weights(tmp)
+    write_weights(tmp)
     tokenizer.save_pretrained(tmp)
     save_processor_files(processor_files or {}, tmp)
-    torch.save(states, tmp / "optimizer.pt")
+    torch.save({"scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng_state.pt")
     (tmp / "trainer_state.json").write_text(
         json.dumps(
@@ -212,6 +207,12 @@ def check_checkpoint(path: Path) -> None:
         if not zipfile.is_zipfile(file):
             raise _damaged(path, f"{file} is truncated or not a torch.save archive")
     _safe_load(path / "rng_state.pt")
+    if not (path / SHARDED_DIR).is_dir():
+        raise ResumeError(
+            f"trainer.resume_from_checkpoint={path} has no {SHARDED_DIR}/ resume files: it was written by an asyncrl "
+            "from before one trainer path for every rank count (CHANGELOG); resume it with that release, or start "
+            f"a new run from its weights with model.name_or_path={path}"
+        )
     if not any(path.glob("*.safetensors")):
         raise _damaged(path, f"{path} holds no model weights (*.safetensors)")
     damaged = damaged_weights(path)
@@ -271,12 +272,10 @@ def _safe_load(file: Path) -> Any:
         ) from exc
 
 
-def load_checkpoint(path: Path, optimizer: Any, scheduler: Any) -> TrainerState:
-    """Restore optimizer, scheduler and RNG states (the model is loaded from ``path`` by the caller)."""
-    states = _safe_load(path / "optimizer.pt")
-    if "optimizer" in states:  # a multi-rank checkpoint's optimizer state is in its sharded files
-        optimizer.load_state_dict(states["optimizer"])
-    scheduler.load_state_dict(states["scheduler"])
+def load_checkpoint(path: Path, scheduler: Any) -> TrainerState:
+    """Restore the scheduler and RNG states (the model and optimizer states come from its sharded files:
+    trainer/fsdp.py::load_sharded)."""
+    scheduler.load_state_dict(_safe_load(path / "optimizer.pt")["scheduler"])
     _set_rng_state(_safe_load(path / "rng_state.pt"))
     trainer = _read_state(path, "trainer_state.json", STATE_KEYS["trainer_state.json"])
     rollout = _read_state(path, "rollout_state.json", STATE_KEYS["rollout_state.json"])
@@ -300,16 +299,6 @@ def check_no_later_checkpoints(path: Path, output_dir: Path) -> None:
             f"trainer.resume_from_checkpoint={path} is at step {step} but {checkpoints_dir(output_dir)} already "
             f"holds later checkpoints ({', '.join(later)}) from the run being replaced: move them out of that "
             "directory, or resume into a new run directory (hydra.run.dir / trainer.output_dir)"
-        )
-
-
-def check_world_size(path: Path, num_processes: int) -> None:
-    """Refuse to resume on another number of trainer ranks than wrote the checkpoint."""
-    saved = json.loads((path / "trainer_state.json").read_text()).get("num_processes", 1)
-    if saved != num_processes:
-        raise ResumeError(
-            f"trainer.resume_from_checkpoint={path} was written by {saved} trainer rank(s) but this run has "
-            f"{num_processes} (trainer.num_processes): resume with trainer.num_processes={saved}"
         )
 
 

@@ -1,4 +1,4 @@
-"""Several trainer ranks: rank 0 runs the Trainer, the other ranks follow its commands.
+"""The trainer's ranks: rank 0 runs the Trainer, the other ranks (none in a world of one) follow its commands.
 
 Rank 0 alone owns the rollout worker, the queue, the server's control client, logging, evaluation and
 checkpoint metadata. At each collective point it scatters a command to the followers: ``step`` (this rank's
@@ -35,7 +35,7 @@ from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
-from asyncrl.trainer.profiler import wait_for_device
+from asyncrl.trainer.profiler import phase, wait_for_device
 from asyncrl.trainer.ranks import Ranks
 
 if TYPE_CHECKING:
@@ -86,16 +86,18 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
     metrics = []
     for row, weight in work.rows:
         started = time.perf_counter()
-        out = trainer_forward(model, row, config, router_aux=bool(loss.router_aux_coef))
-        if weight == 0:
-            value = out.logprobs.sum() * 0.0
-        else:
-            value, row_metrics = loss(loss.batch(row, out), out.aux_loss)
-            entropy = float(out.entropy.mean()) if out.entropy.numel() else float("nan")
-            metrics.append({**row_metrics, "entropy": entropy})
+        with phase("forward"):
+            out = trainer_forward(model, row, config, router_aux=bool(loss.router_aux_coef))
+            if weight == 0:
+                value = out.logprobs.sum() * 0.0
+            else:
+                value, row_metrics = loss(loss.batch(row, out), out.aux_loss)
+                entropy = float(out.entropy.mean()) if out.entropy.numel() else float("nan")
+                metrics.append({**row_metrics, "entropy": entropy})
         forward_s += time.perf_counter() - started
-        (value * ranks.world).backward()  # FSDP averages over ranks; the step's gradient is their sum
-        wait_for_device()
+        with phase("backward"):
+            (value * ranks.world).backward()  # FSDP averages over ranks; the step's gradient is their sum
+            wait_for_device()
         forward_backward_s += time.perf_counter() - started
     loss.policy_loss, loss.entropy, loss.loss = ranks.sum([loss.policy_loss, loss.entropy, float(loss.loss)])
     return RowsResult(forward_s, forward_backward_s, metrics)
@@ -112,7 +114,7 @@ class Follower:
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
         self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
         if resume is not None:
-            self.loss.load_state_dict(load_checkpoint(resume, self.optimizer, self.scheduler).extra.get("loss", {}))
+            self.loss.load_state_dict(load_checkpoint(resume, self.scheduler).extra.get("loss", {}))
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
         self.dtype = torch_dtype(serving_dtype(config))
 
@@ -123,8 +125,8 @@ class Follower:
                 return
             if name == "step":
                 self._step(payload)
-            elif name == "sync":  # payload: the serving dtype, which sets the buckets
-                fsdp.serve_gathers(self.model, self.ranks, payload)
+            elif name == "sync":  # payload: the gathered dtype and whether only the adapter is, which set the buckets
+                fsdp.serve_gathers(self.model, self.ranks, *payload)
             elif name in ("save", "final"):
                 fsdp.save_weights(Path(payload), self.model, self.optimizer, self.ranks, self.dtype,
                                   resumable=name == "save")  # fmt: skip
@@ -134,7 +136,7 @@ class Follower:
     def _step(self, work: RankWork) -> None:
         self.model.train()
         result = train_rows(self.model, self.loss, work, self.ranks, self.config)
-        fsdp.FsdpAccelerator().clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+        fsdp.clip_grad_norm(self.model, self.config.trainer.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -144,15 +146,14 @@ class Follower:
 
 def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any, Any, Path | None]:
     """Model (loaded, then sharded), optimizer, scheduler, and the checkpoint resumed from, whose sharded
-    weights and optimizer state are then loaded (its scheduler and TrainerState are the caller's)."""
-    from asyncrl.trainer.checkpoint import check_world_size, resolve_checkpoint
+    weights and optimizer state are then loaded, resharded for these ranks (its scheduler and TrainerState are
+    the caller's)."""
+    from asyncrl.trainer.checkpoint import resolve_checkpoint
     from asyncrl.trainer.model import build_optimizer, load_model, use_bf16
 
     output_dir = Path(config.trainer.output_dir or run_dir)
     spec = config.trainer.resume_from_checkpoint
     resume = resolve_checkpoint(spec, output_dir) if spec else None
-    if resume is not None:
-        check_world_size(resume, ranks.world)
     model = load_model(config, str(resume) if resume else config.model.name_or_path)
     model = fsdp.shard(model, config, mixed_precision=use_bf16(config) and torch.cuda.is_available())
     optimizer, scheduler = build_optimizer(config, model)

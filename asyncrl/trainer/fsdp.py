@@ -1,28 +1,43 @@
-"""FSDP2 for the multi-rank trainer: shard the model, gather it for weight sync, checkpoint it.
+"""FSDP2 for the trainer at every world size: shard the model, gather it for weight sync, checkpoint it.
+
+One trainer process is a world of one (trainer/ranks.py) and runs this same code: one forward/backward, one
+checkpoint format, whatever the rank count. Raw ``fully_shard`` rather than accelerate's FSDP2 plugin: the plugin
+owns the process group and the launch (``accelerate launch``), while asyncrl's rank 0 drives its followers with
+its own commands (trainer/distributed.py), gathers buckets for weight sync on demand and checkpoints with
+torch.distributed.checkpoint directly; the plugin would wrap the same ``fully_shard`` call. Sharding a world of
+one costs little: the embedded model's fwd+bwd+step on one CPU thread took 0.72 s sharded against 0.70 s plain
+(``python benchmarks/single_rank.py``).
 
 Each decoder layer (the model's ``_no_split_modules`` classes) and the root are ``fully_shard``ed. On GPU the
 master weights are fp32 and forward/backward run in bf16 with fp32 gradient reduction (MixedPrecisionPolicy);
 on CPU everything stays float32. FSDP averages gradients over the ranks (gloo cannot sum with a pre-scale),
 so each rank's loss is multiplied by the number of ranks (trainer/distributed.py::train_rows).
+
+A checkpoint's ``sharded/`` files are torch.distributed.checkpoint's, which record each tensor's global shape:
+they load on any number of ranks. With LoRA they hold the adapter and its optimizer state only, and the
+consolidated copy is the adapter's files (peft's format), whose base resume loads from model.name_or_path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.trainer import lora
+from asyncrl.trainer.checkpoint import SHARDED_DIR
 from asyncrl.trainer.ranks import Ranks
 
-SHARDED_DIR = "sharded"
-"""The torch.distributed.checkpoint files (fp32 master weights and optimizer state) inside a checkpoint."""
+log = logging.getLogger(__name__)
 
 
 def shard(model: torch.nn.Module, config: Config, mixed_precision: bool) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root; the model is changed in place and returned."""
+    """``fully_shard`` each decoder layer, then the root; the model is changed in place and returned. A model
+    that names no decoder layer class is sharded as one unit (gathered whole for each forward)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {}
@@ -36,37 +51,37 @@ def shard(model: torch.nn.Module, config: Config, mixed_precision: bool) -> torc
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(
-            f"trainer.num_processes>1: {type(model).__name__} names no decoder layer class "
-            "(_no_split_modules), so FSDP2 has nothing to shard per layer"
-        )
+        log.warning("%s names no decoder layer class (_no_split_modules): sharded as one unit", type(model).__name__)
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
-class FsdpAccelerator:
-    """The few Accelerator calls the Trainer makes, for a model that FSDP2 already shards."""
-
-    def prepare(self, *objects: Any) -> tuple[Any, ...]:
-        return objects
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
-        return _full(norm)
-
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the step's gradient to ``max_norm``; its norm before clipping, whole on every rank (a collective)."""
+    return _full(torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm))
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole on every rank (a collective); a plain tensor as is."""
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if full_tensor is not None else tensor
+
+
+def whole_tensors(model: Any) -> tuple[torch.nn.Module, Callable[[str], torch.Tensor]]:
+    """The module behind ``model`` and a reader of its whole parameters by name: gathered for the sharded view
+    (``GatheredModel``), the parameters themselves for an unsharded module."""
+    if isinstance(model, GatheredModel):
+        return model.model, model.full
+    params = dict(model.named_parameters())
+    return model, lambda name: params[name].detach()
+
+
+def synced_parameters(model: torch.nn.Module, trainable_only: bool) -> list[tuple[str, torch.Tensor]]:
+    """The parameters a sync gathers, in the same order on every rank: all of them, or (an adapter sync) the
+    trainable ones only."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad or not trainable_only]
 
 
 BUCKET_BYTES = 256 << 20
@@ -147,13 +162,16 @@ class GatheredModel:
     """Rank 0's view of the sharded model for the weight-sync transports: parameters are gathered on every rank
     when the transport reads them (rank 0 announces which bucket, the others ``serve_gathers``), a bucket of
     consecutive parameters per all-gather, never the whole model. Tied weights appear once, under their first
-    name."""
+    name. ``trainable_only``: the adapter sync's view, which gathers the adapter and never the frozen base."""
 
     yields_unique_tensors = True  # each tensor is a fresh gather: its address may repeat, its name does not
 
-    def __init__(self, model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | None, trainable_only: bool = False
+    ) -> None:
         self.model, self.ranks, self.dtype = model, ranks, dtype
-        self.params = list(model.named_parameters())
+        self.params = synced_parameters(model, trainable_only)
+        self.index = {name: i for i, (name, _) in enumerate(self.params)}
         self.buckets = buckets([p for _, p in self.params], dtype)
         self.buffers = _buffers(model)
         self._held: tuple[range, list[torch.Tensor]] = (range(0), [])
@@ -172,6 +190,10 @@ class GatheredModel:
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
         return _LazyState(self)
+
+    def full(self, name: str) -> torch.Tensor:
+        """Parameter ``name`` whole (a LoRA layer's merge reads its adapter's tensors by name)."""
+        return self.gather(self.index[name])
 
     def gather(self, index: int) -> torch.Tensor:
         """Parameter ``index`` whole; its bucket is gathered once and held until another one is needed."""
@@ -195,24 +217,23 @@ class _LazyState(Mapping[str, torch.Tensor]):
 
     def __init__(self, view: GatheredModel) -> None:
         self.view = view
-        self.index = {name: i for i, (name, _) in enumerate(view.params)}
         self.buffers = dict(view.buffers)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self.index:
-            return self.view.gather(self.index[name])
+        if name in self.view.index:
+            return self.view.full(name)
         return _cast(self.buffers[name], self.view.dtype)
 
     def __iter__(self) -> Iterator[str]:
-        return iter([*self.index, *self.buffers])
+        return iter([*self.view.index, *self.buffers])
 
     def __len__(self) -> int:
-        return len(self.index) + len(self.buffers)
+        return len(self.view.index) + len(self.buffers)
 
 
-def serve_gathers(model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | None) -> None:
+def serve_gathers(model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | None, trainable_only: bool) -> None:
     """A follower's side of one weight sync: take part in each bucket's gather rank 0 announces, until done."""
-    params = [p for _, p in model.named_parameters()]
+    params = [p for _, p in synced_parameters(model, trainable_only)]
     starts = {bucket.start: bucket for bucket in buckets(params, dtype)}
     while (start := ranks.announce()) >= 0:
         gather_bucket([params[i] for i in starts[start]], dtype)
@@ -221,36 +242,57 @@ def serve_gathers(model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | Non
 def save_weights(
     directory: Path, model: torch.nn.Module, optimizer: Any, ranks: Ranks, dtype: torch.dtype | None, *, resumable: bool
 ) -> None:
-    """On every rank: the sharded resume files (``resumable``) and, written by rank 0, a consolidated
-    ``model.safetensors`` in the serving dtype with the model's config."""
+    """On every rank: the sharded resume files (``resumable``) and, written by rank 0, a consolidated copy: the
+    ``model.safetensors`` in the serving dtype with the model's config, or a peft model's adapter files."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    adapter = lora.is_peft(model)
     if resumable:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory / SHARDED_DIR))
+        dcp.save(_resume_state(model, optimizer), checkpoint_id=str(directory / SHARDED_DIR))
+    named = synced_parameters(model, trainable_only=adapter)
+    dtype = None if adapter else dtype  # an adapter is saved as trained, as peft's save_pretrained does
     tensors = {}
-    named = list(model.named_parameters())
     for bucket in buckets([p for _, p in named], dtype):  # every rank gathers, in the same order
         gathered = gather_bucket([named[i][1] for i in bucket], dtype)
         if ranks.rank == 0:
             tensors.update({named[i][0]: full.contiguous().cpu() for i, full in zip(bucket, gathered, strict=True)})
-    if ranks.rank == 0:
-        tensors.update({name: _cast(buffer, dtype).contiguous().cpu() for name, buffer in _buffers(model)})
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(directory)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(directory)
+    if ranks.rank != 0:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    if adapter:
+        lora.save_adapter(model, tensors, directory)
+        return
+    from safetensors.torch import save_file
+
+    tensors.update({name: _cast(buffer, dtype).contiguous().cpu() for name, buffer in _buffers(model)})
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+
+
+def _state_options(model: torch.nn.Module) -> Any:
+    """A LoRA run's resume files hold the adapter alone: its frozen base is reloaded from model.name_or_path."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = lora.is_peft(model)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def _resume_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(model))
+    return {"model": model_state, "optimizer": optim_state}
 
 
 def load_sharded(directory: Path, model: torch.nn.Module, optimizer: Any) -> None:
-    """Restore the fp32 master weights and the optimizer state from a checkpoint's sharded files."""
+    """Restore the fp32 master weights and the optimizer state from a checkpoint's sharded files, resharded for
+    this run's ranks."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state = _resume_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_state_options(model))  # fmt: skip

@@ -1,8 +1,9 @@
 """The training loop: pull -> plan -> step -> sync -> checkpoint, with the rollout worker running beside it.
 
 `Trainer.train` reads top to bottom as the spec's loop. Rank-0-only parts (worker, weight sync, logging,
-checkpoints) are isolated in their own methods. With several trainer ranks this is rank 0: at each collective
-point (a step's rows, a weight sync, a checkpoint) it commands the other ranks (trainer/distributed.py).
+checkpoints) are isolated in their own methods. The Trainer is rank 0 of the trainer's ranks, a world of one
+when the run has one process: at each collective point (a step's rows, a weight sync, a checkpoint) it commands
+the other ranks (trainer/distributed.py), and every world size runs the same sharded model, step and checkpoint.
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
 from asyncrl.trainer.checkpoint import (
     TrainerState,
-    check_world_size,
     load_checkpoint,
     publish,
-    resolve_checkpoint,
     save_checkpoint,
     save_processor_files,
     source_processor_files,
@@ -40,12 +39,12 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows
 from asyncrl.trainer.flops import mfu_meter
-from asyncrl.trainer.forward import trainer_forward
-from asyncrl.trainer.fsdp import FsdpAccelerator, GatheredModel, save_weights
+from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
-from asyncrl.trainer.model import build_accelerator, build_optimizer, load_model, use_cpu_threads
+from asyncrl.trainer.lora import is_peft
+from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
-from asyncrl.trainer.profiler import phase, profiled_step, wait_for_device
+from asyncrl.trainer.profiler import phase, profiled_step
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
@@ -55,8 +54,8 @@ from asyncrl.trainer.weight_sync import WeightSyncError, build_weight_sync
 log = logging.getLogger("asyncrl.trainer")
 
 
-def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks | None = None) -> None:
-    """``ranks``: this is rank 0 of several (trainer/distributed.py); None: the single-process trainer."""
+def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
+    """Train as rank 0 of ``ranks`` (trainer/distributed.py)."""
     trainer = Trainer(config, run_dir, server, prepared, ranks)
     try:
         trainer.train()
@@ -65,11 +64,9 @@ def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared,
 
 
 class Trainer:
-    def __init__(
-        self, config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks | None = None
-    ) -> None:  # fmt: skip
+    def __init__(self, config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
-        self.ranks, self.world = ranks, ranks.world if ranks is not None else 1
+        self.ranks, self.world = ranks, ranks.world
         use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlClient(server.base_url, timeout_s=config.server.timeout)
@@ -86,20 +83,20 @@ class Trainer:
         """Everything after the worker's spawn: the model (while a launched server boots), the server's limits,
         the loss, packing, logging, the weight-sync channel, the first evaluation, and the worker's spec."""
         c = self.config
-        resume = self._build_model()
-        self.processor_files = source_processor_files(c, self.accelerator.unwrap_model(self.model).config)
+        self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
+        self.processor_files = source_processor_files(c, self.model.config)
         self.server.ready()
         self.max_model_len = self.control.max_model_len()
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})
         if resume is not None:
-            self.state = load_checkpoint(resume, self.optimizer, self.scheduler)
+            self.state = load_checkpoint(resume, self.scheduler)
             log.info("resumed from %s at step %d, prompt %d", resume, self.state.step, self.state.prompt_index)
         components = self.prepared.components
         self.loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
         self.loss.load_state_dict(self.state.extra.get("loss", {}))
-        self.loss.router_aux_coef = router_aux_coef(c, self.accelerator.unwrap_model(self.model).config)
+        self.loss.router_aux_coef = router_aux_coef(c, self.model.config)
         self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
-        self.mfu, self.step_flops = mfu_meter(c, self.accelerator.unwrap_model(self.model).config, self.world), 0.0
+        self.mfu, self.step_flops = mfu_meter(c, self.model.config, self.world), 0.0
         self.row_factory, self.token_budget = components.packer.rows(self.max_model_len)
         self.window, self.timeline = MetricWindow(), Timeline()
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
@@ -112,22 +109,6 @@ class Trainer:
             self._push(self.state.model_version)  # the server starts from the base weights
         self.evaluations = {"before": self._evaluate()} if self.prepared.eval_dataset is not None else {}
         self._start_worker()
-
-    def _build_model(self) -> Path | None:
-        """Model, optimizer and scheduler, sharded over the ranks when there are several; the resume checkpoint."""
-        if self.ranks is not None:
-            self.accelerator: Any = FsdpAccelerator()
-            self.model, self.optimizer, self.scheduler, resume = build_sharded(self.config, self.run_dir, self.ranks)
-            return resume
-        spec = self.config.trainer.resume_from_checkpoint
-        resume = resolve_checkpoint(spec, self.output_dir) if spec else None
-        if resume is not None:
-            check_world_size(resume, 1)
-        self.accelerator = build_accelerator(self.config)
-        model = load_model(self.config, str(resume) if resume else self.config.model.name_or_path)
-        optimizer, scheduler = build_optimizer(self.config, model)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        return resume
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -167,8 +148,7 @@ class Trainer:
         if self.evaluations:
             self.evaluations["after"] = self._evaluate()
             self._report_evaluations()
-        if self.ranks is not None:
-            self.ranks.command("stop")
+        self.ranks.command("stop")
 
     def _finished(self) -> bool:
         t = self.config.trainer
@@ -185,16 +165,15 @@ class Trainer:
         fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows, step)
         t1 = time.perf_counter()
         with phase("optimizer"):
-            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+            grad_norm = clip_grad_norm(self.model, self.config.trainer.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - t1
         self.window.update(self.loss.end_step())
-        if self.ranks is not None:
-            for metrics in (m for rank in self.ranks.gather(rank_metrics) for m in rank):
-                self.window.add("entropy", metrics.pop("entropy"))
-                self.window.update(metrics)
+        for metrics in (m for rank in self.ranks.gather(rank_metrics) for m in rank):
+            self.window.add("entropy", metrics.pop("entropy"))
+            self.window.update(metrics)
         self.timeline.add("training", started, time.time())
         self.window.add("grad_norm", float(grad_norm))
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
@@ -206,28 +185,13 @@ class Trainer:
         return rows
 
     def _forward_backward(self, rows: list[Any], step: Step) -> tuple[float, float, list[dict[str, float]]]:
-        """Forward and backward of the step's rows: here, or each micro-batch's row r on rank r (the loss of each
-        row is its share of the step's, so the gradients add up to the step's). Returns the forward and
-        forward+backward seconds, and with several ranks this rank's per-row metrics (the others' come later)."""
-        if self.ranks is not None:
-            work = split_rows(rows, step.placement, (self.loss.shift, self.loss.scale))
-            mine = self.ranks.command("step", work)
-            result = train_rows(self.model, self.loss, mine, self.ranks, self.config)
-            return result.forward_s, result.forward_backward_s, result.metrics
-        fwd_s = fwd_bwd_s = 0.0
-        for row in rows:
-            t0 = time.perf_counter()
-            with phase("forward"):
-                out = trainer_forward(self.model, row, self.config, router_aux=bool(self.loss.router_aux_coef))
-                loss, loss_metrics = self.loss(self.loss.batch(row, out), out.aux_loss)
-            fwd_s += time.perf_counter() - t0
-            with phase("backward"):
-                self.accelerator.backward(loss)
-                wait_for_device()
-            fwd_bwd_s += time.perf_counter() - t0
-            self.window.update(loss_metrics)
-            self.window.add("entropy", float(out.entropy.mean()) if out.entropy.numel() else float("nan"))
-        return fwd_s, fwd_bwd_s, []
+        """Forward and backward of the step's rows, each micro-batch's row r on rank r (the loss of each row is its
+        share of the step's, so the gradients add up to the step's). Returns the forward and forward+backward
+        seconds and this rank's per-row metrics (the others' come with the step's end)."""
+        work = split_rows(rows, step.placement, (self.loss.shift, self.loss.scale))
+        mine = self.ranks.command("step", work)
+        result = train_rows(self.model, self.loss, mine, self.ranks, self.config)
+        return result.forward_s, result.forward_backward_s, result.metrics
 
     def _record_step_time(self, step: Step, seconds: float) -> None:
         tokens = sum(s.num_tokens for s in step.samples)
@@ -259,12 +223,12 @@ class Trainer:
             raise
 
     def _push_weights(self, version: int) -> dict[str, float]:
-        """One weight sync; with several ranks every parameter is gathered as the transport reads it."""
-        if self.ranks is None:
-            return self.sync.push(self.model, version)
-        dtype = torch_dtype(serving_dtype(self.config))
-        self.ranks.command("sync", [dtype] * self.world)
-        view = GatheredModel(self.model, self.ranks, dtype)
+        """One weight sync: every parameter the transport reads is gathered by all ranks as it reads it (an
+        adapter sync's view gathers the adapter alone; a merged one gathers in float32 and casts after merging)."""
+        adapter_only = self.sync.adapter_prefix is not None
+        dtype = None if is_peft(self.model) and not adapter_only else torch_dtype(serving_dtype(self.config))
+        self.ranks.command("sync", [(dtype, adapter_only)] * self.world)
+        view = GatheredModel(self.model, self.ranks, dtype, trainable_only=adapter_only)
         metrics = self.sync.push(view, version)
         view.done()  # not after a failure: rank 0 may have stopped between two collectives, and the run ends
         return metrics
@@ -350,21 +314,16 @@ class Trainer:
         self.state.prompts_consumed = self.progress.consumed
         self.state.extra["num_tokens"] = self.num_tokens
         self.state.extra["loss"] = self.loss.state_dict()
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        write = None if self.ranks is None else (lambda directory: self._write_sharded(directory, "save"))
-        path = save_checkpoint(self.output_dir, self.state, unwrapped, self.prepared.tokenizer, self.optimizer,
-                               self.scheduler, self.config.trainer.save_total_limit, write, self.world,
-                               self.processor_files)  # fmt: skip
+        path = save_checkpoint(self.output_dir, self.state, self.prepared.tokenizer, self.scheduler,
+                               self.config.trainer.save_total_limit, lambda tmp: self._write_sharded(tmp, "save"),
+                               self.world, self.processor_files)  # fmt: skip
         log.info("checkpoint %s", path)
 
     def _save_final_model(self) -> None:
         final = self.output_dir / "model"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        if self.ranks is None:
-            self.accelerator.unwrap_model(self.model).save_pretrained(tmp)
-        else:
-            self._write_sharded(tmp, "final")
+        self._write_sharded(tmp, "final")
         self.prepared.tokenizer.save_pretrained(tmp)
         save_processor_files(self.processor_files, tmp)
         publish(tmp, final)

@@ -1,12 +1,18 @@
-"""LoRA adapters with peft: the config's ``lora`` group as a peft LoraConfig, the wrapped model, and its merged
-weights under the base model's parameter names (what a server without adapter support loads)."""
+"""LoRA adapters with peft: the config's ``lora`` group as a peft LoraConfig, the wrapped model, its merged
+weights under the base model's parameter names (what a server without adapter support loads), and its adapter
+files.
+
+The trainer's model is sharded (trainer/fsdp.py), so merging and saving read whole tensors gathered by name
+(``full``) rather than the layers' own parameters: peft's ``get_delta_weight`` on a layer would compute on
+shards, a collective that only rank 0 calls. The delta is peft's for LoRA's Linear and Embedding layers
+(B @ A times the layer's scaling, transposed for fan-in-fan-out and embedding weights)."""
 
 from __future__ import annotations
 
 import logging
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,7 @@ from asyncrl.model_kind import is_vision_language, non_text_prefixes
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
 _PEFT_ROOT = "base_model.model."
 _LAYER_WRAPPERS = (".base_layer.", ".modules_to_save.default.")
 
@@ -124,27 +131,54 @@ def base_name(name: str) -> str | None:
     return name
 
 
-def _with_delta(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _with_delta(
+    model: torch.nn.Module, name: str, tensor: torch.Tensor, full: Callable[[str], torch.Tensor]
+) -> torch.Tensor:
     """A wrapped layer's base weight plus its active adapters' deltas (the layer itself stays unmerged)."""
     if not name.endswith(".base_layer.weight"):
         return tensor
-    layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+    prefix = name.removesuffix(".base_layer.weight")
+    layer = model.get_submodule(prefix)
     if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
         return tensor
-    merged = tensor.detach()
+    merged, root = tensor.detach(), f"{_PEFT_ROOT}{prefix}"
     for adapter in layer.active_adapters:
-        if adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
-            merged = merged + layer.get_delta_weight(adapter).to(merged.dtype)
+        if adapter in getattr(layer, "lora_A", {}):
+            a, b = full(f"{root}.lora_A.{adapter}.weight").float(), full(f"{root}.lora_B.{adapter}.weight").float()
+            delta = (b @ a).T if layer.fan_in_fan_out else b @ a
+        elif adapter in getattr(layer, "lora_embedding_A", {}):
+            a, b = full(f"{root}.lora_embedding_A.{adapter}"), full(f"{root}.lora_embedding_B.{adapter}")
+            delta = (b.float() @ a.float()).T
+        else:
+            continue
+        merged = (merged.float() + delta * layer.scaling[adapter]).to(tensor.dtype)
     return merged
 
 
 def merged_tensors(
-    model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]
+    model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], full: Callable[[str], torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(base name, merged tensor, the tensor it came from) for a peft model's ``named_parameters()`` or
-    ``state_dict().items()``; the source tensor lets callers skip tied storages."""
+    ``state_dict().items()``, whose whole parameters ``full`` returns by name; the source tensor lets callers skip
+    tied storages."""
     inner = model.base_model.model
     for name, tensor in named:
         target = base_name(name)
         if target is not None:
-            yield target, _with_delta(inner, name.removeprefix(_PEFT_ROOT), tensor), tensor
+            yield target, _with_delta(inner, name.removeprefix(_PEFT_ROOT), tensor, full), tensor
+
+
+def adapter_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names, from ``model``'s trainable ``tensors`` by parameter name."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, state_dict=tensors, save_embedding_layers=False)
+
+
+def save_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """peft's adapter files (what ``save_pretrained`` writes) from the trainable ``tensors`` by parameter name."""
+    from safetensors.torch import save_file
+
+    model.peft_config["default"].save_pretrained(str(directory))
+    state = {name: t.contiguous() for name, t in adapter_state(model, tensors).items()}
+    save_file(state, str(directory / ADAPTER_FILE), metadata={"format": "pt"})

@@ -1,4 +1,4 @@
-"""Model, optimizer, scheduler and accelerator from the config."""
+"""Model, optimizer and scheduler from the config (trainer/fsdp.py shards the model)."""
 
 from __future__ import annotations
 
@@ -45,12 +45,6 @@ def use_cpu_threads(config: Config, world: int) -> None:
     threads = trainer_cpu_threads(config, world, cores)
     torch.set_num_threads(threads)
     log.info("trainer on the CPU: %d torch thread(s) per rank (%d cores, trainer.cpu_threads)", threads, cores)
-
-
-def build_accelerator(config: Config) -> Any:
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if use_bf16(config) else "no")
 
 
 def freeze_non_text(model: torch.nn.Module) -> None:

@@ -1,9 +1,16 @@
 """The trainer's ranks: how many a run has, and this process's place among them with the few collectives the
-trainer makes (trainer/distributed.py drives them)."""
+trainer makes (trainer/distributed.py drives them).
+
+A run of one trainer process is a world of one: the same FSDP2 model, step and checkpoint as several ranks, over a
+process group on an in-memory store (``Ranks.alone``). Its collectives return at once instead of pickling a
+step's rows through a group of one.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -36,14 +43,32 @@ class Ranks:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        return cls._join(rank, world)
+
+    @classmethod
+    @contextlib.contextmanager
+    def alone(cls) -> Iterator[Ranks]:
+        """This process as a world of one, for as long as the block runs (the CLI's own trainer; a Hydra sweep
+        runs one job after another in the same process)."""
+        ranks = cls._join(0, 1, dist.HashStore())
+        try:
+            yield ranks
+        finally:
+            dist.destroy_process_group()
+
+    @classmethod
+    def _join(cls, rank: int, world: int, store: Any = None) -> Ranks:
+        if torch.cuda.is_available():
             device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
         else:
             device, backend = torch.device("cpu"), "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         return cls(rank, world, device)
 
     def command(self, name: str, payloads: list[Any] | None = None) -> Any:
         """Rank 0: send ``name`` with payloads[r] to each rank r; returns rank 0's own payload."""
+        if self.world == 1:
+            return None if payloads is None else payloads[0]
         items = [(name, None if payloads is None else payloads[r]) for r in range(self.world)]
         received: list[Any] = [None]
         dist.scatter_object_list(received, items, src=0)
@@ -57,17 +82,23 @@ class Ranks:
 
     def announce(self, index: int = 0) -> int:
         """Rank 0 says which parameter to gather next (-1: done); every rank returns that index."""
+        if self.world == 1:
+            return index
         value = torch.tensor([index], dtype=torch.long, device=self.device)
         dist.broadcast(value, src=0)
         return int(value.item())
 
     def sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return [float(v) for v in values]
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return tensor.tolist()
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on rank 0 (an empty list on the others)."""
+        if self.world == 1:
+            return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0)
         return out or []

@@ -50,15 +50,18 @@ class Broken:
 
 def _checkpoint_run(model_dir: Path, run_dir: Path) -> Path:
     """A run directory holding one real checkpoint (step 2) of the tiny model, as the trainer writes it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+    from sharded import save, sharded
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.config import compose, to_config
+    from asyncrl.trainer.checkpoint import TrainerState
+    from asyncrl.trainer.ranks import Ranks
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scheduler = get_scheduler("constant", optimizer)
+    config = to_config(compose([f"model.name_or_path={model_dir}"]))
     state = TrainerState(step=2, model_version=2, prompt_index=16, prompts_consumed=16, extra={})
-    return save_checkpoint(run_dir, state, model, AutoTokenizer.from_pretrained(model_dir), optimizer, scheduler, None)
+    with Ranks.alone() as ranks:
+        model, optimizer, scheduler = sharded(config, AutoModelForCausalLM.from_pretrained(model_dir))
+        return save(run_dir, state, model, AutoTokenizer.from_pretrained(model_dir), optimizer, scheduler, ranks)
 
 
 def _copy_model(model_dir: Path, out: Path) -> Path:

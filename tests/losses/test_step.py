@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sharded import sharded
 
 from asyncrl.advantages import ADVANTAGES
 from asyncrl.assets.tiny_model import build_model, build_tokenizer
@@ -29,7 +30,7 @@ from asyncrl.rollout.loop import AsyncRolloutLoop, render_prompt
 from asyncrl.rollout.types import Rollout, RolloutSample, TrainingSequence, TurnRecord
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.loop import Trainer
-from asyncrl.trainer.model import build_accelerator, build_optimizer
+from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.timeline import Timeline
 
 
@@ -215,14 +216,13 @@ def tokenizer():
     return build_tokenizer()
 
 
-def trainer_for(overrides: list[str], model: torch.nn.Module) -> Trainer:
+def trainer_for(overrides: list[str], model: torch.nn.Module, ranks: Ranks) -> Trainer:
+    """The Trainer's step as the CLI runs it in one process: rank 0 of a world of one, its model sharded."""
     overrides = ["trainer.weight_decay=0.0", "trainer.learning_rate=1e-3", *overrides]
     config, components = to_config_and_components(compose(overrides))
     trainer = Trainer.__new__(Trainer)
-    trainer.config, trainer.ranks, trainer.world = config, None, 1
-    trainer.accelerator = build_accelerator(config)
-    optimizer, scheduler = build_optimizer(config, model)
-    trainer.model, trainer.optimizer, trainer.scheduler = trainer.accelerator.prepare(model, optimizer, scheduler)
+    trainer.config, trainer.ranks, trainer.world = config, ranks, 1
+    trainer.model, trainer.optimizer, trainer.scheduler = sharded(config, model)
     trainer.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
     trainer.top_k = config.sampling.num_sampler_logprobs if "sampler_top_logprobs" in trainer.loss.requires else 0
     trainer.window, trainer.timeline = MetricWindow(), Timeline()
@@ -262,7 +262,7 @@ def model_and_samples(tokenizer):
     return model, samples
 
 
-def run_step(overrides: list[str], model_and_samples) -> tuple[Trainer, dict[str, float], float]:
+def run_step(overrides: list[str], model_and_samples, ranks: Ranks) -> tuple[Trainer, dict[str, float], float]:
     model, samples = model_and_samples
     rows = []
     for pair in (samples[:2], samples[2:]):
@@ -270,27 +270,28 @@ def run_step(overrides: list[str], model_and_samples) -> tuple[Trainer, dict[str
         for s in pair:
             row.add(s)
         rows.append(row)
-    trainer = trainer_for(overrides, copy.deepcopy(model))
-    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer = trainer_for(overrides, copy.deepcopy(model), ranks)
+    before = [p.detach().to_local().clone() for p in trainer.model.parameters()]
     trainer._optimize(Step(rows=rows, wait_s=0.0))
-    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(trainer.model.parameters(), before, strict=True))
+    after = [p.detach().to_local() for p in trainer.model.parameters()]
+    moved = max(float((p - b).abs().max()) for p, b in zip(after, before, strict=True))
     return trainer, trainer.window.reduce(), moved
 
 
 @pytest.mark.parametrize("loss", LOSSES.names())
-def test_every_loss_trains_the_tiny_model(loss, model_and_samples):
-    _, metrics, moved = run_step([f"loss={loss}"], model_and_samples)
+def test_every_loss_trains_the_tiny_model(loss, model_and_samples, one_rank):
+    _, metrics, moved = run_step([f"loss={loss}"], model_and_samples, one_rank)
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert moved > 0
     assert math.isfinite(metrics["clip_ratio/region_mean"])
 
 
-def test_every_option_at_once_through_the_trainer(model_and_samples):
+def test_every_option_at_once_through_the_trainer(model_and_samples, one_rank):
     overrides = ["loss=cispo", "advantage=group_mean_batch_std", "loss.importance_sampling=sequence_truncate",
                  "loss.off_policy_mask_threshold=0.5", "loss.mask_truncated_completions=true",
                  "loss.top_entropy_quantile=0.5", "loss.normalization=micro_batch", "loss.entropy_coef=0.01",
                  "loss.entropy_target=100.0"]  # fmt: skip
-    trainer, metrics, moved = run_step(overrides, model_and_samples)
+    trainer, metrics, moved = run_step(overrides, model_and_samples, one_rank)
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0 and moved > 0
     assert math.isfinite(metrics["policy_loss"]) and metrics["entropy_coef"] == pytest.approx(0.01)
     # the tiny model's entropy is below the target of 100 nats: the adaptive coefficient went up for the next step

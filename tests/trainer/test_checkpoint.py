@@ -9,31 +9,33 @@ import random
 import numpy as np
 import pytest
 import torch
+from sharded import save, sharded
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.config import compose, to_config
 from asyncrl.trainer.checkpoint import (
     ResumeError,
     TrainerState,
+    check_checkpoint,
     check_no_later_checkpoints,
     list_checkpoints,
     load_checkpoint,
     resolve_checkpoint,
-    save_checkpoint,
 )
 
 
 @pytest.fixture(scope="module")
-def saver(random_tiny_model_dir):
+def saver(random_tiny_model_dir, one_rank):
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))
     model = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32)
+    model, optimizer, scheduler = sharded(config, model)
     tokenizer = AutoTokenizer.from_pretrained(random_tiny_model_dir)
-    optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
-    def save(output_dir, step: int, limit: int | None = None, prompt_index: int = 0):
+    def saver(output_dir, step: int, limit: int | None = None, prompt_index: int = 0):
         state = TrainerState(step=step, model_version=step, prompt_index=prompt_index, prompts_consumed=0, extra={})
-        return save_checkpoint(output_dir, state, model, tokenizer, optimizer, scheduler, limit)
+        return save(output_dir, state, model, tokenizer, optimizer, scheduler, one_rank, limit)
 
-    return save
+    return saver
 
 
 def test_a_save_over_an_existing_step_replaces_it_whole(saver, tmp_path):
@@ -45,6 +47,7 @@ def test_a_save_over_an_existing_step_replaces_it_whole(saver, tmp_path):
     final = saver(tmp_path, 5, prompt_index=2)
     assert json.loads((final / "rollout_state.json").read_text())["prompt_index"] == 2
     assert (final / "model.safetensors").is_file() and (final / "optimizer.pt").is_file()
+    assert (final / "sharded").is_dir()
     assert sorted(p.name for p in root.iterdir()) == ["step_000005", "step_000007.tmp"]
 
 
@@ -67,6 +70,17 @@ def test_a_checkpoint_loads_with_weights_only_and_restores_every_rng(saver, rand
     for name in ("optimizer.pt", "rng_state.pt"):
         torch.load(path / name, weights_only=True)
     optimizer = torch.optim.AdamW(AutoModelForCausalLM.from_pretrained(random_tiny_model_dir).parameters())
-    state = load_checkpoint(path, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    state = load_checkpoint(path, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
     assert (state.step, state.prompt_index) == (4, 7)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_a_checkpoint_from_before_one_trainer_path_is_refused_in_one_line(saver, tmp_path):
+    """Single-process checkpoints once held the model and the optimizer's state dict instead of sharded files."""
+    import shutil
+
+    path = saver(tmp_path, 2)
+    check_checkpoint(path)
+    shutil.rmtree(path / "sharded")
+    with pytest.raises(ResumeError, match=r"no sharded/ resume files.* model.name_or_path="):
+        check_checkpoint(path)

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from packing.packing_samples import random_samples  # tests/packing
 from safetensors.torch import load_file
+from sharded import sharded
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import compose, to_config
@@ -24,8 +25,8 @@ from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
 from asyncrl.packing import TreeRow, plan_micro_batches
 from asyncrl.server.process import free_port
+from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
-from asyncrl.trainer.checkpoint import ResumeError, check_world_size
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_optimizer
 
@@ -103,7 +104,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
         loss.start_step(rows)
         mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
         result = train_rows(model, loss, mine, ranks, config)
-        fsdp.FsdpAccelerator().clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm)
+        fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -111,7 +112,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
         metrics = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
         ranks.command("save", [str(out / "ckpt")] * WORLD)
         fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
-        ranks.command("sync", [torch.float32] * WORLD)
+        ranks.command("sync", [(torch.float32, False)] * WORLD)
         view = fsdp.GatheredModel(model, ranks, torch.float32)
         with ControlClient(server_url, timeout_s=60) as control:
             sync = WeightSync(control, FileTransport(out, torch.float32))
@@ -169,10 +170,16 @@ def test_the_server_holds_the_gathered_weights(two_ranks, reference, tiny_server
         fresh_server()
 
 
-def test_the_checkpoint_is_sharded_and_resumes_only_on_as_many_ranks(two_ranks, tmp_path):
-    _, _, out = two_ranks
+def test_the_two_rank_checkpoint_resumes_on_one_rank(two_ranks, reference, one_rank):
+    """torch.distributed.checkpoint reshards: the 2-rank resume files load into a world of one with the same
+    weights and the optimizer's state after its one step."""
+    config, _, out = two_ranks
     assert any((out / "ckpt" / "sharded").glob("*.distcp")) and (out / "ckpt" / "config.json").is_file()
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 1, "num_processes": WORLD}))
-    check_world_size(tmp_path, WORLD)
-    with pytest.raises(ResumeError, match=r"written by 2 trainer rank\(s\) but this run has 1 \(trainer.num_proc"):
-        check_world_size(tmp_path, 1)
+    model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32)
+    model, optimizer, _ = sharded(config, model)
+    fsdp.load_sharded(out / "ckpt", model, optimizer)
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    worst = max(float((p.detach().to_local() - q).abs().max()) for p, q in pairs)
+    assert worst <= 1e-5
+    steps = [float(state["step"]) for state in optimizer.state_dict()["state"].values()]
+    assert steps and all(step == 1 for step in steps)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from sharded import save, sharded
 from transformers import AutoTokenizer
 
 from asyncrl.client import ControlClient, ServerError
@@ -19,8 +20,9 @@ from asyncrl.config.schema import Config
 from asyncrl.server.checks import ServerCheckError
 from asyncrl.server.process import ServerProcess, free_port
 from asyncrl.trainer import lora
-from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from asyncrl.trainer.model import build_optimizer, load_model
+from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint
+from asyncrl.trainer.distributed import build_sharded
+from asyncrl.trainer.model import load_model
 from asyncrl.trainer.sync.adapter import AdapterSync
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.tensors import parameter_metadata, serving_parameters, unique_state_dict
@@ -132,26 +134,30 @@ def test_merged_sync_makes_the_server_match_the_trainer(server, peft_model, rand
     assert before > 1e-2 and after <= 1e-4, (before, after)
 
 
-def test_checkpoint_holds_the_adapter_and_resumes_from_it(random_tiny_model_dir, peft_model, tmp_path):
+def test_checkpoint_holds_the_adapter_and_resumes_from_it(random_tiny_model_dir, peft_model, tmp_path, one_rank):
+    """The sharded trainer's checkpoint: peft's adapter files (no base weights) and resume files holding the adapter
+    and its optimizer state only; resuming puts the same adapter and optimizer state back on the base model."""
     config = lora_config(random_tiny_model_dir)
-    optimizer, scheduler = build_optimizer(config, peft_model)
-    loss = sum(p.sum() for p in peft_model.parameters() if p.requires_grad)
+    model, optimizer, scheduler = sharded(config, peft_model)
+    loss = sum(p.sum() for p in model.parameters() if p.requires_grad)
     loss.backward()
     optimizer.step()
     tokenizer = AutoTokenizer.from_pretrained(random_tiny_model_dir)
     state = TrainerState(step=3, model_version=3, prompt_index=12, prompts_consumed=12, extra={})
-    path = save_checkpoint(tmp_path, state, peft_model, tokenizer, optimizer, scheduler, total_limit=None)
+    path = save(tmp_path, state, model, tokenizer, optimizer, scheduler, one_rank)
     assert lora.is_adapter_dir(path) and not (path / "model.safetensors").exists()
     saved = load_file(path / "adapter_model.safetensors")
     assert saved and all("lora_" in name for name in saved)
+    resume_files = sum(f.stat().st_size for f in (path / "sharded").iterdir())
+    assert resume_files < 4 * 4 * sum(t.numel() for t in saved.values()) + 100_000  # fp32 adapter + Adam moments
 
-    resumed = load_model(config, str(path))
-    new_optimizer, new_scheduler = build_optimizer(config, resumed)
-    assert load_checkpoint(path, new_optimizer, new_scheduler).model_version == 3
+    config.trainer.resume_from_checkpoint = str(path)
+    resumed, new_optimizer, new_scheduler, resume = build_sharded(config, tmp_path, one_rank)
+    assert resume == path and load_checkpoint(path, new_scheduler).model_version == 3
     assert [n for n, p in resumed.named_parameters() if p.requires_grad] == \
-        [n for n, p in peft_model.named_parameters() if p.requires_grad]  # fmt: skip
-    resumed_state, trained_state = resumed.state_dict(), peft_model.state_dict()
-    assert all(torch.equal(resumed_state[name], tensor) for name, tensor in trained_state.items())
+        [n for n, p in model.named_parameters() if p.requires_grad]  # fmt: skip
+    resumed_state, trained_state = resumed.state_dict(), model.state_dict()
+    assert all(torch.equal(resumed_state[name].to_local(), tensor.to_local()) for name, tensor in trained_state.items())
     step_of = {k: v["step"] for k, v in new_optimizer.state_dict()["state"].items()}
     assert step_of and all(float(step) == 1 for step in step_of.values())
 

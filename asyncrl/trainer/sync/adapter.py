@@ -24,43 +24,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from asyncrl.client import ControlClient, policy_model
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.flow import FlowControl
 from asyncrl.server.command import serving_dtype
+from asyncrl.trainer import lora
+from asyncrl.trainer.fsdp import whole_tensors
 from asyncrl.trainer.sync.base import WeightSyncError, run_step
 
 log = logging.getLogger(__name__)
 
 CACHE_DIR = ".vllm_lora"
-ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def adapter_tensors(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's saved names (what save_pretrained writes), on the CPU in ``dtype``."""
-    from peft import PeftModel, get_peft_model_state_dict
-
-    model = getattr(model, "module", model)
-    if not isinstance(model, PeftModel):
-        raise WeightSyncError(
-            f"lora.sync=adapter needs the trainer's peft model, got {type(model).__name__} "
-            "(several trainer ranks are not supported yet: use lora.sync=merged)"
-        )
-    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+def write_adapter(model: Any, path: Path, dtype: torch.dtype | None) -> int:
+    """Write the adapter of ``model`` (a peft model, or the sharded view of one) to ``path`` in ``dtype``,
+    atomically (a sibling temporary directory, then a rename); its bytes."""
+    inner, full = whole_tensors(getattr(model, "module", model))
+    if not lora.is_peft(inner):
+        raise WeightSyncError(f"lora.sync=adapter needs the trainer's peft model, got {type(inner).__name__}")
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    return {name: cast(t.detach()).contiguous().cpu() for name, t in state.items()}
-
-
-def write_adapter(model: torch.nn.Module, path: Path, dtype: torch.dtype | None) -> int:
-    """Write the adapter to ``path`` atomically (a sibling temporary directory, then a rename); its bytes."""
+    tensors = {name: cast(full(name)).cpu() for name, param in inner.named_parameters() if param.requires_grad}
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    getattr(model, "module", model).peft_config["default"].save_pretrained(str(staging))
-    save_file(adapter_tensors(model, dtype), str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+    lora.save_adapter(inner, tensors, staging)
     size = sum(f.stat().st_size for f in staging.iterdir())
     shutil.rmtree(path, ignore_errors=True)
     staging.rename(path)

@@ -27,22 +27,13 @@ def use_adapter_sync(config: Config, control: ControlClient, backend: str) -> bo
     """Whether this run syncs adapters only; lora.sync=adapter on a server that cannot is an error."""
     if not config.lora.enabled or config.lora.sync == LoraSync.merged:
         return False
-    problem = _several_ranks() or adapter_problem(config, control, backend)
+    problem = adapter_problem(config, control, backend)
     if problem is None:
         return True
     if config.lora.sync == LoraSync.adapter:
         raise ServerCheckError(f"lora.sync=adapter: {problem}")
     log.info("lora.sync=auto chose merged sync: %s", problem)
     return False
-
-
-def _several_ranks() -> str | None:
-    """Sharded trainer ranks each hold part of the adapter; AdapterSync writes it from one process only."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return f"adapter sync from {dist.get_world_size()} sharded trainer ranks is not supported yet"
-    return None
 
 
 def adapter_problem(config: Config, control: ControlClient, backend: str) -> str | None:

@@ -14,6 +14,7 @@ import torch
 
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.trainer import lora
+from asyncrl.trainer.fsdp import whole_tensors
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -28,14 +29,15 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 def frozen_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
     """Base-model name prefixes that sync skips: a vision-language model's modules outside its text model."""
-    inner = model.model if hasattr(model, "sharded_parameters") else model  # the sharded view (trainer/fsdp.py)
+    inner, _ = whole_tensors(model)
     return non_text_prefixes(inner.get_base_model() if lora.is_peft(inner) else inner)
 
 
 def _served(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Base-model names and tensors, merged when ``model`` carries adapters; each source storage once; none of
     the frozen non-text modules."""
-    pairs = lora.merged_tensors(model, named) if lora.is_peft(model) else ((n, t, t) for n, t in named)
+    inner, full = whole_tensors(model)
+    pairs = lora.merged_tensors(inner, named, full) if lora.is_peft(inner) else ((n, t, t) for n, t in named)
     unique = getattr(model, "yields_unique_tensors", False)  # gathered shards (trainer/fsdp.py): addresses repeat
     skipped = frozen_prefixes(model)
     seen: set[int] = set()
@@ -55,7 +57,7 @@ def serving_parameters(model: torch.nn.Module, dtype: torch.dtype | None) -> Ite
 def parameter_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[str, torch.dtype, list[int]]]:
     """(name, wire dtype, shape) of what ``serving_parameters`` yields, without copying (or merging) anything."""
     model = _unwrap(model)
-    peft, skipped = lora.is_peft(model), frozen_prefixes(model)
+    peft, skipped = lora.is_peft(whole_tensors(model)[0]), frozen_prefixes(model)
     metadata = []
     named = getattr(model, "sharded_parameters", model.named_parameters)  # shapes without gathering shards
     for name, param in named():
