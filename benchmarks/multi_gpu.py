@@ -109,7 +109,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
             placement = [list(range(start, start + world)) for start in range(0, len(rows), world)]  # row r -> rank r
             mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
             result = train_rows(model, loss, mine, ranks, config)
-            grad_norm = float(fsdp.FsdpAccelerator().clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm))
+            grad_norm = float(fsdp.clip_grad_norm(model, config.trainer.max_grad_norm))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -124,7 +124,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
                 fsdp.save_weights(out / "after_step_1", model, optimizer, ranks, torch.float32, resumable=False)
         gathers = []
         for _ in range(3):
-            ranks.command("sync", [torch.bfloat16] * world)
+            ranks.command("sync", [(torch.bfloat16, False)] * world)
             view = fsdp.GatheredModel(model, ranks, torch.bfloat16)
             started = time.perf_counter()
             for _name, _tensor in view.named_parameters():
