@@ -148,12 +148,15 @@ def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any
     """Model (loaded, then sharded), optimizer, scheduler, and the checkpoint resumed from, whose sharded
     weights and optimizer state are then loaded, resharded for these ranks (its scheduler and TrainerState are
     the caller's)."""
+    from transformers import set_seed
+
     from asyncrl.trainer.checkpoint import resolve_checkpoint
     from asyncrl.trainer.model import build_optimizer, load_model, use_bf16
 
     output_dir = Path(config.trainer.output_dir or run_dir)
     spec = config.trainer.resume_from_checkpoint
     resume = resolve_checkpoint(spec, output_dir) if spec else None
+    set_seed(config.trainer.seed)  # every rank initialises new weights (LoRA's A) alike: each keeps its own shard
     model = load_model(config, str(resume) if resume else config.model.name_or_path)
     model = fsdp.shard(model, config, mixed_precision=use_bf16(config) and torch.cuda.is_available())
     optimizer, scheduler = build_optimizer(config, model)

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from packing.packing_samples import random_samples  # tests/packing
-from safetensors.torch import load_file
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 from sharded import sharded
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, set_seed
 
 from asyncrl.config import compose, to_config
 from asyncrl.config.schema import Config
@@ -28,21 +29,22 @@ from asyncrl.server.process import free_port
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.forward import packed_forward
-from asyncrl.trainer.model import build_optimizer
+from asyncrl.trainer.model import build_optimizer, load_model
+from asyncrl.trainer.sync.tensors import unique_state_dict
 
 from .test_weight_sync import served_vs_local
 
 WORLD = 2
 
 
-def make_config(model_dir: Path, data_dir: Path) -> Config:
+def make_config(model_dir: Path, data_dir: Path, *extra: str) -> Config:
     """Adam's first step is lr * g / (|g| + eps): with the default eps 1e-8, the few hundred gradient entries of
     ~1e-8 here turn float rounding (sharded vs unsharded sums, and CPUs with other kernels) into differences of
     O(lr); CI saw 1.6e-3. eps 1e-4 bounds that gain at lr / eps = 10 and still moves the weights by up to lr."""
     return to_config(compose([
         f"model.name_or_path={model_dir}", f"data.path={data_dir / 'train.jsonl'}", "model.dtype=float32",
         "trainer.learning_rate=1e-3", "trainer.adam_epsilon=1e-4", "trainer.max_grad_norm=0.5",
-        f"trainer.num_processes={WORLD}", "trainer.gradient_checkpointing=false", "loss=clipped",
+        f"trainer.num_processes={WORLD}", "trainer.gradient_checkpointing=false", "loss=clipped", *extra,
     ]))  # fmt: skip
 
 
@@ -66,8 +68,9 @@ def make_step(model_dir: Path, budget: int = 96) -> tuple[list, list[list[int | 
 
 
 def single_process_step(config: Config, rows: list) -> torch.nn.Module:
-    """The reference: every row through one unsharded model, one optimizer step."""
-    model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32)
+    """The reference: every row through one unsharded model (initialised as the ranks' are), one optimizer step."""
+    set_seed(config.trainer.seed)
+    model = load_model(config, config.model.name_or_path)
     optimizer, _ = build_optimizer(config, model)
     loss = StepLoss(LOSSES.build(config.loss))
     loss.start_step(rows)
@@ -110,6 +113,11 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
         optimizer.zero_grad(set_to_none=True)
         loss.end_step()
         metrics = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
+        if config.lora.enabled:
+            write_lora(model, ranks, out)
+            ranks.command("stop")
+            dist.barrier()
+            return
         ranks.command("save", [str(out / "ckpt")] * WORLD)
         fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
         ranks.command("sync", [(torch.float32, False)] * WORLD)
@@ -129,6 +137,20 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
     finally:
         dist.destroy_process_group()
     leave(0)
+
+
+def write_lora(model: torch.nn.Module, ranks, out: Path) -> None:
+    """Rank 0: the merged weights a merged sync sends, and the adapter an adapter sync writes, from the shards."""
+    from asyncrl.trainer.sync.adapter import write_adapter
+
+    ranks.command("sync", [(None, False)] * WORLD)
+    view = fsdp.GatheredModel(model, ranks, None)
+    save_file(unique_state_dict(view), str(out / "merged.safetensors"))
+    view.done()
+    ranks.command("sync", [(None, True)] * WORLD)
+    view = fsdp.GatheredModel(model, ranks, None, trainable_only=True)
+    write_adapter(view, out / "adapter", None)
+    view.done()
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +205,27 @@ def test_the_two_rank_checkpoint_resumes_on_one_rank(two_ranks, reference, one_r
     assert worst <= 1e-5
     steps = [float(state["step"]) for state in optimizer.state_dict()["state"].values()]
     assert steps and all(step == 1 for step in steps)
+
+
+@pytest.fixture(scope="module")
+def two_lora_ranks(random_tiny_model_dir, arithmetic_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora-ranks")
+    config = make_config(random_tiny_model_dir, arithmetic_data_dir, "lora=default", "lora.r=8")
+    rows, placement = make_step(random_tiny_model_dir)
+    mp.spawn(rank_main, args=(config, rows, placement, out, free_port(), ""), nprocs=WORLD)
+    return config, rows, out
+
+
+def test_lora_on_two_ranks_makes_the_single_process_update(two_lora_ranks):
+    """The sharded peft model's step equals one process's: the merged weights a merged sync sends and the adapter
+    an adapter sync writes (both from gathered shards) match the unsharded peft model's."""
+    config, rows, out = two_lora_ranks
+    reference = single_process_step(config, rows)
+    merged, expected = load_file(str(out / "merged.safetensors")), unique_state_dict(reference)
+    assert set(merged) == set(expected)
+    assert max(float((merged[name] - expected[name]).abs().max()) for name in expected) <= 1e-5
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    trained = get_peft_model_state_dict(reference)
+    assert set(adapter) == set(trained) and any("lora_B" in name for name in adapter)
+    assert max(float((adapter[name] - trained[name]).abs().max()) for name in trained) <= 1e-5
+    assert max(float(trained[name].abs().max()) for name in trained if "lora_B" in name) > 1e-4  # it moved
