@@ -39,7 +39,8 @@ def replicas_run(random_tiny_model_dir, arithmetic_data_dir, fresh_replicas, tmp
     run_dir = tmp_path_factory.mktemp("replicas") / "run"
     urls = ",".join(server.base_url for server in servers)
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), f"trainer.max_steps={STEPS}",
-            "staleness.max_staleness=1", "server.launch=false", f"server.base_urls=[{urls}]",
+            "staleness.max_staleness=1", "sampling.max_completion_length=32", "server.launch=false",
+            f"server.base_urls=[{urls}]",
             "trainer.cpu_threads=1"]  # fmt: skip
     run = run_cli(args, timeout_s=300)
     versions = [ControlClient(server.base_url).weight_version() for server in servers]
@@ -73,6 +74,7 @@ def test_a_dead_replica_ends_the_run_with_one_line_naming_it(random_tiny_model_d
     common = [arg for arg in common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir)
               if not arg.startswith(("server.port=", "trainer.max_steps="))]  # fmt: skip
     args = ["train", *common, "trainer.max_steps=500", "trainer.save_strategy=no", "server.replicas=2",
+            "sampling.max_completion_length=16",
             f"server.port={port}", "trainer.cpu_threads=1"]  # fmt: skip
     proc, marker = start_cli(args)
     try:
