@@ -41,6 +41,9 @@ class FakeControl:
     def load_lora_adapter(self, name: str, path: str) -> None:
         self._call("load_lora_adapter", (name, path))
 
+    def unload_lora_adapter(self, name: str) -> None:
+        self._call("unload_lora_adapter", name)
+
 
 def group(*controls: FakeControl) -> ControlGroup:
     return ControlGroup(list(controls))  # type: ignore[arg-type]
@@ -85,3 +88,22 @@ def test_one_server_is_called_directly_and_its_errors_are_unchanged():
     only = FakeControl("http://a", fails="resume")
     with pytest.raises(ServerError, match=r"^/resume: HTTP 500: engine dead$"):
         group(only).resume()
+
+
+def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(random_tiny_model_dir, tmp_path):
+    from asyncrl.config import compose, to_config
+    from asyncrl.trainer.model import load_model
+    from asyncrl.trainer.sync.adapter import AdapterSync
+
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8",
+                                "staleness.max_staleness=0", "lora.sync=adapter"]))  # fmt: skip
+    a, b = FakeControl("http://a"), FakeControl("http://b")
+    sync = AdapterSync(group(a, b), config, tmp_path)  # type: ignore[arg-type]
+    sync.init()
+    model = load_model(config, str(random_tiny_model_dir))
+    for version in (1, 2):
+        sync.push(model, version)
+    loads = [("load_lora_adapter", (sync.name(v), str(sync.path(v)))) for v in (1, 2)]
+    expected = [*loads, ("unload_lora_adapter", sync.name(1))]
+    assert a.calls == b.calls == expected  # every live version on every replica
+    assert sorted(p.name for p in (tmp_path / ".vllm_lora").iterdir()) == [sync.name(1), sync.name(2)]
