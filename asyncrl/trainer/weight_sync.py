@@ -12,6 +12,12 @@ start/finish session (``Transport.session``), which is where vLLM re-materialise
 whose lora.sync resolves to adapters (sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no
 pause, only the adapter is sent.
 
+With several servers (server.replicas, server.base_urls) the control client is a ``ControlGroup``
+(asyncrl/control_group.py): each call of the round reaches every server concurrently, so one round is pause all
+-> start all -> each server's data plane -> finish all -> resume all. The built-in file and the adapter are
+written once (the replicas share one weights directory) and every server loads them; NCCL spans all servers in
+one group; ipc reaches one co-located server only (server/checks.py::check_servers refuses more).
+
 The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
 aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the
 prefix cache: after resume every request re-prefills under the new weights, so no token is ever computed
