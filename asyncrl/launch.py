@@ -196,7 +196,7 @@ def check_port(config: Config) -> None:
             which = f"server.port={sv.port}" if replica == 0 else f"server.port={sv.port} + replica {replica}"
             raise ConfigError(
                 f"{which}: {sv.host}:{port} is already in use (another server?); choose a free one with "
-                "server.port=N (replicas take the ports after it), or attach to it with server.launch=false"
+                "server.port=N, or attach to it with server.launch=false"
             )
 
 
@@ -307,6 +307,11 @@ def serve_forever(config: Config) -> None:
     from asyncrl.server.handle import LaunchedServer
     from asyncrl.trainer.setup import check_model_path
 
+    if config.server.replicas > 1:
+        raise ConfigError(
+            f"server.replicas={config.server.replicas}: asyncrl serve runs one server; start one per port "
+            "(server.port=P) and attach the run to them with server.launch=false server.base_urls=[...]"
+        )
     check_model_path(config)
     check_port(config)
     run_dir = Path(config.trainer.output_dir or "runs/serve")
