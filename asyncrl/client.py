@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -178,16 +178,42 @@ class _Pool:
         self.inflight = 0
 
 
+@dataclass
+class ServerLoad:
+    """What the client knows of one server's load: its requests in flight from us, those it was sent, and its KV
+    cache usage from its last /metrics scrape (None until one)."""
+
+    base_url: str
+    inflight: int = 0
+    requests: int = 0
+    kv_cache_usage: float | None = None
+    pools: list[_Pool] = field(default_factory=list)
+
+
+def choose_server(servers: Sequence[ServerLoad], turn: int) -> int:
+    """The server for the next request: the fewest requests in flight from us; ties go to the lowest KV cache
+    usage where known (a server not scraped yet ranks after those that were), then round robin from ``turn``."""
+    count = len(servers)
+
+    def load(index: int) -> tuple[int, bool, float, int]:
+        kv = servers[index].kv_cache_usage
+        return servers[index].inflight, kv is None, kv or 0.0, (index - turn) % count
+
+    return min(range(count), key=load)
+
+
 class GenerationClient:
     """Async generation client; retries transport errors, timeouts, 5xx and 429 with capped backoff.
 
     ``sample`` is what rollouts call: with ``return_sampling_mask`` it asks /inference/v1/generate for each
     token's candidate set; a server that cannot return sets gets one warning, and /v1/completions from then on.
+    With several servers (``base_url`` a list) each request, retries included, goes to the least loaded one
+    (``choose_server``); ``servers`` holds their loads and counts.
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         model: str,
         timeout_s: float,
         max_retries: int = 5,
@@ -201,9 +227,11 @@ class GenerationClient:
         self.retry_count = 0
         self.candidate_sets: bool | None = None
         """None until the first request that asks for candidate sets; False once the server could not."""
-        self._base_url, self._timeout_s = base_url.rstrip("/"), timeout_s
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.servers = [ServerLoad(url.rstrip("/")) for url in urls]
+        self._turn = 0
+        self._timeout_s = timeout_s
         self._headers = auth_headers()  # vLLM started with --api-key needs it for /v1 and /inference
-        self._pools: list[_Pool] = []
 
     async def complete(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         body = {
@@ -282,20 +310,27 @@ class GenerationClient:
             self.retry_count += 1
 
     async def _send(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST on the pool with the fewest requests in flight; a new pool once each has POOL_REQUESTS."""
-        pool = min(self._pools, key=lambda p: p.inflight, default=None)
+        """POST to the least loaded server, on its pool with the fewest requests in flight; a new pool once each
+        has POOL_REQUESTS."""
+        server = self.servers[choose_server(self.servers, self._turn)]
+        self._turn += 1
+        pool = min(server.pools, key=lambda p: p.inflight, default=None)
         if pool is None or pool.inflight >= POOL_REQUESTS:
-            pool = _Pool(self._base_url, self._timeout_s, self._headers)
-            self._pools.append(pool)
+            pool = _Pool(server.base_url, self._timeout_s, self._headers)
+            server.pools.append(pool)
         pool.inflight += 1
+        server.inflight += 1
+        server.requests += 1
         try:
             return await pool.client.post(path, json=body)
         finally:
             pool.inflight -= 1
+            server.inflight -= 1
 
     async def aclose(self) -> None:
-        for pool in self._pools:
-            await pool.client.aclose()
+        for server in self.servers:
+            for pool in server.pools:
+                await pool.client.aclose()
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -447,6 +482,10 @@ class ControlClient:
 
     def unload_lora_adapter(self, name: str) -> None:
         self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def reopened(self, timeout_s: float) -> ControlClient:
+        """A fresh client of the same server under ``timeout_s`` (cleanup after a failed weight-sync round)."""
+        return ControlClient(self.base_url, timeout_s=timeout_s)
 
     def close(self) -> None:
         self._client.close()

@@ -35,7 +35,7 @@ async def _complete_all(
 
 async def _evaluate(
     config: Config,
-    base_url: str,
+    base_urls: str | list[str],
     model_name: str,
     tokenizer: Any,
     rows: list[dict[str, Any]],
@@ -45,7 +45,7 @@ async def _evaluate(
     s = config.sampling
     prompts = [render_prompt(tokenizer, row["prompt"], s.chat_template_kwargs) for row in rows]
     results: dict[str, float] = {}
-    async with GenerationClient(base_url, model_name, timeout_s=config.server.timeout) as client:
+    async with GenerationClient(base_urls, model_name, timeout_s=config.server.timeout) as client:
         # greedy as top-1 sampling: vLLM >= 0.28 started with --return-sampling-mask refuses temperature 0
         for label, temperature, top_k in (("greedy", 1.0, 1), ("sampled", s.temperature, s.top_k)):
             params = [
@@ -59,7 +59,8 @@ async def _evaluate(
                 )
                 for i, ids in enumerate(prompts)
             ]
-            outs = await _complete_all(client, prompts, params, concurrency=config.server.max_num_seqs)
+            concurrency = config.server.max_num_seqs * len(client.servers)  # each server's batch
+            outs = await _complete_all(client, prompts, params, concurrency=concurrency)
             results[f"eval/{label}_reward"] = await _mean_reward(rows, outs, tokenizer, sources)
     return results
 
@@ -90,13 +91,14 @@ async def _mean_reward(
 
 def evaluate(
     config: Config,
-    base_url: str,
+    base_urls: str | list[str],
     model_name: str,
     tokenizer: Any,
     dataset: Any,
     sources: list[RewardSource],
     max_model_len: int,
 ) -> dict[str, float]:
-    """Mean reward of greedy and sampled completions on the first ``data.num_eval_prompts`` eval rows."""
+    """Mean reward of greedy and sampled completions on the first ``data.num_eval_prompts`` eval rows, spread over
+    the servers at ``base_urls``."""
     rows = [dataset[i] for i in range(min(len(dataset), config.data.num_eval_prompts))]
-    return asyncio.run(_evaluate(config, base_url, model_name, tokenizer, rows, sources, max_model_len))
+    return asyncio.run(_evaluate(config, base_urls, model_name, tokenizer, rows, sources, max_model_len))

@@ -27,6 +27,7 @@ from asyncrl.config.schema import Config
 if TYPE_CHECKING:
     from asyncrl.components import Components
     from asyncrl.server.command import ServerCommand
+    from asyncrl.server.group import ServerGroup
 
 log = logging.getLogger("asyncrl")
 
@@ -188,14 +189,18 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
 def check_port(config: Config) -> None:
     """The port of a server to launch is free: otherwise the new server fails to bind, and the run would talk to
     whatever listens there."""
+    from asyncrl.server.command import replica_port
     from asyncrl.server.process import port_is_free
 
     sv = config.server
-    if sv.launch and not port_is_free(sv.host, sv.port):
-        raise ConfigError(
-            f"server.port={sv.port}: {sv.host}:{sv.port} is already in use (another server?); "
-            "choose a free one with server.port=N, or attach to it with server.launch=false"
-        )
+    for replica in range(sv.replicas if sv.launch else 0):
+        port = replica_port(config, replica)
+        if not port_is_free(sv.host, port):
+            which = f"server.port={sv.port}" if replica == 0 else f"server.port={sv.port} + replica {replica}"
+            raise ConfigError(
+                f"{which}: {sv.host}:{port} is already in use (another server?); choose a free one with "
+                "server.port=N, or attach to it with server.launch=false"
+            )
 
 
 def _check_resume(config: Config, run_dir: Path) -> None:
@@ -257,35 +262,43 @@ def claim_server_access(config: Config, run_dir: Path) -> None:
         atexit.register(shutil.rmtree, config.server.weights_dir, ignore_errors=True)
 
 
-def launch_command(config: Config, run_dir: Path) -> ServerCommand:
-    """The command of the server this run launches, once its token and weights directory are claimed. vLLM reads
-    the token as its --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
+def launch_command(config: Config, run_dir: Path, replica: int = 0) -> ServerCommand:
+    """The command of server ``replica`` this run launches, once its token and weights directory are claimed (one
+    directory for every replica: a weight file is written once and each loads it). vLLM reads the token as its
+    --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
     from asyncrl.server.choice import server_command
 
     claim_server_access(config, run_dir)
-    command = server_command(config)
+    command = server_command(config, replica)
     if command.backend == "vllm":
         os.environ["VLLM_API_KEY"] = os.environ[TOKEN_ENV]
     return command
 
 
-def start_server(config: Config, run_dir: Path, wait: bool = True):  # type: ignore[no-untyped-def]
-    """A context manager: the supervised server, or a handle on an existing one when server.launch=false.
-    ``wait=False``: a launched server is only started on entry; its ``ready()`` waits for it."""
-    from asyncrl.server.command import base_url
+def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGroup:
+    """A context manager: the supervised servers (server.replicas of them), or handles on running ones when
+    server.launch=false. ``wait=False``: launched servers are only started on entry; ``ready()`` waits for them."""
+    from asyncrl.server.command import base_url, base_urls
+    from asyncrl.server.group import ServerGroup
     from asyncrl.server.handle import AttachedServer, LaunchedServer
 
+    timeout_s = config.server.timeout
     if not config.server.launch:
-        return AttachedServer(base_url(config), timeout_s=config.server.timeout)
-    command = launch_command(config, run_dir)
-    if command.backend == "vllm":
+        return ServerGroup([AttachedServer(url, timeout_s=timeout_s) for url in base_urls(config)], wait)
+    commands = [launch_command(config, run_dir, replica) for replica in range(config.server.replicas)]
+    if commands[0].backend == "vllm":
         from asyncrl.server.vllm import trainer_gpus
 
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config))  # the server's GPUs are in its own env
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config))  # the servers' GPUs are in their env
     (run_dir / "commands").mkdir(exist_ok=True)
-    (run_dir / "commands" / "server.sh").write_text(shell_line(command.argv, command.env))
-    return LaunchedServer(command, base_url(config), run_dir / "logs" / "server.log", config.server.timeout, wait)
+    servers = []
+    for replica, command in enumerate(commands):
+        name = "server" if len(commands) == 1 else f"server_{replica}"
+        (run_dir / "commands" / f"{name}.sh").write_text(shell_line(command.argv, command.env))
+        log_path = run_dir / "logs" / f"{name}.log"
+        servers.append(LaunchedServer(command, base_url(config, replica), log_path, timeout_s, wait=False))
+    return ServerGroup(servers, wait)
 
 
 def serve_forever(config: Config) -> None:
@@ -295,6 +308,11 @@ def serve_forever(config: Config) -> None:
     from asyncrl.server.handle import LaunchedServer
     from asyncrl.trainer.setup import check_model_path
 
+    if config.server.replicas > 1:
+        raise ConfigError(
+            f"server.replicas={config.server.replicas}: asyncrl serve runs one server; start one per port "
+            "(server.port=P) and attach the run to them with server.launch=false server.base_urls=[...]"
+        )
     check_model_path(config)
     check_port(config)
     run_dir = Path(config.trainer.output_dir or "runs/serve")

@@ -121,6 +121,23 @@ def fresh_server(session_server: ServerProcess, random_tiny_model_dir: Path) -> 
 
 
 @pytest.fixture(scope="session")
+def replica_server(
+    random_tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A second server on the random tiny model, beside ``session_server``: a run attached to both has two replicas
+    sharing one weights directory (use them through `fresh_replicas`)."""
+    yield from serve_session(random_tiny_model_dir, weights_root, tmp_path_factory.mktemp("replica-server"))
+
+
+@pytest.fixture(scope="session")
+def fresh_replicas(
+    session_server: ServerProcess, replica_server: ServerProcess, random_tiny_model_dir: Path
+) -> Callable[[], list[ServerProcess]]:
+    """Call it before each use: both servers back on the base weights."""
+    return lambda: [restore(server, random_tiny_model_dir) for server in (session_server, replica_server)]
+
+
+@pytest.fixture(scope="session")
 def vlm_session_server(
     random_tiny_vlm_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:

@@ -17,6 +17,8 @@ from asyncrl.client import (
     GenerationClient,
     SamplingParams,
     ServerError,
+    ServerLoad,
+    choose_server,
     metric_labels,
     parse_metrics,
 )
@@ -174,3 +176,30 @@ def test_wait_healthy_stops_when_the_process_dies_and_times_out_otherwise():
             control.wait_healthy(timeout_s=30, is_alive=lambda: False)
         with pytest.raises(TimeoutError):
             control.wait_healthy(timeout_s=0.3, is_alive=lambda: True)
+
+
+def loads(*servers: tuple[int, float | None]) -> list[ServerLoad]:
+    return [ServerLoad(f"http://s{i}", inflight=n, kv_cache_usage=kv) for i, (n, kv) in enumerate(servers)]
+
+
+def test_a_request_goes_to_the_server_with_the_fewest_in_flight_then_the_emptiest_kv_cache():
+    assert choose_server(loads((3, 0.1), (1, 0.9), (2, 0.0)), turn=0) == 1
+    assert choose_server(loads((2, 0.5), (2, 0.2), (3, 0.0)), turn=0) == 1
+    assert choose_server(loads((1, None), (1, 0.7)), turn=0) == 1  # a server not scraped yet ranks last
+
+
+def test_equal_servers_take_turns():
+    servers = loads((0, 0.0), (0, 0.0), (0, 0.0))
+    assert [choose_server(servers, turn) for turn in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_the_client_spreads_requests_over_its_servers(stub):
+    """Two addresses of one scripted server: sequential requests alternate, and each server counts its own."""
+
+    async def run() -> list[int]:
+        async with GenerationClient([stub.base_url, stub.base_url + "/"], "m", timeout_s=5.0) as client:
+            for _ in range(3):
+                await client.complete([1, 2, 3], SamplingParams(max_tokens=2))
+            return [server.requests for server in client.servers]
+
+    assert asyncio.run(run()) == [2, 1]

@@ -1,13 +1,16 @@
-"""The launcher's checks before anything starts: a new run never trains into a directory that holds another."""
+"""The launcher's checks before anything starts: a new run never trains into a directory that holds another, and
+every server it launches has a free port."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
-from asyncrl.config import compose, to_config
-from asyncrl.launch import _check_resume
+from asyncrl.config import ConfigError, compose, to_config
+from asyncrl.launch import _check_resume, check_port
+from asyncrl.server.process import free_port, port_is_free
 from asyncrl.trainer.checkpoint import ResumeError
 
 
@@ -27,3 +30,15 @@ def test_a_directory_without_training_history_is_fine(tmp_path):
     (tmp_path / ".hydra").mkdir()  # Hydra writes these before the job: they are no history
     (tmp_path / "config.yaml").write_text("{}")  # a run that failed before its first step
     _check_resume(_config(tmp_path), 1, tmp_path)
+
+
+def test_each_replica_needs_its_port_free():
+    port = free_port()
+    while not port_is_free("127.0.0.1", port + 1):
+        port = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port + 1))
+        busy.listen()
+        check_port(to_config(compose([f"server.port={port}"])))  # one server: port + 1 is not its business
+        with pytest.raises(ConfigError, match=rf"^server.port={port} \+ replica 1: 127.0.0.1:{port + 1} is already"):
+            check_port(to_config(compose([f"server.port={port}", "server.replicas=2"])))

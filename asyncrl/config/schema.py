@@ -120,6 +120,13 @@ class ServerConfig:
     """false: attach to an already running server at base_url."""
     base_url: str | None = None
     """Defaults to http://{host}:{port}."""
+    base_urls: list[str] | None = None
+    """server.launch=false: attach to several running servers (e.g. on other nodes), e.g. [http://a:8000,
+    http://b:8000]; rollouts are spread over them by load and every weight sync reaches them all. base_url is the
+    one-server spelling (set one of the two)."""
+    replicas: int = 1
+    """Servers asyncrl launches, each on its own port (port, port+1, ...) and, for vLLM, its own GPUs (server.gpus
+    each). A replica that dies stops the run: one that died mid-sync would serve a stale policy."""
     host: str = "127.0.0.1"
     port: int = 8000
     timeout: float = 1800.0

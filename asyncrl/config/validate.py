@@ -111,7 +111,7 @@ def check_trainer_rates(config: Config) -> None:
 
 def check_server_config(config: Config) -> None:
     sv = config.server
-    if not sv.launch and not sv.base_url:
+    if not sv.launch and not sv.base_url and sv.base_urls is None:
         raise ConfigError("server.launch=false attaches to a running server: set server.base_url=http://HOST:PORT")
     if not 0 < sv.port < 65536:
         raise ConfigError(f"server.port={sv.port} is not a TCP port")
@@ -174,6 +174,36 @@ def check_vllm_server(config: Config) -> None:
         raise ConfigError(
             f"server.api_server_count={sv.api_server_count}: vLLM refuses runtime LoRA loading with more than one "
             "API server; set server.api_server_count=1 or lora.sync=merged"
+        )
+
+
+def check_replicas(config: Config) -> None:
+    """Several servers: launched (server.replicas) or attached (server.base_urls), never both, and each gets
+    every weight sync, which ipc (one co-located server) and one sharded trainer's rank 0 cannot give."""
+    sv = config.server
+    if sv.replicas < 1:
+        raise ConfigError(f"server.replicas={sv.replicas} must be >= 1")
+    if sv.replicas > 1 and not sv.launch:
+        raise ConfigError(
+            f"server.replicas={sv.replicas} launches servers, but server.launch=false attaches: list the running "
+            "ones in server.base_urls=[...] instead"
+        )
+    if sv.base_urls is not None and sv.base_url:
+        raise ConfigError("server.base_url and server.base_urls are both set: keep one (base_urls for several)")
+    if sv.base_urls is not None and sv.launch:
+        raise ConfigError("server.base_urls attaches to running servers: set server.launch=false too")
+    if sv.base_urls is not None and not sv.base_urls:
+        raise ConfigError("server.base_urls=[] lists no server: list at least one, or use server.base_url")
+    servers = sv.replicas if sv.launch else len(sv.base_urls or [None])
+    if servers > 1 and sv.weight_transfer == "ipc":
+        raise ConfigError(
+            f"server.weight_transfer=ipc with {servers} servers: CUDA IPC reaches one server on the trainer's GPU; "
+            "use server.weight_transfer=nccl"
+        )
+    if servers > 1 and trainer_ranks(config) > 1:
+        raise ConfigError(
+            f"{servers} servers with {trainer_ranks(config)} trainer ranks: not supported yet (the sharded trainer "
+            "syncs one server); use one server, or trainer.num_processes=1"
         )
 
 
@@ -303,6 +333,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_staleness,
     check_trainer_rates,
     check_server_config,
+    check_replicas,
     check_lora,
     check_vllm_server,
     check_rollout_limits,

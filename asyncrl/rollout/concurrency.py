@@ -8,6 +8,11 @@ cut by 30%, and not cut again until the rollouts in flight have drained below th
 are never cancelled; admission just waits). A server without ``/metrics`` leaves the cap at the ceiling.
 Admission waits on the smaller of this cap and the staleness pacer's (pacing.py).
 ``LoadPoller`` scrapes ``/metrics`` every 5 s for it and records the rollout/vllm_* metrics.
+
+With several servers the poller reads them all as one: the starting cap is the sum of each server's fit (each
+holds its own KV cache, so the cap applies per server), KV usage is the fullest server's (the cut comes when any
+nears full), request counts are summed; each server's KV usage also goes to the generation client, whose choice
+of server (client.choose_server) keeps their shares of the rollouts in flight even.
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import asyncio
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
 
-from asyncrl.client import metric_labels, metric_values
+from asyncrl.client import ServerLoad, metric_labels, metric_values
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +104,15 @@ class ConcurrencyController:
 
 
 class LoadPoller:
-    """Scrapes /metrics for the controller; ``counts()`` gives (rollouts in flight, rollouts completed)."""
+    """Scrapes /metrics of every server for the controller; ``counts()`` gives (rollouts in flight, rollouts
+    completed); ``servers``: the generation client's loads, whose KV usage each scrape updates."""
 
     def __init__(
-        self, base_url: str, controller: ConcurrencyController, counts: Callable[[], tuple[int, int]],
+        self, servers: Sequence[ServerLoad], controller: ConcurrencyController, counts: Callable[[], tuple[int, int]],
         metrics: defaultdict[str, list[float]], timeout_s: float = 10.0,
     ) -> None:  # fmt: skip
-        self.controller, self.counts, self.metrics = controller, counts, metrics
-        self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+        self.servers, self.controller, self.counts, self.metrics = servers, controller, counts, metrics
+        self._clients = [httpx.AsyncClient(base_url=s.base_url, timeout=timeout_s) for s in servers]
         self._preemptions: float | None = None
 
     async def start(self, max_model_len: int) -> None:
@@ -145,13 +151,25 @@ class LoadPoller:
         self.metrics["rollout/vllm_preemption_count"].append(preempted)
 
     async def _scrape(self) -> str | None:
-        """The /metrics text; None when the server has none or the scrape failed (the next poll retries)."""
+        """Every server's /metrics text as one (their samples side by side, as vLLM's engines are in one), after
+        giving each server's KV usage to the client; None when a server has none or a scrape failed (the next poll
+        retries)."""
+        texts = await asyncio.gather(*(self._scrape_one(client) for client in self._clients))
+        if any(text is None for text in texts):
+            return None
+        for server, text in zip(self.servers, texts, strict=True):
+            load = read_load(text or "")
+            server.kv_cache_usage = None if load is None else load.kv_cache_usage
+        return "\n".join(text or "" for text in texts)
+
+    async def _scrape_one(self, client: httpx.AsyncClient) -> str | None:
         try:
-            response = await self._client.get("/metrics")
+            response = await client.get("/metrics")
         except httpx.HTTPError as error:
-            log.debug("/metrics scrape failed: %s", error)
+            log.debug("/metrics scrape of %s failed: %s", client.base_url, error)
             return None
         return response.text if response.status_code == 200 else None
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()

@@ -86,7 +86,8 @@ class WorkerSpec:
     reward_sources: list[RewardSource]
     loop_cls: type[AsyncRolloutLoop]
     advantage_fn: Estimator
-    base_url: str
+    base_urls: list[str]
+    """Every generation server; each request goes to the least loaded (client.choose_server)."""
     model_name: str
     max_model_len: int
     adapter_prefix: str | None = None
@@ -196,13 +197,14 @@ class WorkerDriver:
         tool_pool = ThreadPoolExecutor(self.config.staleness.max_concurrent_rollouts, thread_name_prefix="tool")
         spec = self.spec
         try:
-            async with GenerationClient(spec.base_url, spec.model_name, timeout_s=self.config.server.timeout) as client:
+            timeout_s = self.config.server.timeout
+            async with GenerationClient(spec.base_urls, spec.model_name, timeout_s=timeout_s) as client:
                 self.loop = spec.loop_cls(self.config, spec.tokenizer, client, spec.advantage_fn, spec.max_model_len,
                                           seed_offset=spec.start_prompt_index * 1000)  # fmt: skip
                 self.loop.tool_pool = tool_pool
                 self.agents = Agents.from_config(self.config, tool_pool)
                 await self.loop.setup()
-                poller = LoadPoller(spec.base_url, self.flow.concurrency, self.flow.rollout_counts, self.metrics)
+                poller = LoadPoller(client.servers, self.flow.concurrency, self.flow.rollout_counts, self.metrics)
                 try:
                     await poller.start(spec.max_model_len)
                     async with asyncio.TaskGroup() as tasks:
@@ -421,6 +423,7 @@ class WorkerDriver:
         """Every ``interval_s``: the rate and load metrics, flushed to the trainer, and a heartbeat (a wait on an
         event, such as a long rollout, sends none itself)."""
         last_time, last_tokens, last_retries = time.monotonic(), 0, 0
+        last_requests = [0] * len(self.loop.client.servers)
         while True:
             await asyncio.sleep(interval_s)
             self.channels.beat()
@@ -435,7 +438,17 @@ class WorkerDriver:
             retries = self.loop.client.retry_count
             self.metrics["rollout/vllm_retry_count"].append(retries - last_retries)
             last_time, last_tokens, last_retries = now, self.generated_tokens, retries
+            last_requests = self._record_server_requests(last_requests)
             self._flush_metrics()
+
+    def _record_server_requests(self, last: list[int]) -> list[int]:
+        """With several servers, the requests each was sent since ``last`` (rollout/server_{i}_request_count, in
+        the order of server.replicas' ports or server.base_urls); the counts now."""
+        servers = self.loop.client.servers
+        if len(servers) > 1:
+            for index, (server, before) in enumerate(zip(servers, last, strict=True)):
+                self.metrics[f"rollout/server_{index}_request_count"].append(server.requests - before)
+        return [server.requests for server in servers]
 
 
 def build_samples(

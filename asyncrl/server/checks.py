@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncrl.client import ControlClient, ServerError
@@ -77,6 +77,27 @@ def check_server(config: Config, control: ControlClient, *, dataset: Any = None,
         str((engine.get("model_config") or {}).get("quantization") or ""),
         gpus,
     )
+
+
+def check_servers(
+    config: Config, controls: list[ControlClient], *, dataset: Any = None, tokenizer: Any = None
+) -> ServerFacts:
+    """``check_server`` on every replica; they must speak the same weight transfer (one round reaches them all),
+    and the run's context is the shortest of theirs. CUDA IPC reaches only one server, on the trainer's GPU."""
+    facts = [check_server(config, control, dataset=dataset, tokenizer=tokenizer) for control in controls]
+    first = facts[0]
+    for index, other in enumerate(facts[1:], start=1):
+        if (other.backend, other.weight_transfer) != (first.backend, first.weight_transfer):
+            raise ServerCheckError(
+                f"server replica {index} ({controls[index].base_url}) is {other.backend} with {other.weight_transfer} "
+                f"weight transfer, replica 0 {first.backend} with {first.weight_transfer}: start them alike"
+            )
+    if len(facts) > 1 and first.weight_transfer == "ipc":
+        raise ServerCheckError(
+            f"{len(facts)} servers speak ipc weight transfer, which reaches one server on the trainer's GPU: restart "
+            f"them with {NCCL_FLAG}"
+        )
+    return replace(first, max_model_len=min(f.max_model_len for f in facts))
 
 
 class _Fix:

@@ -32,10 +32,11 @@ def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]
     return vllm_command(config, gpus=gpus, checkpoint=kind), "; ".join(warnings) or None
 
 
-def server_command(config: Config) -> ServerCommand:
+def server_command(config: Config, replica: int = 0) -> ServerCommand:
+    """The command of launched server ``replica`` (its own port, and GPUs under vLLM)."""
     backend = resolve_backend(config)
     if backend == "vllm":
         from asyncrl.server.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
 
-        return vllm_command(config)
-    return builtin_command(config)
+        return vllm_command(config, replica=replica)
+    return builtin_command(config, replica)

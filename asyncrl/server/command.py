@@ -32,8 +32,21 @@ def resolve_backend(config: Config) -> str:
     return "vllm" if torch.cuda.is_available() else "builtin"
 
 
-def base_url(config: Config) -> str:
-    return (config.server.base_url or f"http://{config.server.host}:{config.server.port}").rstrip("/")
+def base_url(config: Config, replica: int = 0) -> str:
+    """The address of one server: server.base_url, else replica ``replica`` of those asyncrl launches."""
+    return (config.server.base_url or f"http://{config.server.host}:{replica_port(config, replica)}").rstrip("/")
+
+
+def base_urls(config: Config) -> list[str]:
+    """Every server the run uses: server.base_urls when attaching to several, else one per launched replica."""
+    if config.server.base_urls is not None:
+        return [url.rstrip("/") for url in config.server.base_urls]
+    return [base_url(config, replica) for replica in range(config.server.replicas if config.server.launch else 1)]
+
+
+def replica_port(config: Config, replica: int) -> int:
+    """Launched replicas listen on consecutive ports from server.port."""
+    return config.server.port + replica
 
 
 def serving_dtype(config: Config) -> ModelDtype:
@@ -45,14 +58,14 @@ def served_model_name(config: Config) -> str:
     return config.model.name_or_path
 
 
-def builtin_command(config: Config) -> ServerCommand:
+def builtin_command(config: Config, replica: int = 0) -> ServerCommand:
     sv = config.server
     argv = [
         sys.executable, "-m", "asyncrl.server",
         "--model", config.model.name_or_path,
         "--served-model-name", served_model_name(config),
         "--host", sv.host,
-        "--port", str(sv.port),
+        "--port", str(replica_port(config, replica)),
         "--dtype", serving_dtype(config),
         "--device", sv.device,
         "--max-num-seqs", str(sv.max_num_seqs),

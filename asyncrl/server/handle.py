@@ -55,6 +55,11 @@ class AttachedServer:
         self.timeout_s = timeout_s
         self.booting = booting
 
+    @property
+    def base_urls(self) -> list[str]:
+        """ServerGroup's view of one server (a trainer rank holds this handle alone)."""
+        return [self.base_url]
+
     def is_alive(self) -> bool:
         """Gone when it refuses or fails /health; a late answer means busy, not gone (a vLLM API process
         streaming hundreds of completions can take seconds to answer; stalls are the worker timeout's job)."""

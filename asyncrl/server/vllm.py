@@ -34,7 +34,14 @@ import httpx
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, WeightTransfer
 from asyncrl.model_kind import is_vision_language
-from asyncrl.server.command import ServerCommand, max_lora_rank, max_loras, served_model_name, serving_dtype
+from asyncrl.server.command import (
+    ServerCommand,
+    max_lora_rank,
+    max_loras,
+    replica_port,
+    served_model_name,
+    serving_dtype,
+)
 from asyncrl.trainer.lora import adapter_modules
 
 log = logging.getLogger(__name__)
@@ -158,7 +165,14 @@ def lora_adapters(config: Config) -> bool:
 @dataclass(frozen=True)
 class GpuSplit:
     server: list[str]
+    """Every server replica's GPUs, replica after replica."""
     trainer: list[str]
+    replicas: int = 1
+
+    def replica(self, index: int) -> list[str]:
+        """The GPUs of server replica ``index``: its equal share of ``server``, in order."""
+        each = len(self.server) // self.replicas
+        return self.server[index * each : (index + 1) * each]
 
     @property
     def shared(self) -> bool:
@@ -175,32 +189,39 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def split_gpus(config: Config, visible: list[str]) -> GpuSplit:
-    """First GPUs to the server, the next ones to the trainer; a trainer with none left shares the server's first."""
+def server_gpus(config: Config) -> int:
+    """GPUs of every launched server together: server.gpus (or tensor x data parallel size) per replica."""
     sv = config.server
-    n_server = sv.gpus or sv.tensor_parallel_size * sv.data_parallel_size
+    return (sv.gpus or sv.tensor_parallel_size * sv.data_parallel_size) * sv.replicas
+
+
+def split_gpus(config: Config, visible: list[str]) -> GpuSplit:
+    """First GPUs to the servers (replica after replica), the next ones to the trainer; a trainer with none left
+    shares the first server's first."""
+    sv = config.server
+    n_server = server_gpus(config)
     if n_server > len(visible):
         raise ConfigError(
-            f"the vLLM server needs {n_server} GPU(s) (server.gpus, or tensor x data parallel size) but "
-            f"{len(visible)} are visible ({','.join(visible) or 'none'}; CUDA_VISIBLE_DEVICES)"
+            f"the vLLM server needs {n_server} GPU(s) (server.gpus, or tensor x data parallel size, x "
+            f"server.replicas={sv.replicas}) but {len(visible)} are visible ({','.join(visible) or 'none'}; "
+            "CUDA_VISIBLE_DEVICES)"
         )
     rest = visible[n_server:]
     n_trainer = config.trainer.gpus or max(1, len(rest))
     if not rest and n_trainer == 1:
-        return GpuSplit(visible[:n_server], visible[:1])
+        return GpuSplit(visible[:n_server], visible[:1], sv.replicas)
     if n_trainer > len(rest):
         raise ConfigError(
             f"trainer.gpus={n_trainer} but only {len(rest)} GPU(s) are left after the server's {n_server} "
             f"(visible: {','.join(visible)}): lower trainer.gpus or server.gpus"
         )
-    return GpuSplit(visible[:n_server], rest[:n_trainer])
+    return GpuSplit(visible[:n_server], rest[:n_trainer], sv.replicas)
 
 
 def needed_gpus(config: Config) -> int:
     """GPUs a launched vLLM run needs: the server's, plus the trainer's unless ipc puts it on the server's GPU."""
-    sv = config.server
-    n_server = sv.gpus or sv.tensor_parallel_size * sv.data_parallel_size
-    return n_server if sv.weight_transfer == WeightTransfer.ipc else n_server + (config.trainer.gpus or 1)
+    n_server = server_gpus(config)
+    return n_server if config.server.weight_transfer == WeightTransfer.ipc else n_server + (config.trainer.gpus or 1)
 
 
 def trainer_gpus(config: Config, visible: list[str] | None = None) -> list[str]:
@@ -353,16 +374,18 @@ def vllm_command(
     gpus: list[str] | None = None,
     prompt_tokens: int | None = None,
     checkpoint: CheckpointKind | None = None,
+    replica: int = 0,
 ) -> ServerCommand:
     """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment;
-    ``checkpoint`` defaults to what model.name_or_path's config.json says (checkpoint_kind)."""
+    ``checkpoint`` defaults to what model.name_or_path's config.json says (checkpoint_kind). ``replica``: which
+    of server.replicas, on its own port and GPUs."""
     sv, s = config.server, config.sampling
     version = target_version(config, version)
     release = parse_version(version)[:2]
     visible = visible_gpus() if gpus is None else gpus
     split = split_gpus(config, visible) if sv.launch else None
     transfer = weight_transfer_backend(config, split)
-    host, port = _listen_address(config)
+    host, port = _listen_address(config, replica)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model.name_or_path,
@@ -378,7 +401,7 @@ def vllm_command(
         "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, visible)),
     ]  # fmt: skip
     if split is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(split.server)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))
     if transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled over HTTP
         if sv.ipc_direct_load:
@@ -406,8 +429,8 @@ def vllm_command(
     return ServerCommand("vllm", argv + list(sv.extra_args), env)
 
 
-def _listen_address(config: Config) -> tuple[str, int]:
+def _listen_address(config: Config, replica: int) -> tuple[str, int]:
     if config.server.launch or not config.server.base_url:
-        return config.server.host, config.server.port
+        return config.server.host, replica_port(config, replica)
     url = httpx.URL(config.server.base_url)
     return url.host or config.server.host, url.port or config.server.port

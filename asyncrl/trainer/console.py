@@ -105,6 +105,24 @@ def _queue_text(metrics: Mapping[str, Any]) -> str:
     return f"queue {queue:.0f} samples{steps}"
 
 
+def servers_text(metrics: Mapping[str, Any]) -> str | None:
+    """With several servers: each one's share of the window's requests (are they balanced?) and their load summed
+    from every /metrics (KV usage: the fullest server's); None with one server."""
+    counts = []
+    while (count := _value(metrics, f"rollout/server_{len(counts)}_request_count")) is not None:
+        counts.append(count)
+    if len(counts) < 2:
+        return None
+    total = sum(counts) or 1.0
+    shares = "/".join(f"{count / total:.0%}" for count in counts)
+    return (
+        f"{len(counts)} servers: requests {shares}"
+        f"  KV max {_fmt(metrics, 'rollout/vllm_kv_cache_usage_frac', '{:.0%}')}"
+        f"  running {_fmt(metrics, 'rollout/vllm_running_requests', '{:.0f}')}"
+        f"  queued {_fmt(metrics, 'rollout/vllm_queued_requests', '{:.0f}')}"
+    )
+
+
 def _fmt(metrics: Mapping[str, Any], key: str, fmt: str) -> str:
     value = _value(metrics, key)
     return "-" if value is None else fmt.format(value)
@@ -169,6 +187,9 @@ class Console:
             value = _value(metrics, key)
             if value is not None:
                 parts.append(f"{label} {fmt.format(value)}")
+        servers = servers_text(metrics)
+        if servers is not None:
+            parts.append(servers)
         label = classify_bottleneck(metrics)
         if label is not None:
             parts.append(f"[{_COLOURS[label]}]{label}[/]")
@@ -196,7 +217,9 @@ class Console:
             )
         )
         colour = _COLOURS.get(classify_bottleneck(metrics) or "", "dim")
-        return Group(reward, flow, f"[{colour}]{escape(diagnose_bottleneck(metrics, self.max_staleness))}[/]")
+        servers = servers_text(metrics)
+        lines = [reward, flow] if servers is None else [reward, flow, servers]
+        return Group(*lines, f"[{colour}]{escape(diagnose_bottleneck(metrics, self.max_staleness))}[/]")
 
     def log_completions(self, records: list[dict[str, Any]]) -> None:
         """A table of (prompt, completion, reward, advantage), when logging.log_completions asks for it."""

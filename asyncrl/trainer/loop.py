@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.client import ControlClient, policy_model
+from asyncrl.client import policy_model
 from asyncrl.config.schema import Config
+from asyncrl.control_group import ControlGroup
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import evaluate
 from asyncrl.flow import FlowControl
@@ -69,7 +70,7 @@ class Trainer:
         self.ranks, self.world = ranks, ranks.world
         use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
-        self.control = ControlClient(server.base_url, timeout_s=config.server.timeout)
+        self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout)  # every replica
         self.flow = FlowControl.from_config(config)
         self.channels = WorkerChannels.create(1)
         self.worker = spawn_worker(self.channels)  # it imports, and the model loads, while a launched server boots
@@ -245,7 +246,7 @@ class Trainer:
         spec = WorkerSpec(
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
             reward_sources=components.rewards, advantage_fn=components.advantage, loop_cls=self.prepared.loop_cls,
-            base_url=self.server.base_url,
+            base_urls=self.server.base_urls,
             model_name=served_model_name(c), max_model_len=self.max_model_len,
             adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),
@@ -294,7 +295,7 @@ class Trainer:
     def _evaluate(self) -> dict[str, float]:
         p = self.prepared
         model = policy_model(served_model_name(self.config), self.sync.adapter_prefix, self.state.model_version)
-        return evaluate(self.config, self.server.base_url, model, p.tokenizer,
+        return evaluate(self.config, self.server.base_urls, model, p.tokenizer,
                         p.eval_dataset, p.components.rewards, self.max_model_len)  # fmt: skip
 
     def _report_evaluations(self) -> None:

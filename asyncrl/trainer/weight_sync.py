@@ -12,6 +12,12 @@ start/finish session (``Transport.session``), which is where vLLM re-materialise
 whose lora.sync resolves to adapters (sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no
 pause, only the adapter is sent.
 
+With several servers (server.replicas, server.base_urls) the control client is a ``ControlGroup``
+(asyncrl/control_group.py): each call of the round reaches every server concurrently, so one round is pause all
+-> start all -> each server's data plane -> finish all -> resume all. The built-in file and the adapter are
+written once (the replicas share one weights directory) and every server loads them; NCCL spans all servers in
+one group; ipc reaches one co-located server only (server/checks.py::check_servers refuses more).
+
 The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
 aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the
 prefix cache: after resume every request re-prefills under the new weights, so no token is ever computed
@@ -34,8 +40,9 @@ import torch
 
 from asyncrl.client import ControlClient
 from asyncrl.config.schema import Config
+from asyncrl.control_group import ControlGroup
 from asyncrl.registry import Registry
-from asyncrl.server.checks import ServerFacts, check_server
+from asyncrl.server.checks import ServerFacts, check_servers
 from asyncrl.trainer.sync.adapter import AdapterSync
 from asyncrl.trainer.sync.base import Transport, WeightSyncError, run_step
 from asyncrl.trainer.sync.builtin import FileTransport
@@ -114,7 +121,7 @@ class WeightSync:
 
     def _abandon_update(self) -> None:
         """Best effort: close the half-finished update so the server is not left in a session."""
-        with ControlClient(self.control.base_url, timeout_s=CLEANUP_TIMEOUT_S) as cleanup:
+        with self.control.reopened(CLEANUP_TIMEOUT_S) as cleanup:
             try:
                 cleanup.finish_weight_update()
             except Exception as error:  # noqa: BLE001 - the server may already have ended the session
@@ -129,7 +136,7 @@ class WeightSync:
             except WeightSyncError as error:
                 return error
             return None
-        with ControlClient(self.control.base_url, timeout_s=CLEANUP_TIMEOUT_S) as cleanup:
+        with self.control.reopened(CLEANUP_TIMEOUT_S) as cleanup:
             try:
                 run_step("resume", cleanup.resume)
             except WeightSyncError as error:
@@ -144,13 +151,14 @@ class WeightSync:
 
 
 def build_weight_sync(
-    config: Config, control: ControlClient, run_dir: Path, prepared: Any = None
+    config: Config, control: ControlClient | ControlGroup, run_dir: Path, prepared: Any = None
 ) -> WeightSync | AdapterSync:
-    """Check the running server against the config, then build the sync backend it speaks (not yet init'ed):
-    adapter-only sync when lora.sync resolves to it (``use_adapter_sync``), else a merged/full weight round."""
-    facts = check_server(
-        config, control, dataset=getattr(prepared, "dataset", None), tokenizer=getattr(prepared, "tokenizer", None)
-    )
+    """Check the running servers against the config, then build the sync backend they speak (not yet init'ed),
+    reaching every one of them: adapter-only sync when lora.sync resolves to it on each (``use_adapter_sync``),
+    else a merged/full weight round."""
+    group = control if isinstance(control, ControlGroup) else ControlGroup([control])
+    dataset, tokenizer = getattr(prepared, "dataset", None), getattr(prepared, "tokenizer", None)
+    facts = check_servers(config, group.controls, dataset=dataset, tokenizer=tokenizer)
     log.info(
         "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
         facts.backend,
@@ -159,12 +167,12 @@ def build_weight_sync(
         facts.weight_transfer,
         facts.candidate_sets,
     )
-    if use_adapter_sync(config, control, facts.backend):
+    if all([use_adapter_sync(config, replica, facts.backend) for replica in group.controls]):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
-        return AdapterSync(control, config, output_dir, facts)
+        return AdapterSync(group, config, output_dir, facts)
     transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)
-    return WeightSync(control, transport, facts)
+    return WeightSync(group, transport, facts)
 
 
 WEIGHT_SYNC.register("builtin")(FileTransport.from_config)

@@ -54,6 +54,13 @@ BAD_INPUTS = [
     (["data.path=null"], "data.path"),
     (["data.num_eval_prompts=-1"], "data.num_eval_prompts"),
     (["server.weight_transfer=ipc", "trainer.num_processes=2"], "server.weight_transfer=ipc with 2 trainer ranks"),
+    (["server.replicas=0"], "server.replicas=0 must be >= 1"),
+    (["server.replicas=2", "server.launch=false", "server.base_url=http://a:1"], "server.base_urls=[...]"),
+    (["server.launch=false", "server.base_url=http://a:1", "server.base_urls=[http://b:1]"], "keep one"),
+    (["server.base_urls=[http://a:1]"], "server.base_urls attaches to running servers: set server.launch=false"),
+    (["server.launch=false", "server.base_urls=[]"], "server.base_urls=[] lists no server"),
+    (["server.replicas=2", "server.weight_transfer=ipc"], "server.weight_transfer=ipc with 2 servers"),
+    (["server.replicas=2", "trainer.num_processes=2"], "2 servers with 2 trainer ranks"),
     (
         [
             "data.path=null",

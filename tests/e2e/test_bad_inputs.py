@@ -212,6 +212,11 @@ def test_serve_on_a_busy_port_or_a_missing_model(broken: Broken, invoke, tmp_pat
     result = invoke(["serve", f"model.name_or_path={broken.root}/no-such-model", f"trainer.output_dir={tmp_path}"])
     assert result.exit_code == 1 and len(_message_lines(result.output)) == 1
     assert f"model.name_or_path={broken.root}/no-such-model: no such directory" in result.output
+    result = invoke(["serve", f"model.name_or_path={broken.model}", "server.replicas=2"])
+    assert result.exit_code == 1 and _message_lines(result.output) == [
+        "error (ConfigError): server.replicas=2: asyncrl serve runs one server; start one per port (server.port=P) "
+        "and attach the run to them with server.launch=false server.base_urls=[...]"
+    ]
 
 
 def test_report_skips_a_torn_last_line_with_a_warning(broken: Broken, tmp_path: Path) -> None:

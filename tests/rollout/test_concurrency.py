@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.client import GenerationClient, SamplingParams
+from asyncrl.client import GenerationClient, SamplingParams, ServerLoad
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller, LoadSample, initial_cap, read_load
 from asyncrl.server.process import ServerProcess, free_port
 
@@ -100,9 +100,10 @@ def test_the_poller_follows_the_built_in_servers_real_metrics(small_server):
     async def run() -> tuple[ConcurrencyController, dict[str, list[float]], int]:
         controller, metrics = ConcurrencyController(ceiling=512), defaultdict(list)
         state = {"inflight": 0, "completed": 0}
-        poller = LoadPoller(small_server.base_url, controller, lambda: (state["inflight"], state["completed"]), metrics)
+        servers = [ServerLoad(small_server.base_url)]
+        poller = LoadPoller(servers, controller, lambda: (state["inflight"], state["completed"]), metrics)
         await poller.start(max_model_len=64)
-        assert controller.adaptive and controller.cap == 4
+        assert controller.adaptive and controller.cap == 4 and servers[0].kv_cache_usage == 0.0
         assert metrics["rollout/vllm_kv_cache_usage_frac"] == [0.0]  # the first scrape is logged too: a run
         # shorter than one poll interval still shows the server's load
         polls = 0
@@ -131,7 +132,8 @@ def test_the_poller_follows_the_built_in_servers_real_metrics(small_server):
 def test_without_metrics_the_cap_stays_at_max_concurrent_rollouts():
     async def run() -> ConcurrencyController:
         controller = ConcurrencyController(ceiling=64)
-        poller = LoadPoller(f"http://127.0.0.1:{free_port()}", controller, lambda: (0, 0), defaultdict(list), 1.0)
+        servers = [ServerLoad(f"http://127.0.0.1:{free_port()}")]
+        poller = LoadPoller(servers, controller, lambda: (0, 0), defaultdict(list), 1.0)
         await poller.start(max_model_len=64)
         await poller.poll()
         await poller.aclose()

@@ -34,7 +34,7 @@ def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tin
     channels = WorkerChannels.create(64)  # a small allowance, and no trainer consumes: admission soon waits
     spec = WorkerSpec(
         config=config, tokenizer=prepared.tokenizer, dataset=prepared.dataset, reward_sources=components.rewards,
-        loop_cls=prepared.loop_cls, advantage_fn=components.advantage, base_url=tiny_server.base_url,
+        loop_cls=prepared.loop_cls, advantage_fn=components.advantage, base_urls=[tiny_server.base_url],
         model_name=served_model_name(config), max_model_len=256, adapter_prefix=None, start_prompt_index=0,
         total_prompts=None,
     )  # fmt: skip
@@ -121,7 +121,7 @@ def local_spec(reward=by_length, total_prompts: int = 3, max_staleness: int = 1)
     return WorkerSpec(
         config=config, tokenizer=tokenizer(), dataset=rows,
         reward_sources=[RewardSource(reward.__name__, reward)], loop_cls=GatedLoop, advantage_fn=centred,
-        base_url="http://127.0.0.1:9", model_name="tiny", max_model_len=256, total_prompts=total_prompts,
+        base_urls=["http://127.0.0.1:9"], model_name="tiny", max_model_len=256, total_prompts=total_prompts,
     )  # fmt: skip
 
 

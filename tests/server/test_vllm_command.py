@@ -291,6 +291,25 @@ def test_the_trainer_gets_the_gpus_after_the_servers():
     assert trainer_gpus(to_config(compose(BASE)), ["5"]) == ["5"]  # one GPU: shared, so ipc
 
 
+def test_each_replica_gets_its_own_gpus_and_port_and_the_trainer_the_next():
+    from asyncrl.server.vllm import trainer_gpus
+
+    replicas = ["server.replicas=2", "server.tensor_parallel_size=2"]
+    config = to_config(compose([*BASE, *replicas]))
+    gpus = ("0", "1", "2", "3", "4")
+    for replica, (port, visible) in enumerate([("8000", "0,1"), ("8001", "2,3")]):
+        made = vllm_command(config, version="0.33.0", gpus=list(gpus), prompt_tokens=200, checkpoint=PLAIN,
+                            replica=replica)  # fmt: skip
+        assert made.env["CUDA_VISIBLE_DEVICES"] == visible
+        assert made.argv[made.argv.index("--port") + 1] == port
+        assert "nccl" in made.argv[made.argv.index("--weight-transfer-config") + 1]
+    assert trainer_gpus(config, list(gpus)) == ["4"]
+    with pytest.raises(ConfigError, match=r"needs 4 GPU\(s\) .* x server.replicas=2\) but 3 are visible"):
+        split_gpus(config, ["0", "1", "2"])
+    with pytest.raises(ConfigError, match="ipc needs the trainer on the server's only GPU"):
+        command(["server.replicas=2"], gpus=("0", "1"))  # two servers leave the trainer no GPU of its own
+
+
 def test_ipc_launches_vllm_with_the_in_place_loader_unless_turned_off():
     shared = ["server.dtype=bfloat16"]
     assert "--worker-extension-cls" in command(shared, "0.26.0", ("0",)).argv

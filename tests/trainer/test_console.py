@@ -15,6 +15,7 @@ from asyncrl.trainer.console import (
     Console,
     classify_bottleneck,
     diagnose_bottleneck,
+    servers_text,
 )
 
 
@@ -99,6 +100,16 @@ def test_plain_output_counts_epochs_without_max_steps(capsys):
     config.trainer.max_steps, config.trainer.num_train_epochs = -1, 3
     Console(config).log_step(5, {"epoch": 1.5})
     assert capsys.readouterr().out.startswith("step 5  epoch 1.50/3")
+
+
+def test_several_servers_show_their_share_of_requests_and_their_summed_load(capsys):
+    metrics = {"rollout/server_0_request_count": 30.0, "rollout/server_1_request_count": 10.0,
+               "rollout/vllm_kv_cache_usage_frac": 0.42, "rollout/vllm_running_requests": 12.0,
+               "rollout/vllm_queued_requests": 0.0}  # fmt: skip
+    assert servers_text(metrics) == "2 servers: requests 75%/25%  KV max 42%  running 12  queued 0"
+    assert servers_text({"rollout/server_0_request_count": 3.0}) is None  # one server: nothing to compare
+    Console(_config()).log_step(1, metrics)
+    assert "2 servers: requests 75%/25%" in capsys.readouterr().out
 
 
 def test_live_mode_draws_progress_stats_and_bottleneck(capsys):

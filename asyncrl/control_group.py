@@ -1,0 +1,136 @@
+"""The trainer's control client for every generation server of the run at once.
+
+``ControlGroup`` speaks ``ControlClient``'s interface, so the weight-sync round (trainer/weight_sync.py), its
+transports and adapter sync run unchanged over one server or several: each state-changing call (pause, the
+weight-update session, /update_weights, adapter loads, resume) goes to every replica concurrently and returns
+once all have answered, so a round is pause all -> start all -> each server's data plane -> finish all -> resume
+all. A failure names the replica; the others' calls still finish first, so no call is left in flight.
+
+NCCL weight transfer spans every server in one group: the trainer is rank 0 and each replica's workers follow,
+replica after replica (``rank_offsets``); the group's ``world_size()`` is their sum, which the transports already
+add the trainer to. Unverified on GPUs here (no multi-GPU machine was lent): the arithmetic is unit-tested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, TypeVar
+
+from asyncrl.client import ControlClient, ServerError
+
+R = TypeVar("R")
+
+
+def rank_offsets(first: int, world_sizes: Sequence[int]) -> list[int]:
+    """The NCCL rank of each replica's first worker: after ``first`` (the trainer's ranks), replica after replica.
+    vLLM numbers a replica's workers ``rank_offset + data_parallel_index * (TP x PP) + rank``."""
+    offsets, next_rank = [], first
+    for size in world_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets
+
+
+class ControlGroup:
+    """``ControlClient``'s calls over ``controls`` (replica 0 first)."""
+
+    def __init__(self, controls: list[ControlClient]) -> None:
+        self.controls = controls
+        several = len(controls) > 1
+        self._pool = ThreadPoolExecutor(len(controls), thread_name_prefix="asyncrl-control") if several else None
+
+    @classmethod
+    def connect(cls, base_urls: Sequence[str], timeout_s: float) -> ControlGroup:
+        return cls([ControlClient(url, timeout_s=timeout_s) for url in base_urls])
+
+    @property
+    def base_url(self) -> str:
+        """Replica 0's address (the NCCL rendezvous address is the route towards it)."""
+        return self.controls[0].base_url
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [control.base_url for control in self.controls]
+
+    def each(self, call: Callable[[ControlClient], R]) -> list[R]:
+        """``call`` on every replica, concurrently; once all have returned, the first failure, naming its replica."""
+        if self._pool is None:
+            return [call(self.controls[0])]
+        futures = [self._pool.submit(call, control) for control in self.controls]
+        errors = [(i, future.exception()) for i, future in enumerate(futures) if future.exception() is not None]
+        if errors:
+            index, error = errors[0]
+            where = f"replica {index} of {len(self.controls)} ({self.controls[index].base_url})"
+            if isinstance(error, ServerError):
+                raise ServerError(error.status, error.path, f"{where}: {error.message}") from error
+            raise error  # type: ignore[misc]
+        return [future.result() for future in futures]
+
+    # ---- queries: what every replica together offers ---------------------------------------------------------
+
+    def max_model_len(self) -> int:
+        """The shortest context of any replica: every request must fit whichever serves it."""
+        return min(self.each(lambda control: control.max_model_len()))
+
+    def world_size(self) -> int:
+        """Server ranks a weight transfer reaches, over every replica."""
+        return sum(self.each(lambda control: control.world_size()))
+
+    # ---- the weight-sync round, on every replica -------------------------------------------------------------
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """With an NCCL ``rank_offset``, each replica's workers get their own ranks in the one group."""
+        if "rank_offset" not in init_info or len(self.controls) == 1:
+            self.each(lambda control: control.init_weight_transfer(init_info))
+            return
+        sizes = self.each(lambda control: control.world_size())
+        offsets = rank_offsets(int(init_info["rank_offset"]), sizes)
+        ranked = {id(c): {**init_info, "rank_offset": offset} for c, offset in zip(self.controls, offsets, strict=True)}
+        self.each(lambda control: control.init_weight_transfer(ranked[id(control)]))
+
+    def pause(self, mode: str, clear_cache: bool = True, timeout_s: float | None = None) -> None:
+        self.each(lambda control: control.pause(mode, clear_cache, timeout_s))
+
+    def resume(self) -> None:
+        self.each(lambda control: control.resume())
+
+    def start_weight_update(self) -> None:
+        self.each(lambda control: control.start_weight_update())
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.each(lambda control: control.update_weights(update_info))
+
+    def finish_weight_update(self, version: str | None = None) -> None:
+        self.each(lambda control: control.finish_weight_update(version))
+
+    def shutdown_weight_transfer(self) -> None:
+        self.each(lambda control: control.shutdown_weight_transfer())
+
+    def collective_rpc(self, method: str, **kwargs: str) -> list[Any]:
+        return [result for results in self.each(lambda c: c.collective_rpc(method, **kwargs)) for result in results]
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self.each(lambda control: control.load_lora_adapter(name, path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.each(lambda control: control.unload_lora_adapter(name))
+
+    def reopened(self, timeout_s: float) -> ControlGroup:
+        """The same replicas with a fresh client each under ``timeout_s`` (cleanup after a failed round)."""
+        return ControlGroup([control.reopened(timeout_s) for control in self.controls])
+
+    def close(self) -> None:
+        for control in self.controls:
+            control.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> ControlGroup:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

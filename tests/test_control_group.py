@@ -1,0 +1,109 @@
+"""The trainer's control of several servers: every call reaches each replica, a failure names its replica, and
+NCCL ranks follow the trainer replica after replica. Fakes of our own ControlClient, no server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from asyncrl.client import ServerError
+from asyncrl.control_group import ControlGroup, rank_offsets
+
+
+class FakeControl:
+    """ControlClient's calls that the group makes, recorded; ``fails`` names the call that raises."""
+
+    def __init__(self, base_url: str, world_size: int = 1, max_model_len: int = 256, fails: str = "") -> None:
+        self.base_url, self._world, self._len, self.fails = base_url, world_size, max_model_len, fails
+        self.calls: list[tuple[str, Any]] = []
+
+    def _call(self, name: str, arg: Any = None) -> None:
+        self.calls.append((name, arg))
+        if name == self.fails:
+            raise ServerError(500, f"/{name}", "engine dead")
+
+    def world_size(self) -> int:
+        return self._world
+
+    def max_model_len(self) -> int:
+        return self._len
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer", init_info)
+
+    def pause(self, mode: str, clear_cache: bool = True, timeout_s: float | None = None) -> None:
+        self._call("pause", mode)
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self._call("load_lora_adapter", (name, path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._call("unload_lora_adapter", name)
+
+
+def group(*controls: FakeControl) -> ControlGroup:
+    return ControlGroup(list(controls))  # type: ignore[arg-type]
+
+
+def test_rank_offsets_put_each_replicas_workers_after_the_trainer():
+    assert rank_offsets(1, [2, 4, 1]) == [1, 3, 7]  # trainer rank 0; a TP=2, a TP=2 x DP=2, a single GPU
+    assert rank_offsets(1, [8]) == [1]
+
+
+def test_one_nccl_group_spans_every_replica():
+    a, b = FakeControl("http://a", world_size=2), FakeControl("http://b", world_size=4)
+    servers = group(a, b)
+    assert servers.world_size() == 6  # the transports add the trainer: world_size 7
+    servers.init_weight_transfer({"master_address": "10.0.0.1", "master_port": 5, "rank_offset": 1, "world_size": 7})
+    assert [c.calls[0][1]["rank_offset"] for c in (a, b)] == [1, 3]
+    assert {c.calls[0][1]["world_size"] for c in (a, b)} == {7}
+
+
+def test_an_init_without_ranks_goes_to_each_replica_as_it_is():
+    a, b = FakeControl("http://a"), FakeControl("http://b")
+    group(a, b).init_weight_transfer({"backend": "builtin"})
+    assert a.calls == b.calls == [("init_weight_transfer", {"backend": "builtin"})]
+
+
+def test_every_replica_gets_the_call_and_a_failure_names_its_replica():
+    a, b = FakeControl("http://a"), FakeControl("http://b", fails="pause")
+    with pytest.raises(ServerError) as raised:
+        group(a, b).pause("keep")
+    assert str(raised.value) == "/pause: HTTP 500: replica 1 of 2 (http://b): engine dead"
+    assert a.calls == b.calls == [("pause", "keep")]
+
+
+def test_the_servers_context_is_the_shortest():
+    assert (
+        group(FakeControl("http://a", max_model_len=512), FakeControl("http://b", max_model_len=300)).max_model_len()
+        == 300
+    )
+
+
+def test_one_server_is_called_directly_and_its_errors_are_unchanged():
+    only = FakeControl("http://a", fails="resume")
+    with pytest.raises(ServerError, match=r"^/resume: HTTP 500: engine dead$"):
+        group(only).resume()
+
+
+def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(random_tiny_model_dir, tmp_path):
+    from asyncrl.config import compose, to_config
+    from asyncrl.trainer.model import load_model
+    from asyncrl.trainer.sync.adapter import AdapterSync
+
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8",
+                                "staleness.max_staleness=0", "lora.sync=adapter"]))  # fmt: skip
+    a, b = FakeControl("http://a"), FakeControl("http://b")
+    sync = AdapterSync(group(a, b), config, tmp_path)  # type: ignore[arg-type]
+    sync.init()
+    model = load_model(config, str(random_tiny_model_dir))
+    for version in (1, 2):
+        sync.push(model, version)
+    loads = [("load_lora_adapter", (sync.name(v), str(sync.path(v)))) for v in (1, 2)]
+    expected = [*loads, ("unload_lora_adapter", sync.name(1))]
+    assert a.calls == b.calls == expected  # every live version on every replica
+    assert sorted(p.name for p in (tmp_path / ".vllm_lora").iterdir()) == [sync.name(1), sync.name(2)]
