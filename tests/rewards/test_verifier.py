@@ -12,16 +12,20 @@ from asyncrl.rewards.verifier import check_answer, close_idle
 
 
 def verifier_children() -> set[int]:
-    """Live verifier processes in this test run's process group, orphans (of a spawned worker) included."""
+    """Live verifier processes in this test run's process group, orphans (of a spawned worker) included, started
+    by this pytest worker (pytest-xdist's workers share the group: each one's children inherit its worker name)."""
+    worker = f"PYTEST_XDIST_WORKER={os.environ.get('PYTEST_XDIST_WORKER', '')}".encode()
     pids = set()
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes()
             stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            environ = (proc / "environ").read_bytes().split(b"\0")
         except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError, NotADirectoryError):
             continue
         state, group = stat[0], int(stat[2])
-        if b"asyncrl.rewards.verifier import serve" in cmdline and state != "Z" and group == os.getpgid(0):
+        mine = worker in environ or (worker.endswith(b"=") and not any(e.startswith(worker) for e in environ))
+        if b"asyncrl.rewards.verifier import serve" in cmdline and state != "Z" and group == os.getpgid(0) and mine:
             pids.add(int(proc.name))
     return pids
 
