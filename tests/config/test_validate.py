@@ -54,6 +54,9 @@ BAD_INPUTS = [
     (["data.path=null"], "data.path"),
     (["data.num_eval_prompts=-1"], "data.num_eval_prompts"),
     (["server.weight_transfer=ipc", "trainer.num_processes=2"], "server.weight_transfer=ipc with 2 trainer ranks"),
+    (["trainer.nnodes=0"], "trainer.nnodes=0 must be >= 1"),
+    (["trainer.nnodes=2"], "trainer.nnodes=2 needs trainer.rdzv_endpoint=HOST:PORT"),
+    (["trainer.nnodes=2", "trainer.rdzv_endpoint=node001"], "trainer.rdzv_endpoint=node001 must be HOST:PORT"),
     (
         [
             "data.path=null",
