@@ -1,9 +1,14 @@
-"""The real CLI with two trainer ranks on CPU (gloo, FSDP2): it trains, syncs, checkpoints sharded and
-consolidated weights, refuses to resume on another rank count, and leaves no process behind."""
+"""The real CLI with two trainer ranks on CPU (gloo, FSDP2), started by torch's launcher: on one node it trains,
+syncs, checkpoints sharded and consolidated weights, refuses to resume on another rank count, and leaves no
+process behind; as two "nodes" of one rank each (the second one a plain torchrun at the first's c10d
+rendezvous) it trains, checkpoints and resumes."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ import pytest
 from asyncrl.metrics import read_jsonl
 from asyncrl.server.process import free_port
 
-from .helpers import kill_marked, run_cli, wait_no_marked
+from .helpers import REPO, cli_env, kill_marked, run_cli, wait_no_marked
 
 pytestmark = pytest.mark.e2e
 
@@ -47,3 +52,40 @@ def test_two_ranks_train_sync_checkpoint_and_stop(random_tiny_model_dir, arithme
     kill_marked(refused.marker)
     assert refused.returncode == 1
     assert "written by 2 trainer rank(s) but this run has 1 (trainer.num_processes)" in refused.output
+
+
+def second_node(run_dir: Path, endpoint: str) -> tuple[subprocess.Popen[str], str]:
+    """The other node's command, as the README gives it."""
+    marker = uuid.uuid4().hex
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "asyncrl",
+               "-m", "asyncrl.trainer.rank_main", str(run_dir)]  # fmt: skip
+    node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=cli_env(marker), cwd=REPO)  # fmt: skip
+    return node, marker
+
+
+def train_on_two_nodes(model: Path, data: Path, run_dir: Path, *extra: str) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    node, marker = second_node(run_dir, endpoint)
+    two_nodes = ["trainer.nnodes=2", f"trainer.rdzv_endpoint={endpoint}", "trainer.num_processes=1"]
+    run = run_cli(args(model, data, run_dir, *two_nodes, *extra), timeout_s=300)
+    try:
+        assert run.returncode == 0, run.output[-3000:]
+        assert node.wait(timeout=60) == 0, node.communicate()[0][-3000:]
+        assert wait_no_marked(run.marker) == [] and wait_no_marked(marker) == []
+    finally:
+        node.kill()
+        kill_marked(run.marker)
+        kill_marked(marker)
+
+
+def test_two_nodes_train_checkpoint_and_resume(random_tiny_model_dir, arithmetic_data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    train_on_two_nodes(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.max_steps=1",
+                       "trainer.save_steps=1")  # fmt: skip
+    train_on_two_nodes(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.max_steps=2",
+                       "trainer.resume_from_checkpoint=latest")  # fmt: skip
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    state = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["num_processes"] == 2 and state["step"] == 2
