@@ -145,7 +145,7 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
     leave(0)
 
 
-BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from trainer.test_distributed import node_main; node_main(*sys.argv[2:])"
+BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import trainer.test_distributed as t; t.node_main(*sys.argv[2:])"
 
 
 def launch_nodes(inputs: Path, logs: Path) -> None:

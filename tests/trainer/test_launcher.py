@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import uuid
-from pathlib import Path
 
 import pytest
 from e2e.helpers import wait_no_marked  # tests/e2e
