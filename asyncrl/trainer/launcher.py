@@ -181,15 +181,17 @@ def _failed_at(failure: ProcessFailure) -> tuple[bool, float]:
 def main(run_dir: Path) -> int:
     """The launcher's process: this node's ranks through torch's elastic agent, its failure recorded for the
     CLI."""
+    from omegaconf import OmegaConf
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from asyncrl.launch import load_run_config
+    from asyncrl.config.schema import Config
     from asyncrl.server.process import free_port
     from asyncrl.trainer.ranks import ranks_per_node
 
-    config, _ = load_run_config(run_dir)
+    # the trainer's keys only: the ranks validate the whole config (and the CLI did before writing it)
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
     t = config.trainer
     launch = LaunchConfig(
         min_nodes=t.nnodes,
