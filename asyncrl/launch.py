@@ -41,7 +41,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.trainer.assembler import RolloutWorkerError
     from asyncrl.trainer.checkpoint import ResumeError
     from asyncrl.trainer.group_watch import TrainingStalledError
-    from asyncrl.trainer.supervise import TrainerRankError
+    from asyncrl.trainer.launcher import TrainerRankError
     from asyncrl.trainer.sync.base import WeightSyncError
 
     return (
@@ -172,10 +172,10 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
     prepared = prepare(config, components)  # data, picklability: fail before the server starts
     with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if world > 1:
-            from asyncrl.trainer.supervise import run_ranks
+            from asyncrl.trainer.launcher import run_ranks
 
-            run_ranks(run_dir, world, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and
-            # waits for the server's health after building its shard of the model
+            run_ranks(run_dir, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and waits for
+            # the server's health after building its shard of the model
         else:
             from asyncrl.trainer.ranks import Ranks
 

@@ -210,7 +210,16 @@ class TrainerConfig:
     of GPUs (trainer/flops.py); MFU is not logged where neither knows the device."""
     gpus: int | None = None
     num_processes: int | None = None
-    """Trainer ranks (FSDP2 data parallel); None: trainer.gpus on a GPU machine, else 1. On CPU (gloo) set it."""
+    """Trainer ranks (FSDP2 data parallel) on each node; None: trainer.gpus on a GPU machine, else 1. On CPU (gloo)
+    set it."""
+    nnodes: int = 1
+    """Nodes of the trainer. > 1: `asyncrl train` on the first node starts the server and that node's ranks (global
+    rank 0 among them); every other node runs `torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d
+    --rdzv-endpoint HOST:PORT --rdzv-id asyncrl -m asyncrl.trainer.rank_main RUN_DIR` with the run directory on a
+    shared filesystem (examples/slurm/train.sbatch)."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the ranks' c10d rendezvous (torchrun's --rdzv-endpoint), required with trainer.nnodes > 1: the
+    first node's address that every node reaches, and a free port. None: a free loopback port (one node)."""
     cpu_threads: int | None = None
     """Trainer without a GPU: torch intra-op threads per rank; None: the cores that a launched built-in server on
     the CPU leaves (cores - server.cpu_threads), split over the ranks. More threads than free cores slow every op:

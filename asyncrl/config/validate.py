@@ -347,8 +347,8 @@ COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (check_loss
 
 
 def trainer_ranks(config: Config) -> int:
-    """The trainer's rank count as configured: trainer.num_processes, else trainer.gpus, else 1."""
-    return config.trainer.num_processes or config.trainer.gpus or 1
+    """The trainer's rank count as configured: trainer.num_processes, else trainer.gpus, else 1, on each node."""
+    return (config.trainer.num_processes or config.trainer.gpus or 1) * config.trainer.nnodes
 
 
 def check_ranks(config: Config) -> None:
@@ -356,6 +356,7 @@ def check_ranks(config: Config) -> None:
     t = config.trainer
     if t.num_processes is not None and t.num_processes < 1:
         raise ConfigError(f"trainer.num_processes={t.num_processes} must be >= 1")
+    check_nodes(config)
     ranks = trainer_ranks(config)
     if ranks > 1 and config.server.weight_transfer == "ipc":
         # vLLM's IPC sender all-gathers the handles over the trainer's process group, where only rank 0 sends
@@ -363,6 +364,23 @@ def check_ranks(config: Config) -> None:
             f"server.weight_transfer=ipc with {ranks} trainer ranks: CUDA IPC shares one process's "
             "memory with a server on the same GPU; use server.weight_transfer=nccl"
         )
+
+
+def check_nodes(config: Config) -> None:
+    """Several nodes meet at a rendezvous that every node reaches: its HOST:PORT cannot be guessed."""
+    t = config.trainer
+    if t.nnodes < 1:
+        raise ConfigError(f"trainer.nnodes={t.nnodes} must be >= 1")
+    if t.rdzv_endpoint is None:
+        if t.nnodes > 1:
+            raise ConfigError(
+                f"trainer.nnodes={t.nnodes} needs trainer.rdzv_endpoint=HOST:PORT: this node's address that the "
+                "other nodes reach, and a free port (the same as their torchrun --rdzv-endpoint)"
+            )
+        return
+    host, _, port = t.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"trainer.rdzv_endpoint={t.rdzv_endpoint} must be HOST:PORT, e.g. node001:29400")
 
 
 def validate(config: Config) -> Components:

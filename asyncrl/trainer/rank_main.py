@@ -1,5 +1,6 @@
 """``python -m asyncrl.trainer.rank_main RUN_DIR``: one trainer rank of a multi-rank run, from the run directory's
-config.yaml (asyncrl/trainer/supervise.py starts them; trainer/distributed.py says what each rank does)."""
+config.yaml, started by torch's launcher (asyncrl/trainer/launcher.py on the CLI's node, torchrun on the others;
+trainer/distributed.py says what each rank does)."""
 
 from __future__ import annotations
 
@@ -10,30 +11,33 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from asyncrl.components import Components
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 from asyncrl.launch import EXPECTED_ERRORS, load_run_config, terminate_on_sigterm
 from asyncrl.parent import exit_with_parent
 from asyncrl.server.handle import AttachedServer
 from asyncrl.trainer.distributed import ORPHAN_GRACE_S, Follower, leave
 from asyncrl.trainer.loop import run_training
-from asyncrl.trainer.ranks import Ranks
+from asyncrl.trainer.ranks import SERVER_URL_ENV, Ranks, ranks_per_node, world_size
 from asyncrl.trainer.setup import prepare
-from asyncrl.trainer.supervise import SERVER_URL_ENV
 
 
+@record  # an unexpected exception reaches the rank's error file too, where its launcher reads it
 def main(run_dir: Path) -> int:
     """One rank of a multi-rank run, from the run directory's config.yaml."""
     config, components = load_run_config(run_dir)
     terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
-    cli = os.getppid()  # a rank waiting inside a collective never runs its SIGTERM handler: leave after a grace
-    exit_with_parent(cli, grace_s=ORPHAN_GRACE_S, message=f"trainer rank: the CLI (pid {cli}) is gone; leaving")
+    agent = os.getppid()  # a rank waiting inside a collective never runs its SIGTERM handler: leave after a grace
+    exit_with_parent(agent, grace_s=ORPHAN_GRACE_S, message=f"trainer rank: its launcher (pid {agent}) is gone")
     ranks = Ranks.from_env()
     if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
+        check_world(config, ranks)
         if ranks.rank == 0:
             run_rank_zero(config, components, run_dir, ranks)
         else:
@@ -43,12 +47,24 @@ def main(run_dir: Path) -> int:
         dist.barrier()
     except EXPECTED_ERRORS as exc:
         print(f"error ({type(exc).__name__}): {exc}", file=sys.stderr)
+        get_error_handler().record_exception(exc)
         return 1
     except KeyboardInterrupt:  # the CLI stops the ranks with SIGTERM and says why itself
         return 130
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def check_world(config: Config, ranks: Ranks) -> None:
+    """Every node started as many ranks as the config says: a node with another count would shard differently."""
+    if ranks.world != world_size(config):
+        nodes, per_node = config.trainer.nnodes, ranks_per_node(config)
+        raise ConfigError(
+            f"trainer rank {ranks.rank}: the launchers started {ranks.world} ranks but the run has "
+            f"{world_size(config)} (trainer.nnodes={nodes}, {per_node} per node): start every other node with "
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node}"
+        )
 
 
 def run_rank_zero(config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:

@@ -19,16 +19,43 @@ import torch.distributed as dist
 
 from asyncrl.config.schema import Config
 
-# Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the supervisor's to catch.
+# Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the launcher's to catch.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
+SERVER_URL_ENV = "ASYNCRL_SERVER_URL"
+"""Set by `asyncrl train` for the ranks of its own node: the first of them is trainer rank 0, which drives the
+server (a node that torchrun started has none of it)."""
+LEADER_KEY = "asyncrl/leader"
+LEADER_TIMEOUT = timedelta(minutes=5)
 
 
-def world_size(config: Config) -> int:
+def ranks_per_node(config: Config) -> int:
     """trainer.num_processes, else trainer.gpus on a GPU machine, else 1."""
     t = config.trainer
     if t.num_processes is not None:
         return t.num_processes
     return (t.gpus or 1) if torch.cuda.is_available() else 1
+
+
+def world_size(config: Config) -> int:
+    """The ranks of every node."""
+    return ranks_per_node(config) * config.trainer.nnodes
+
+
+def leader_first(store: dist.Store, rank: int, world: int, leader: bool) -> int:
+    """This process's trainer rank: its launcher rank turned so that the leader (the first rank of the node of
+    `asyncrl train`) is 0. torchrun's c10d rendezvous numbers the nodes in the order of their host names, so the
+    leader's node need not come first; a turn by the leader's rank (a multiple of the ranks per node) keeps each
+    node's ranks together."""
+    if leader:
+        store.set(LEADER_KEY, str(rank))
+    try:
+        first = int(store.get(LEADER_KEY))
+    except dist.DistStoreError as exc:
+        raise RuntimeError(
+            f"trainer rank {rank}: no node of this torchrun job is `asyncrl train`'s within {LEADER_TIMEOUT}: "
+            "start the first node with `asyncrl train trainer.nnodes=N trainer.rdzv_endpoint=HOST:PORT`"
+        ) from exc
+    return (rank - first) % world
 
 
 class Ranks:
@@ -39,11 +66,20 @@ class Ranks:
 
     @classmethod
     def from_env(cls) -> Ranks:
-        """Join the process group: nccl on GPU (one device per local rank), gloo on CPU."""
+        """Join the process group: nccl on GPU (one device per local rank), gloo on CPU. Ranks of several nodes
+        (torchrun's GROUP_WORLD_SIZE > 1) meet on the launcher's store and put the leader first."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        return cls._join(rank, world)
+            torch.cuda.set_device(local)
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1:
+            return cls._join(rank, world)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=LEADER_TIMEOUT
+        )
+        rank = leader_first(store, rank, world, leader=local == 0 and SERVER_URL_ENV in os.environ)
+        store.set_timeout(COLLECTIVE_TIMEOUT)
+        return cls._join(rank, world, dist.PrefixStore("asyncrl", store))
 
     @classmethod
     @contextlib.contextmanager

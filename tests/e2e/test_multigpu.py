@@ -1,9 +1,14 @@
-"""The real CLI with two trainer ranks on CPU (gloo, FSDP2): it trains, syncs, checkpoints sharded and
-consolidated weights, resumes on one rank from its checkpoint, and leaves no process behind."""
+"""The real CLI with two trainer ranks on CPU (gloo, FSDP2), started by torch's launcher: on one node it trains,
+syncs, checkpoints sharded and consolidated weights and leaves no process behind; one rank resumes from its
+checkpoint (resharded), then two "nodes" of one rank each (the second one a plain torchrun at the first's c10d
+rendezvous) resume from that one's and train on."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ import pytest
 from asyncrl.metrics import read_jsonl
 from asyncrl.server.process import free_port
 
-from .helpers import kill_marked, run_cli, wait_no_marked
+from .helpers import REPO, cli_env, kill_marked, run_cli, wait_no_marked
 
 pytestmark = pytest.mark.e2e
 
@@ -49,3 +54,36 @@ def test_two_ranks_train_sync_checkpoint_and_stop(random_tiny_model_dir, arithme
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     state = json.loads((run_dir / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert (state["step"], state["model_version"], state["num_processes"]) == (4, 4, 1)
+
+    # the same run directory as two "nodes" of one rank each: resume the one-rank checkpoint and train a step
+    train_on_two_nodes(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.max_steps=5",
+                       "trainer.resume_from_checkpoint=latest")  # fmt: skip
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    state = json.loads((run_dir / "checkpoints" / "step_000005" / "trainer_state.json").read_text())
+    assert (state["step"], state["num_processes"]) == (5, 2)
+
+
+def second_node(run_dir: Path, endpoint: str) -> tuple[subprocess.Popen[str], str]:
+    """The other node's command, as the README gives it."""
+    marker = uuid.uuid4().hex
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "asyncrl",
+               "-m", "asyncrl.trainer.rank_main", str(run_dir)]  # fmt: skip
+    node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=cli_env(marker), cwd=REPO)  # fmt: skip
+    return node, marker
+
+
+def train_on_two_nodes(model: Path, data: Path, run_dir: Path, *extra: str) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    node, marker = second_node(run_dir, endpoint)
+    two_nodes = ["trainer.nnodes=2", f"trainer.rdzv_endpoint={endpoint}", "trainer.num_processes=1"]
+    run = run_cli(args(model, data, run_dir, *two_nodes, *extra), timeout_s=300)
+    try:
+        assert run.returncode == 0, run.output[-3000:]
+        assert node.wait(timeout=60) == 0, node.communicate()[0][-3000:]
+        assert wait_no_marked(run.marker) == [] and wait_no_marked(marker) == []
+    finally:
+        node.kill()
+        kill_marked(run.marker)
+        kill_marked(marker)

@@ -1,7 +1,9 @@
 """Two trainer ranks on CPU (gloo, FSDP2) against one process on the same rows: the same parameter update,
 the same weights on the built-in server after a sync, a consolidated checkpoint equal to the unsharded model.
 
-One 2-rank run (module fixture) serves every test: spawning ranks costs seconds each on CPU.
+The two ranks are two "nodes" of one rank each: two of torch's elastic agents (threads here) meet at a c10d
+rendezvous on a free loopback port, as `asyncrl train` and a second node's torchrun do. One such run (module
+fixture) serves every test: starting ranks costs seconds each on CPU.
 """
 
 from __future__ import annotations
@@ -9,15 +11,18 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from packing.packing_samples import random_samples  # tests/packing
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from sharded import sharded
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from transformers import AutoModelForCausalLM, set_seed
 
 from asyncrl.config import compose, to_config
@@ -30,6 +35,7 @@ from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_optimizer, load_model
+from asyncrl.trainer.ranks import SERVER_URL_ENV
 from asyncrl.trainer.sync.tensors import unique_state_dict
 
 from .test_weight_sync import served_vs_local
@@ -82,9 +88,18 @@ def single_process_step(config: Config, rows: list) -> torch.nn.Module:
     return model.eval()
 
 
-def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path, port: int, server_url: str) -> None:
+def node_main(inputs: str, lead: str) -> None:
+    """One node's rank, as its launcher starts it: the leading node's (the one that holds the server's URL, as
+    `asyncrl train`'s does) becomes trainer rank 0, whatever rank the rendezvous gave its node."""
+    config, rows, placement, out, server_url = torch.load(inputs, weights_only=False)
+    os.environ.pop(SERVER_URL_ENV, None)
+    if lead == "lead":
+        os.environ[SERVER_URL_ENV] = server_url
+    rank_main(config, rows, placement, out, server_url)
+
+
+def rank_main(config: Config, rows: list, placement: list, out: Path, server_url: str) -> None:
     """One rank: rank 0 leads the trainer's step, sync and save sequence; rank 1 is a real Follower."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.enable()  # a crashed rank prints its Python stack
     import torch.distributed as dist
 
@@ -98,7 +113,7 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
 
     ranks = Ranks.from_env()
     try:
-        if rank != 0:
+        if ranks.rank != 0:
             Follower(config, build_components(config), out, ranks).serve()
             dist.barrier()  # leave together (see asyncrl.trainer.rank_main.main)
             return
@@ -115,21 +130,19 @@ def rank_main(rank: int, config: Config, rows: list, placement: list, out: Path,
         metrics = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
         if config.lora.enabled:
             write_lora(model, ranks, out)
-            ranks.command("stop")
-            dist.barrier()
-            return
-        ranks.command("save", [str(out / "ckpt")] * WORLD)
-        fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
-        ranks.command("sync", [(torch.float32, False)] * WORLD)
-        view = fsdp.GatheredModel(model, ranks, torch.float32)
-        with ControlClient(server_url, timeout_s=60) as control:
-            sync = WeightSync(control, FileTransport(out, torch.float32))
-            sync.init()
-            try:
-                sync.push(view, 1)
-            finally:
-                view.done()
-                sync.close()
+        else:
+            ranks.command("save", [str(out / "ckpt")] * WORLD)
+            fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
+            ranks.command("sync", [(torch.float32, False)] * WORLD)
+            view = fsdp.GatheredModel(model, ranks, torch.float32)
+            with ControlClient(server_url, timeout_s=60) as control:
+                sync = WeightSync(control, FileTransport(out, torch.float32))
+                sync.init()
+                try:
+                    sync.push(view, 1)
+                finally:
+                    view.done()
+                    sync.close()
         ranks.command("stop")
         (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
             rows, placement, (0.0, 1.0))], "row_metrics": len(metrics)}))  # fmt: skip
@@ -153,12 +166,39 @@ def write_lora(model: torch.nn.Module, ranks, out: Path) -> None:
     view.done()
 
 
+BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import trainer.test_distributed as t; t.node_main(*sys.argv[2:])"
+
+
+def launch_nodes(inputs: Path, logs: Path) -> None:
+    """Two elastic agents of one rank each (nnodes=2) at a c10d rendezvous on a free loopback port; the first
+    leads. Agents off the main thread leave the signal handlers alone."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    failed: list[BaseException] = []
+
+    def agent(lead: str) -> None:
+        config = LaunchConfig(min_nodes=2, max_nodes=2, nproc_per_node=1, run_id="two-nodes", rdzv_backend="c10d",
+                              rdzv_endpoint=endpoint, max_restarts=0, local_addr="127.0.0.1",
+                              logs_specs=DefaultLogsSpecs(log_dir=str(logs / lead)))  # fmt: skip
+        try:
+            elastic_launch(config, sys.executable)("-c", BOOT, str(Path(__file__).parents[1]), str(inputs), lead)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            failed.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(lead,)) for lead in ("lead", "follow")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failed, failed
+
+
 @pytest.fixture(scope="module")
 def two_ranks(random_tiny_model_dir, arithmetic_data_dir, tiny_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     config = make_config(random_tiny_model_dir, arithmetic_data_dir)
     rows, placement = make_step(random_tiny_model_dir)
-    mp.spawn(rank_main, args=(config, rows, placement, out, free_port(), tiny_server.base_url), nprocs=WORLD)
+    torch.save((config, rows, placement, out, tiny_server.base_url), out / "inputs.pt")
+    launch_nodes(out / "inputs.pt", out / "logs")
     return config, rows, out
 
 
@@ -212,7 +252,8 @@ def two_lora_ranks(random_tiny_model_dir, arithmetic_data_dir, tmp_path_factory)
     out = tmp_path_factory.mktemp("lora-ranks")
     config = make_config(random_tiny_model_dir, arithmetic_data_dir, "lora=default", "lora.r=8")
     rows, placement = make_step(random_tiny_model_dir)
-    mp.spawn(rank_main, args=(config, rows, placement, out, free_port(), ""), nprocs=WORLD)
+    torch.save((config, rows, placement, out, ""), out / "inputs.pt")
+    launch_nodes(out / "inputs.pt", out / "logs")
     return config, rows, out
 
 
