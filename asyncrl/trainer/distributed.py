@@ -10,7 +10,8 @@ divides its loss by the step's trained tokens summed over all ranks, so the summ
 single-process one.
 
 ``python -m asyncrl.trainer.rank_main RUN_DIR`` is one rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in its
-environment); asyncrl/trainer/supervise.py starts them. Their process group is ``Ranks`` (trainer/ranks.py).
+environment); torch's launcher starts them (asyncrl/trainer/launcher.py; torchrun on other nodes). Their process group
+is ``Ranks`` (trainer/ranks.py).
 """
 
 from __future__ import annotations
