@@ -200,11 +200,6 @@ def check_replicas(config: Config) -> None:
             f"server.weight_transfer=ipc with {servers} servers: CUDA IPC reaches one server on the trainer's GPU; "
             "use server.weight_transfer=nccl"
         )
-    if servers > 1 and trainer_ranks(config) > 1:
-        raise ConfigError(
-            f"{servers} servers with {trainer_ranks(config)} trainer ranks: not supported yet (the sharded trainer "
-            "syncs one server); use one server, or trainer.num_processes=1"
-        )
 
 
 def check_rollout_limits(config: Config) -> None:

@@ -60,7 +60,7 @@ class TrainerRankError(RuntimeError):
 
 def run_ranks(run_dir: Path, server: Any) -> None:
     """Run this node's trainer ranks to completion; raise TrainerRankError as soon as one fails."""
-    agent = Agent(run_dir, server.base_url)
+    agent = Agent(run_dir, ",".join(server.base_urls))
     try:
         agent.wait(server)
     finally:
@@ -70,12 +70,12 @@ def run_ranks(run_dir: Path, server: Any) -> None:
 class Agent:
     """The launcher's process, seen from the CLI."""
 
-    def __init__(self, run_dir: Path, server_url: str) -> None:
+    def __init__(self, run_dir: Path, server_urls: str) -> None:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.error_file = logs / "launcher_error.json"
         self.error_file.unlink(missing_ok=True)
-        env = {**os.environ, SERVER_URL_ENV: server_url, ERROR_FILE_ENV: str(self.error_file)}
+        env = {**os.environ, SERVER_URL_ENV: server_urls, ERROR_FILE_ENV: str(self.error_file)}
         command = [sys.executable, "-m", "asyncrl.trainer.launcher", str(run_dir)]
         self.proc = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
 

@@ -18,6 +18,7 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 from asyncrl.launch import EXPECTED_ERRORS, load_run_config, terminate_on_sigterm
 from asyncrl.parent import exit_with_parent
+from asyncrl.server.group import ServerGroup
 from asyncrl.server.handle import AttachedServer
 from asyncrl.trainer.distributed import ORPHAN_GRACE_S, Follower, leave
 from asyncrl.trainer.loop import run_training
@@ -68,8 +69,10 @@ def check_world(config: Config, ranks: Ranks) -> None:
 
 
 def run_rank_zero(config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
-    """Rank 0 is the trainer of a single-process run, attached to the server the CLI started."""
-    server = AttachedServer(os.environ[SERVER_URL_ENV], timeout_s=config.server.timeout, booting=True)
+    """Rank 0 is the trainer of a single-process run, attached to the servers the CLI started (their URLs in
+    SERVER_URL_ENV, comma-separated)."""
+    urls = os.environ[SERVER_URL_ENV].split(",")
+    server = ServerGroup([AttachedServer(url, timeout_s=config.server.timeout, booting=True) for url in urls])
     run_training(config, run_dir, server, prepare(config, components), ranks=ranks)
 
 

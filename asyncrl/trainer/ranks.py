@@ -22,8 +22,8 @@ from asyncrl.config.schema import Config
 # Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the launcher's to catch.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 SERVER_URL_ENV = "ASYNCRL_SERVER_URL"
-"""Set by `asyncrl train` for the ranks of its own node: the first of them is trainer rank 0, which drives the
-server (a node that torchrun started has none of it)."""
+"""The generation servers' URLs (comma-separated), set by `asyncrl train` for the ranks of its own node: the first
+of them is trainer rank 0, which drives the servers (a node that torchrun started has none of it)."""
 LEADER_KEY = "asyncrl/leader"
 LEADER_TIMEOUT = timedelta(minutes=5)
 

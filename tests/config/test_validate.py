@@ -60,7 +60,6 @@ BAD_INPUTS = [
     (["server.base_urls=[http://a:1]"], "server.base_urls attaches to running servers: set server.launch=false"),
     (["server.launch=false", "server.base_urls=[]"], "server.base_urls=[] lists no server"),
     (["server.replicas=2", "server.weight_transfer=ipc"], "server.weight_transfer=ipc with 2 servers"),
-    (["server.replicas=2", "trainer.num_processes=2"], "2 servers with 2 trainer ranks"),
     (["trainer.nnodes=0"], "trainer.nnodes=0 must be >= 1"),
     (["trainer.nnodes=2"], "trainer.nnodes=2 needs trainer.rdzv_endpoint=HOST:PORT"),
     (["trainer.nnodes=2", "trainer.rdzv_endpoint=node001"], "trainer.rdzv_endpoint=node001 must be HOST:PORT"),

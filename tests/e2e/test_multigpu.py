@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.server.process import free_port
+from asyncrl.server.process import free_port, port_is_free
 
 from .helpers import REPO, cli_env, kill_marked, run_cli, wait_no_marked
 
@@ -30,8 +30,12 @@ def args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def test_two_ranks_train_sync_checkpoint_and_stop(random_tiny_model_dir, arithmetic_data_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    run = run_cli(args(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.num_processes=2"), timeout_s=300)
+    """Two ranks and two server replicas (the second on the next port): both servers get rollouts and syncs."""
+    run_dir, port = tmp_path / "run", free_port()
+    while not port_is_free("127.0.0.1", port + 1):
+        port = free_port()
+    two = [*args(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.num_processes=2", "server.replicas=2")]
+    run = run_cli([a for a in two if not a.startswith("server.port=")] + [f"server.port={port}"], timeout_s=300)
     try:
         assert run.returncode == 0, run.output[-3000:]
         assert wait_no_marked(run.marker) == []
@@ -40,6 +44,7 @@ def test_two_ranks_train_sync_checkpoint_and_stop(random_tiny_model_dir, arithme
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in steps] == [1, 2, 3]
     assert all(row["perf/weight_sync_s"] > 0 and row["model_version"] == row["step"] for row in steps)
+    assert all(sum(row.get(f"rollout/server_{i}_request_count", 0) for row in steps) > 0 for i in (0, 1))
     for step in ("step_000002", "step_000003"):
         checkpoint = run_dir / "checkpoints" / step
         assert any((checkpoint / "sharded").glob("*.distcp")) and (checkpoint / "model.safetensors").is_file()
