@@ -29,7 +29,7 @@ def marker(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 class HealthyServer:
-    base_url = "http://127.0.0.1:9"
+    base_urls = ["http://127.0.0.1:9"]
 
     def is_alive(self) -> bool:
         return True
