@@ -5,8 +5,9 @@ checkpoint format, whatever the rank count. Raw ``fully_shard`` rather than acce
 owns the process group and the launch (``accelerate launch``), while asyncrl's rank 0 drives its followers with
 its own commands (trainer/distributed.py), gathers buckets for weight sync on demand and checkpoints with
 torch.distributed.checkpoint directly; the plugin would wrap the same ``fully_shard`` call. Sharding a world of
-one costs little: the embedded model's fwd+bwd+step on one CPU thread took 0.72 s sharded against 0.70 s plain
-(``python benchmarks/single_rank.py``).
+one costs 3-10% on a CPU: the embedded model's fwd+bwd+step of a 1024-token row took 0.68-0.81 s sharded against
+0.66-0.75 s plain on one thread, 0.44 against 0.40 s on two, 4.65 against 4.48 s for 4096 tokens
+(``python benchmarks/single_rank.py``, five runs on a 2-core machine); the GPU figure is for the next H200 session.
 
 Each decoder layer (the model's ``_no_split_modules`` classes) and the root are ``fully_shard``ed. On GPU the
 master weights are fp32 and forward/backward run in bf16 with fp32 gradient reduction (MixedPrecisionPolicy);
