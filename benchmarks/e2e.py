@@ -288,7 +288,7 @@ def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
 def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, train_runs: bool = True,
                       url: str | None = None, port: int | None = None) -> dict:  # fmt: skip
     """Start the server (or attach to ``url``), time it alone, then run the training variants against it."""
-    from asyncrl.config import compose, to_config
+    from asyncrl.config.compose import compose, to_config
     from asyncrl.launch import start_server
     from asyncrl.server.command import served_model_name
 

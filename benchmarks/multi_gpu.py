@@ -35,7 +35,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from asyncrl.config import compose, to_config_and_components  # noqa: E402
+from asyncrl.config.compose import compose, to_config_and_components  # noqa: E402
 from asyncrl.packing.trie import TreeRow  # noqa: E402
 from asyncrl.rollout.types import RolloutSample, TrainingSequence  # noqa: E402
 from asyncrl.server.process import free_port  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl.assets import asset_path
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.ranks import Ranks
 

@@ -119,7 +119,7 @@ def max_diff(model: torch.nn.Module, samples: list[Sample]) -> float:
 
 def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.client import ControlClient, GenerationClient, SamplingParams
-    from asyncrl.config import compose, to_config_and_components
+    from asyncrl.config.compose import compose, to_config_and_components
     from asyncrl.launch import start_server
     from asyncrl.server.command import served_model_name
     from asyncrl.trainer.model import load_model
@@ -198,7 +198,7 @@ def phase_sync(backend: str, out: Path) -> None:
 
 
 def phase_lora(backend: str, out: Path, steps: int) -> None:
-    from asyncrl.config import compose, to_config_and_components
+    from asyncrl.config.compose import compose, to_config_and_components
     from asyncrl.launch import start_server
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import ModelDtype
 from asyncrl.dtypes import DTYPES, torch_dtype
 from asyncrl.server.command import serving_dtype

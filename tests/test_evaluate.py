@@ -6,7 +6,7 @@ from typing import Any
 
 from asyncrl import evaluate
 from asyncrl.client import Completion
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 
 
 def test_evaluation_never_asks_for_temperature_zero(monkeypatch):

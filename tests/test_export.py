@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.export import ExportError, export, resolve_source
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint, source_processor_files
 from asyncrl.trainer.distributed import build_sharded

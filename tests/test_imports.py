@@ -39,8 +39,9 @@ def imported_names(module: str, path: Path) -> set[str]:
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports. ``from pkg.mod import name`` counts as importing pkg.mod; an
-    import of the module's own enclosing packages does not count (Python runs them first whatever the order)."""
+    """Module -> the package's modules it imports. ``from pkg.mod import name`` counts as importing pkg.mod and the
+    packages enclosing it (their ``__init__`` runs first); an import of the module's own enclosing packages does
+    not count (Python runs them first whatever the order)."""
     modules = module_files(package)
 
     def owner(name: str) -> str:
@@ -48,10 +49,15 @@ def import_graph(package: Path) -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name
 
+    def with_packages(name: str) -> set[str]:
+        """``name`` and the packages enclosing it: importing pkg.sub.mod runs pkg/sub/__init__ first."""
+        parts = name.split(".")
+        return {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+
     graph = {}
     for module, path in modules.items():
-        targets = {owner(name) for name in imported_names(module, path)}
-        graph[module] = {t for t in targets if t and t != module and not module.startswith(t + ".")}
+        targets = {t for name in imported_names(module, path) for t in with_packages(owner(name)) if t in modules}
+        graph[module] = {t for t in targets if t != module and not module.startswith(t + ".")}
     return graph
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import ConfigError, compose, to_config
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config
 from asyncrl.launch import _check_resume, check_port
 from asyncrl.server.process import free_port, port_is_free
 from asyncrl.trainer.checkpoint import ResumeError

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.sampling import SamplingParams
 
 

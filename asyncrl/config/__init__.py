@@ -1,7 +1,8 @@
-"""Configuration: typed schema, Hydra composition and cross-field validation."""
+"""Configuration: typed schema (``schema``), Hydra composition (``compose``) and cross-field validation
+(``validate``). The package itself imports only the schema and the error: importing ``asyncrl.config.schema``
+runs this file first, and composition pulls in validation and through it the modules that read the schema."""
 
-from asyncrl.config.compose import compose, conf_dir, to_config, to_config_and_components
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 
-__all__ = ["Config", "ConfigError", "compose", "conf_dir", "to_config", "to_config_and_components"]
+__all__ = ["Config", "ConfigError"]

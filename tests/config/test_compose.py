@@ -8,7 +8,8 @@ import pytest
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import ValidationError
 
-from asyncrl.config import Config, compose, conf_dir, to_config
+from asyncrl.config import Config
+from asyncrl.config.compose import compose, conf_dir, to_config
 from asyncrl.config.schema import ServerBackend
 
 GROUP_OPTIONS = sorted(

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.messages import check_run_dir, config_error_line
 from asyncrl.config.schema import LrSchedulerType, ModelDtype

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import ConfigError, compose, to_config
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config
 
 BAD_INPUTS = [
     (["sampling.top_p=0.9"], "sampling.top_k"),

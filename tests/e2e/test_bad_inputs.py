@@ -53,7 +53,7 @@ def _checkpoint_run(model_dir: Path, run_dir: Path) -> Path:
     from sharded import save, sharded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.config import compose, to_config
+    from asyncrl.config.compose import compose, to_config
     from asyncrl.trainer.checkpoint import TrainerState
     from asyncrl.trainer.ranks import Ranks
 

@@ -21,7 +21,8 @@ from sharded import sharded
 
 from asyncrl.advantages import ADVANTAGES
 from asyncrl.assets.tiny_model import build_model, build_tokenizer
-from asyncrl.config import ConfigError, compose, to_config, to_config_and_components
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config, to_config_and_components
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import MetricWindow

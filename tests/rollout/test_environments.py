@@ -80,7 +80,7 @@ def test_load_factories_forms():
 
 
 def test_without_a_dataset_the_environment_supplies_each_prompt():
-    from asyncrl.config import compose, to_config
+    from asyncrl.config.compose import compose, to_config
     from asyncrl.rollout.environments import environment_rows
 
     factory = "rollout.environment_factory=asyncrl.environments.counter:IncrementEnv"

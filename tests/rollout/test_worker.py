@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from asyncrl.config import compose, to_config_and_components
+from asyncrl.config.compose import compose, to_config_and_components
 from asyncrl.config.schema import Config
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.loop import AsyncRolloutLoop

@@ -20,7 +20,7 @@ from peft import LoraConfig, get_peft_model
 from tiny import SERVED_NAME, build_tiny_model
 
 from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, auth_headers, policy_model
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.server.__main__ import parse_args
 from asyncrl.server.command import builtin_command
 from asyncrl.server.process import ServerProcess, free_port

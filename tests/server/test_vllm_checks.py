@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 
 from asyncrl.client import ControlClient
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.server.checks import ServerCheckError, check_server
 from asyncrl.server.vllm import WORKER_EXTENSION
 

@@ -10,7 +10,8 @@ import pytest
 
 from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config, moe_config
 from asyncrl.assets.tiny_model import build_tokenizer
-from asyncrl.config import ConfigError, compose, to_config
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config
 from asyncrl.server.choice import server_command
 from asyncrl.server.vllm import (
     WORKER_EXTENSION,

@@ -12,7 +12,7 @@ import torch
 from sharded import save, sharded
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.trainer.checkpoint import (
     ResumeError,
     TrainerState,

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from transformers import AutoModelForCausalLM, set_seed
 
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss

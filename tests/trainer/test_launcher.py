@@ -14,8 +14,7 @@ import uuid
 import pytest
 from e2e.helpers import wait_no_marked  # tests/e2e
 
-from asyncrl.config import compose, to_config
-from asyncrl.config.compose import to_yaml
+from asyncrl.config.compose import compose, to_config, to_yaml
 from asyncrl.server.process import ServerStartError
 from asyncrl.trainer.launcher import ERROR_FILE_ENV, Agent, RankLogs, TrainerRankError, run_ranks
 

@@ -15,7 +15,7 @@ from sharded import save, sharded
 from transformers import AutoTokenizer
 
 from asyncrl.client import ControlClient, ServerError
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
 from asyncrl.server.checks import ServerCheckError
 from asyncrl.server.process import ServerProcess, free_port

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.assets.model_families import build_model, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow
 from asyncrl.trainer.checkpoint import source_processor_files

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from asyncrl.config import compose, to_config_and_components
+from asyncrl.config.compose import compose, to_config_and_components
 from asyncrl.rollout.scoring import RewardSource
 from asyncrl.rollout.spawn import UnpicklableError
 from asyncrl.trainer.setup import check_components_pickle, prepare

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
-from asyncrl.config import compose, to_config
+from asyncrl.config.compose import compose, to_config
 from asyncrl.server.checks import ServerFacts
 from asyncrl.server.vllm import WORKER_EXTENSION
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
