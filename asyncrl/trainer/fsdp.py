@@ -42,8 +42,10 @@ def shard(model: torch.nn.Module, config: Config, mixed_precision: bool) -> torc
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {}
-    if mixed_precision:
-        model.float()  # fp32 master weights and optimizer state whatever model.dtype loaded
+    if mixed_precision:  # fp32 master weights and optimizer state whatever model.dtype loaded, for what trains:
+        for param in model.parameters():  # a frozen LoRA base or vision tower stays as loaded (half the memory)
+            if param.requires_grad:
+                param.data = param.data.float()
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config.trainer.fsdp_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

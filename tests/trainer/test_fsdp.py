@@ -60,3 +60,21 @@ def test_a_bucket_gathers_uneven_shards_whole_in_the_serving_dtype(tmp_path):
     for whole, got, shape in zip(result["whole"], result["got"], SHAPES, strict=True):
         assert got.shape == shape and got.dtype == torch.bfloat16
         assert torch.equal(got, whole.to(torch.bfloat16))
+
+
+def test_mixed_precision_keeps_a_frozen_base_as_loaded_and_trains_fp32_adapters(random_tiny_model_dir, one_rank):
+    """The GPU's policy (bf16 compute, fp32 master weights), here on the CPU: a LoRA base loaded in bf16 stays bf16
+    (not doubled to fp32), the adapters train in fp32, and a step runs through the mixed-dtype shards."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config.compose import compose, to_config
+    from asyncrl.trainer import lora
+    from asyncrl.trainer.fsdp import shard
+
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8"]))
+    base = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
+    model = shard(lora.wrap(config, base, str(random_tiny_model_dir)), config, mixed_precision=True)
+    dtypes = {(p.dtype, p.requires_grad) for p in model.parameters()}
+    assert dtypes == {(torch.bfloat16, False), (torch.float32, True)}
+    model(input_ids=torch.arange(1, 33)[None]).logits.float().log_softmax(-1).mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
