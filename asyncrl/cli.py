@@ -86,7 +86,9 @@ def _sweep_variants(overrides: list[str]) -> list[list[str]]:
 @app.command(context_settings=_EXTRA)
 def config(
     ctx: typer.Context,
-    server_command: bool = typer.Option(False, "--server-command", help="Print the server command line instead."),
+    server_command: bool = typer.Option(
+        False, "--server-command", help="Print the server command line instead (one per server.replicas)."
+    ),
 ) -> None:
     """Print the composed, validated config as YAML (same overrides as train)."""
     from asyncrl.config.compose import compose, to_config, to_yaml
@@ -94,12 +96,12 @@ def config(
     composed = _checked(lambda: to_config(compose(list(ctx.args))))
     if server_command:
         from asyncrl.launch import shell_line
-        from asyncrl.server.choice import printable_server_command
+        from asyncrl.server.choice import printable_server_commands
 
-        command, warning = _checked(lambda: printable_server_command(composed))
+        commands, warning = _checked(lambda: printable_server_commands(composed))
         if warning:
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
-        typer.echo(shell_line(command.argv, command.env), nl=False)
+        typer.echo("".join(shell_line(command.argv, command.env) for command in commands), nl=False)
         return
     typer.echo(to_yaml(composed), nl=False)
 

@@ -81,6 +81,13 @@ def test_config_shows_the_server_command_without_running_it():
     assert "-m asyncrl.server" in result.output and "--port 8123" in result.output
 
 
+def test_config_shows_a_command_per_replica():
+    result = runner.invoke(app, ["config", "--server-command", "server.port=8123", "server.replicas=2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 2 and "--port 8123" in lines[0] and "--port 8124" in lines[1]
+
+
 def test_the_vllm_command_is_printed_without_gpus_here_with_a_warning(monkeypatch):
     """A login node preparing a cluster job: no GPU visible, vLLM not installed (its version given)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

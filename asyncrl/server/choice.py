@@ -7,11 +7,13 @@ from asyncrl.config.schema import Config
 from asyncrl.server.command import ServerCommand, builtin_command, resolve_backend
 
 
-def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]:
-    """What `asyncrl config --server-command` prints, and a warning: on a machine with fewer GPUs than the vLLM run
-    needs (a login node preparing a cluster job) the command is built for the GPUs the job will have."""
+def printable_server_commands(config: Config) -> tuple[list[ServerCommand], str | None]:
+    """What `asyncrl config --server-command` prints (a command per server.replicas), and a warning: on a machine
+    with fewer GPUs than the vLLM run needs (a login node preparing a cluster job) the commands are built for the
+    GPUs the job will have."""
+    replicas = range(config.server.replicas)
     if resolve_backend(config) != "vllm":
-        return builtin_command(config), None
+        return [builtin_command(config, replica) for replica in replicas], None
     # server/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
     from asyncrl.server.vllm import CheckpointKind, checkpoint_kind, needed_gpus, visible_gpus, vllm_command
 
@@ -29,7 +31,8 @@ def printable_server_command(config: Config) -> tuple[ServerCommand, str | None]
             f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
             f"CUDA_VISIBLE_DEVICES={','.join(gpus)}"
         )
-    return vllm_command(config, gpus=gpus, checkpoint=kind), "; ".join(warnings) or None
+    commands = [vllm_command(config, gpus=gpus, checkpoint=kind, replica=replica) for replica in replicas]
+    return commands, "; ".join(warnings) or None
 
 
 def server_command(config: Config, replica: int = 0) -> ServerCommand:
