@@ -124,6 +124,8 @@ def gather_bucket(params: list[torch.Tensor], dtype: torch.dtype | None) -> list
         return [_cast(_full(p.detach()), dtype) for p in params]
     group = params[0].device_mesh.get_group()
     world = dist.get_world_size(group)
+    if world == 1:  # a world of one holds every parameter whole: no buffer, no collective, one cast each
+        return [_cast(p.to_local().detach(), dtype) for p in params]
     target = _target_dtype(params[0], dtype)
     chunks = [-(-p.shape[0] // world) for p in params]
     widths = [c * p[0].numel() if p.shape[0] else 0 for c, p in zip(chunks, params, strict=True)]

@@ -78,3 +78,23 @@ def test_mixed_precision_keeps_a_frozen_base_as_loaded_and_trains_fp32_adapters(
     assert dtypes == {(torch.bfloat16, False), (torch.float32, True)}
     model(input_ids=torch.arange(1, 33)[None]).logits.float().log_softmax(-1).mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
+def test_a_world_of_one_gathers_every_parameter_as_it_is(random_tiny_model_dir, one_rank):
+    """One process's sync: the sharded view yields the unsharded model's tensors, names and serving dtype."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config.compose import compose, to_config
+    from asyncrl.trainer.fsdp import GatheredModel, shard
+    from asyncrl.trainer.sync.tensors import serving_parameters
+
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))
+    plain = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32)
+    view = GatheredModel(shard(copy.deepcopy(plain), config, mixed_precision=False), one_rank, torch.bfloat16)
+    expected = dict(serving_parameters(plain, torch.bfloat16))
+    gathered = dict(serving_parameters(view, torch.bfloat16))
+    view.done()
+    assert list(gathered) == list(expected)
+    assert all(gathered[n].dtype == torch.bfloat16 and torch.equal(gathered[n], expected[n]) for n in expected)
