@@ -143,7 +143,12 @@ class LoadPoller:
         self._record(load)
 
     def _record(self, load: LoadSample) -> None:
+        """The servers' load (the fullest one's KV usage, their counts summed); with several, each one's KV usage."""
         self.metrics["rollout/vllm_kv_cache_usage_frac"].append(load.kv_cache_usage)
+        if len(self.servers) > 1:
+            for index, server in enumerate(self.servers):
+                if server.kv_cache_usage is not None:
+                    self.metrics[f"rollout/server_{index}_kv_cache_usage_frac"].append(server.kv_cache_usage)
         self.metrics["rollout/vllm_running_requests"].append(load.running)
         self.metrics["rollout/vllm_queued_requests"].append(load.waiting)
         previous, self._preemptions = self._preemptions, load.preemptions_total

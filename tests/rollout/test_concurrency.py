@@ -129,6 +129,22 @@ def test_the_poller_follows_the_built_in_servers_real_metrics(small_server):
     assert controller.cap == 5
 
 
+def test_several_servers_each_log_their_kv_usage(small_server):
+    """Two servers (the same one twice here): the cap starts at both KV caches' fit, each one's usage is logged."""
+
+    async def run() -> tuple[ConcurrencyController, dict[str, list[float]]]:
+        controller, metrics = ConcurrencyController(ceiling=512), defaultdict(list)
+        servers = [ServerLoad(small_server.base_url), ServerLoad(small_server.base_url)]
+        poller = LoadPoller(servers, controller, lambda: (0, 0), metrics)
+        await poller.start(max_model_len=64)
+        await poller.aclose()
+        return controller, metrics
+
+    controller, metrics = asyncio.run(run())
+    assert controller.cap == 8  # 4 rows of 64 tokens on each
+    assert metrics["rollout/server_0_kv_cache_usage_frac"] == metrics["rollout/server_1_kv_cache_usage_frac"] == [0.0]
+
+
 def test_without_metrics_the_cap_stays_at_max_concurrent_rollouts():
     async def run() -> ConcurrencyController:
         controller = ConcurrencyController(ceiling=64)
