@@ -226,7 +226,7 @@ class Trainer:
     def _push_weights(self, version: int) -> dict[str, float]:
         """One weight sync: every parameter the transport reads is gathered by all ranks as it reads it (an
         adapter sync's view gathers the adapter alone; a merged one gathers in float32 and casts after merging)."""
-        adapter_only = self.sync.adapter_prefix is not None
+        adapter_only = self.sync.adapter_only
         dtype = None if is_peft(self.model) and not adapter_only else torch_dtype(serving_dtype(self.config))
         self.ranks.command("sync", [(dtype, adapter_only)] * self.world)
         view = GatheredModel(self.model, self.ranks, dtype, trainable_only=adapter_only)

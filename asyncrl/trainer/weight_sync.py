@@ -65,6 +65,7 @@ class WeightSync:
     """One backend's rounds: ``init()`` once, ``push(model, version)`` per sync, ``close()`` at the end."""
 
     adapter_prefix: str | None = None  # the policy is served under the base model's name (AdapterSync's differs)
+    adapter_only = False  # it sends every weight (merged under LoRA); AdapterSync reads only the trained ones
 
     def __init__(self, control: ControlClient, transport: Transport, facts: ServerFacts | None = None) -> None:
         self.control, self.transport, self.facts = control, transport, facts

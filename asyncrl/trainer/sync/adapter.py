@@ -60,6 +60,8 @@ def write_adapter(model: Any, path: Path, dtype: torch.dtype | None) -> int:
 class AdapterSync:
     """``WeightSync``'s interface (init, push, close) for adapter-only sync; ``adapter_prefix`` names versions."""
 
+    adapter_only = True
+
     def __init__(self, control: ControlClient, config: Config, output_dir: Path, facts: Any = None) -> None:
         self.control, self.facts = control, facts
         self.base_name = config.model.name_or_path
