@@ -5,6 +5,7 @@ serves compared with a trained model."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import httpx
 import torch
 
 from asyncrl.client import ControlClient
+from asyncrl.server.process import port_is_free
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,6 +30,17 @@ class CliRun:
     output: str
     seconds: float
     marker: str
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free, below the kernel's ephemeral range: a run's two replicas bind P and P+1 seconds
+    later, and a port from bind(0) is ephemeral, so any outgoing connection (the other test worker's) could take
+    its neighbour meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(20000, low - 1)
+        if port_is_free("127.0.0.1", port) and port_is_free("127.0.0.1", port + 1):
+            return port
 
 
 def marked_pids(marker: str) -> list[int]:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.server.process import free_port, port_is_free
+from asyncrl.server.process import free_port
 
-from .helpers import REPO, cli_env, kill_marked, run_cli, wait_no_marked
+from .helpers import REPO, cli_env, free_port_pair, kill_marked, run_cli, wait_no_marked
 
 pytestmark = pytest.mark.e2e
 
@@ -31,9 +31,7 @@ def args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def test_two_ranks_train_sync_checkpoint_and_stop(random_tiny_model_dir, arithmetic_data_dir, tmp_path):
     """Two ranks and two server replicas (the second on the next port): both servers get rollouts and syncs."""
-    run_dir, port = tmp_path / "run", free_port()
-    while not port_is_free("127.0.0.1", port + 1):
-        port = free_port()
+    run_dir, port = tmp_path / "run", free_port_pair()
     two = [*args(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.num_processes=2", "server.replicas=2")]
     run = run_cli([a for a in two if not a.startswith("server.port=")] + [f"server.port={port}"], timeout_s=300)
     try:

@@ -15,9 +15,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient
-from asyncrl.server.process import free_port, port_is_free
 
-from .helpers import CliRun, kill_marked, marked_pids, run_cli, served_vs_trained, start_cli, wait_no_marked
+from .helpers import (
+    CliRun,
+    free_port_pair,
+    kill_marked,
+    marked_pids,
+    run_cli,
+    served_vs_trained,
+    start_cli,
+    wait_no_marked,
+)
 from .test_train import common_args, steps_of
 
 pytestmark = pytest.mark.e2e
@@ -68,9 +76,7 @@ def test_every_sync_reaches_both_servers(replicas_run):
 
 def test_a_dead_replica_ends_the_run_with_one_line_naming_it(random_tiny_model_dir, arithmetic_data_dir, tmp_path):
     """Two launched replicas on ports P and P+1; replica 1 is killed once the first step is logged."""
-    run_dir, port = tmp_path / "run", free_port()
-    while not port_is_free("127.0.0.1", port + 1):
-        port = free_port()
+    run_dir, port = tmp_path / "run", free_port_pair()
     common = [arg for arg in common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir)
               if not arg.startswith(("server.port=", "trainer.max_steps="))]  # fmt: skip
     args = ["train", *common, "trainer.max_steps=500", "trainer.save_strategy=no", "server.replicas=2",
