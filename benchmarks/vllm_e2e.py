@@ -46,7 +46,7 @@ BUILTIN = ["server.backend=builtin", "server.dtype=float32"]
 
 
 MODEL: list[str] = []
-"""Overrides selecting the model (set by --model)."""
+"""Overrides selecting the model (set by --model), then --extra's."""
 
 
 def overrides(backend: str) -> list[str]:
@@ -197,7 +197,7 @@ def phase_sync(backend: str, out: Path) -> None:
 # ---- lora: adapter versions on the server -------------------------------------------------------------------
 
 
-def phase_lora(backend: str, out: Path, steps: int) -> None:
+def phase_lora(backend: str, out: Path, steps: int, modes: list[str]) -> None:
     from asyncrl.config.compose import compose, to_config_and_components
     from asyncrl.launch import start_server
     from asyncrl.trainer.model import load_model
@@ -239,7 +239,7 @@ def phase_lora(backend: str, out: Path, steps: int) -> None:
             print(f"[lora] requests under a version retired while they run: {ends}")
             sync.close()
     print(f"[lora] server stopped; leftovers: {leftovers()}")
-    for mode in ("adapter", "merged"):
+    for mode in modes:
         lora = ["lora=default", f"lora.sync={mode}", "staleness.max_staleness=0", "trainer.learning_rate=2e-4"]
         phase_train(backend, out / f"lora-{mode}", steps, lora)
 
@@ -364,6 +364,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--model", choices=["tiny", "qwen3.5-2b", "qwen3-0.6b"], default="tiny")
+    parser.add_argument(
+        "--extra", nargs="*", default=[], help="more overrides for every phase (e.g. sampling.top_k=20)"
+    )
+    parser.add_argument("--lora-modes", nargs="*", default=["adapter", "merged"], choices=["adapter", "merged"],
+                        help="the lora phase's training runs after its direct check, one per lora.sync")  # fmt: skip
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -376,6 +381,7 @@ def main() -> None:
         VLLM[-1] = "server.extra_args=[--enforce-eager]"
         MODEL.extend([f"model.name_or_path={build_qwen3_0_6b_shape(out)}", "reward=length",
                       "sampling.max_completion_length=128", "server.gpu_memory_utilization=0.3"])  # fmt: skip
+    MODEL.extend(args.extra)
     if args.phase in ("sync", "all"):
         phase_sync(args.backend, out / "sync")
     if args.phase in ("train", "all"):
@@ -383,7 +389,7 @@ def main() -> None:
     if args.phase in ("broken", "all"):
         phase_broken(args.backend, out)
     if args.phase in ("lora", "all"):
-        phase_lora(args.backend, out / "lora", args.steps)
+        phase_lora(args.backend, out / "lora", args.steps, args.lora_modes)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
 from asyncrl.trainer.sync.vllm_factory import FactoryTransport, RoundClient, serving_source
 from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
 from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
+from tests.sharded import sharded
 
 STEPS = ("stage", "pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
 
@@ -399,6 +400,24 @@ def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_
     # no session; init released what an earlier trainer may have left mapped
     sync.close()
     assert control.calls[-1] == UNMAP and control.worker._asyncrl_buffer is None
+
+
+def test_in_place_ipc_sync_takes_the_trainers_gathered_view(one_rank, random_tiny_model_dir):
+    """A run pushes its sharded model's GatheredModel (a world of one included), which has no parameters(): the
+    buffer is placed on the device of its shards."""
+    config = to_config(compose([]))
+    trained = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32)
+    perturb(trained, seed=1)
+    expected = {name: param.detach().to(torch.bfloat16) for name, param in trained.named_parameters()}
+    model, _, _ = sharded(config, trained)
+    served = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
+    transport = CpuDirectTransport(torch.bfloat16, IPC_BUFFER_LIMIT)
+    sync = WeightSync(ExtensionServer(Worker(served), transport), transport)  # type: ignore[arg-type]
+    sync.init()
+    sync.push(GatheredModel(model, one_rank, torch.bfloat16), version=1)
+    for name, loaded in served.named_parameters():
+        assert torch.equal(expected[name], loaded), name
+    sync.close()
 
 
 def test_a_vision_language_model_sends_its_text_model_and_the_server_keeps_its_tower(random_tiny_vlm_dir, tmp_path):

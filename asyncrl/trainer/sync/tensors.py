@@ -68,6 +68,14 @@ def parameter_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> lis
     return metadata
 
 
+def parameter_device(model: torch.nn.Module) -> torch.device:
+    """Where the weights live: a plain model's first parameter, or the first shard of the trainer's gathered view
+    (trainer/fsdp.py's GatheredModel, which has no ``parameters()``)."""
+    model = _unwrap(model)
+    named = getattr(model, "sharded_parameters", model.named_parameters)
+    return next(iter(named()))[1].device
+
+
 def serving_bytes(model: torch.nn.Module, dtype: torch.dtype | None) -> int:
     """Bytes of what ``serving_parameters`` yields: the payload of one full weight sync."""
     return sum(math.prod(shape) * wire.itemsize for _, wire, shape in parameter_metadata(model, dtype))

@@ -18,7 +18,7 @@ from asyncrl.client import ControlClient
 from asyncrl.server import weight_buffer
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, encode_handle
 from asyncrl.trainer.sync.base import Transport, WeightSyncError
-from asyncrl.trainer.sync.tensors import parameter_metadata, serving_parameters
+from asyncrl.trainer.sync.tensors import parameter_device, parameter_metadata, serving_parameters
 
 
 class DirectIpcTransport(Transport):
@@ -42,8 +42,7 @@ class DirectIpcTransport(Transport):
         if self.buffer is None:
             self.chunks = weight_buffer.plan_chunks(parameter_metadata(model, self.dtype), self.limit)
             size = max(weight_buffer.chunk_bytes(chunk) for chunk in self.chunks)
-            device = next(model.parameters()).device
-            self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=parameter_device(model))
         self._pending = serving_parameters(model, None)  # copy_ casts into the wire dtype without a temporary
         self._fill(self.chunks[0])
 
