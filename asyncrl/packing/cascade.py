@@ -187,10 +187,16 @@ class CascadeAttention(torch.autograd.Function):
     The backward does not differentiate through the lse's. Each part's flash backward gets the *merged* output and
     the *global* LSE in place of its own: the kernel then computes P = exp(S * scale - LSE), the probabilities of
     attention over the union of all parts' keys, and D = rowsum(dO * O_merged), which is exactly that attention's
-    gradient restricted to the part's keys (the ring/cascade-attention identity). Sums over parts (dq of a
-    descendant query over its depths, dk/dv of an ancestor token from its own and its descendants' queries) are
-    accumulated in float32: each part's gradient comes out of the kernel rounded to bf16 once, and a bf16 running
-    sum would round again at every addition, where float32 rounds once at the end."""
+    gradient restricted to the part's keys (the ring/cascade-attention identity).
+
+    Precision in the kernel's dtype (bf16), rounding each sum over parts once: a key's gradient has at most two
+    terms (its own segment's queries, and its descendants' in the one ancestor part of its depth), and a single
+    bf16 add (index_add_ too) computes in float32 and rounds once, so dk/dv stay bf16; a query's gradient has a
+    term per ancestor depth plus its own, so with more than one ancestor part (a shared system prefix above the
+    prompts) dq is summed in a float32 buffer, where bf16 would round again at every addition. The forward merges
+    each part into the rows of its queries by one lerp in the output's dtype (weights exp(lse_i - LSE) in [0, 1]):
+    a float32 copy of the whole output would cost more memory traffic than the attention it merges.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, layout, kernel, scale):  # type: ignore[no-untyped-def]
@@ -210,26 +216,22 @@ def _merged_forward(q, k, v, layout: CascadeLayout, kernel: CascadeKernel, scale
     """Self part first, then each ancestor part merged into its queries' rows (an online log-sum-exp merge)."""
     own, *ancestors = layout.parts
     out, lse = kernel.forward(q, k, v, own.seqs, scale)
-    if not ancestors:
-        return out, lse
-    merged = out.to(_accumulation(q.dtype))
     for part in ancestors:
-        part_out, part_lse = kernel.forward(_take(q, part.q_rows), _take(k, part.k_rows), _take(v, part.k_rows),
-                                            part.seqs, scale)  # fmt: skip
-        before = _take(lse, part.q_rows, dim=1)
+        rows, keys = part.q_rows, part.k_rows
+        part_out, part_lse = kernel.forward(_take(q, rows), _take(k, keys), _take(v, keys), part.seqs, scale)
+        before = _take(lse, rows, dim=1)
         total = torch.logaddexp(before, part_lse)
-        keep, add = ((x - total).exp().T.unsqueeze(-1) for x in (before, part_lse))  # [Tq, H, 1]
-        _put(merged, part.q_rows, _take(merged, part.q_rows) * keep + part_out.to(merged.dtype) * add)
-        _put(lse, part.q_rows, total, dim=1)
-    return merged.to(q.dtype), lse
+        weight = (part_lse - total).exp().T.unsqueeze(-1).to(out.dtype)  # [Tq, H, 1]: the part's share
+        _put(out, rows, torch.lerp(_take(out, rows), part_out, weight))
+        _put(lse, rows, total, dim=1)
+    return out, lse
 
 
 def _merged_backward(dout, q, k, v, out, lse, layout: CascadeLayout, kernel: CascadeKernel, scale: float):  # type: ignore[no-untyped-def]
     own, *ancestors = layout.parts
-    grads = kernel.backward(dout, q, k, v, out, lse, own.seqs, scale)
-    if not ancestors:
-        return grads
-    dq, dk, dv = (g.to(_accumulation(g.dtype)) for g in grads)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, own.seqs, scale)
+    if len(ancestors) > 1:
+        dq = dq.to(_accumulation(dq.dtype))
     for part in ancestors:
         rows, keys = part.q_rows, part.k_rows
         part_lse = _take(lse, rows, dim=1).contiguous()  # the flash kernel reads it as a dense [H, Tq]
@@ -238,7 +240,7 @@ def _merged_backward(dout, q, k, v, out, lse, layout: CascadeLayout, kernel: Cas
         _add(dq, rows, part_dq)
         _add(dk, keys, part_dk)
         _add(dv, keys, part_dv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk, dv
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -260,7 +262,7 @@ def _put(t: torch.Tensor, rows: Rows, value: torch.Tensor, dim: int = 0) -> None
 
 def _add(t: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
     if isinstance(rows, slice):
-        t[rows] += value
+        t[rows] += value.to(t.dtype)
     else:
         t.index_add_(0, rows, value.to(t.dtype))
 
