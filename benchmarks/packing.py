@@ -11,6 +11,7 @@ backend against unpacked SDPA comes last. Imports only torch, transformers and a
 
     python benchmarks/packing.py                       # the H200 table (budgets 16k and 32k), ~4 minutes
     python benchmarks/packing.py --tiny                # a CPU rehearsal of the same code (compiles with aot_eager)
+    python benchmarks/packing.py --attention varlen cascade --exact-attention varlen cascade flex
     python benchmarks/packing.py --shape qwen3.5-2b    # a gated-DeltaNet hybrid (fla's kernels when installed)
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import random
@@ -32,6 +34,8 @@ import torch
 from transformers import Qwen3Config
 
 from asyncrl.packing import FlatRow, TreeRow, plan_micro_batches
+from asyncrl.packing.attention import ATTENTION, cascade_plan
+from asyncrl.packing.cascade import ReferenceKernel
 from asyncrl.packing.row import PackedRow
 from asyncrl.rollout.types import RolloutSample, TrainingSequence
 from asyncrl.trainer.flops import forward_flops, peak_tflops, row_flops
@@ -52,6 +56,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                        tie_word_embeddings=True),
 }  # fmt: skip
 """Model shapes from the public configs; random weights are built in the run."""
+TINY_CASCADE = "cascade-cpu"
+"""--tiny times and checks `cascade` with its reference kernel (float32 torch) under this name."""
 
 
 def build_config(shape: str, tiny: bool) -> Any:
@@ -271,7 +277,8 @@ def parse_args() -> argparse.Namespace:
                         help="backends checked for exactness")  # fmt: skip
     parser.add_argument("--logit-chunk-tokens", type=int, default=4096, help="trainer.logit_chunk_tokens (0 = all)")
     parser.add_argument("--no-compile", action="store_true", help="skip the runs with torch.compile'd layers")
-    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny model, short samples, sdpa")
+    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny model, short samples, sdpa and "
+                        "cascade's reference kernel")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one flat and one tree row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
@@ -323,8 +330,10 @@ def main() -> None:
     model.train()
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("sdpa")
-    attentions = ["sdpa"] if args.tiny else args.attention
-    exact_attentions = ["sdpa", "flex"] if args.tiny else args.exact_attention
+    if args.tiny and TINY_CASCADE not in ATTENTION:
+        ATTENTION.register(TINY_CASCADE)(functools.partial(cascade_plan, kernel=ReferenceKernel()))
+    attentions = ["sdpa", TINY_CASCADE] if args.tiny else args.attention
+    exact_attentions = ["sdpa", "flex", TINY_CASCADE] if args.tiny else args.exact_attention
     scale = 1 / 16 if args.tiny else 1.0
     budgets = [int(b * scale) for b in args.budgets]
     chunk = args.logit_chunk_tokens
@@ -383,13 +392,13 @@ def _write_json(payload: dict[str, Any]) -> None:
 
 
 _HEADER = (
-    f"{'budget':>6} {'mode':>6} {'attn':>6} {'layers':>8} {'rows':>5} {'smp/row':>7} {'ratio':>6} {'tok/row':>8} "
+    f"{'budget':>6} {'mode':>6} {'attn':>7} {'layers':>8} {'rows':>5} {'smp/row':>7} {'ratio':>6} {'tok/row':>8} "
     f"{'fwd+bwd s':>9} {'trained tok/s':>13} {'vs flat':>7} {'peak GiB':>8} {'MFU':>6} {'pack s':>6}"
 )
 
 
 def _print_row(r: dict[str, Any], results: list[dict[str, Any]], flush: bool = False) -> None:
-    lead = f"{r['budget']:>6} {r['mode']:>6} {r['attention']:>6} {r['layers']:>8}"
+    lead = f"{r['budget']:>6} {r['mode']:>6} {r['attention']:>7} {r['layers']:>8}"
     if "error" in r:
         print(f"{lead}  {r['error']}", flush=flush)
         return

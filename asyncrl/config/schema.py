@@ -200,7 +200,7 @@ class TrainerConfig:
     step's memory); 0 = all of a row's at once."""
     attention: str = "auto"
     """Attention backend of the packed forward (asyncrl/packing/attention.py): auto (sdpa on CPU, varlen on
-    CUDA) | sdpa | varlen | flex | kernels."""
+    CUDA) | sdpa | varlen | cascade | flex | kernels."""
     compile_layers: str = "auto"
     """torch.compile the decoder layers: true | false | auto (on CUDA) | a torch.compile backend's name."""
     bf16: bool | None = None

@@ -4,6 +4,7 @@ One function is registered with transformers' `AttentionInterface`, so Qwen3/Lla
 unmodified: `packed_forward` passes a row's plan as the `tree_plan` keyword, which the model hands to every
 attention layer. A plan is built once per row by a backend of the `attention` registry: `sdpa` (explicit
 mask; CPU and tests), `varlen` (K/V gathered along each segment's path, one varlen flash call per query group;
+CUDA), `cascade` (one varlen call per tree depth, no K/V gathered, merged by log-sum-exp: packing/cascade.py;
 CUDA), `flex` (FlexAttention block mask from the ancestor relation), `kernels` (FA3 from the Hub, else `varlen`
 with one warning) and `auto` (sdpa on CPU, varlen on CUDA).
 """
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from asyncrl.packing.cascade import CascadeKernel, CascadeLayout, FlashKernel, cascade_attention, cascade_layout
 from asyncrl.packing.row import PackedRow
 from asyncrl.registry import Registry
 
@@ -119,8 +121,7 @@ def varlen_plan(
 ) -> VarlenPlan:
     """Queries are the layout itself (segments are contiguous); keys are each segment's path, gathered."""
     if kernel is None:
-        if device.type != "cuda":
-            raise ValueError(f"attention 'varlen' needs a CUDA device (the model is on {device}); use sdpa or auto")
+        _needs_cuda("varlen", device)
         kernel = torch_varlen
     q_lens = [seg.q_end - seg.q_start for seg in row.segments]
     k_lens = [int(seg.kv_index.numel()) for seg in row.segments]
@@ -135,6 +136,11 @@ def varlen_plan(
         kernel=kernel,
         half_precision=half_precision,
     )
+
+
+def _needs_cuda(attention: str, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"attention '{attention}' needs a CUDA device (the model is on {device}); use sdpa or auto")
 
 
 def _cumulative(lengths: list[int]) -> torch.Tensor:
@@ -175,6 +181,33 @@ def _varlen_params() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
 
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+# ---- cascade: one varlen call per depth, merged by log-sum-exp -------------------------------------------------
+
+
+@dataclass
+class CascadePlan:
+    layout: CascadeLayout
+    kernel: CascadeKernel
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """Laid out [tokens, heads, dim] in the kernel's dtype, one copy per tensor where the dtype already fits;
+        nothing is gathered along paths, so under autocast Qwen3's float32 keys are cast once, not once per path."""
+        dtype, autocast = flash_dtype(query, value) if self.kernel.half_precision else (query.dtype, False)
+        q, k, v = (t[0].transpose(0, 1).to(dtype, memory_format=torch.contiguous_format).contiguous()
+                   for t in (query, key, value))  # fmt: skip
+        out = cascade_attention(q, k, v, self.layout, self.kernel, scale).unsqueeze(0)
+        return out if autocast else out.to(query.dtype)
+
+
+@ATTENTION.register("cascade")
+def cascade_plan(row: PackedRow, device: torch.device, kernel: CascadeKernel | None = None) -> CascadePlan:
+    """``kernel``: torch's flash ops on CUDA; a reference kernel (packing/cascade.py) elsewhere, for tests."""
+    if kernel is None:
+        _needs_cuda("cascade", device)
+        kernel = FlashKernel()
+    return CascadePlan(cascade_layout(row, device), kernel)
 
 
 # ---- flex: the ancestor relation as a block mask ---------------------------------------------------------------

@@ -43,7 +43,7 @@ def spec_row():
 
 
 def test_registry_names_every_backend_and_rejects_unknown_ones():
-    assert {"auto", "sdpa", "varlen", "flex", "kernels"} <= set(ATTENTION.names())
+    assert {"auto", "sdpa", "varlen", "cascade", "flex", "kernels"} <= set(ATTENTION.names())
     with pytest.raises(RegistryError, match="unknown attention 'fa9'.*known: auto"):
         build_plan("fa9", spec_row(), CPU)
 
@@ -210,7 +210,7 @@ def _alone(model, samples):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("attention", ["varlen", "flex", "kernels"])
+@pytest.mark.parametrize("attention", ["varlen", "cascade", "flex", "kernels"])
 def test_gpu_backends_match_per_sample_logprobs_in_bf16(attention):
     row = TreeRow(10_000)
     for sample in random_samples(seed=11):
@@ -227,6 +227,29 @@ def test_gpu_backends_match_per_sample_logprobs_in_bf16(attention):
         expected = _alone(reference, packed_row.samples)
     assert (out.logprobs.detach() - expected).abs().max() < 0.05
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cascade_gradients_are_as_close_to_float32_as_varlens_in_bf16():
+    """Parameter gradients of a bf16 model through cascade and through varlen, each against the float32 model
+    through the sdpa mask: cascade's error is within 5% of each gradient's scale and not above varlen's by more
+    than bf16 noise."""
+    row = TreeRow(10_000)
+    for sample in random_samples(seed=11):
+        row.add(sample)
+    packed_row = row.pack(0)
+    base = build_tiny_qwen3(head_dim=64).cuda()
+    grads = {}
+    for attention, dtype in (("sdpa", torch.float32), ("varlen", torch.bfloat16), ("cascade", torch.bfloat16)):
+        model = copy.deepcopy(base).to(dtype)
+        out = packed_forward(model, packed_row, 1.0, attention=attention)
+        (packed_row.advantages.cuda() * out.logprobs).sum().backward()
+        grads[attention] = {name: p.grad.float() for name, p in model.named_parameters()}
+    for name, expected in grads["sdpa"].items():
+        scale = expected.abs().max()
+        cascade, varlen = ((grads[a][name] - expected).abs().max() for a in ("cascade", "varlen"))
+        assert cascade <= 0.05 * scale and cascade <= 1.5 * varlen + 0.01 * scale, (name, cascade, varlen, scale)
 
 
 def test_flex_plan_on_cpu_is_a_block_mask():

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from packing_samples import build_tiny_qwen3, random_samples
 
 from asyncrl.packing import FlatRow, TreeRow
-from asyncrl.packing.attention import ATTENTION, flex_plan, varlen_plan
+from asyncrl.packing.attention import ATTENTION, cascade_plan, flex_plan, varlen_plan
+from asyncrl.packing.cascade import ReferenceKernel
 from asyncrl.trainer.forward import packed_forward
 
 TEMPERATURE = 0.8
@@ -104,6 +105,22 @@ def test_varlen_gather_of_segment_paths_is_exact(seed, monkeypatch):
     (row.advantages * packed).sum().backward()
     (row.advantages * expected).sum().backward()
     assert_gradients_match(model, reference)
+
+
+def test_cascade_merge_matches_the_mask_in_the_model(monkeypatch):
+    """The per-depth parts and their log-sum-exp merge, with the reference kernel standing in for flash, against
+    the sdpa plan on the same row (random tries fork up to depth 6), logprobs and parameter gradients."""
+    monkeypatch.setitem(
+        ATTENTION._entries, "cascade", lambda row, dev: cascade_plan(row, dev, kernel=ReferenceKernel())
+    )
+    row = pack(random_samples(seed=3))
+    model, masked = models(3)
+    packed = packed_forward(model, row, TEMPERATURE, attention="cascade").logprobs
+    expected = packed_forward(masked, row, TEMPERATURE, attention="sdpa").logprobs
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=0)
+    (row.advantages * packed).sum().backward()
+    (row.advantages * expected).sum().backward()
+    assert_gradients_match(model, masked, rtol=1e-5)
 
 
 @torch.no_grad()
