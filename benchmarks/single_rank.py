@@ -27,8 +27,10 @@ from asyncrl.trainer.ranks import Ranks
 
 SHAPES = {
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       layer_types=["full_attention"] * 28),
 }  # fmt: skip
+"""Overrides of the embedded model's config (whose own layer_types list is as long as its 2 layers)."""
 
 
 def build(shape: str | None) -> torch.nn.Module:
