@@ -10,10 +10,11 @@ version=${1:?usage: tools/vllm-kit/build.sh VLLM_VERSION  (e.g. 0.28.0)}
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(git rev-parse --show-toplevel); cd "$top"
 exclude=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$exclude")"  # a worktree's .git is a file
-grep -qxF '/.vllm-kit/' "$exclude" 2>/dev/null || echo '/.vllm-kit/' >> "$exclude"
+out=${VLLM_KIT_OUT:-.vllm-kit}  # another folder keeps a kit of an earlier release beside this one
+grep -qxF "/$out/" "$exclude" 2>/dev/null || echo "/$out/" >> "$exclude"
 deps="$here/deps-${version%.*}.txt"  # per minor release: deps-0.28.txt
 [ -f "$deps" ] || { echo "no $deps: list the pure-python dependencies the GPU machine lacks for vLLM $version"; exit 1; }
-out=.vllm-kit; rm -rf "$out"; mkdir -p "$out/extra" "$out/work/wheels" "$out/work/site" "$out/work/deps"
+rm -rf "$out"; mkdir -p "$out/extra" "$out/work/wheels" "$out/work/site" "$out/work/deps"
 w=$out/work
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_18_x86_64
