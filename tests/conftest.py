@@ -7,17 +7,33 @@ environment, which the servers, the CLIs and the clients read) and loads weights
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from serving import serve_in_thread
 
 from asyncrl.client import TOKEN_ENV, ensure_token
 from asyncrl.server.process import ServerProcess
 from asyncrl.trainer.ranks import Ranks
+
+# Two xdist workers share CI's two cores: torch's default of a thread per core in each worker (and in the processes
+# the tests start) oversubscribes them, and OpenMP's spinning threads then take turns with the other worker's
+# (tests/losses, tests/packing and trainer/test_forward.py: 133 s of CPU at the default, 83 s at one thread).
+# Runs that train set their own threads (trainer.cpu_threads), launched servers theirs (server.cpu_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Long files first, then the other end-to-end ones: `--dist loadfile` hands each worker whole files in this
+    order (pyproject turns off xdist's own order, fewest tests last, which left the one-test runs of minutes for
+    the end, where they were the critical path)."""
+    items.sort(key=lambda item: (item.get_closest_marker("long") is None, item.get_closest_marker("e2e") is None))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,7 +17,7 @@ from asyncrl.server.process import free_port
 
 from .helpers import run_cli, wait_no_marked
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 
 def test_shortened_default_raises_the_reward_asynchronously(tmp_path):
