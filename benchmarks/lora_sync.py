@@ -86,7 +86,7 @@ def decode_tokens_per_s(base_url: str, model: str, vocab: int, requests: int, to
 
 def run_mode(mode: str, sync: Any, model: torch.nn.Module, args: argparse.Namespace, base_url: str) -> dict:
     seconds, sizes = [], []
-    sync.init()
+    sync.init(model)
     for version in range(1, args.syncs + 1):
         perturb_adapters(model, seed=version)
         metrics = sync.push(model, version)

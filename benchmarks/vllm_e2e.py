@@ -142,8 +142,8 @@ def phase_sync(backend: str, out: Path) -> None:
                   model_info["max_model_len"], "| weight_transfer_config", info["weight_transfer_config"])  # fmt: skip
         sync = build_weight_sync(config, control, out, prepared)
         print(f"[sync] startup checks passed: {sync.facts}; transport {type(sync.transport).__name__}")
-        sync.init()
         model = load_model(config, config.model.name_or_path).to(device).eval()
+        sync.init(model)
         tower = {k: v.clone() for k, v in model.state_dict().items() if ".visual." in k}
         serving = torch.bfloat16 if config.server.dtype == "bfloat16" else torch.float32
         name = served_model_name(config)
@@ -159,7 +159,7 @@ def phase_sync(backend: str, out: Path) -> None:
         syncs = [sync]
         if type(sync.transport).__name__ == "DirectIpcTransport":  # vLLM's own ipc engine too, on the same server
             engine = WeightSync(control, ipc_transport(config=config, run_dir=out), sync.facts)
-            engine.init()
+            engine.init(model)
             syncs.append(engine)
         for round_, sync_ in enumerate(syncs):
             for version in range(3 * round_ + 1, 3 * round_ + 4):
@@ -219,8 +219,8 @@ def phase_lora(backend: str, out: Path, steps: int, modes: list[str]) -> None:
         with ControlClient(server.base_url, timeout_s=600) as control:
             sync = build_weight_sync(config, control, out, prepared)
             assert isinstance(sync, AdapterSync), type(sync)
-            sync.init()
             model = load_model(config, config.model.name_or_path).to(device).eval()
+            sync.init(model)
             prompts = _prompts(prepared, 16)
             serving = torch.bfloat16 if config.server.dtype == "bfloat16" else torch.float32
             for version in range(1, 6):

@@ -99,8 +99,8 @@ def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(ran
                                 "staleness.max_staleness=0", "lora.sync=adapter"]))  # fmt: skip
     a, b = FakeControl("http://a"), FakeControl("http://b")
     sync = AdapterSync(group(a, b), config, tmp_path)  # type: ignore[arg-type]
-    sync.init()
     model = load_model(config, str(random_tiny_model_dir))
+    sync.init(model)
     for version in (1, 2):
         sync.push(model, version)
     loads = [("load_lora_adapter", (sync.name(v), str(sync.path(v)))) for v in (1, 2)]

@@ -174,7 +174,7 @@ class GatheredModel:
     def __init__(
         self, model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | None, trainable_only: bool = False
     ) -> None:
-        self.model, self.ranks, self.dtype = model, ranks, dtype
+        self.model, self.ranks, self.dtype, self.trainable_only = model, ranks, dtype, trainable_only
         self.params = synced_parameters(model, trainable_only)
         self.index = {name: i for i, (name, _) in enumerate(self.params)}
         self.buckets = buckets([p for _, p in self.params], dtype)

@@ -105,7 +105,7 @@ class Trainer:
         self.trackers = build_trackers(c, self.run_dir)
         self.completions: list[dict[str, Any]] = []
         self.sync = build_weight_sync(c, self.control, self.run_dir, self.prepared)
-        self.sync.init()
+        self.sync.init(self._sync_view())
         if resume is not None:
             self._push(self.state.model_version)  # the server starts from the base weights
         self.evaluations = {"before": self._evaluate()} if self.prepared.eval_dataset is not None else {}
@@ -223,13 +223,18 @@ class Trainer:
             check_alive(self.server)
             raise
 
+    def _sync_view(self) -> GatheredModel:
+        """What a sync sends: the adapter alone for an adapter sync; else every weight, gathered in the serving
+        dtype (in float32 under LoRA, which casts after merging). Building it gathers nothing."""
+        adapter_only = self.sync.adapter_only
+        dtype = None if is_peft(self.model) and not adapter_only else torch_dtype(serving_dtype(self.config))
+        return GatheredModel(self.model, self.ranks, dtype, trainable_only=adapter_only)
+
     def _push_weights(self, version: int) -> dict[str, float]:
         """One weight sync: every parameter the transport reads is gathered by all ranks as it reads it (an
         adapter sync's view gathers the adapter alone; a merged one gathers in float32 and casts after merging)."""
-        adapter_only = self.sync.adapter_only
-        dtype = None if is_peft(self.model) and not adapter_only else torch_dtype(serving_dtype(self.config))
-        self.ranks.command("sync", [(dtype, adapter_only)] * self.world)
-        view = GatheredModel(self.model, self.ranks, dtype, trainable_only=adapter_only)
+        view = self._sync_view()
+        self.ranks.command("sync", [(view.dtype, view.trainable_only)] * self.world)
         metrics = self.sync.push(view, version)
         view.done()  # not after a failure: rank 0 may have stopped between two collectives, and the run ends
         return metrics

@@ -70,8 +70,10 @@ class WeightSync:
     def __init__(self, control: ControlClient, transport: Transport, facts: ServerFacts | None = None) -> None:
         self.control, self.transport, self.facts = control, transport, facts
 
-    def init(self) -> None:
-        run_step("init_weight_transfer_engine", self.transport.init, self.control)
+    def init(self, model: torch.nn.Module) -> None:
+        """Set the backend up once; ``model`` is what ``push`` will be given (vLLM >= 0.33's engines declare its
+        names and shapes at init)."""
+        run_step("init_weight_transfer_engine", self.transport.init, self.control, model)
 
     def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
         """One round; returns perf/weight_sync_s split into _pause_s, _barrier_s and _transfer_s, and the bytes of

@@ -137,7 +137,7 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
             view = fsdp.GatheredModel(model, ranks, torch.float32)
             with ControlClient(server_url, timeout_s=60) as control:
                 sync = WeightSync(control, FileTransport(out, torch.float32))
-                sync.init()
+                sync.init(view)
                 try:
                     sync.push(view, 1)
                 finally:

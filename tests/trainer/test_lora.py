@@ -126,7 +126,7 @@ def test_merged_sync_makes_the_server_match_the_trainer(server, peft_model, rand
     config = lora_config(random_tiny_model_dir, f"lora.sync={sync}")
     with ControlClient(server.base_url, timeout_s=60) as control:
         sync_ = WeightSync(control, FileTransport.from_config(config=config, run_dir=tmp_path))
-        sync_.init()
+        sync_.init(peft_model)
         before = served_vs_local(server.base_url, peft_model, name)
         sync_.push(peft_model, 1)
         after = served_vs_local(server.base_url, peft_model, name)
@@ -206,7 +206,7 @@ def test_adapter_sync_makes_the_server_match_the_trainer_under_the_new_name(
     with ControlClient(lora_server.base_url, timeout_s=60) as control:
         sync = build_weight_sync(config, control, tmp_path)
         assert isinstance(sync, AdapterSync)
-        sync.init()
+        sync.init(peft_model)
         metrics = sync.push(peft_model, 1)
         served = served_vs_local(lora_server.base_url, peft_model, sync.name(1))
         base = served_vs_local(lora_server.base_url, peft_model, str(random_tiny_model_dir))
@@ -226,7 +226,7 @@ def test_the_window_keeps_max_staleness_plus_one_versions(lora_server, peft_mode
     with RecordingControl(lora_server.base_url, timeout_s=60) as control:
         control.calls = []
         sync = AdapterSync(control, config, tmp_path)
-        sync.init()
+        sync.init(peft_model)
         for version in (1, 2, 3):
             train_adapters(peft_model, seed=version)
             sync.push(peft_model, version)
@@ -266,7 +266,7 @@ def test_a_refused_load_fails_the_sync_naming_the_step(lora_server, peft_model, 
     config = lora_config(random_tiny_model_dir, "lora.sync=adapter", "staleness.max_staleness=3")  # keeps 4 of 3
     with ControlClient(lora_server.base_url, timeout_s=60) as control:
         sync = AdapterSync(control, config, tmp_path)
-        sync.init()
+        sync.init(peft_model)
         try:
             for version in (1, 2, 3):
                 sync.push(peft_model, version)

@@ -87,7 +87,7 @@ def test_a_round_moves_the_weights_and_reports_its_parts(server, model, random_t
     perturb(model, seed=1)
     with ControlClient(server.base_url, timeout_s=60) as control:
         sync = WeightSync(control, FileTransport(tmp_path))
-        sync.init()
+        sync.init(model)
         before = served_vs_local(server.base_url, model, name)
         metrics = sync.push(model, 1)
         after = served_vs_local(server.base_url, model, name)
@@ -142,7 +142,7 @@ def test_a_failure_at_each_step_is_an_error_and_the_server_is_resumed(step, serv
     control = FailingControl(server.base_url, step)
     transport = FailingStage(tmp_path) if step == "stage" else FileTransport(tmp_path)
     sync = WeightSync(control, transport)
-    sync.init()
+    sync.init(model)
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match=f"weight sync failed at {step}"):
         sync.push(model, 7)
@@ -167,7 +167,7 @@ class InterruptedSend(FileTransport):
 def test_an_interrupted_round_resumes_the_server_before_it_ends(server, model, tmp_path):
     with ControlClient(server.base_url, timeout_s=30) as control:
         sync = WeightSync(control, InterruptedSend(tmp_path))
-        sync.init()
+        sync.init(model)
         with pytest.raises(KeyboardInterrupt):
             sync.push(model, 9)
         assert not control.is_paused()
@@ -306,10 +306,10 @@ def test_the_weight_source_fits_either_vllm_interface(base, monkeypatch, model):
     for name in ("vllm", "vllm.distributed"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer", module)
-    transport = FileTransport.__new__(FileTransport)
-    transport.model = model
-    source = serving_source(transport, torch.bfloat16)
-    meta = source.metadata() if base is SourceV028 else source.metadata
+    transport = FactoryTransport("ipc", torch.bfloat16, timeout_s=5)
+    source = serving_source(transport, torch.bfloat16, model)
+    meta = source.metadata() if base is SourceV028 else source.metadata  # 0.33's trainer_init reads it unstaged
+    transport.stage(model)
     pairs = list(source) if base is SourceV028 else list(source.iter_full())
     names = [name for name, _ in model.named_parameters()]
     assert [m.name for m in meta] == [name for name, _ in pairs] == names  # tied lm_head travels once
@@ -386,7 +386,7 @@ def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_
     transport = CpuDirectTransport(torch.bfloat16, limit)
     control = ExtensionServer(Worker(served), transport)
     sync = WeightSync(control, transport)  # type: ignore[arg-type]
-    sync.init()
+    sync.init(model)
     for version in (1, 2):
         perturb(model, seed=version)
         metrics = sync.push(model, version)
@@ -413,8 +413,9 @@ def test_in_place_ipc_sync_takes_the_trainers_gathered_view(one_rank, random_tin
     served = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
     transport = CpuDirectTransport(torch.bfloat16, IPC_BUFFER_LIMIT)
     sync = WeightSync(ExtensionServer(Worker(served), transport), transport)  # type: ignore[arg-type]
-    sync.init()
-    sync.push(GatheredModel(model, one_rank, torch.bfloat16), version=1)
+    view = GatheredModel(model, one_rank, torch.bfloat16)
+    sync.init(view)
+    sync.push(view, version=1)
     for name, loaded in served.named_parameters():
         assert torch.equal(expected[name], loaded), name
     sync.close()

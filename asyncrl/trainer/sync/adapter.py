@@ -78,7 +78,8 @@ class AdapterSync:
     def path(self, version: int) -> Path:
         return self.root / self.name(version)
 
-    def init(self) -> None:
+    def init(self, model: torch.nn.Module) -> None:
+        """The adapter's versions go under ``root``; nothing is planned from ``model`` (each push writes it whole)."""
         self.root.mkdir(parents=True, exist_ok=True)
 
     def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:

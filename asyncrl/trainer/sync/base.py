@@ -24,8 +24,9 @@ class Transport(ABC):
     session = True
     """Whether the round opens vLLM's weight-update session (/start_weight_update ... /finish_weight_update)."""
 
-    def init(self, control: ControlClient) -> None:
-        """Rendezvous with the server, POST /init_weight_transfer_engine included."""
+    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
+        """Rendezvous with the server, POST /init_weight_transfer_engine included. ``model`` is what the rounds will
+        push (same names and shapes), for transports that plan from it up front."""
         control.init_weight_transfer({})
 
     def stage(self, model: torch.nn.Module) -> None:

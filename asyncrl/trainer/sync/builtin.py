@@ -35,7 +35,7 @@ class FileTransport(Transport):
         """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
         return cls(Path(config.server.weights_dir or run_dir), torch_dtype(serving_dtype(config)))
 
-    def init(self, control: ControlClient) -> None:
+    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
         control.init_weight_transfer({"backend": "builtin"})
 
     def stage(self, model: torch.nn.Module) -> None:

@@ -31,7 +31,7 @@ class DirectIpcTransport(Transport):
         self.mapped = False
         self._pending: Iterator[tuple[str, torch.Tensor]] | None = None
 
-    def init(self, control: ControlClient) -> None:
+    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
         """Release a buffer that an earlier trainer left mapped on the server (one that crashed, or a run resumed
         against the same server), so its memory is not held until this trainer's first round; this trainer's
         buffer is sized from the model in ``stage``."""

@@ -4,8 +4,9 @@ vLLM's trainer engine talks to the server through a client object; ours (``Round
 /init_weight_transfer_engine and /update_weights through the checked, timed-out ControlClient and turns
 its start/finish into no-ops, because ``WeightSync`` already makes those calls around the whole round. The
 engine reads the weights from a ``WeightSource`` that casts them to the serving dtype; its interface
-changed in 0.33 (``metadata`` became a cached property, ``iter_full`` replaced iteration), so the source
-class is built against the installed one.
+changed in 0.33 (``metadata`` became a cached property, ``iter_full`` replaced iteration, and the engines read
+the metadata in ``trainer_init``, before any round has staged weights), so the source class is built against the
+installed one and declares the weights of the model ``init`` is given.
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ class RoundClient:
         """WeightSync calls /finish_weight_update itself, with the version label."""
 
 
-def serving_source(transport: Transport, dtype: torch.dtype | None) -> Any:
-    """A vLLM WeightSource over ``transport.model`` (set per round by stage()), cast to ``dtype``."""
+def serving_source(transport: Transport, dtype: torch.dtype | None, declared: torch.nn.Module) -> Any:
+    """A vLLM WeightSource whose metadata declares ``declared``'s weights (names, wire dtypes, shapes: fixed for
+    the run) and whose iteration yields ``transport.model`` (set per round by stage()), cast to ``dtype``."""
     from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
+    params = [ParamMeta(name, wire, tuple(shape)) for name, wire, shape in parameter_metadata(declared, dtype)]
+
     def metadata(self: Any) -> list[Any]:
-        assert transport.model is not None, "stage() runs before the engine reads the source"
-        return [ParamMeta(name, wire, tuple(shape)) for name, wire, shape in parameter_metadata(transport.model, dtype)]
+        return params
 
     def iter_full(self: Any) -> Any:
         assert transport.model is not None, "stage() runs before the engine reads the source"
@@ -71,11 +74,11 @@ class FactoryTransport(Transport):
         self.backend, self.dtype, self.timeout_s = backend, dtype, timeout_s
         self.engine: Any = None
 
-    def init(self, control: ControlClient) -> None:
+    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         init_info = self._init_info(control)
-        client, source = RoundClient(control), serving_source(self, self.dtype)
+        client, source = RoundClient(control), serving_source(self, self.dtype, model)
         self.engine = run_watched(
             f"{self.backend} trainer_init",
             lambda: WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source),

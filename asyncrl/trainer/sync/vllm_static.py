@@ -52,7 +52,7 @@ class StaticNcclTransport(Transport):
         self.dtype, self.timeout_s = dtype, timeout_s
         self.group: Any = None
 
-    def init(self, control: ControlClient) -> None:
+    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         world_size = control.world_size() + 1
