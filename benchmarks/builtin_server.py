@@ -28,7 +28,7 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -97,15 +97,17 @@ def build_requests(args: argparse.Namespace, vocab: int, tag: str) -> list[Gener
 
 
 def run(engine: TimedEngine, requests: list[GenerationRequest]) -> dict[str, float]:
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     results = [future.result() for future in [engine.submit(request) for request in requests]]
-    end = time.perf_counter()
-    return summarize(engine, len(requests), sum(len(result.token_ids) for result in results), start, end)
+    end, cpu_s = time.perf_counter(), time.process_time() - cpu
+    return summarize(engine, len(requests), sum(len(result.token_ids) for result in results), start, end, cpu_s)
 
 
-def summarize(engine: TimedEngine, requests: int, tokens: int, start: float, end: float) -> dict[str, float]:
-    """Tokens/s between ``start`` and ``end`` and the engine's decoding steps (those no row joined in) since
-    ``start``."""
+def summarize(
+    engine: TimedEngine, requests: int, tokens: int, start: float, end: float, cpu_s: float
+) -> dict[str, float]:
+    """Tokens/s between ``start`` and ``end``, the engine's decoding steps (those no row joined in) since
+    ``start``, and this process's CPU time per token (steadier than wall time on a shared CPU)."""
     steps = [(seconds, joined) for began, seconds, joined in engine.step_times if began >= start]
     decode = [seconds for seconds, joined in steps if not joined]
     return {
@@ -117,6 +119,7 @@ def summarize(engine: TimedEngine, requests: int, tokens: int, start: float, end
         "join_steps": len(steps) - len(decode),
         "decode_step_ms_median": 1000 * statistics.median(decode) if decode else float("nan"),
         "decode_step_ms_mean": 1000 * statistics.fmean(decode) if decode else float("nan"),
+        "cpu_ms_per_token": 1000 * cpu_s / tokens,
     }
 
 
@@ -127,21 +130,24 @@ def build_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="w1", pad_token="<unk>")
 
 
-def send_requests(url: str, requests: list[GenerationRequest]) -> tuple[int, float, float]:
-    """In the client process: post every request at once as the rollout worker does; (tokens, start, end) on
-    ``time.perf_counter``'s clock (CLOCK_MONOTONIC, the server process's too). A round of one-token requests
-    first opens the client's connections, as a long-lived rollout worker has them."""
+def send_requests(connection: Connection, url: str, requests: list[GenerationRequest]) -> None:
+    """In the client process: post every request at once as the rollout worker does and send back (tokens, start,
+    end) on ``time.perf_counter``'s clock (CLOCK_MONOTONIC, the server process's too). A round of one-token
+    requests first opens the client's connections, as a long-lived rollout worker has them; then it says "warm"
+    and waits for the word to go."""
 
     async def send() -> tuple[int, float, float]:
         async with GenerationClient(url, model="builtin", timeout_s=3600) as client:
             one_token = SamplingParams(max_tokens=1)
             await asyncio.gather(*[client.complete(request.prompt_ids[:1], one_token) for request in requests])
+            connection.send("warm")
+            connection.recv()
             start = time.perf_counter()
             completions = [client.complete(request.prompt_ids, request.params) for request in requests]
             tokens = sum(len(completion.token_ids) for completion in await asyncio.gather(*completions))
             return tokens, start, time.perf_counter()
 
-    return asyncio.run(send())
+    connection.send(asyncio.run(send()))
 
 
 def run_http(engine: TimedEngine, requests: list[GenerationRequest], vocab: int) -> dict[str, float]:
@@ -153,14 +159,22 @@ def run_http(engine: TimedEngine, requests: list[GenerationRequest], vocab: int)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, name="uvicorn", daemon=True)
     thread.start()
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
-        client.submit(time.sleep, 0).result()  # the client process is up before the clock starts
-        while not http.started:
-            time.sleep(0.05)
-        tokens, start, end = client.submit(send_requests, f"http://127.0.0.1:{port}", requests).result()
+    while not http.started:
+        time.sleep(0.05)
+    context = multiprocessing.get_context("spawn")
+    connection, theirs = context.Pipe()
+    client = context.Process(target=send_requests, args=(theirs, f"http://127.0.0.1:{port}", requests))
+    client.start()
+    connection.recv()  # "warm"
+    cpu = time.process_time()
+    connection.send("go")
+    tokens, start, end = connection.recv()
+    cpu_s = time.process_time() - cpu
+    client.join()
     http.should_exit = True
     thread.join()
-    return {f"http_{key}": value for key, value in summarize(engine, len(requests), tokens, start, end).items()}
+    result = summarize(engine, len(requests), tokens, start, end, cpu_s)
+    return {f"http_{key}": value for key, value in result.items()}
 
 
 def time_cache_step(
