@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -41,7 +42,8 @@ class DecodeRow:
     """One request being generated. The last output token is always pending: sampled but not yet cached."""
 
     request: GenerationRequest
-    generator: torch.Generator
+    rng: random.Random
+    """The request's own random stream, seeded with its seed: one uniform per sampled token."""
     future: Future[GenerationResult] = field(default_factory=Future)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -56,16 +58,16 @@ class DecodeRow:
         """Prompt and output so far: what a (re-)prefill feeds the model."""
         return self.request.prompt_ids + self.output_ids
 
-    def sampling_input(self, eos_token_ids: frozenset[int], vocab_size: int) -> RowInput:
+    def sampling_input(self, eos_token_ids: frozenset[int], vocab_size: int, device: torch.device) -> RowInput:
         """This step's sampler input; stop ids are forbidden while fewer than min_tokens were generated."""
         params = self.request.params
         if params.repetition_penalty != 1.0 and self.seen is None:
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.generator.device)
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.seen[self.tokens()] = True
         suppressed: frozenset[int] = frozenset()
         if len(self.output_ids) < params.min_tokens:
             suppressed = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        return RowInput(params, self.generator, self.seen, sorted(suppressed))
+        return RowInput(params, self.rng.random(), self.seen, sorted(suppressed))
 
     def accept(self, draw: Draw, eos_token_ids: frozenset[int]) -> str | None:
         """Record a sampled token; return the finish reason if it ends the request."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -54,7 +55,7 @@ def row_inputs(rows=ROWS, seed: int = 0) -> list[RowInput]:
     for i, (settings, seen, suppressed) in enumerate(rows):
         mask = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
         mask[list(seen)] = True
-        inputs.append(RowInput(settings, torch.Generator().manual_seed(seed + i), mask, suppressed))
+        inputs.append(RowInput(settings, random.Random(seed + i).random(), mask, suppressed))
     return inputs
 
 
