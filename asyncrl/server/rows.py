@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncrl.sampling import SamplingParams
-from asyncrl.server.sampling import Draw, RowInput
+from asyncrl.server.sampling import Draw, RowInput, top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,9 @@ class DecodeRow:
     future: Future[GenerationResult] = field(default_factory=Future)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    """Each token's ``Draw.ids`` and ``Draw.values``, kept whole when the request asked for top logprobs."""
+    top_values: list[list[float]] = field(default_factory=list)
     sampling_masks: list[list[int]] = field(default_factory=list)
     cached_len: int = 0
     seen: torch.Tensor | None = None
@@ -73,8 +75,9 @@ class DecodeRow:
         """Record a sampled token; return the finish reason if it ends the request."""
         self.output_ids.append(draw.token_id)
         self.logprobs.append(draw.logprob)
-        if draw.top_logprobs is not None:
-            self.top_logprobs.append(draw.top_logprobs)
+        if draw.wanted is not None:
+            self.top_ids.append(draw.ids)
+            self.top_values.append(draw.values)
         if draw.candidate_ids is not None:
             self.sampling_masks.append(draw.candidate_ids)
         if self.seen is not None:
@@ -86,6 +89,10 @@ class DecodeRow:
             self.stop_reason = draw.token_id
             return "stop"
         return "length" if len(self.output_ids) >= params.max_tokens else None
+
+    def _top_logprobs(self, wanted: int) -> list[list[tuple[int, float]]]:
+        pairs = zip(self.top_ids, self.top_values, strict=True)
+        return [top_logprobs(ids, values, wanted) for ids, values in pairs]
 
     def finish(self, finish_reason: str) -> None:
         """Resolve the request's future with what was generated so far."""
@@ -99,7 +106,7 @@ class DecodeRow:
                 prompt_ids=self.request.prompt_ids,
                 token_ids=list(self.output_ids),
                 logprobs=list(self.logprobs),
-                top_logprobs=list(self.top_logprobs) if params.logprobs is not None else None,
+                top_logprobs=None if params.logprobs is None else self._top_logprobs(params.logprobs),
                 sampling_masks=masks,
                 finish_reason=finish_reason,
                 stop_reason=self.stop_reason,

@@ -36,12 +36,32 @@ class RowInput:
 
 @dataclass(frozen=True, slots=True)
 class Draw:
-    """The sampled token of one row, its processed logprob, top logprobs by rank and candidate set."""
+    """One row's draw as its host copy: ``ids`` is the sampled token then the most likely tokens by rank,
+    ``values`` their processed logprobs, at least ``wanted`` of them (the request's top logprobs; None: it asked
+    for none); ``candidate_ids`` its candidate set. Rows keep these lists whole, so a step allocates few objects
+    for the garbage collector to track."""
 
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None
+    ids: list[int]
+    values: list[float]
+    wanted: int | None
     candidate_ids: list[int] | None
+
+    @property
+    def token_id(self) -> int:
+        return self.ids[0]
+
+    @property
+    def logprob(self) -> float:
+        return self.values[0]
+
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]] | None:
+        return None if self.wanted is None else top_logprobs(self.ids, self.values, self.wanted)
+
+
+def top_logprobs(ids: list[int], values: list[float], wanted: int) -> list[tuple[int, float]]:
+    """The ``wanted`` most likely (id, logprob) of a draw's host copy (``Draw.ids``, ``Draw.values``), by rank."""
+    return list(zip(ids[1 : wanted + 1], values[1 : wanted + 1], strict=True))
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
@@ -130,7 +150,7 @@ def sample_step(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Draw]:
     masked = [i for i, row in enumerate(rows) if row.params.return_sampling_mask and row.params.truncates]
     candidates = dict(zip(masked, _candidate_ids(processed, masked), strict=True))
     return [
-        Draw(row_ids[0], row_values[0], _top(row_ids, row_values, n), candidates.get(i))
+        Draw(row_ids, row_values, n, candidates.get(i))
         for i, (row_ids, row_values, n) in enumerate(zip(ids, values, wanted, strict=True))
     ]
 
@@ -142,11 +162,6 @@ def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     cdf = logprobs.double().exp().cumsum(dim=-1)
     targets = torch.tensor(uniforms, dtype=torch.float64, device=cdf.device) * cdf[:, -1]
     return torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
-
-
-def _top(ids: list[int], values: list[float], wanted: int | None) -> list[tuple[int, float]] | None:
-    """The ``wanted`` most likely (id, logprob) from a row of the host copy (after its sampled token), or None."""
-    return None if wanted is None else list(zip(ids[1 : wanted + 1], values[1 : wanted + 1], strict=True))
 
 
 def _candidate_ids(processed: torch.Tensor, indices: list[int]) -> list[list[int]]:
