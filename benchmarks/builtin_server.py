@@ -1,4 +1,5 @@
-"""The built-in server's engine alone (no HTTP): generated tokens/s and ms per decoding step, N requests at once.
+"""The built-in server's engine alone, then (``--http``) through HTTP: generated tokens/s, ms per decoding step and
+CPU ms per generated token (the server process's, its engine thread's and its HTTP event loop's), N requests at once.
 
 Random weights built from a config (nothing downloaded); every request asks for top-8 logprobs, temperature 1,
 ignores EOS and stops at its own length, so each run generates the same number of tokens. Steps that also
@@ -246,7 +247,12 @@ def main() -> None:
                         help="print the operator table of N decoding steps from the middle of the run")  # fmt: skip
     parser.add_argument("--http", action="store_true",
                         help="then time the same requests through the HTTP app (/v1/completions)")  # fmt: skip
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="MS",
+                        help="sys.setswitchinterval for this process (Python's default: 5 ms): how long the HTTP "
+                             "event loop may wait for the GIL the engine thread holds")  # fmt: skip
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1000)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     model = build_model(args.model, args.device, dtype)
     max_len = args.prompt_max + args.completion_max
