@@ -160,7 +160,10 @@ def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     float64, so rounding moves no token's share measurably; a token of probability zero has no width and is never
     drawn."""
     cdf = logprobs.double().exp().cumsum(dim=-1)
-    targets = torch.tensor(uniforms, dtype=torch.float64, device=cdf.device) * cdf[:, -1]
+    total = cdf[:, -1]
+    targets = torch.tensor(uniforms, dtype=torch.float64, device=cdf.device) * total
+    # uniform x total can round up to the total itself: keep the target below it, so some token exceeds it
+    targets = torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
 
 

@@ -94,3 +94,10 @@ def test_draws_follow_the_processed_distribution_and_seeds_repeat():
     torch.testing.assert_close(frequencies, (logits[0, :4].double() / 0.8).softmax(-1), atol=0.03, rtol=0)
     again = [draw.token_id for draw in sample_step(logits[:50], row_inputs(rows[:50]))]
     assert again == tokens[:50].tolist()
+
+
+def test_the_extreme_uniforms_draw_the_first_and_last_candidates_never_a_removed_token():
+    logits = torch.full((2, VOCAB_SIZE), float("-inf"))
+    logits[:, 3:6] = torch.tensor([0.5, -1.0, 2.0])  # candidates 3, 4, 5; the rest removed (e.g. by top-k)
+    rows = [RowInput(SamplingParams(), uniform, None) for uniform in (0.0, 1 - 2**-53)]
+    assert [draw.token_id for draw in sample_step(logits, rows)] == [3, 5]
