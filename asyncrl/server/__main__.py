@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from asyncrl.client import TOKEN_ENV
 from asyncrl.dtypes import DTYPES, torch_dtype
 from asyncrl.model_kind import auto_model_class
-from asyncrl.server.builtin import BuiltinServer, build_app
+from asyncrl.server.builtin import BuiltinServer, build_app, freeze_startup_objects
 from asyncrl.server.command import VLLM_LORA_RANKS
 from asyncrl.server.engine import Engine, EngineConfig
 from asyncrl.server.lora import AdapterSet, LoraLimits
@@ -153,8 +153,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         token=token,
     )
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
+    app = build_app(server)
+    freeze_startup_objects()
     uvicorn.run(
-        build_app(server),
+        app,
         host=args.host,
         port=args.port,
         log_level="warning",

@@ -120,8 +120,7 @@ class Engine:
             if seed is None:
                 seed = self._seeds.getrandbits(63)
                 request = replace(request, params=replace(request.params, seed=seed))
-            generator = torch.Generator(device=self._device).manual_seed(seed)
-            row = DecodeRow(request, generator)
+            row = DecodeRow(request, random.Random(seed % 2**64))  # negative seeds get streams of their own
             self._waiting.append(row)
             self._stats.waiting = len(self._waiting)
             self._cond.notify_all()
@@ -235,7 +234,7 @@ class Engine:
             parts = [self._batch.decode()] if decoding else []
             if admitted:
                 parts.append(self._batch.join(admitted))
-            inputs = [row.sampling_input(eos, self.vocab_size) for row in self._batch.rows]
+            inputs = [row.sampling_input(eos, self.vocab_size, self._device) for row in self._batch.rows]
             draws = sample_step(torch.cat(parts), inputs)
         except Exception as error:  # a failed step must not kill the server: fail its rows and go on
             logger.exception("generation step failed")

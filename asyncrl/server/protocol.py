@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from itertools import accumulate
 from typing import Annotated, Any
 
@@ -26,6 +26,29 @@ TokenId = Annotated[int, Field(ge=0)]
 
 class ModelNotFound(LookupError):
     """The request names a model this server does not serve (HTTP 404, like vLLM)."""
+
+
+class _Memo(dict[int, str]):
+    """``make(key)`` for each key, computed once (indexing a dict subclass stays on the C fast path)."""
+
+    def __init__(self, make: Callable[[int], str]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key: int) -> str:
+        value = self[key] = self._make(key)
+        return value
+
+
+class TokenTexts:
+    """A tokenizer and its per-token strings, memoised (at most two per vocabulary id): a response with logprobs
+    names every generated and top token, and one ``decode`` call per token cost more than the rest of the response.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.texts = _Memo(lambda token_id: tokenizer.decode([token_id]))
+        self.id_labels = _Memo(lambda token_id: f"token_id:{token_id}")
 
 
 class CompletionRequest(BaseModel):
@@ -140,16 +163,16 @@ def build_generation_request(
 
 
 def completion_response(
-    result: GenerationResult, body: CompletionRequest, tokenizer: PreTrainedTokenizerBase, served_model_name: str
+    result: GenerationResult, body: CompletionRequest, texts: TokenTexts, served_model_name: str
 ) -> dict[str, Any]:
     """vLLM's CompletionResponse for one finished (or aborted) request."""
     text_ids = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
     logprobs = None
     if body.logprobs is not None:
-        logprobs = _logprobs(result, tokenizer, as_ids=bool(body.return_tokens_as_token_ids))
+        logprobs = _logprobs(result, texts, as_ids=bool(body.return_tokens_as_token_ids))
     choice: dict[str, Any] = {
         "index": 0,
-        "text": tokenizer.decode(text_ids, skip_special_tokens=True),
+        "text": texts.tokenizer.decode(text_ids, skip_special_tokens=True),
         "logprobs": logprobs,
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
@@ -180,23 +203,20 @@ def completion_response(
     }
 
 
-def _logprobs(result: GenerationResult, tokenizer: PreTrainedTokenizerBase, *, as_ids: bool) -> dict[str, Any]:
+def _logprobs(result: GenerationResult, texts: TokenTexts, *, as_ids: bool) -> dict[str, Any]:
     """vLLM's legacy logprobs object; each top_logprobs dict starts with the sampled token."""
-
-    def label(token_id: int) -> str:
-        return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
-
-    texts = [tokenizer.decode([token_id]) for token_id in result.token_ids]
+    labels = texts.id_labels if as_ids else texts.texts
+    strings = [texts.texts[token_id] for token_id in result.token_ids]
     tops = result.top_logprobs or [[] for _ in result.token_ids]
     top_logprobs = []
     for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True):
-        entry = {label(token_id): logprob}
+        entry = {labels[token_id]: logprob}
         for candidate, value in top:
-            entry.setdefault(label(candidate), value)
+            entry.setdefault(labels[candidate], value)
         top_logprobs.append(entry)
     return {
-        "text_offset": [0, *accumulate(len(text) for text in texts)][: len(texts)],
+        "text_offset": [0, *accumulate(len(text) for text in strings)][: len(strings)],
         "token_logprobs": result.logprobs,
-        "tokens": [label(token_id) for token_id in result.token_ids],
+        "tokens": [labels[token_id] for token_id in result.token_ids],
         "top_logprobs": top_logprobs,
     }

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from asyncrl.sampling import SamplingParams
-from asyncrl.server.sampling import Draw, RowInput
+from asyncrl.server.sampling import Draw, RowInput, top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +42,14 @@ class DecodeRow:
     """One request being generated. The last output token is always pending: sampled but not yet cached."""
 
     request: GenerationRequest
-    generator: torch.Generator
+    rng: random.Random
+    """The request's own random stream, seeded with its seed: one uniform per sampled token."""
     future: Future[GenerationResult] = field(default_factory=Future)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    """Each token's ``Draw.ids`` and ``Draw.values``, kept whole when the request asked for top logprobs."""
+    top_values: list[list[float]] = field(default_factory=list)
     sampling_masks: list[list[int]] = field(default_factory=list)
     cached_len: int = 0
     seen: torch.Tensor | None = None
@@ -56,23 +60,24 @@ class DecodeRow:
         """Prompt and output so far: what a (re-)prefill feeds the model."""
         return self.request.prompt_ids + self.output_ids
 
-    def sampling_input(self, eos_token_ids: frozenset[int], vocab_size: int) -> RowInput:
+    def sampling_input(self, eos_token_ids: frozenset[int], vocab_size: int, device: torch.device) -> RowInput:
         """This step's sampler input; stop ids are forbidden while fewer than min_tokens were generated."""
         params = self.request.params
         if params.repetition_penalty != 1.0 and self.seen is None:
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.generator.device)
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.seen[self.tokens()] = True
         suppressed: frozenset[int] = frozenset()
         if len(self.output_ids) < params.min_tokens:
             suppressed = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        return RowInput(params, self.generator, self.seen, sorted(suppressed))
+        return RowInput(params, self.rng.random(), self.seen, sorted(suppressed))
 
     def accept(self, draw: Draw, eos_token_ids: frozenset[int]) -> str | None:
         """Record a sampled token; return the finish reason if it ends the request."""
         self.output_ids.append(draw.token_id)
         self.logprobs.append(draw.logprob)
-        if draw.top_logprobs is not None:
-            self.top_logprobs.append(draw.top_logprobs)
+        if draw.wanted is not None:
+            self.top_ids.append(draw.ids)
+            self.top_values.append(draw.values)
         if draw.candidate_ids is not None:
             self.sampling_masks.append(draw.candidate_ids)
         if self.seen is not None:
@@ -84,6 +89,10 @@ class DecodeRow:
             self.stop_reason = draw.token_id
             return "stop"
         return "length" if len(self.output_ids) >= params.max_tokens else None
+
+    def _top_logprobs(self, wanted: int) -> list[list[tuple[int, float]]]:
+        pairs = zip(self.top_ids, self.top_values, strict=True)
+        return [top_logprobs(ids, values, wanted) for ids, values in pairs]
 
     def finish(self, finish_reason: str) -> None:
         """Resolve the request's future with what was generated so far."""
@@ -97,7 +106,7 @@ class DecodeRow:
                 prompt_ids=self.request.prompt_ids,
                 token_ids=list(self.output_ids),
                 logprobs=list(self.logprobs),
-                top_logprobs=list(self.top_logprobs) if params.logprobs is not None else None,
+                top_logprobs=None if params.logprobs is None else self._top_logprobs(params.logprobs),
                 sampling_masks=masks,
                 finish_reason=finish_reason,
                 stop_reason=self.stop_reason,

@@ -1,10 +1,14 @@
-"""One decoding step's sampling for a batch of rows, each with its own settings and random generator.
+"""One decoding step's sampling for a batch of rows, each with its own settings and random stream.
 
 The order follows vLLM's V1 sampler: stop ids suppressed under ``min_tokens`` -> repetition penalty ->
 temperature -> min-p -> top-k -> top-p. Reported logprobs are the log-softmax of the result, i.e. of the
 distribution actually sampled from (vLLM ``--logprobs-mode processed_logprobs``): normalised over the
 candidate set, -inf outside it. Greedy rows (temperature below 1e-5) take the argmax and are processed exactly like
 temperature 1, so their logprobs do not depend on which other rows share the batch.
+
+Each row draws by inverse CDF with one uniform number per step from its request's own seeded stream (``uniform``):
+the batch samples in a few tensor operations, where drawing vocabulary-sized noise from a generator per row cost a
+kernel launch per row, and a request's tokens still depend on its seed alone, never on its neighbours.
 """
 
 from __future__ import annotations
@@ -25,19 +29,39 @@ class RowInput:
     """What the sampler needs from one row for one step."""
 
     params: SamplingParams
-    generator: torch.Generator
+    uniform: float  # this step's draw in [0, 1) from the row's seeded stream (greedy rows ignore it)
     seen: torch.Tensor | None  # bool [vocab]: ids in prompt or output; needed only with a repetition penalty
     suppressed: Sequence[int] = ()  # ids forbidden this step (stop ids while under min_tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class Draw:
-    """The sampled token of one row, its processed logprob, top logprobs by rank and candidate set."""
+    """One row's draw as its host copy: ``ids`` is the sampled token then the most likely tokens by rank,
+    ``values`` their processed logprobs, at least ``wanted`` of them (the request's top logprobs; None: it asked
+    for none); ``candidate_ids`` its candidate set. Rows keep these lists whole, so a step allocates few objects
+    for the garbage collector to track."""
 
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None
+    ids: list[int]
+    values: list[float]
+    wanted: int | None
     candidate_ids: list[int] | None
+
+    @property
+    def token_id(self) -> int:
+        return self.ids[0]
+
+    @property
+    def logprob(self) -> float:
+        return self.values[0]
+
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]] | None:
+        return None if self.wanted is None else top_logprobs(self.ids, self.values, self.wanted)
+
+
+def top_logprobs(ids: list[int], values: list[float], wanted: int) -> list[tuple[int, float]]:
+    """The ``wanted`` most likely (id, logprob) of a draw's host copy (``Draw.ids``, ``Draw.values``), by rank."""
+    return list(zip(ids[1 : wanted + 1], values[1 : wanted + 1], strict=True))
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
@@ -114,27 +138,33 @@ def sample_step(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Draw]:
     """Sample one token per row from ``logits`` [rows, vocab] and report what the response needs."""
     processed = process_logits(logits, rows)
     logprobs = processed.log_softmax(dim=-1)
-    noise = _exponential_noise(rows, logprobs.shape[1], logprobs.device)
     greedy = torch.tensor([row.params.greedy for row in rows], device=logprobs.device)
-    # Dividing probabilities by Exp(1) noise and taking the argmax draws from the categorical distribution.
-    tokens = torch.where(greedy, processed.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
-    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    top = _top_logprobs(logprobs, rows)
+    tokens = torch.where(greedy, processed.argmax(dim=-1), _inverse_cdf(logprobs, [row.uniform for row in rows]))
+    sampled = logprobs.gather(1, tokens.unsqueeze(1))
+    wanted = [row.params.logprobs for row in rows]
+    most = min(max((n or 0 for n in wanted), default=0), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(most, dim=-1)
+    # two device-to-host copies a step: each row's token and top ids, then its logprob and top logprobs
+    ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1).tolist()
+    values = torch.cat([sampled, top_values], dim=1).clamp(min=LOGPROB_FLOOR).tolist()
     masked = [i for i, row in enumerate(rows) if row.params.return_sampling_mask and row.params.truncates]
     candidates = dict(zip(masked, _candidate_ids(processed, masked), strict=True))
     return [
-        Draw(token, max(logprob, LOGPROB_FLOOR), top[i], candidates.get(i))
-        for i, (token, logprob) in enumerate(zip(tokens.tolist(), sampled.tolist(), strict=True))
+        Draw(row_ids, row_values, n, candidates.get(i))
+        for i, (row_ids, row_values, n) in enumerate(zip(ids, values, wanted, strict=True))
     ]
 
 
-def _exponential_noise(rows: Sequence[RowInput], vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab], each row drawn from its own generator (ones for greedy rows, which ignore it)."""
-    noise = torch.ones(len(rows), vocab, device=device)
-    for i, row in enumerate(rows):
-        if not row.params.greedy:
-            noise[i].exponential_(generator=row.generator)
-    return noise
+def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds ``uniform`` times the row's total. Summed in
+    float64, so rounding moves no token's share measurably; a token of probability zero has no width and is never
+    drawn."""
+    cdf = logprobs.double().exp().cumsum(dim=-1)
+    total = cdf[:, -1]
+    targets = torch.tensor(uniforms, dtype=torch.float64, device=cdf.device) * total
+    # uniform x total can round up to the total itself: keep the target below it, so some token exceeds it
+    targets = torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
 
 
 def _candidate_ids(processed: torch.Tensor, indices: list[int]) -> list[list[int]]:
@@ -145,14 +175,3 @@ def _candidate_ids(processed: torch.Tensor, indices: list[int]) -> list[list[int
     counts = finite.sum(dim=1).tolist()
     ids = finite.nonzero()[:, 1].tolist()
     return [ids[end - count : end] for count, end in zip(counts, accumulate(counts), strict=True)]
-
-
-def _top_logprobs(logprobs: torch.Tensor, rows: Sequence[RowInput]) -> list[list[tuple[int, float]] | None]:
-    """The N most likely (id, logprob) per row that asked for N; None for rows that did not ask."""
-    wanted = [row.params.logprobs for row in rows]
-    most = min(max((n or 0 for n in wanted), default=0), logprobs.shape[1])
-    if most == 0:
-        return [None if n is None else [] for n in wanted]
-    values, ids = logprobs.topk(most, dim=-1)
-    values, ids = values.clamp(min=LOGPROB_FLOOR).tolist(), ids.tolist()
-    return [None if n is None else list(zip(ids[i][:n], values[i][:n], strict=True)) for i, n in enumerate(wanted)]

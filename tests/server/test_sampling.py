@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -54,7 +55,7 @@ def row_inputs(rows=ROWS, seed: int = 0) -> list[RowInput]:
     for i, (settings, seen, suppressed) in enumerate(rows):
         mask = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
         mask[list(seen)] = True
-        inputs.append(RowInput(settings, torch.Generator().manual_seed(seed + i), mask, suppressed))
+        inputs.append(RowInput(settings, random.Random(seed + i).random(), mask, suppressed))
     return inputs
 
 
@@ -93,3 +94,10 @@ def test_draws_follow_the_processed_distribution_and_seeds_repeat():
     torch.testing.assert_close(frequencies, (logits[0, :4].double() / 0.8).softmax(-1), atol=0.03, rtol=0)
     again = [draw.token_id for draw in sample_step(logits[:50], row_inputs(rows[:50]))]
     assert again == tokens[:50].tolist()
+
+
+def test_the_extreme_uniforms_draw_the_first_and_last_candidates_never_a_removed_token():
+    logits = torch.full((2, VOCAB_SIZE), float("-inf"))
+    logits[:, 3:6] = torch.tensor([0.5, -1.0, 2.0])  # candidates 3, 4, 5; the rest removed (e.g. by top-k)
+    rows = [RowInput(SamplingParams(), uniform, None) for uniform in (0.0, 1 - 2**-53)]
+    assert [draw.token_id for draw in sample_step(logits, rows)] == [3, 5]
