@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.client import GenerationClient  # noqa: E402
 from asyncrl.sampling import SamplingParams  # noqa: E402
-from asyncrl.server.builtin import BuiltinServer, build_app, freeze_startup_objects  # noqa: E402
+from asyncrl.server.builtin import BuiltinServer, build_app, prepare_serving_process  # noqa: E402
 from asyncrl.server.cache import SlackLayer  # noqa: E402
 from asyncrl.server.engine import Engine, EngineConfig  # noqa: E402
 from asyncrl.server.process import free_port  # noqa: E402
@@ -248,18 +248,18 @@ def main() -> None:
     parser.add_argument("--http", action="store_true",
                         help="then time the same requests through the HTTP app (/v1/completions)")  # fmt: skip
     parser.add_argument("--switch-interval", type=float, default=None, metavar="MS",
-                        help="sys.setswitchinterval for this process (Python's default: 5 ms): how long the HTTP "
-                             "event loop may wait for the GIL the engine thread holds")  # fmt: skip
+                        help="override the server's sys.setswitchinterval (0.5 ms; Python's default: 5 ms): how "
+                             "long the HTTP event loop may wait for the GIL the engine thread holds")  # fmt: skip
     args = parser.parse_args()
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval / 1000)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     model = build_model(args.model, args.device, dtype)
     max_len = args.prompt_max + args.completion_max
     config = EngineConfig(max_model_len=max_len, max_num_seqs=max(args.requests, 1),
                           kv_cache_tokens=max(args.requests, 1) * max_len, eos_token_ids=frozenset({1}))  # fmt: skip
     engine = TimedEngine(model, config)
-    freeze_startup_objects()  # as asyncrl.server's main does before serving
+    prepare_serving_process()  # as asyncrl.server's main does before serving
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1000)
     engine.start()
     try:
         warmup = argparse.Namespace(**{**vars(args), "requests": 4, "completion_min": 8, "completion_max": 8})

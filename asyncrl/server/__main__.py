@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from asyncrl.client import TOKEN_ENV
 from asyncrl.dtypes import DTYPES, torch_dtype
 from asyncrl.model_kind import auto_model_class
-from asyncrl.server.builtin import BuiltinServer, build_app, freeze_startup_objects
+from asyncrl.server.builtin import BuiltinServer, build_app, prepare_serving_process
 from asyncrl.server.command import VLLM_LORA_RANKS
 from asyncrl.server.engine import Engine, EngineConfig
 from asyncrl.server.lora import AdapterSet, LoraLimits
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     app = build_app(server)
-    freeze_startup_objects()
+    prepare_serving_process()
     uvicorn.run(
         app,
         host=args.host,
