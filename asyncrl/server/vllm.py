@@ -47,7 +47,7 @@ from asyncrl.trainer.lora import adapter_modules
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (0, 26)
-VERIFIED_RELEASES = ((0, 26), (0, 28))
+VERIFIED_RELEASES = ((0, 26), (0, 28), (0, 33))
 """Releases that have run asyncrl end to end on a GPU (README, "vLLM versions"); others get one warning."""
 SAMPLING_MASK_SINCE = (0, 28)  # --return-sampling-mask
 SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generate

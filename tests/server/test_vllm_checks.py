@@ -162,15 +162,17 @@ def test_version_rules(server, trainer, message, monkeypatch, serve_app):
         run_checks(attached_vllm(url, "server.vllm_version=0.33.0"))
 
 
-@pytest.mark.parametrize(("version", "warned"), [("0.26.0", False), ("0.28.0", False), ("0.30.1", True)])
+@pytest.mark.parametrize(
+    ("version", "warned"), [("0.26.0", False), ("0.28.0", False), ("0.30.1", True), ("0.33.0", False), ("0.34.0", True)]
+)
 def test_a_release_not_run_here_gets_one_warning_naming_the_verified_ones(version, warned, monkeypatch, caplog,
                                                                           serve_app):  # fmt: skip
     monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: version)
     with serve_app(fake_vllm(version, vllm_info())) as url:
         run_checks(attached_vllm(url))
     lines = [r.getMessage() for r in caplog.records if "has not been run with asyncrl" in r.getMessage()]
-    expected = (f"vLLM {version} has not been run with asyncrl here (verified: 0.26, 0.28; README, 'vLLM versions'): "
-                "its version-switched code paths follow vLLM's source only")  # fmt: skip
+    expected = (f"vLLM {version} has not been run with asyncrl here (verified: 0.26, 0.28, 0.33; README, "
+                "'vLLM versions'): its version-switched code paths follow vLLM's source only")  # fmt: skip
     assert lines == ([expected] if warned else [])
 
 
