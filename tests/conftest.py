@@ -1,6 +1,7 @@
 """Session fixtures shared across test folders: a tiny random-init model with the embedded default's
 tokenizer and chat template, arithmetic data in DeepMath's schema (nothing is downloaded), and one built-in
-server on that model for the whole session (starting a server costs seconds; resetting its weights does not).
+server on that model for the whole session (starting a server costs seconds; resetting its weights does not);
+`invoke` runs the `asyncrl` command in the test's process (a subprocess pays seconds of start and imports).
 
 Every server the tests start needs the session's token for state-changing requests (``server_token``, in the
 environment, which the servers, the CLIs and the clients read) and loads weights only from ``weights_root``."""
