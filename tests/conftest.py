@@ -37,10 +37,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Long files first, then the other end-to-end ones: `--dist loadfile` hands each worker whole files in this
-    order (pyproject turns off xdist's own order, fewest tests last, which left the one-test runs of minutes for
-    the end, where they were the critical path)."""
-    items.sort(key=lambda item: (item.get_closest_marker("long") is None, item.get_closest_marker("e2e") is None))
+    """Long files first, then the other end-to-end ones, then files with slow tests: `--dist loadfile` hands each
+    worker whole files in this order (pyproject turns off xdist's own order, fewest tests last, which left the
+    one-test runs of minutes for the end, where they were the critical path; and tests/trainer, last by name, held
+    half a minute per file there), so that the suite ends on short files that even out the two workers."""
+    items.sort(key=lambda item: tuple(item.get_closest_marker(name) is None for name in ("long", "e2e", "slow")))
 
 
 @pytest.fixture(scope="session", autouse=True)
