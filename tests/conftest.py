@@ -1,6 +1,7 @@
 """Session fixtures shared across test folders: a tiny random-init model with the embedded default's
 tokenizer and chat template, arithmetic data in DeepMath's schema (nothing is downloaded), and one built-in
-server on that model for the whole session (starting a server costs seconds; resetting its weights does not).
+server on that model for the whole session (starting a server costs seconds; resetting its weights does not);
+`invoke` runs the `asyncrl` command in the test's process (a subprocess pays seconds of start and imports).
 
 Every server the tests start needs the session's token for state-changing requests (``server_token``, in the
 environment, which the servers, the CLIs and the clients read) and loads weights only from ``weights_root``."""
@@ -8,6 +9,7 @@ environment, which the servers, the CLIs and the clients read) and loads weights
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 from serving import serve_in_thread
+from typer.testing import CliRunner
 
+from asyncrl.cli import app
 from asyncrl.client import TOKEN_ENV, ensure_token
 from asyncrl.server.process import ServerProcess
 from asyncrl.trainer.ranks import Ranks
@@ -27,13 +31,17 @@ from asyncrl.trainer.ranks import Ranks
 # Runs that train set their own threads (trainer.cpu_threads), launched servers theirs (server.cpu_threads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Nothing is downloaded (CI's .ci/run sets this too): a Hub id a test composes (+recipe=deepmath) then fails at once
+# instead of after the resolver's timeouts (test_cli's vLLM command: 25 s on a machine without network, 1.7 s).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Long files first, then the other end-to-end ones: `--dist loadfile` hands each worker whole files in this
-    order (pyproject turns off xdist's own order, fewest tests last, which left the one-test runs of minutes for
-    the end, where they were the critical path)."""
-    items.sort(key=lambda item: (item.get_closest_marker("long") is None, item.get_closest_marker("e2e") is None))
+    """Long files first, then the other end-to-end ones, then files with slow tests: `--dist loadfile` hands each
+    worker whole files in this order (pyproject turns off xdist's own order, fewest tests last, which left the
+    one-test runs of minutes for the end, where they were the critical path; and tests/trainer, last by name, held
+    half a minute per file there), so that the suite ends on short files that even out the two workers."""
+    items.sort(key=lambda item: tuple(item.get_closest_marker(name) is None for name in ("long", "e2e", "slow")))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -177,3 +185,26 @@ def tiny_server(fresh_server: Callable[[], ServerProcess]) -> ServerProcess:
 def serve_app() -> Callable[[Any], Any]:
     """`with serve_app(app) as base_url:` serves a FastAPI stub in a thread for the block."""
     return serve_in_thread
+
+
+def _children() -> set[int]:
+    """Live child processes of this test process (a server or a worker that a failed run left behind)."""
+    found = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        found |= {int(pid) for pid in (task / "children").read_text().split()}
+    return {pid for pid in found if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}
+
+
+@pytest.fixture
+def invoke() -> Iterator:
+    """Run `asyncrl ARGS` in this process; the signal handlers a job installs are put back afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = _children()
+
+    def run(args: list[str]):  # noqa: ANN202
+        return CliRunner().invoke(app, args)
+
+    yield run
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    assert _children() <= before

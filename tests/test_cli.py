@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from typer.testing import CliRunner
 
 from asyncrl import __version__
@@ -48,30 +45,29 @@ def test_a_sweep_value_that_cannot_compose_fails_in_one_line_before_any_job(tmp_
     assert not sweep.exists()
 
 
-def test_train_cfg_job_prints_and_exits_without_training(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", "--cfg", "job", "trainer.max_steps=7"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "max_steps: 7" in proc.stdout
+def test_train_cfg_job_prints_and_exits_without_training(invoke, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["train", "--cfg", "job", "trainer.max_steps=7"])
+    assert result.exit_code == 0, result.output
+    assert "max_steps: 7" in result.stdout
     assert not (tmp_path / "runs").exists()
 
 
-def test_train_rejects_bad_config_before_starting_anything(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", "staleness.max_staleness=-1"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 2
-    assert "staleness.max_staleness=-1" in proc.stderr
-    assert not list((tmp_path / "runs").rglob("server.log")) if (tmp_path / "runs").exists() else True
+def test_train_rejects_bad_config_before_starting_anything(invoke, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["train", "staleness.max_staleness=-1"])
+    assert result.exit_code == 2
+    assert "staleness.max_staleness=-1" in result.stderr
+    assert not (tmp_path / "runs").exists()
 
 
-def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(tmp_path):
+def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(invoke, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "solution": "2"}\n')
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", f"data.path={data}",
-                           f"hydra.run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
-    assert proc.returncode != 0
-    assert "has no 'prompt' column (columns: question, solution)" in proc.stdout + proc.stderr
+    result = invoke(["train", f"data.path={data}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert result.exit_code != 0
+    assert "has no 'prompt' column (columns: question, solution)" in result.output
     assert not (tmp_path / "run" / "logs" / "server.log").exists()
 
 

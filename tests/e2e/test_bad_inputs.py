@@ -19,16 +19,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from asyncrl.cli import app
 from asyncrl.server.process import ServerProcess, free_port
 
 from .helpers import cli_env, kill_marked, marked_pids, run_cli, start_cli, wait_no_marked
@@ -107,29 +104,6 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
         return {}
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(run_dir.rglob("*")) if p.is_file()}  # fmt: skip
-
-
-def _children() -> set[int]:
-    """Live child processes of this test process (a server or a worker that a failed run left behind)."""
-    found = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        found |= {int(pid) for pid in (task / "children").read_text().split()}
-    return {pid for pid in found if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}
-
-
-@pytest.fixture
-def invoke() -> Iterator:
-    """Run `asyncrl ARGS` in this process; the signal handlers a job installs are put back afterwards."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    before = _children()
-
-    def run(args: list[str]):  # noqa: ANN202
-        return CliRunner().invoke(app, args)
-
-    yield run
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-    assert _children() <= before
 
 
 def _message_lines(output: str) -> list[str]:

@@ -1,6 +1,6 @@
 """The embedded default, shortened: the shipped tiny model really learns arithmetic on CPU.
 
-The full default (`asyncrl train`) runs 60 steps; this runs 24 and asks for a smaller, robust gain in the
+The full default (`asyncrl train`) runs 60 steps; this runs 16 and asks for a smaller, robust gain in the
 worker's `reward` (all scored groups) plus the held-out evaluation before/after. The same run checks the
 default's asynchrony: every step trains, no sample is staler than the default bound (4), generation and
 training overlap, and the launched server and worker are gone afterwards.
@@ -19,10 +19,12 @@ from .helpers import run_cli, wait_no_marked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
+STEPS = 16  # last 5 steps' mean reward over the first 5's: 0.074-0.092 at 16 steps in 7 runs, 0.13-0.14 at 24
+
 
 def test_shortened_default_raises_the_reward_asynchronously(tmp_path):
     run_dir = tmp_path / "run"
-    run = run_cli(["train", "trainer.max_steps=24", "trainer.save_strategy=no", "data.num_eval_prompts=100",
+    run = run_cli(["train", f"trainer.max_steps={STEPS}", "trainer.save_strategy=no", "data.num_eval_prompts=100",
                    "logging.console=plain", f"hydra.run.dir={run_dir}", f"server.port={free_port()}"],
                   timeout_s=900)  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
@@ -35,7 +37,7 @@ def test_shortened_default_raises_the_reward_asynchronously(tmp_path):
     assert evaluation["after"]["eval/greedy_reward"] >= evaluation["before"]["eval/greedy_reward"] - 0.05  # no
     # unlearning of what the model already got right greedily (it answers every eval prompt right greedily)
     assert (run_dir / "report" / "index.html").is_file()
-    assert [s["step"] for s in steps] == list(range(1, 25))
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["batch/trained_tokens_per_step"] > 0 for s in steps)
     assert max(s["sample/staleness_max"] for s in steps) <= 4
     assert json.loads((run_dir / "timeline.json").read_text())["summary"]["overlap_frac"] > 0.0

@@ -40,6 +40,8 @@ from asyncrl.trainer.sync.tensors import unique_state_dict
 
 from .test_weight_sync import served_vs_local
 
+pytestmark = pytest.mark.slow  # each module fixture starts a two-rank world: 20-45 s on CI's cores
+
 WORLD = 2
 
 

@@ -34,6 +34,7 @@ class HealthyServer:
         return True
 
 
+@pytest.mark.slow
 def test_a_failed_rank_stops_the_others_and_is_named(random_tiny_model_dir, tmp_path, marker):
     """Rank 0 fails (its data is missing) while rank 1 has loaded the model and waits for it."""
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "trainer.num_processes=2",
