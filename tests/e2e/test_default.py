@@ -19,7 +19,7 @@ from .helpers import run_cli, wait_no_marked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
-STEPS = 20  # last 5 steps' mean reward over the first 5's: 0.074-0.092 at 16 steps (7 runs), 0.102 at 20, 0.13-0.14 at 24
+STEPS = 20  # last 5 steps' mean reward over the first 5's: 0.074-0.092 at 16 steps (7 runs), 0.10 at 20, 0.13 at 24
 
 
 def test_shortened_default_raises_the_reward_asynchronously(tmp_path):
