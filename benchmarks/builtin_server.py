@@ -35,11 +35,12 @@ from typing import Any
 
 import torch
 import uvicorn
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from e2e import word_tokenizer  # noqa: E402  (benchmarks/, the script's folder, is on sys.path)
 
 from asyncrl.client import GenerationClient  # noqa: E402
 from asyncrl.sampling import SamplingParams  # noqa: E402
@@ -138,13 +139,6 @@ def summarize(
     }
 
 
-def build_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer with one word per id (as e2e.py builds): the server decodes completions with it."""
-    backend = Tokenizer(models.WordLevel({"<unk>": 0, **{f"w{i}": i for i in range(1, vocab)}}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="w1", pad_token="<unk>")
-
-
 def send_requests(connection: Connection, url: str, requests: list[GenerationRequest]) -> None:
     """In the client process: post every request at once as the rollout worker does and send back (tokens, start,
     end) on ``time.perf_counter``'s clock (CLOCK_MONOTONIC, the server process's too). A round of one-token
@@ -167,7 +161,7 @@ def send_requests(connection: Connection, url: str, requests: list[GenerationReq
 
 def run_http(engine: TimedEngine, requests: list[GenerationRequest], vocab: int) -> dict[str, float]:
     """``requests`` through the HTTP app served from a thread of this process, posted from a client process."""
-    server = BuiltinServer(engine, build_tokenizer(vocab), served_model_name="builtin", model_path="random",
+    server = BuiltinServer(engine, word_tokenizer(vocab), served_model_name="builtin", model_path="random",
                            max_logprobs=20)  # fmt: skip
     port = free_port()
     config = uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning", access_log=False)
@@ -255,7 +249,7 @@ def main() -> None:
     model = build_model(args.model, args.device, dtype)
     max_len = args.prompt_max + args.completion_max
     config = EngineConfig(max_model_len=max_len, max_num_seqs=max(args.requests, 1),
-                          kv_cache_tokens=max(args.requests, 1) * max_len, eos_token_ids=frozenset({1}))  # fmt: skip
+                          kv_cache_tokens=max(args.requests, 1) * max_len, eos_token_ids=frozenset({0}))  # fmt: skip
     engine = TimedEngine(model, config)
     prepare_serving_process()  # as asyncrl.server's main does before serving
     if args.switch_interval is not None:

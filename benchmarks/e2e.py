@@ -61,21 +61,29 @@ class LengthControlledLoop(AsyncRolloutLoop):
 # ---- the model, tokenizer and prompts the run builds ----------------------------------------------------------
 
 
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer with one word per id (id 0 ends a text, 1 is unknown, "wN" is id N): random-weight
+    models of any vocabulary get text the servers can decode, with nothing downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>")  # fmt: skip
+
+
 def build_assets(out: Path, shape: str, num_prompts: int = 512) -> tuple[Path, Path]:
     """A random-weight model + word-level tokenizer (one word per id) and a jsonl of random prompts."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     model_dir, data = out / "model", out / "prompts.jsonl"
     if (model_dir / "config.json").exists() and data.exists():
         return model_dir, data
     cfg = SHAPES[shape]
-    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, cfg["vocab_size"])}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                        unk_token="<unk>")  # fmt: skip
+    tokenizer = word_tokenizer(cfg["vocab_size"])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     torch.manual_seed(0)
     config = Qwen3Config(**cfg, eos_token_id=0, pad_token_id=0, bos_token_id=None)
