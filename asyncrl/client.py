@@ -379,7 +379,7 @@ class ControlClient:
     """Sync client for everything but generation; each call checks the status and has a timeout."""
 
     def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=auth_headers(token))
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -51,6 +51,11 @@ class ControlGroup:
         return self.controls[0].base_url
 
     @property
+    def timeout_s(self) -> float:
+        """The longest a call may take: each replica's client times its own calls out."""
+        return max(control.timeout_s for control in self.controls)
+
+    @property
     def base_urls(self) -> list[str]:
         return [control.base_url for control in self.controls]
 

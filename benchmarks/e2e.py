@@ -215,6 +215,8 @@ def summarise(run: dict[str, Any], profiled: bool = False) -> dict[str, Any]:
         "name": run["name"], "steps": len(rows), "time_to_last_step_s": times[-1], "steady_step_s": steady,
         "sync_s": mean("perf/weight_sync_s", 1), "sync_pause_s": mean("perf/weight_sync_pause_s", 1),
         "sync_transfer_s": mean("perf/weight_sync_transfer_s", 1),
+        "sync_max_s": max(series("perf/weight_sync_s")[1:] or [math.nan]),
+        "gen_paused_s": mean("perf/generation_paused_s", 1),
         "gen_tokens_per_s": mean("rollout/generated_tokens_per_s", 1), "concurrency": mean("rollout/concurrency", 1),
         "samples_per_step": mean("batch/samples_per_step", 1), "backpressure_s": mean("rollout/backpressure_s", 1),
         "trained_tokens_per_s": sum(trained) / max(sum(fwd_bwd), 1e-9), "mfu": mfu_weighted,
@@ -364,15 +366,17 @@ def print_table(result: dict[str, Any]) -> None:
     sync = by_name.get("staleness0")
     print(
         "\n| run | steps | samples/step | to last step s | steady s/step | samples/s | speedup vs sync "
-        "| sync s (pause/transfer) | gen tok/s (concurrency) | trained tok/s | MFU | pack ratio | stale mean/max "
-        "| dropped | overlap |"
+        "| sync s mean/max (pause wait/transfer) | gen paused s | gen tok/s (concurrency) | trained tok/s | MFU "
+        "| pack ratio | stale mean/max | dropped | overlap |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         speedup = samples_per_s(r) / samples_per_s(sync) if sync else float("nan")  # sync steps can be larger
         print(f"| {r['name']} | {r['steps']} | {r['samples_per_step']:.0f} | {r['time_to_last_step_s']:.1f} | "
               f"{r['steady_step_s']:.2f} | {samples_per_s(r):.1f} | {speedup:.2f}x | "
-              f"{r['sync_s']:.3f} ({r['sync_pause_s']:.3f}/{r['sync_transfer_s']:.3f}) | "
+              f"{r['sync_s']:.3f}/{r.get('sync_max_s', math.nan):.3f} "
+              f"({r['sync_pause_s']:.3f}/{r['sync_transfer_s']:.3f}) | "
+              f"{r.get('gen_paused_s', math.nan):.3f} | "
               f"{r['gen_tokens_per_s']:,.0f} ({r['concurrency']:.0f}) | {r['trained_tokens_per_s']:,.0f} | "
               f"{r['mfu']:.1%} | "
               f"{r['packing_ratio']:.2f} | {r['staleness_mean']:.2f}/{r['staleness_max']:.0f} | "

@@ -171,6 +171,7 @@ def phase_sync(backend: str, out: Path) -> None:
                 metrics = sync_.push(model, version)
                 print(f"[sync] {type(sync_.transport).__name__} round {version}: " + ", ".join(
                     f"{k.removeprefix('perf/weight_sync')}={v:.3f}" for k, v in metrics.items()))  # fmt: skip
+            sync_.settle()  # its last resume answered before the next transport pauses the server
             after = asyncio.run(sample(server.base_url, name, prompts, seed=100 + round_))
             trained = copy.deepcopy(model).to(serving)
             print(f"[sync] after 3 syncs by {type(sync_.transport).__name__}: max |server - trainer| = "

@@ -266,6 +266,7 @@ class Trainer:
 
     def _check_processes(self) -> None:
         check_alive(self.server)
+        self.sync.check()  # a failed resume leaves the server paused: say so instead of waiting for rollouts
         if not self.worker.is_alive() and self.channels.failure() is None:
             raise RolloutWorkerError(f"the rollout worker exited with code {self.worker.exitcode} without an error")
 
@@ -298,6 +299,7 @@ class Trainer:
             self.window.extend(events)
 
     def _evaluate(self) -> dict[str, float]:
+        self.sync.settle()  # the server generates again after the last sync
         p = self.prepared
         model = policy_model(served_model_name(self.config), self.sync.adapter_prefix, self.state.model_version)
         return evaluate(self.config, self.server.base_urls, model, p.tokenizer,

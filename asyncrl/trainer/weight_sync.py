@@ -44,7 +44,7 @@ from asyncrl.control_group import ControlGroup
 from asyncrl.registry import Registry
 from asyncrl.server.checks import ServerFacts, check_servers
 from asyncrl.trainer.sync.adapter import AdapterSync
-from asyncrl.trainer.sync.base import Transport, WeightSyncError, run_step
+from asyncrl.trainer.sync.base import Background, Transport, WeightSyncError, run_step
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.choice import use_adapter_sync
 from asyncrl.trainer.sync.tensors import serving_bytes
@@ -62,13 +62,23 @@ WEIGHT_SYNC: Registry[Callable[..., Transport]] = Registry("weight sync backend"
 
 
 class WeightSync:
-    """One backend's rounds: ``init()`` once, ``push(model, version)`` per sync, ``close()`` at the end."""
+    """One backend's rounds: ``init()`` once, ``push(model, version)`` per sync, ``close()`` at the end.
+
+    The trainer waits for the round's critical path only: /pause is sent as the round starts and answered while
+    the transport stages (the engine finishes its step in flight meanwhile), and /resume is sent at the end but
+    answered while the trainer goes on. ``settle`` collects it: at the next round, before the trainer evaluates and
+    at ``close``; ``check`` raises its failure from the trainer's wait for rollouts, so a failed resume ends the run
+    instead of starving it. A round never starts before the last resume was answered, so no pause is overtaken by
+    the resume before it."""
 
     adapter_prefix: str | None = None  # the policy is served under the base model's name (AdapterSync's differs)
     adapter_only = False  # it sends every weight (merged under LoRA); AdapterSync reads only the trained ones
 
     def __init__(self, control: ControlClient, transport: Transport, facts: ServerFacts | None = None) -> None:
         self.control, self.transport, self.facts = control, transport, facts
+        self._resuming: Background[float] | None = None
+        self._paused_at = 0.0
+        self._unreported: dict[str, float] = {}
 
     def init(self, model: torch.nn.Module) -> None:
         """Set the backend up once; ``model`` is what ``push`` will be given (vLLM >= 0.33's engines declare its
@@ -76,37 +86,64 @@ class WeightSync:
         run_step("init_weight_transfer_engine", self.transport.init, self.control, model)
 
     def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
-        """One round; returns perf/weight_sync_s split into _pause_s, _barrier_s and _transfer_s, and the bytes of
-        the parameters sent (perf/weight_sync_bytes)."""
-        started = time.perf_counter()
+        """One round; returns perf/weight_sync_s (what the trainer waited) split into _stage_s, _pause_s (the wait
+        for the pause's answer after staging), _barrier_s and _transfer_s; the bytes of the parameters sent
+        (perf/weight_sync_bytes); and how long the previous round kept generation paused, from /pause sent to
+        /resume answered (perf/generation_paused_s)."""
+        self.settle()
+        metrics, self._unreported = self._unreported, {}
         failure: WeightSyncError | None = None
-        pause_s = barrier_s = 0.0
+        stage_s = pause_s = barrier_s = 0.0
+        self._paused_at = started = time.perf_counter()
+        pausing = Background("POST /pause", self.control.pause, PAUSE_MODE, CLEAR_CACHE)
         try:
-            run_step("stage", self.transport.stage, model)
-            paused = time.perf_counter()
-            run_step("pause", self.control.pause, PAUSE_MODE, CLEAR_CACHE)
-            pause_s = time.perf_counter() - paused
+            try:
+                run_step("stage", self.transport.stage, model)
+            finally:
+                stage_s = time.perf_counter() - started
+                run_step("pause", pausing.result, self.control.timeout_s)  # joined first: no resume overtakes it
+            pause_s = time.perf_counter() - started - stage_s
             barrier_s = self._update(version)
         except WeightSyncError as error:
             failure = error
         except BaseException:  # Ctrl-C or SystemExit mid-round: the server must not stay paused
-            self._resume(after_failure=True)
+            self._join_quietly(pausing)
+            self._resume_after_failure()
             raise
         finally:
             self.transport.discard()
-        resumed = self._resume(after_failure=failure is not None)
         if failure is not None:
+            self._join_quietly(pausing)
+            self._resume_after_failure()
             raise failure
-        if resumed is not None:
-            raise resumed
+        self._resuming = Background("POST /resume", self._resume)
         total = time.perf_counter() - started
-        return {
+        return metrics | {
             "perf/weight_sync_s": total,
             "perf/weight_sync_bytes": float(serving_bytes(model, getattr(self.transport, "dtype", None))),
+            "perf/weight_sync_stage_s": stage_s,
             "perf/weight_sync_pause_s": pause_s,
             "perf/weight_sync_barrier_s": barrier_s,
-            "perf/weight_sync_transfer_s": total - pause_s - barrier_s,
+            "perf/weight_sync_transfer_s": total - stage_s - pause_s - barrier_s,
         }
+
+    def check(self) -> None:
+        """Raise now if the last round's resume failed (the server would stay paused and rollouts never come)."""
+        if self._resuming is not None and self._resuming.done():
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the last round's resume (raising its failure): afterwards the server generates. How long that
+        round kept generation paused goes into the next round's metrics."""
+        resuming, self._resuming = self._resuming, None
+        if resuming is not None:
+            resumed_at = run_step("resume", resuming.result, self.control.timeout_s)
+            self._unreported["perf/generation_paused_s"] = resumed_at - self._paused_at
+
+    def _resume(self) -> float:
+        """POST /resume; when it was answered (perf_counter)."""
+        self.control.resume()
+        return time.perf_counter()
 
     def _update(self, version: int) -> float:
         session = self.transport.session
@@ -130,27 +167,31 @@ class WeightSync:
             except Exception as error:  # noqa: BLE001 - the server may already have ended the session
                 log.info("closing the failed weight update: %s", error)
 
-    def _resume(self, after_failure: bool) -> WeightSyncError | None:
-        """Resume even after a failed round, so generation never stays paused; the error is returned. After a
-        failure the server may be stuck (a dead transfer peer), so the call gets the short cleanup timeout."""
-        if not after_failure:
-            try:
-                run_step("resume", self.control.resume)
-            except WeightSyncError as error:
-                return error
-            return None
+    @staticmethod
+    def _join_quietly(pausing: Background[None]) -> None:
+        """Let a failed round's pause finish before the resume is sent (its own error is the round's, or moot)."""
+        try:
+            pausing.result(CLEANUP_TIMEOUT_S)
+        except BaseException as error:  # noqa: BLE001 - the round already failed; this only orders the calls
+            log.info("the failed round's pause: %s", error)
+
+    def _resume_after_failure(self) -> None:
+        """Resume after a failed round, so generation never stays paused; the server may be stuck (a dead transfer
+        peer), so the call gets the short cleanup timeout, and its own failure is logged, not raised over the
+        round's."""
         with self.control.reopened(CLEANUP_TIMEOUT_S) as cleanup:
             try:
                 run_step("resume", cleanup.resume)
             except WeightSyncError as error:
-                return error
-        return None
+                log.warning("could not resume the server after a failed weight sync: %s", error)
 
     def close(self) -> None:
-        try:
-            self.transport.close(self.control)
-        except Exception as error:  # noqa: BLE001 - the server may be gone at the end of the run
-            log.warning("weight sync close: %s", error)
+        """Collect the last resume and release the transport; best effort, the server may be gone at the end."""
+        for step in (self.settle, lambda: self.transport.close(self.control)):
+            try:
+                step()
+            except Exception as error:  # noqa: BLE001 - the end of the run must not fail on cleanup
+                log.warning("weight sync close: %s", error)
 
 
 def build_weight_sync(

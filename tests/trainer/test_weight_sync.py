@@ -11,6 +11,7 @@ import logging
 import pickle
 import re
 import sys
+import threading
 import time
 import types
 from abc import ABC, abstractmethod
@@ -31,15 +32,10 @@ from asyncrl.server.vllm import WORKER_EXTENSION
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
 from asyncrl.trainer.fsdp import GatheredModel
 from asyncrl.trainer.model import load_model
+from asyncrl.trainer.sync.base import Background
 from asyncrl.trainer.sync.builtin import FileTransport
 from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
-from asyncrl.trainer.sync.vllm_common import (
-    IPC_BUFFER_LIMIT,
-    Background,
-    ipc_buffer_bytes,
-    ipc_json,
-    run_watched,
-)
+from asyncrl.trainer.sync.vllm_common import IPC_BUFFER_LIMIT, ipc_buffer_bytes, ipc_json, run_watched
 from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
 from asyncrl.trainer.sync.vllm_factory import FactoryTransport, RoundClient, serving_source
 from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
@@ -90,13 +86,16 @@ def test_a_round_moves_the_weights_and_reports_its_parts(server, model, random_t
         sync.init(model)
         before = served_vs_local(server.base_url, model, name)
         metrics = sync.push(model, 1)
-        after = served_vs_local(server.base_url, model, name)
+        after = served_vs_local(server.base_url, model, name)  # queued until the resume lands, if it has not
+        sync.settle()
         assert control.weight_version() == "1" and not control.is_paused()
+        paused = sync.push(model, 2)["perf/generation_paused_s"]  # the round before's, known once it resumed
         sync.close()
     assert before > 1e-2 and after < 1e-4, (before, after)
-    parts = ("perf/weight_sync_pause_s", "perf/weight_sync_barrier_s", "perf/weight_sync_transfer_s")
-    assert metrics["perf/weight_sync_s"] == pytest.approx(sum(metrics[p] for p in parts))
-    assert all(metrics[p] >= 0 for p in parts) and not any(tmp_path.glob("asyncrl-weights-*/*"))
+    parts = ("stage", "pause", "barrier", "transfer")
+    assert metrics["perf/weight_sync_s"] == pytest.approx(sum(metrics[f"perf/weight_sync_{p}_s"] for p in parts))
+    assert all(metrics[f"perf/weight_sync_{p}_s"] >= 0 for p in parts) and not any(tmp_path.glob("asyncrl-weights-*/*"))
+    assert paused >= metrics["perf/weight_sync_transfer_s"]
 
 
 class FailingControl(ControlClient):
@@ -146,6 +145,7 @@ def test_a_failure_at_each_step_is_an_error_and_the_server_is_resumed(step, serv
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match=f"weight sync failed at {step}"):
         sync.push(model, 7)
+        sync.settle()  # the resume is answered after the round returns: its failure comes from here
     assert time.monotonic() - started < 20
     sync.close()
     with ControlClient(server.base_url, timeout_s=30) as plain:
@@ -157,6 +157,52 @@ def test_a_failure_at_each_step_is_an_error_and_the_server_is_resumed(step, serv
         again.push(model, 8)  # no half-open update is left behind
         again.close()
         assert plain.weight_version() == "8"
+
+
+class GatedControl(ControlClient):
+    """The built-in server's control calls, held by the test: the pause is answered only once the round has staged,
+    the resume only once the test releases it; ``calls`` records each call and each resume's answer in order."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(base_url, timeout_s=30)
+        self.staged, self.release = threading.Event(), threading.Event()
+        self.calls: list[str] = []
+
+    def pause(self, mode: str, clear_cache: bool = True, timeout_s: float | None = None) -> None:
+        self.calls.append("pause")
+        super().pause(mode, clear_cache, timeout_s)
+        assert self.staged.wait(10), "the round waited for the pause's answer before staging"
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+        assert self.release.wait(10), "the test never released the resume"
+        super().resume()
+        self.calls.append("resumed")
+
+
+class SignallingStage(FileTransport):
+    def __init__(self, directory: Path, staged: threading.Event) -> None:
+        super().__init__(directory)
+        self.staged = staged
+
+    def stage(self, model: torch.nn.Module) -> None:
+        super().stage(model)
+        self.staged.set()
+
+
+def test_the_trainer_waits_for_the_pause_while_staging_and_not_for_the_resume(server, model, tmp_path):
+    """The pause is answered while the round stages and the resume after the round returns; the next round
+    waits for that resume, so its pause cannot overtake it."""
+    control = GatedControl(server.base_url)
+    sync = WeightSync(control, SignallingStage(tmp_path, control.staged))
+    sync.init(model)
+    sync.push(model, 1)
+    assert control.is_paused() and control.calls == ["pause", "resume"]  # returned with the resume unanswered
+    control.release.set()
+    metrics = sync.push(model, 2)
+    assert control.calls[:4] == ["pause", "resume", "resumed", "pause"] and metrics["perf/generation_paused_s"] > 0
+    sync.close()  # collects round 2's resume
+    assert control.calls[-1] == "resumed" and not control.is_paused()
 
 
 class InterruptedSend(FileTransport):
@@ -348,7 +394,7 @@ class ExtensionServer:
     """A control client whose /collective_rpc calls the extension in this process; it records every call.
     Opening the buffer is what a CUDA IPC handle gives a GPU worker: the trainer's own memory."""
 
-    base_url = "http://in-process"
+    base_url, timeout_s = "http://in-process", 30.0
 
     def __init__(self, worker: Worker, transport: DirectIpcTransport) -> None:
         self.worker, self.transport, self.calls = worker, transport, []
@@ -396,10 +442,10 @@ def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_
     assert transport.buffer is buffer and metrics["perf/weight_sync_bytes"] == serving_bytes(model, torch.bfloat16)
     loads = [LOAD] * len(transport.chunks)
     assert (len(loads) == 1) == (limit == IPC_BUFFER_LIMIT) and buffer.numel() <= max(limit, 1 << 20)
-    assert control.calls == [UNMAP, "pause", MAP, *loads, "resume", "pause", *loads, "resume"]  # shared once,
-    # no session; init released what an earlier trainer may have left mapped
-    sync.close()
-    assert control.calls[-1] == UNMAP and control.worker._asyncrl_buffer is None
+    sync.close()  # collects the last resume, then unmaps
+    assert control.calls == [UNMAP, "pause", MAP, *loads, "resume", "pause", *loads, "resume", UNMAP]  # shared
+    # once, no session; init released what an earlier trainer may have left mapped
+    assert control.worker._asyncrl_buffer is None
 
 
 def test_in_place_ipc_sync_takes_the_trainers_gathered_view(one_rank, random_tiny_model_dir):

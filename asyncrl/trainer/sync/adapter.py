@@ -102,6 +102,12 @@ class AdapterSync:
             self.unloaded.append(oldest)
         return {"perf/weight_sync_s": time.perf_counter() - started, "perf/weight_sync_bytes": float(size)}
 
+    def check(self) -> None:
+        """Nothing of a push is left running (``WeightSync.check``'s counterpart: adapters load without a pause)."""
+
+    def settle(self) -> None:
+        """Nothing to wait for (``WeightSync.settle``'s counterpart): the server never paused."""
+
     def _delete(self, versions: list[int]) -> None:
         for version in versions:
             shutil.rmtree(self.path(version), ignore_errors=True)

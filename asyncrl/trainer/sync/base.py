@@ -1,10 +1,12 @@
-"""What every weight-sync transport shares: the ``Transport`` interface, its error, and step bookkeeping."""
+"""What every weight-sync transport shares: the ``Transport`` interface, its error, step bookkeeping, and
+``Background``, the thread an HTTP call runs on while the round goes on."""
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -54,3 +56,37 @@ def run_step(step: str, fn: Callable[..., R], *args: Any) -> R:
         raise
     except Exception as exc:
         raise WeightSyncError(f"weight sync failed at {step}: {exc}") from exc
+
+
+class Background(Generic[R]):
+    """``fn(*args)`` on a daemon thread (an HTTP call that blocks while its peer receives)."""
+
+    def __init__(self, what: str, fn: Callable[..., R], *args: Any) -> None:
+        self.what = what
+        self._value: R | None = None
+        self._error: BaseException | None = None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._thread = threading.Thread(target=self._run, args=(fn, args, device), name=what, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., R], args: tuple[Any, ...], device: int | None) -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+            self._value = fn(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
+            self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def failed(self) -> bool:
+        return self.done() and self._error is not None
+
+    def result(self, timeout_s: float) -> R:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WeightSyncError(f"{self.what}: no answer within {timeout_s:.0f} s (server.timeout)")
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]

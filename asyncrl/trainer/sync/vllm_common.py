@@ -7,15 +7,13 @@ import base64
 import dataclasses
 import pickle
 import socket
-import threading
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import httpx
-import torch
 
-from asyncrl.trainer.sync.base import WeightSyncError
+from asyncrl.trainer.sync.base import Background, WeightSyncError
 
 R = TypeVar("R")
 IPC_BUFFER_LIMIT = 2 << 30  # bytes: a model up to ~1B parameters in bf16 goes over as one packed buffer
@@ -51,40 +49,6 @@ def rendezvous_address(base_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(url.host or "127.0.0.1"), url.port or 80))
         return str(probe.getsockname()[0])
-
-
-class Background(Generic[R]):
-    """``fn(*args)`` on a daemon thread (an HTTP call that blocks while its peer receives)."""
-
-    def __init__(self, what: str, fn: Callable[..., R], *args: Any) -> None:
-        self.what = what
-        self._value: R | None = None
-        self._error: BaseException | None = None
-        device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self._thread = threading.Thread(target=self._run, args=(fn, args, device), name=what, daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[..., R], args: tuple[Any, ...], device: int | None) -> None:
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)  # the current device is per thread
-            self._value = fn(*args)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
-            self._error = error
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def failed(self) -> bool:
-        return self.done() and self._error is not None
-
-    def result(self, timeout_s: float) -> R:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise WeightSyncError(f"{self.what}: no answer within {timeout_s:.0f} s (server.timeout)")
-        if self._error is not None:
-            raise self._error
-        return self._value  # type: ignore[return-value]
 
 
 def run_watched(what: str, fn: Callable[[], R], timeout_s: float, peer: Background[Any] | None = None) -> R:
