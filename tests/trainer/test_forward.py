@@ -228,3 +228,26 @@ def test_compiled_layers_match_eager_and_do_not_recompile_per_row_length():
         expected.logprobs.sum().backward()
         assert_same_gradients(model, eager, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_compiled_epilogues_do_not_recompile_for_a_one_token_chunk():
+    """A row of k x logit_chunk_tokens + 1 trained tokens (or of one) ends in a one-token chunk, a size that
+    torch.compile specialises even with dynamic=True: it compiled both epilogues again mid-run. Such a chunk runs
+    eagerly; every other row reuses the first compile, with the eager values and gradients."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    chunk = 4
+    for index, slots in enumerate((2 * chunk + 3, 2 * chunk + 1, 1, chunk + 1, chunk)):
+        hidden, head, targets, top_ids, sets = random_problem(seed=slots, slots=slots)
+        kwargs = {"top_ids": top_ids, "sampling_masks": sets, "chunk_tokens": chunk}
+        with torch._dynamo.config.patch(error_on_recompile=index > 0):
+            out = compute_token_logprobs(hidden, head, targets, TEMPERATURE, compile_backend="aot_eager", **kwargs)
+            got = grads(loss_of(out.logprobs, out.top_logprobs, slots), [hidden, head.weight, head.bias])
+        eager = compute_token_logprobs(hidden, head, targets, TEMPERATURE, **kwargs)
+        want = grads(loss_of(eager.logprobs, eager.top_logprobs, slots), [hidden, head.weight, head.bias])
+        torch.testing.assert_close(out.logprobs, eager.logprobs, atol=1e-12, rtol=0)
+        torch.testing.assert_close(out.top_logprobs, eager.top_logprobs, atol=1e-12, rtol=0)
+        for got_grad, want_grad in zip(got, want, strict=True):
+            torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=0)
+    torch._dynamo.reset()
