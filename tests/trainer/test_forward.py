@@ -251,3 +251,32 @@ def test_compiled_epilogues_do_not_recompile_for_a_one_token_chunk():
         for got_grad, want_grad in zip(got, want, strict=True):
             torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=0)
     torch._dynamo.reset()
+
+
+def test_compile_watch_logs_recompiles_and_compiles_after_the_first_row(caplog):
+    from torch._dynamo.callback import callback_handler
+
+    from asyncrl.trainer.forward import CompileWatch
+
+    def scaled(x: torch.Tensor, factor: int) -> torch.Tensor:
+        return x * factor
+
+    watch = CompileWatch()
+    callback_handler.register_start_callback(watch.start)
+    callback_handler.register_end_callback(watch.end)
+    try:
+        compiled = torch.compile(scaled, backend="eager")
+        watch.row()  # the first row: its compiles are expected, earlier tests' recompiles are logged
+        caplog.clear()
+        compiled(torch.ones(2), 2)
+        watch.row()
+        assert not caplog.records
+        compiled(torch.ones(2), 3)  # during the second row: a recompile
+        watch.row()
+    finally:
+        callback_handler.remove_start_callback(watch.start)
+        callback_handler.remove_end_callback(watch.end)
+    compile_line, guard_line = (record.message for record in caplog.records)
+    assert compile_line.startswith("torch.compile: ") and "s compiling (dynamo, compile id" in compile_line
+    assert "test_forward.py:" in compile_line  # the call that compiled, not torch's frames
+    assert "compiled scaled (" in guard_line and "again: " in guard_line and "factor" in guard_line
