@@ -10,10 +10,17 @@ scaled by the sampling temperature and, when the sampler drew from a truncated c
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import sysconfig
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +29,11 @@ from asyncrl.packing.attention import attach_tree_attention, build_plan, unwrap_
 from asyncrl.packing.deltanet import PLAN_KEYWORD, build_recurrent_plan, conv_kernel_size, deltanet_layers
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
+
+if TYPE_CHECKING:
+    from torch._dynamo.callback import CallbackArgs
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LOGIT_CHUNK_TOKENS = 4096
 _COMPILED = "_asyncrl_layers_compiled"
@@ -67,6 +79,7 @@ def packed_forward(
     backend = resolve_compile(compile_layers, device)
     if backend is not None:
         compile_decoder_layers(model, backend)
+        compile_watch().row()
     inner = unwrap_model(model)
     check_head(inner.config)
     head = inner.get_output_embeddings()
@@ -153,6 +166,66 @@ def resolve_compile(compile_layers: bool | str, device: torch.device) -> str | N
             f"backend ({', '.join(list_backends())})"
         )
     return compile_layers
+
+
+@dataclass
+class CompileWatch:
+    """Names in the run's log what torch.compile does once the first row is trained, where it should do nothing:
+    each recompile with the guard that failed, and each compile after the first row with its trigger (a frame,
+    a lazily compiled backward, a CUDA graph recording) and seconds. Such a compile costs a GPU step 10-30 s and
+    is otherwise silent."""
+
+    rows: int = 0
+    started: float = 0.0
+    site: str = ""
+    """Where the compile in progress was reached: the innermost frame outside torch."""
+    reported: dict[CodeType, int] = field(default_factory=dict)
+    """Guard failures already logged, per compiled code object."""
+
+    def start(self, args: CallbackArgs) -> None:
+        self.started, self.site = time.perf_counter(), _outside_torch(traceback.extract_stack()[:-1])
+
+    def end(self, args: CallbackArgs) -> None:
+        if self.rows > 1:
+            log.warning("torch.compile: %.1f s compiling (%s, compile id %s, from %s) during row %d",
+                        time.perf_counter() - self.started, args.callback_trigger.name.lower(), args.compile_id,
+                        self.site, self.rows)  # fmt: skip
+
+    def row(self) -> None:
+        """A row is about to be forwarded: log the recompiles since the last one (its forward and backward)."""
+        from torch._dynamo.utils import guard_failures
+
+        self.rows += 1
+        for code, reasons in list(guard_failures.items()):
+            seen = self.reported.get(code, 0)
+            for reason in reasons[seen if seen <= len(reasons) else 0 :]:  # dynamo's reset() empties the lists
+                log.warning("torch.compile compiled %s (%s:%d) again: %s", code.co_name, code.co_filename,
+                            code.co_firstlineno, " ".join(reason.split("\nUser stack")[0].split()))  # fmt: skip
+            self.reported[code] = len(reasons)
+
+
+def _outside_torch(stack: traceback.StackSummary) -> str:
+    """The innermost frame of ``stack`` that is neither torch's nor the standard library's (which torch.compile
+    passes through), as file:line in function."""
+    paths = sysconfig.get_paths()
+
+    def ours(filename: str) -> bool:
+        stdlib = filename.startswith(paths["stdlib"]) and not filename.startswith(paths["purelib"])
+        return not (stdlib or filename.startswith(os.path.dirname(torch.__file__)))
+
+    frame = next((f for f in reversed(stack) if ours(f.filename)), stack[-1])
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+@functools.cache
+def compile_watch() -> CompileWatch:
+    """The process's CompileWatch, told of every compilation by torch.compile's callbacks."""
+    from torch._dynamo.callback import callback_handler
+
+    watch = CompileWatch()
+    callback_handler.register_start_callback(watch.start)
+    callback_handler.register_end_callback(watch.end)
+    return watch
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str) -> None:

@@ -114,8 +114,12 @@ class Chunking:
         """float32 for the log-softmax (float64 only when the head computes in float64)."""
         return torch.promote_types(self.compute_dtype, torch.float32)
 
-    def epilogue(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return fn if self.compile_backend is None else _compiled(fn, self.compile_backend)
+    def epilogue(self, fn: Callable[..., Any], tokens: int) -> Callable[..., Any]:
+        """``fn`` compiled for a chunk of ``tokens``, or eager for a chunk of one token: torch.compile specialises
+        sizes 0 and 1 even with dynamic=True, so the one-token chunk of a row whose trained tokens are a multiple
+        of the chunk size plus one (or of a row of one trained token) would compile both epilogues a second time
+        mid-run (guard ``2 <= logits.size()[0]``; 10-30 s on the GPU); one token costs nothing eagerly."""
+        return fn if self.compile_backend is None or tokens < 2 else _compiled(fn, self.compile_backend)
 
     def ranges(self, length: int) -> list[tuple[int, int, int]]:
         """(chunk index, lo, hi) over ``length`` tokens."""
@@ -150,10 +154,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         log_z = hidden.new_empty(length, dtype=chunking.float_dtype)
         logprobs, entropy = torch.empty_like(log_z), torch.empty_like(log_z)
         top = hidden.new_empty(top_ids.shape, dtype=chunking.float_dtype)
-        stats = chunking.epilogue(chunk_stats)
         for index, lo, hi in chunking.ranges(length):
             z, keep = chunking.logits(hidden, w, bias, index, lo, hi)
-            log_z[lo:hi], logprobs[lo:hi], top[lo:hi], entropy[lo:hi] = stats(
+            log_z[lo:hi], logprobs[lo:hi], top[lo:hi], entropy[lo:hi] = chunking.epilogue(chunk_stats, hi - lo)(
                 z, keep, targets[lo:hi], top_ids[lo:hi], chunking.temperature
             )
         ctx.save_for_backward(hidden, weight, bias, targets, top_ids, log_z)
@@ -176,10 +179,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         accumulate = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=accumulate, device=weight.device) if need_bias else None
-        grad_logits = chunking.epilogue(chunk_grad_logits)
         for index, lo, hi in chunking.ranges(hidden.shape[0]):
             z, keep = chunking.logits(hidden, w, bias, index, lo, hi)
-            grad_z = grad_logits(
+            grad_z = chunking.epilogue(chunk_grad_logits, hi - lo)(
                 z,
                 keep,
                 log_z[lo:hi],

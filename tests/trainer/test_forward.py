@@ -228,3 +228,55 @@ def test_compiled_layers_match_eager_and_do_not_recompile_per_row_length():
         expected.logprobs.sum().backward()
         assert_same_gradients(model, eager, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_compiled_epilogues_do_not_recompile_for_a_one_token_chunk():
+    """A row of k x logit_chunk_tokens + 1 trained tokens (or of one) ends in a one-token chunk, a size that
+    torch.compile specialises even with dynamic=True: it compiled both epilogues again mid-run. Such a chunk runs
+    eagerly; every other row reuses the first compile, with the eager values and gradients."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    chunk = 4
+    for index, slots in enumerate((2 * chunk + 3, 2 * chunk + 1, 1, chunk + 1, chunk)):
+        hidden, head, targets, top_ids, sets = random_problem(seed=slots, slots=slots)
+        kwargs = {"top_ids": top_ids, "sampling_masks": sets, "chunk_tokens": chunk}
+        with torch._dynamo.config.patch(error_on_recompile=index > 0):
+            out = compute_token_logprobs(hidden, head, targets, TEMPERATURE, compile_backend="aot_eager", **kwargs)
+            got = grads(loss_of(out.logprobs, out.top_logprobs, slots), [hidden, head.weight, head.bias])
+        eager = compute_token_logprobs(hidden, head, targets, TEMPERATURE, **kwargs)
+        want = grads(loss_of(eager.logprobs, eager.top_logprobs, slots), [hidden, head.weight, head.bias])
+        torch.testing.assert_close(out.logprobs, eager.logprobs, atol=1e-12, rtol=0)
+        torch.testing.assert_close(out.top_logprobs, eager.top_logprobs, atol=1e-12, rtol=0)
+        for got_grad, want_grad in zip(got, want, strict=True):
+            torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_compile_watch_logs_recompiles_and_compiles_after_the_first_row(caplog):
+    from torch._dynamo.callback import callback_handler
+
+    from asyncrl.trainer.forward import CompileWatch
+
+    def scaled(x: torch.Tensor, factor: int) -> torch.Tensor:
+        return x * factor
+
+    watch = CompileWatch()
+    callback_handler.register_start_callback(watch.start)
+    callback_handler.register_end_callback(watch.end)
+    try:
+        compiled = torch.compile(scaled, backend="eager")
+        watch.row()  # the first row: its compiles are expected, earlier tests' recompiles are logged
+        caplog.clear()
+        compiled(torch.ones(2), 2)
+        watch.row()
+        assert not caplog.records
+        compiled(torch.ones(2), 3)  # during the second row: a recompile
+        watch.row()
+    finally:
+        callback_handler.remove_start_callback(watch.start)
+        callback_handler.remove_end_callback(watch.end)
+    compile_line, guard_line = (record.message for record in caplog.records)
+    assert compile_line.startswith("torch.compile: ") and "s compiling (dynamo, compile id" in compile_line
+    assert "test_forward.py:" in compile_line  # the call that compiled, not torch's frames
+    assert "compiled scaled (" in guard_line and "again: " in guard_line and "factor" in guard_line
