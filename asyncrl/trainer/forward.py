@@ -187,7 +187,7 @@ class CompileWatch:
 
     def end(self, args: CallbackArgs) -> None:
         if self.rows > 1:
-            log.warning("torch.compile: %.1f s compiling (%s, compile id %s, from %s) during row %d",
+            log.info("torch.compile: %.1f s compiling (%s, compile id %s, from %s) during row %d",
                         time.perf_counter() - self.started, args.callback_trigger.name.lower(), args.compile_id,
                         self.site, self.rows)  # fmt: skip
 
@@ -199,7 +199,7 @@ class CompileWatch:
         for code, reasons in list(guard_failures.items()):
             seen = self.reported.get(code, 0)
             for reason in reasons[seen if seen <= len(reasons) else 0 :]:  # dynamo's reset() empties the lists
-                log.warning("torch.compile compiled %s (%s:%d) again: %s", code.co_name, code.co_filename,
+                log.info("torch.compile compiled %s (%s:%d) again: %s", code.co_name, code.co_filename,
                             code.co_firstlineno, " ".join(reason.split("\nUser stack")[0].split()))  # fmt: skip
             self.reported[code] = len(reasons)
 

@@ -4,6 +4,7 @@ and through `packed_forward` (plain, peft LoRA, tied embeddings); compiled decod
 from __future__ import annotations
 
 import copy
+import logging
 import random
 
 import pytest
@@ -261,6 +262,7 @@ def test_compile_watch_logs_recompiles_and_compiles_after_the_first_row(caplog):
     def scaled(x: torch.Tensor, factor: int) -> torch.Tensor:
         return x * factor
 
+    caplog.set_level(logging.INFO, logger="asyncrl.trainer.forward")
     watch = CompileWatch()
     callback_handler.register_start_callback(watch.start)
     callback_handler.register_end_callback(watch.end)
