@@ -104,7 +104,7 @@ def _hydra_job(cfg: DictConfig) -> None:
         print(interrupted_line(run_dir, Path(config.trainer.output_dir or run_dir), exc), file=sys.stderr)
         signum = getattr(signal, exc.args[0], signal.SIGINT) if exc.args else signal.SIGINT
         raise SystemExit(128 + signum) from exc
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if HydraConfig.get().mode == RunMode.MULTIRUN and config.logging.report:
         from asyncrl.report import write_report
 
         print(f"sweep report: {write_report(run_dir.parent)}", flush=True)  # updated as each job ends
@@ -181,9 +181,10 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
 
             with Ranks.alone() as ranks:
                 run_training(config, run_dir, server, prepared, ranks)
-    from asyncrl.report import write_report
+    if config.logging.report:
+        from asyncrl.report import write_report
 
-    print(f"report: {write_report(run_dir)}", flush=True)
+        print(f"report: {write_report(run_dir)}", flush=True)
 
 
 def check_port(config: Config) -> None:

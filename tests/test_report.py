@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -105,6 +106,20 @@ def test_sweep_report_compares_jobs_and_overlays_rewards(tmp_path):
     for job in ("0", "1"):
         assert (sweep / job / "report" / "index.html").is_file()
         assert f'href="../{job}/report/index.html"' in text
+
+
+def test_sweep_report_keeps_a_job_page_newer_than_its_metrics_and_rewrites_a_stale_one(tmp_path):
+    """Each job of a multirun writes its own page, then the sweep's: that one renders only pages left stale."""
+    sweep = tmp_path / "multirun"
+    _write_sweep(sweep)
+    pages = [sweep / job / "report" / "index.html" for job in ("0", "1")]
+    for page, metrics_ns in zip(pages, (1_000, 3_000), strict=True):  # job 1's metrics changed after its page
+        page.parent.mkdir()
+        page.write_text("as the job wrote it")
+        os.utime(page, ns=(2_000, 2_000))
+        os.utime(page.parent.parent / "metrics.jsonl", ns=(metrics_ns, metrics_ns))
+    write_report(sweep)
+    assert pages[0].read_text() == "as the job wrote it" and "final reward" in pages[1].read_text()
 
 
 def test_empty_dir_fails_naming_it(tmp_path):

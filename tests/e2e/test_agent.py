@@ -23,8 +23,8 @@ STEPS = 2
 def test_counter_agent_recipe_calls_tools_and_trains_on_the_env_reward(tmp_path):
     run_dir = tmp_path / "run"
     run = run_cli(["train", "+recipe=counter_agent", f"trainer.max_steps={STEPS}", f"trainer.save_steps={STEPS}",
-                   "logging.console=plain", f"hydra.run.dir={run_dir}", f"server.port={free_port()}"],
-                  timeout_s=300)  # fmt: skip
+                   "logging.console=plain", "logging.report=false", f"hydra.run.dir={run_dir}",
+                   f"server.port={free_port()}"], timeout_s=300)  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))

@@ -25,8 +25,9 @@ def test_a_hybrid_vision_language_checkpoint_trains_text_only(
     run = run_cli([
         "train", f"model.name_or_path={random_tiny_vlm_dir}", f"data.path={arithmetic_data_dir / 'train.jsonl'}",
         "data.eval_path=null", "reward=length", "packing=tree", "packing.token_budget=512",
-        f"trainer.max_steps={STEPS}", "logging.console=plain", f"hydra.run.dir={run_dir}", "server.launch=false",
-        f"server.base_url={server.base_url}", f"server.weights_dir={weights_root}", "trainer.cpu_threads=1",
+        f"trainer.max_steps={STEPS}", "logging.console=plain", "logging.report=false", f"hydra.run.dir={run_dir}",
+        "server.launch=false", f"server.base_url={server.base_url}", f"server.weights_dir={weights_root}",
+        "trainer.cpu_threads=1",
     ])  # fmt: skip
     assert run.returncode == 0, run.output[-4000:]
     assert wait_no_marked(run.marker) == []

@@ -27,7 +27,7 @@ from .helpers import CliRun, run_cli, served_vs_trained, wait_no_marked
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 6
+STEPS = 4
 SAVE_STEPS = STEPS // 2
 RESUMED = [STEPS + 1, STEPS + 2, STEPS + 3]
 CISPO = ["loss=cispo", "advantage=rloo", "loss.entropy_coef=0.01", "loss.entropy_target=100.0"]
@@ -38,7 +38,7 @@ def common_args(model: Path, data: Path, run_dir: Path) -> list[str]:
     return [
         f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}", "data.eval_path=null", "reward=length",
         "packing.token_budget=512", f"trainer.max_steps={STEPS}", f"trainer.save_steps={SAVE_STEPS}",
-        "logging.console=plain", f"hydra.run.dir={run_dir}", f"server.port={free_port()}",
+        "logging.console=plain", "logging.report=false", f"hydra.run.dir={run_dir}", f"server.port={free_port()}",
     ]  # fmt: skip
 
 
@@ -82,13 +82,15 @@ def async_run(random_tiny_model_dir, arithmetic_data_dir, fresh_server, tmp_path
 @pytest.fixture(scope="module")
 def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, session_server) -> tuple[CliRun, Path]:
     """Resumed in synchronous mode (max_staleness=0), which its 3 steps also check. No fresh server: the resumed
-    trainer pushes its checkpoint's weights before generating."""
+    trainer pushes its checkpoint's weights before generating. It saves twice (periodic, final): three checkpoints
+    kept (tiny_arith keeps 2) leave the one it resumed from, which the tests read, and still prune the first."""
     if async_run.run.returncode != 0:
         pytest.skip("the first run failed")
     run_dir = async_run.run_dir
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir),
             f"trainer.max_steps={RESUMED[-1]}", "staleness.max_staleness=0", *CISPO,
-            "trainer.resume_from_checkpoint=latest", *attach(session_server)]  # fmt: skip
+            "trainer.resume_from_checkpoint=latest", "trainer.save_total_limit=3",
+            *attach(session_server)]  # fmt: skip
     return run_cli(args), run_dir
 
 
@@ -101,6 +103,7 @@ def test_async_run_trains_every_step_within_its_staleness_bound_and_overlaps(asy
     assert max(s["sample/staleness_max"] for s in steps) <= 1
     assert overlap(run_dir) > 0.0  # generation and training were busy at the same time
     assert (run_dir / "model" / "model.safetensors").is_file()
+    assert not (run_dir / "report").exists()  # logging.report=false (the report: test_default.py, test_multirun.py)
     # the load poller's scrapes of the server's /metrics reach the logs (its dict outlives each flush)
     usage = [s.get("rollout/vllm_kv_cache_usage_frac", math.nan) for s in steps]
     assert any(not math.isnan(u) for u in usage)
