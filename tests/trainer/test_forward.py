@@ -231,6 +231,40 @@ def test_compiled_layers_match_eager_and_do_not_recompile_per_row_length():
     torch._dynamo.reset()
 
 
+def test_compiled_layers_stay_compiled_under_gradient_checkpointing():
+    """transformers >= 5.24 checkpoints each layer's forward inside its compiled call, and the checkpoint turns
+    torch.compile off: the layers ran eagerly (no graph) unless the checkpointed function is compiled itself."""
+    import torch._dynamo
+    from torch._dynamo.backends.debugging import aot_eager
+
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting(graph: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(graph)
+        return aot_eager(graph, inputs)
+
+    rows = [packed_row(seed, with_sets=False) for seed in (4, 5)]
+    model = build_tiny_qwen3(4).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as trainer/model.py
+    eager = copy.deepcopy(model)
+    compile_decoder_layers(model, backend=counting)
+    for index, row in enumerate(rows):
+        with torch._dynamo.config.patch(error_on_recompile=index == 1):
+            out = packed_forward(model, row, 1.0, attention="sdpa")  # the layers only: compiled above
+        expected = packed_forward(eager, row, 1.0, attention="sdpa")
+        torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+        out.logprobs.sum().backward()
+        expected.logprobs.sum().backward()
+        assert_same_gradients(model, eager, atol=1e-5)
+        if index == 0:
+            compiled = len(graphs)
+    assert compiled == len(graphs)  # the second row, of another length, compiled nothing
+    mlp = any(node.target is torch.nn.functional.silu for graph in graphs for node in graph.graph.nodes)
+    assert mlp, f"the decoder layers ran eagerly ({len(graphs)} graphs, none with the MLP's silu)"
+    torch._dynamo.reset()
+
+
 def test_compiled_epilogues_do_not_recompile_for_a_one_token_chunk():
     """A row of k x logit_chunk_tokens + 1 trained tokens (or of one) ends in a one-token chunk, a size that
     torch.compile specialises even with dynamic=True: it compiled both epilogues again mid-run. Such a chunk runs
