@@ -107,14 +107,12 @@ class WeightSync:
         except WeightSyncError as error:
             failure = error
         except BaseException:  # Ctrl-C or SystemExit mid-round: the server must not stay paused
-            self._join_quietly(pausing)
-            self._resume_after_failure()
+            self._resume_after_failure(pausing)
             raise
         finally:
             self.transport.discard()
         if failure is not None:
-            self._join_quietly(pausing)
-            self._resume_after_failure()
+            self._resume_after_failure(pausing)
             raise failure
         self._resuming = Background("POST /resume", self._resume)
         total = time.perf_counter() - started
@@ -167,18 +165,15 @@ class WeightSync:
             except Exception as error:  # noqa: BLE001 - the server may already have ended the session
                 log.info("closing the failed weight update: %s", error)
 
-    @staticmethod
-    def _join_quietly(pausing: Background[None]) -> None:
-        """Let a failed round's pause finish before the resume is sent (its own error is the round's, or moot)."""
+    def _resume_after_failure(self, pausing: Background[None]) -> None:
+        """Resume after a failed round, so generation never stays paused: once the round's pause has finished (a
+        resume must not overtake it; its own error is the round's, or moot), with the short cleanup timeout since
+        the server may be stuck (a dead transfer peer). The resume's own failure is logged, not raised over the
+        round's."""
         try:
             pausing.result(CLEANUP_TIMEOUT_S)
         except BaseException as error:  # noqa: BLE001 - the round already failed; this only orders the calls
             log.info("the failed round's pause: %s", error)
-
-    def _resume_after_failure(self) -> None:
-        """Resume after a failed round, so generation never stays paused; the server may be stuck (a dead transfer
-        peer), so the call gets the short cleanup timeout, and its own failure is logged, not raised over the
-        round's."""
         with self.control.reopened(CLEANUP_TIMEOUT_S) as cleanup:
             try:
                 run_step("resume", cleanup.resume)
