@@ -130,6 +130,18 @@ def checkpoint_kind(config: Config) -> CheckpointKind:
     return CheckpointKind.of(model_config, modules)
 
 
+def checked_dtype(config: Config, kind: CheckpointKind) -> str:
+    """The serving dtype (server/command.py), refused when vLLM cannot run it: its gated-DeltaNet kernels
+    (ChunkGatedDeltaRuleFunction) assert 16-bit inputs, so a float32 server of such a model dies at startup."""
+    dtype = serving_dtype(config)
+    if kind.gated_deltanet and dtype == "float32":
+        raise ConfigError(
+            f"server.dtype=float32: vLLM's gated-DeltaNet kernels run {config.model.name_or_path} in 16 bits only; "
+            "leave server.dtype unset (bfloat16; the trainer keeps its float32 weights) or set server.dtype=bfloat16"
+        )
+    return dtype
+
+
 def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
@@ -386,13 +398,15 @@ def vllm_command(
     split = split_gpus(config, visible) if sv.launch else None
     transfer = weight_transfer_backend(config, split)
     host, port = _listen_address(config, replica)
+    kind = checkpoint_kind(config) if checkpoint is None else checkpoint
+    dtype = checked_dtype(config, kind)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model.name_or_path,
         "--served-model-name", served_model_name(config),
         "--host", host, "--port", str(port),
         "--seed", str(config.trainer.seed),
-        "--dtype", serving_dtype(config),
+        "--dtype", dtype,
         "--max-model-len", str(required_model_len(config, prompt_tokens)),
         "--max-logprobs", str(max(sv.max_logprobs, s.num_sampler_logprobs)),
         "--logprobs-mode", "processed_logprobs",
@@ -421,7 +435,7 @@ def vllm_command(
     if lora_adapters(config):
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    argv += checkpoint_flags(checkpoint_kind(config) if checkpoint is None else checkpoint)
+    argv += checkpoint_flags(kind)
     if config.model.revision:
         argv += ["--revision", config.model.revision]
     if config.model.trust_remote_code:

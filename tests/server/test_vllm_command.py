@@ -52,7 +52,7 @@ GOLDEN = {
         SERVE
         + flags(
             "--dtype",
-            "float32",
+            "bfloat16",
             "--max-model-len",
             "1224",
             "--max-logprobs",
@@ -98,7 +98,7 @@ GOLDEN = {
         SERVE
         + flags(
             "--dtype",
-            "float32",
+            "bfloat16",
             "--max-model-len",
             "1224",
             "--max-logprobs",
@@ -154,7 +154,7 @@ GOLDEN = {
         [*SERVE[:7], "--host", "10.0.0.5", "--port", "9000", "--seed", "42"]
         + flags(
             "--dtype",
-            "float32",
+            "bfloat16",
             "--max-model-len",
             "4096",
             "--max-logprobs",
@@ -189,7 +189,7 @@ def test_golden_tensor_parallel():
     cmd = command([*overrides, "server.max_logprobs=32"], version, gpus)
     assert cmd.argv == SERVE + flags(
         "--dtype",
-        "float32",
+        "bfloat16",
         "--max-model-len",
         "1224",
         "--max-logprobs",
@@ -419,3 +419,10 @@ def test_utilization_follows_the_split_unless_set(caplog):
         assert utilization(["model.name_or_path=/no/model"], ("0",)) == "0.3"  # shared, nothing to measure
     assert "vLLM shares GPU 0 with the trainer: --gpu-memory-utilization 0.3 (a safe share" in caplog.text
     assert utilization(["server.gpu_memory_utilization=0.5"], ("0",)) == "0.5"
+
+
+def test_a_float32_server_of_a_gated_deltanet_model_is_refused_before_launch():
+    with pytest.raises(ConfigError, match="server.dtype=float32: vLLM's gated-DeltaNet kernels"):
+        command(["server.dtype=float32"], checkpoint=CheckpointKind(gated_deltanet=True))
+    argv = command(["server.dtype=float32"]).argv  # an attention-only model may serve in float32 when asked
+    assert argv[argv.index("--dtype") + 1] == "float32"
