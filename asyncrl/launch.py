@@ -314,6 +314,9 @@ def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGrou
         from asyncrl.server.vllm import measured_split_pending, trainer_gpus, visible_gpus
 
         visible, deferred = visible_gpus(), measured_split_pending(config)
+        cache = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
+        log.info("vLLM keeps its compile cache in %s across runs (VLLM_CACHE_ROOT): the first start of a shape "
+                 "compiles, later ones load it", cache)  # fmt: skip
         if deferred:
             log.info("vLLM starts once the trainer has measured its memory (the first run of this shape)")
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config, visible))  # the servers' are in their env
