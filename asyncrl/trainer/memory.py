@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import random
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,10 +140,12 @@ def synthetic_rows(row_factory: RowFactory, token_budget: int, max_model_len: in
 
 def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """``run_step()`` (forward and backward of the synthetic rows, gradient clipping) then an optimizer step whose
-    update is thrown away: gradients zeroed, learning rate 0, the optimizer's state cleared after, the RNG states
-    restored. What the step allocates (the AdamW moments included) stays in the caching allocator for the run."""
+    update is thrown away: gradients zeroed, learning rate 0, on a state of its own (a resumed run's moments are
+    set aside and put back), the RNG states restored. What the step allocates (the AdamW moments included) stays in
+    the caching allocator for the run."""
     rng = torch.random.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     rates = [group["lr"] for group in optimizer.param_groups]
+    kept, optimizer.state = optimizer.state, defaultdict(dict)
     try:
         run_step()
         for param in model.parameters():
@@ -153,7 +156,7 @@ def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimi
         optimizer.step()
     finally:
         optimizer.zero_grad(set_to_none=True)
-        optimizer.state.clear()
+        optimizer.state = kept
         for group, rate in zip(optimizer.param_groups, rates, strict=True):
             group["lr"] = rate
         torch.random.set_rng_state(rng[0])

@@ -33,9 +33,13 @@ def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were
     loss = StepLoss(components.loss, components.advantage, 16)
     work = split_rows(rows, [[0]], (0.0, 1.0))[0]
     random_state = torch.random.get_rng_state()
+    resumed = {"step": torch.tensor(7.0)}  # a resumed run's moments are put back as they were
+    optimizer.state[next(model.parameters())] = resumed
     warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    assert dict(optimizer.state) == {next(model.parameters()): resumed}
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.state.clear()
     assert [group["lr"] for group in optimizer.param_groups] == [1e-2]
     assert torch.equal(torch.random.get_rng_state(), random_state)
     optimizer.zero_grad()  # the same step for real moves the weights: the warm-up did run it
