@@ -101,7 +101,7 @@ class Trainer:
         self.row_factory, self.token_budget = components.packer.rows(self.max_model_len)
         self.window, self.timeline = MetricWindow(), Timeline()
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
-        self.console = Console(c)
+        self.console = Console(c, self.flow)
         self.trackers = build_trackers(c, self.run_dir)
         self.completions: list[dict[str, Any]] = []
         self.sync = build_weight_sync(c, self.control, self.run_dir, self.prepared)
