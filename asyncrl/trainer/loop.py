@@ -19,7 +19,6 @@ from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import evaluate
-from asyncrl.flow import FlowControl
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.rollout.channels import WorkerChannels
@@ -71,7 +70,7 @@ class Trainer:
         use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout)  # every replica
-        self.flow = FlowControl.from_config(config)
+        self.flow = prepared.plan.flow
         self.channels = WorkerChannels.create(1)
         self.worker = spawn_worker(self.channels)  # it imports, and the model loads, while a launched server boots
         try:
@@ -252,7 +251,7 @@ class Trainer:
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
             reward_sources=components.rewards, advantage_fn=components.advantage, loop_cls=self.prepared.loop_cls,
             base_urls=self.server.base_urls,
-            model_name=served_model_name(c), max_model_len=self.max_model_len,
+            model_name=served_model_name(c), max_model_len=self.max_model_len, flow=self.flow,
             adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),
         )  # fmt: skip

@@ -22,11 +22,12 @@ from sharded import sharded
 from asyncrl.advantages import ADVANTAGES
 from asyncrl.assets.tiny_model import build_model, build_tokenizer
 from asyncrl.config import ConfigError
-from asyncrl.config.compose import compose, to_config, to_config_and_components
+from asyncrl.config.compose import compose
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing.flat import FlatRow
+from asyncrl.plan.assemble import plan_run
 from asyncrl.rollout.loop import AsyncRolloutLoop, render_prompt
 from asyncrl.rollout.types import Rollout, RolloutSample, TrainingSequence, TurnRecord
 from asyncrl.trainer.assembler import Step
@@ -204,7 +205,7 @@ def test_rollouts_that_hit_the_length_budget_are_flagged_for_the_loss():
 )
 def test_config_validation_runs_the_loss(overrides, named):
     with pytest.raises(ConfigError, match=named):
-        to_config(compose(overrides))
+        plan_run(compose(overrides))
 
 
 # ---- inside the real trainer step ----------------------------------------------------------------------------
@@ -220,7 +221,8 @@ def tokenizer():
 def trainer_for(overrides: list[str], model: torch.nn.Module, ranks: Ranks) -> Trainer:
     """The Trainer's step as the CLI runs it in one process: rank 0 of a world of one, its model sharded."""
     overrides = ["trainer.weight_decay=0.0", "trainer.learning_rate=1e-3", *overrides]
-    config, components = to_config_and_components(compose(overrides))
+    plan = plan_run(compose(overrides))
+    config, components = plan.config, plan.components
     trainer = Trainer.__new__(Trainer)
     trainer.config, trainer.ranks, trainer.world = config, ranks, 1
     trainer.model, trainer.optimizer, trainer.scheduler = sharded(config, model)
