@@ -107,16 +107,14 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
         steps = []
         for step in range(args.steps):
             started = time.perf_counter()
-            loss.start_step(rows)
             placement = [list(range(start, start + world)) for start in range(0, len(rows), world)]  # row r -> rank r
-            mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
+            mine = ranks.command("step", split_rows(rows, placement, loss.norm(rows)))
             result = train_rows(model, loss, mine, ranks, config)
             grad_norm = float(fsdp.clip_grad_norm(model, config.trainer.max_grad_norm))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss.end_step()
-            per_row = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
+            per_row = [m for per_rank, _ in ranks.gather((result.metrics, result.totals)) for m in per_rank]
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             steps.append({"seconds": time.perf_counter() - started, "grad_norm": grad_norm,

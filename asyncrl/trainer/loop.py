@@ -19,7 +19,7 @@ from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import evaluate
-from asyncrl.losses.step import StepLoss
+from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
@@ -159,10 +159,9 @@ class Trainer:
 
     def _optimize(self, step: Step) -> list[Any]:
         rows = [row.pack(self.top_k) for row in step.rows]
-        self.loss.start_step(rows)
         self.model.train()
         started = time.time()
-        fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows, step)
+        fwd_s, fwd_bwd_s, mine = self._forward_backward(rows, step)
         t1 = time.perf_counter()
         with phase("optimizer"):
             grad_norm = clip_grad_norm(self.model, self.config.trainer.max_grad_norm)
@@ -170,8 +169,9 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - t1
-        self.window.update(self.loss.end_step())
-        for metrics in (m for rank in self.ranks.gather(rank_metrics) for m in rank):
+        ranks_results = self.ranks.gather(mine)  # each rank's per-row metrics and totals
+        self.window.update(self.loss.end_step(sum((totals for _, totals in ranks_results), StepTotals())))
+        for metrics in (m for rank_metrics, _ in ranks_results for m in rank_metrics):
             self.window.add("entropy", metrics.pop("entropy"))
             self.window.update(metrics)
         self.timeline.add("training", started, time.time())
@@ -184,14 +184,16 @@ class Trainer:
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
 
-    def _forward_backward(self, rows: list[Any], step: Step) -> tuple[float, float, list[dict[str, float]]]:
+    def _forward_backward(
+        self, rows: list[Any], step: Step
+    ) -> tuple[float, float, tuple[list[dict[str, float]], StepTotals]]:
         """Forward and backward of the step's rows, each micro-batch's row r on rank r (the loss of each row is its
         share of the step's, so the gradients add up to the step's). Returns the forward and forward+backward
-        seconds and this rank's per-row metrics (the others' come with the step's end)."""
-        work = split_rows(rows, step.placement, (self.loss.shift, self.loss.scale))
+        seconds and this rank's per-row metrics and totals (the others' come with the step's end)."""
+        work = split_rows(rows, step.placement, self.loss.norm(rows))  # the step's norm, decided here once
         mine = self.ranks.command("step", work)
         result = train_rows(self.model, self.loss, mine, self.ranks, self.config)
-        return result.forward_s, result.forward_backward_s, result.metrics
+        return result.forward_s, result.forward_backward_s, (result.metrics, result.totals)
 
     def _record_step_time(self, step: Step, seconds: float) -> None:
         tokens = sum(s.num_tokens for s in step.samples)

@@ -109,13 +109,6 @@ class Ranks:
         dist.broadcast(value, src=0)
         return int(value.item())
 
-    def sum(self, values: list[float]) -> list[float]:
-        if self.world == 1:
-            return [float(v) for v in values]
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
-
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on rank 0 (an empty list on the others)."""
         if self.world == 1:
