@@ -55,8 +55,9 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
     reports these over many lines or as a traceback, and would create the run directory first."""
     from omegaconf import open_dict
 
-    from asyncrl.config.compose import compose, to_config
+    from asyncrl.config.compose import compose
     from asyncrl.config.messages import check_run_dir
+    from asyncrl.plan.assemble import plan_run
 
     for variant in _sweep_variants(overrides) if multirun else [overrides]:
         composed = compose(variant, return_hydra_config=True)
@@ -65,7 +66,7 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
         if validate:
-            to_config(composed)
+            plan_run(composed)
 
 
 def _sweep_variants(overrides: list[str]) -> list[list[str]]:
@@ -91,9 +92,10 @@ def config(
     ),
 ) -> None:
     """Print the composed, validated config as YAML (same overrides as train)."""
-    from asyncrl.config.compose import compose, to_config, to_yaml
+    from asyncrl.config.compose import compose, to_yaml
+    from asyncrl.plan.assemble import plan_run
 
-    composed = _checked(lambda: to_config(compose(list(ctx.args))))
+    composed = _checked(lambda: plan_run(compose(list(ctx.args))).config)
     if server_command:
         from asyncrl.launch import shell_line
         from asyncrl.server.choice import printable_server_commands
@@ -125,10 +127,11 @@ def recipes() -> None:
 @app.command(context_settings=_EXTRA)
 def serve(ctx: typer.Context) -> None:
     """Run the generation server alone in the foreground (same config groups as train)."""
-    from asyncrl.config.compose import compose, to_config
+    from asyncrl.config.compose import compose
     from asyncrl.launch import EXPECTED_ERRORS, serve_forever
+    from asyncrl.plan.assemble import plan_run
 
-    config = _checked(lambda: to_config(compose(list(ctx.args))))
+    config = _checked(lambda: plan_run(compose(list(ctx.args))).config)
     try:
         serve_forever(config)
     except EXPECTED_ERRORS as exc:

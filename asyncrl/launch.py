@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from asyncrl.config.compose import conf_dir, register_schema, to_config_and_components, to_yaml
+from asyncrl.config.compose import conf_dir, register_schema, to_yaml
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
+from asyncrl.plan.assemble import plan_run
 
 if TYPE_CHECKING:
-    from asyncrl.components import Components
+    from asyncrl.plan.run_plan import RunPlan
     from asyncrl.server.command import ServerCommand
     from asyncrl.server.group import ServerGroup
 
@@ -89,14 +90,15 @@ def _hydra_job(cfg: DictConfig) -> None:
 
     os.environ["ASYNCRL_STARTED_AT"] = str(time.time())  # trainer/loop.py's STARTED_ENV: perf/startup_* count from here
     try:
-        config, components = to_config_and_components(cfg)
+        plan = plan_run(cfg)
     except ConfigError as exc:
         print(f"config error: {config_error_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from exc
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the metrics
+    config = plan.config
     try:
-        run_job(config, components, run_dir)
+        run_job(plan, run_dir)
     except EXPECTED_ERRORS as exc:
         details = getattr(exc, "details", "")
         log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
@@ -156,17 +158,15 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     )
 
 
-def run_job(config: Config, components: Components, run_dir: Path) -> None:
-    """One training job in ``run_dir`` with the components its validation built: the server is stopped however
-    the job ends."""
+def run_job(plan: RunPlan, run_dir: Path) -> None:
+    """One training job in ``run_dir`` as ``plan`` says: the server is stopped however the job ends."""
+    config = plan.config
     run_dir.mkdir(parents=True, exist_ok=True)
     if config.trainer.output_dir is None:
         config.trainer.output_dir = str(run_dir)
     from asyncrl.trainer.loop import run_training
-    from asyncrl.trainer.ranks import world_size
     from asyncrl.trainer.setup import prepare
 
-    world = world_size(config)
     log.info(dtype_line(config))
     _check_resume(config, run_dir)  # before config.yaml: a refused run leaves the directory as it was
     check_port(config)
@@ -174,9 +174,9 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
         claim_server_access(config, run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     terminate_on_sigterm()
-    prepared = prepare(config, components)  # data, picklability: fail before the server starts
+    prepared = prepare(plan)  # data, picklability: fail before the server starts
     with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
-        if world > 1:
+        if plan.world_size > 1:
             from asyncrl.trainer.launcher import run_ranks
 
             run_ranks(run_dir, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and waits for
@@ -256,14 +256,14 @@ def _check_fresh(run_dir: Path, output_dir: Path) -> None:
         )
 
 
-def load_run_config(run_dir: Path) -> tuple[Config, Components]:
-    """The resolved config a job wrote to its run directory (what each of its child processes reads), and its
-    components built by validating it."""
+def load_run_plan(run_dir: Path) -> RunPlan:
+    """The plan of the resolved config a job wrote to its run directory (what each of its child processes
+    reads)."""
     from omegaconf import OmegaConf
 
     register_schema()
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
-    return to_config_and_components(cfg)  # type: ignore[arg-type]
+    return plan_run(cfg)  # type: ignore[arg-type]
 
 
 def claim_server_access(config: Config, run_dir: Path) -> None:

@@ -19,6 +19,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from asyncrl.flow import FlowControl
 from asyncrl.metrics import read_jsonl
 from asyncrl.trainer.console import diagnose_bottleneck
 from asyncrl.trainer.timeline import merge
@@ -178,10 +179,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _max_staleness(run_dir: Path) -> int | None:
+def _flow(run_dir: Path) -> FlowControl | None:
+    """The run's flow rules from its config.yaml (which report reads as plain YAML), or None without one."""
     path = run_dir / "config.yaml"
     config = yaml.safe_load(path.read_text()) if path.is_file() else None
-    return (config or {}).get("staleness", {}).get("max_staleness")
+    max_staleness = (config or {}).get("staleness", {}).get("max_staleness")
+    return None if max_staleness is None else FlowControl(max_staleness)
 
 
 def run_summary(records: Records, run_dir: Path, timeline: dict[str, Any]) -> list[tuple[str, str]]:
@@ -204,10 +207,10 @@ def run_summary(records: Records, run_dir: Path, timeline: dict[str, Any]) -> li
         optional[label] = None if value is None else fmt.format(value)
     for key, value in timeline.get("summary", {}).items():
         optional[f"timeline {key}"] = f"{value:.1f}" if key == "wall_s" else f"{value:.1%}"
-    max_staleness = _max_staleness(run_dir)
+    flow = _flow(run_dir)
     queue = {name: m for name in _QUEUE_METRICS if (m := _mean(records, name)) is not None}
-    if max_staleness is not None and queue:
-        optional["bottleneck (run means)"] = diagnose_bottleneck(queue, max_staleness)
+    if flow is not None and queue:
+        optional["bottleneck (run means)"] = diagnose_bottleneck(queue, flow)
     return rows + [(label, value) for label, value in optional.items() if value is not None]
 
 

@@ -35,8 +35,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from asyncrl.config.compose import compose, to_config_and_components  # noqa: E402
+from asyncrl.config.compose import compose  # noqa: E402
 from asyncrl.packing.trie import TreeRow  # noqa: E402
+from asyncrl.plan.assemble import plan_run  # noqa: E402
 from asyncrl.rollout.types import RolloutSample, TrainingSequence  # noqa: E402
 from asyncrl.server.process import free_port  # noqa: E402
 
@@ -75,12 +76,13 @@ def grpo_rows(args: argparse.Namespace, vocab: int) -> list[Any]:
 
 def config_for(model_dir: Path, args: argparse.Namespace, world: int) -> tuple[Any, Any]:
     # cispo: no ratio clipping of the gradient, so random sampler log-probabilities still give every token one
-    return to_config_and_components(compose([
+    plan = plan_run(compose([
         f"model.name_or_path={model_dir}", "data.path=unused.jsonl", f"trainer.num_processes={world}",
         f"model.dtype={'float32' if args.tiny else 'bfloat16'}", "trainer.learning_rate=1e-5",
         "trainer.gradient_checkpointing=true", "loss=cispo", f"trainer.bf16={'false' if args.tiny else 'true'}",
         "trainer.attention=auto", "trainer.compile_layers=false",
     ]))  # fmt: skip
+    return plan.config, plan.components
 
 
 def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any], args: argparse.Namespace,
@@ -105,16 +107,14 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
         steps = []
         for step in range(args.steps):
             started = time.perf_counter()
-            loss.start_step(rows)
             placement = [list(range(start, start + world)) for start in range(0, len(rows), world)]  # row r -> rank r
-            mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
+            mine = ranks.command("step", split_rows(rows, placement, loss.norm(rows)))
             result = train_rows(model, loss, mine, ranks, config)
             grad_norm = float(fsdp.clip_grad_norm(model, config.trainer.max_grad_norm))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss.end_step()
-            per_row = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
+            per_row = [m for per_rank, _ in ranks.gather((result.metrics, result.totals)) for m in per_rank]
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             steps.append({"seconds": time.perf_counter() - started, "grad_norm": grad_norm,

@@ -119,8 +119,9 @@ def max_diff(model: torch.nn.Module, samples: list[Sample]) -> float:
 
 def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.client import ControlClient, GenerationClient, SamplingParams
-    from asyncrl.config.compose import compose, to_config_and_components
+    from asyncrl.config.compose import compose
     from asyncrl.launch import start_server
+    from asyncrl.plan.assemble import plan_run
     from asyncrl.server.command import served_model_name
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
@@ -128,8 +129,8 @@ def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.trainer.weight_sync import WeightSync, build_weight_sync
 
     out.mkdir(parents=True, exist_ok=True)
-    config, components = to_config_and_components(compose([*overrides(backend), f"trainer.output_dir={out}"]))
-    prepared = prepare(config, components)
+    plan = plan_run(compose([*overrides(backend), f"trainer.output_dir={out}"]))
+    config, prepared = plan.config, prepare(plan)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     with start_server(config, out) as server, ControlClient(server.base_url, timeout_s=600) as control:
@@ -199,8 +200,9 @@ def phase_sync(backend: str, out: Path) -> None:
 
 
 def phase_lora(backend: str, out: Path, steps: int, modes: list[str]) -> None:
-    from asyncrl.config.compose import compose, to_config_and_components
+    from asyncrl.config.compose import compose
     from asyncrl.launch import start_server
+    from asyncrl.plan.assemble import plan_run
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
     from asyncrl.trainer.sync.adapter import AdapterSync
@@ -208,8 +210,8 @@ def phase_lora(backend: str, out: Path, steps: int, modes: list[str]) -> None:
 
     adapter = ["lora=default", "lora.sync=adapter", "staleness.max_staleness=1"]
     out.mkdir(parents=True, exist_ok=True)
-    config, components = to_config_and_components(compose([*overrides(backend), *adapter, f"trainer.output_dir={out}"]))
-    prepared = prepare(config, components)
+    plan = plan_run(compose([*overrides(backend), *adapter, f"trainer.output_dir={out}"]))
+    config, prepared = plan.config, prepare(plan)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     with start_server(config, out) as server:

@@ -3,11 +3,12 @@ NCCL ranks follow the trainer replica after replica. Fakes of our own ControlCli
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
 
-from asyncrl.client import ServerError
+from asyncrl.client import Control, ControlClient, ServerError
 from asyncrl.control_group import ControlGroup, rank_offsets
 
 
@@ -107,3 +108,17 @@ def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(ran
     expected = [*loads, ("unload_lora_adapter", sync.name(1))]
     assert a.calls == b.calls == expected  # every live version on every replica
     assert sorted(p.name for p in (tmp_path / ".vllm_lora").iterdir()) == [sync.name(1), sync.name(2)]
+
+
+def test_one_client_and_a_group_speak_the_control_protocol_the_weight_sync_types():
+    """Every member of ``Control`` exists on both with its signature; a call the round makes on one and not the
+    other would fail only with several servers (or only with one)."""
+    members = {name for name in vars(Control) if not name.startswith("_") or name in ("__enter__", "__exit__")}
+    members |= set(Control.__annotations__)
+    for cls in (ControlClient, ControlGroup):
+        for name in sorted(members):
+            if name in Control.__annotations__:  # attributes: set in __init__ or a property
+                assert name in inspect.getsource(cls), f"{cls.__name__} has no {name}"
+                continue
+            wanted, found = inspect.signature(getattr(Control, name)), inspect.signature(getattr(cls, name))
+            assert list(found.parameters) == list(wanted.parameters), f"{cls.__name__}.{name}{found} != {wanted}"

@@ -7,8 +7,8 @@ import pytest
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
-from asyncrl.config.validate import check_lora
 from asyncrl.flow import FlowControl
+from asyncrl.plan.assemble import check_adapter_slots
 from asyncrl.server.vllm import max_loras
 from tests.fakes import FakeClock
 
@@ -46,7 +46,7 @@ def test_lora_keeps_the_live_versions_and_the_server_one_more_slot():
     assert max_loras(config) == 4
     config.server.max_loras = 3
     with pytest.raises(ConfigError, match="server.max_loras=3 must be >= staleness.max_staleness \\+ 2 = 4"):
-        check_lora(config)
+        check_adapter_slots(config, flow)
 
 
 def test_from_config_reads_the_staleness_section_and_the_group_size():

@@ -98,3 +98,12 @@ def test_config_error_is_imported_from_its_own_module():
         and any(alias.name == "ConfigError" for alias in node.names)
     ]  # fmt: skip
     assert not elsewhere, elsewhere
+
+
+def test_the_config_package_imports_nothing_above_it():
+    """config/ is schema and composition: besides itself it imports only modules that import nothing of asyncrl
+    (the checks that need the components, the servers or the trainer run in asyncrl/plan/)."""
+    graph = import_graph(PACKAGE)
+    config = {m for m in graph if m == "asyncrl.config" or m.startswith("asyncrl.config.")}
+    above = sorted(f"{m} -> {t}" for m in config for t in graph[m] if t not in config and graph[t])
+    assert not above, above

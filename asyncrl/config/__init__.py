@@ -1,6 +1,6 @@
-"""Configuration: typed schema (``schema``), Hydra composition (``compose``) and cross-field validation
-(``validate``). The package itself imports only the schema and the error: importing ``asyncrl.config.schema``
-runs this file first, and composition pulls in validation and through it the modules that read the schema."""
+"""Configuration: typed schema (``schema``), Hydra composition (``compose``) and the cross-field checks on the
+config's own fields (``validate``). The package imports nothing of asyncrl above it: the checks that need the
+components, the servers or the trainer run where the run is planned (asyncrl/plan/)."""
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config

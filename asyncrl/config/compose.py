@@ -1,14 +1,14 @@
-"""Compose the config tree (conf/ + recipes/) and turn it into a validated ``Config``.
+"""Compose the config tree (conf/ + recipes/) and turn it into a ``Config`` checked on its own fields.
 
 Hydra owns composition, overrides and sweeps; this module gives it the schema (``base_config`` in the
 ConfigStore), the ``${asset:NAME}`` resolver for files shipped with the package, and the conversion
-from DictConfig to the typed ``Config`` that the rest of asyncrl reads.
+from DictConfig to the typed ``Config`` that the rest of asyncrl reads. A run's plan (asyncrl/plan/assemble.py)
+adds the checks that need more than the config and builds the components.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -21,9 +21,6 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.messages import check_known_keys
 from asyncrl.config.schema import Config
 from asyncrl.config.validate import validate
-
-if TYPE_CHECKING:
-    from asyncrl.components import Components
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
@@ -62,19 +59,15 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """Resolve interpolations, build the typed Config and run every validation check."""
-    return to_config_and_components(cfg)[0]
-
-
-def to_config_and_components(cfg: DictConfig) -> tuple[Config, Components]:
-    """``to_config``, and the run's components that validation built, for a run to use as they are."""
+    """Resolve interpolations, build the typed Config and run the checks on its own fields."""
     check_known_keys(cfg)
     try:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(str(exc)) from exc
     assert isinstance(config, Config)
-    return config, validate(config)
+    validate(config)
+    return config
 
 
 def to_yaml(config: Config) -> str:

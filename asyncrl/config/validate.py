@@ -1,22 +1,17 @@
-"""Cross-field checks, all run before any process starts.
+"""Cross-field checks on the config's own fields, all run before any process starts.
 
 Each ``check_*`` looks at one rule and raises ``ConfigError`` naming the key, its value and the override
-that fixes it. ``validate`` runs them all and builds the run's ``Components`` (a misspelt component or option
-fails there, before the server is launched); the checks of ``COMPONENT_CHECKS`` read the built components.
+that fixes it. ``validate`` runs them all when a config is composed (config/compose.py). The checks that need
+more than the fields (the built components, the servers' and trainer's backends, the flow rules, tools and
+environments) run where the run is planned, above all of those (asyncrl/plan/assemble.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
-from asyncrl.flow import FlowControl
-from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
-
-if TYPE_CHECKING:
-    from asyncrl.components import Components
 
 
 def check_sampling_ranges(config: Config) -> None:
@@ -61,11 +56,6 @@ def check_staleness(config: Config) -> None:
         raise ConfigError(f"staleness.weight_sync_steps={st.weight_sync_steps} must be >= 1")
     if st.max_concurrent_rollouts < 1:
         raise ConfigError(f"staleness.max_concurrent_rollouts={st.max_concurrent_rollouts} must be >= 1")
-    if FlowControl.from_config(config).synchronous and st.weight_sync_steps != 1:
-        raise ConfigError(
-            f"staleness.max_staleness=0 is synchronous GRPO: every step trains on the weights just synced, so "
-            f"staleness.weight_sync_steps={st.weight_sync_steps} must be 1"
-        )
     if st.rollout_worker_timeout <= 0:
         raise ConfigError(f"staleness.rollout_worker_timeout={st.rollout_worker_timeout} must be > 0 seconds")
 
@@ -133,8 +123,6 @@ def check_server_config(config: Config) -> None:
 
 def check_lora(config: Config) -> None:
     lora, sv = config.lora, config.server
-    if sv.max_lora_rank is not None and sv.max_lora_rank not in VLLM_LORA_RANKS:
-        raise ConfigError(f"server.max_lora_rank={sv.max_lora_rank} must be one of {VLLM_LORA_RANKS}")
     if not lora.enabled:
         return
     if lora.r < 1:
@@ -144,12 +132,6 @@ def check_lora(config: Config) -> None:
         raise ConfigError("lora.target_modules must not include lm_head: adapters on lm_head are not supported")
     if sv.max_lora_rank is not None and lora.r > sv.max_lora_rank:
         raise ConfigError(f"lora.r={lora.r} exceeds server.max_lora_rank={sv.max_lora_rank}")
-    needed = FlowControl.from_config(config).adapter_slots
-    if lora.sync == LoraSync.adapter and sv.max_loras is not None and sv.max_loras < needed:
-        raise ConfigError(
-            f"lora.sync=adapter keeps max_staleness + 1 adapter versions and loads the next before unloading: "
-            f"server.max_loras={sv.max_loras} must be >= staleness.max_staleness + 2 = {needed}"
-        )
 
 
 def check_vllm_server(config: Config) -> None:
@@ -166,7 +148,9 @@ def check_vllm_server(config: Config) -> None:
         )
     if config.trainer.gpus is not None and config.trainer.gpus < 1:
         raise ConfigError(f"trainer.gpus={config.trainer.gpus} must be >= 1")
-    check_ranks(config)
+    if config.trainer.num_processes is not None and config.trainer.num_processes < 1:
+        raise ConfigError(f"trainer.num_processes={config.trainer.num_processes} must be >= 1")
+    check_nodes(config)
     if sv.api_server_count is not None and sv.api_server_count < 1:
         raise ConfigError(f"server.api_server_count={sv.api_server_count} must be >= 1")
     adapters = config.lora.enabled and config.lora.sync != LoraSync.merged
@@ -214,86 +198,12 @@ def check_rollout_limits(config: Config) -> None:
         raise ConfigError(f"rollout.max_failed_group_fraction={r.max_failed_group_fraction} must be in [0, 1]")
 
 
-def check_rollout_loop(config: Config) -> None:
-    from asyncrl.registry import RegistryError, import_object
-
-    try:
-        import_object(config.rollout.loop_cls)
-    except RegistryError as exc:
-        raise ConfigError(f"rollout.loop_cls: {exc}") from exc
-
-
 def check_reward_funcs(config: Config) -> None:
     if not config.reward_funcs and config.rollout.environment_factory is None:
         raise ConfigError(
             "reward_funcs is empty (and no rollout.environment_factory supplies a reward): choose a preset "
             "(reward=accuracy) or list functions (reward_funcs=[{name: accuracy}, {name: my_pkg.rewards:fn}])"
         )
-
-
-def check_trainer_forward(config: Config) -> None:
-    """trainer.attention names a registered backend, trainer.compile_layers is true, false, auto or a backend."""
-    import torch
-
-    from asyncrl.packing.attention import ATTENTION
-    from asyncrl.registry import RegistryError
-    from asyncrl.trainer.forward import resolve_compile
-
-    try:
-        ATTENTION.get(config.trainer.attention)
-    except RegistryError as exc:
-        raise ConfigError(f"trainer.attention: {exc}") from exc
-    try:
-        resolve_compile(config.trainer.compile_layers, torch.device("cpu"))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-
-
-def check_loss_requirements(config: Config, components: Components) -> None:
-    if "sampler_top_logprobs" in components.loss.requires and config.sampling.num_sampler_logprobs < 1:
-        raise ConfigError(
-            f"loss={config.loss['name']} needs the sampler's top log-probabilities: "
-            "set sampling.num_sampler_logprobs >= 1 (default 8) or choose loss=clipped"
-        )
-
-
-def check_loss_options(config: Config, components: Components) -> None:
-    """Run the configured loss once on a tiny batch: an unsupported combination fails here, not mid-run."""
-    from asyncrl.losses.step import check_loss
-
-    try:
-        check_loss(components.loss, config.sampling.num_sampler_logprobs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"loss={config.loss['name']}: {exc}") from exc
-
-
-def check_agent_config(config: Config) -> None:
-    """Tools and environments import, and the tool-call format is one the parser knows."""
-    from asyncrl.registry import RegistryError
-    from asyncrl.rollout.environments import load_factories, load_tools
-    from asyncrl.rollout.tools import FORMATS
-
-    r = config.rollout
-    if r.tool_call_format != "auto" and r.tool_call_format not in FORMATS:
-        raise ConfigError(f"rollout.tool_call_format={r.tool_call_format!r}: expected auto or one of {FORMATS}")
-    if config.sampling.max_tool_calling_iterations is not None and config.sampling.max_tool_calling_iterations < 0:
-        raise ConfigError(
-            f"sampling.max_tool_calling_iterations={config.sampling.max_tool_calling_iterations} "
-            "must be >= 0 (null = no cap)"
-        )
-    try:
-        load_tools(list(r.tools))
-    except (RegistryError, TypeError, ValueError) as exc:
-        raise ConfigError(f"rollout.tools: {exc}") from exc
-    try:
-        factories = load_factories(r.environment_factory)
-    except (RegistryError, TypeError) as exc:
-        raise ConfigError(f"rollout.environment_factory: {exc}") from exc
-    for name, factory in factories.items():
-        if not callable(getattr(factory, "reset", None)) and isinstance(factory, type):
-            raise ConfigError(
-                f"rollout.environment_factory{'' if name is None else f'.{name}'}={factory!r} has no reset method"
-            )
 
 
 def check_data_source(config: Config) -> None:
@@ -314,12 +224,6 @@ def check_data_source(config: Config) -> None:
             f"data.path is not set, so the environment supplies the prompts and there are no epochs: "
             f"trainer.max_steps={config.trainer.max_steps} must be > 0 (try trainer.max_steps=100)"
         )
-    unsized = config.server.max_model_len is None and config.data.max_prompt_length is None
-    if unsized and resolve_backend(config) == "vllm":
-        raise ConfigError(
-            "data.path is not set, so vLLM's context cannot be sized from the longest prompt: set "
-            "server.max_model_len (or data.max_prompt_length)"
-        )
 
 
 CHECKS: tuple[Callable[[Config], None], ...] = (
@@ -332,33 +236,9 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_lora,
     check_vllm_server,
     check_rollout_limits,
-    check_rollout_loop,
     check_reward_funcs,
-    check_trainer_forward,
-    check_agent_config,
     check_data_source,
 )
-COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (check_loss_requirements, check_loss_options)
-
-
-def trainer_ranks(config: Config) -> int:
-    """The trainer's rank count as configured: trainer.num_processes, else trainer.gpus, else 1, on each node."""
-    return (config.trainer.num_processes or config.trainer.gpus or 1) * config.trainer.nnodes
-
-
-def check_ranks(config: Config) -> None:
-    """Several trainer ranks: a count >= 1, and no CUDA IPC sync."""
-    t = config.trainer
-    if t.num_processes is not None and t.num_processes < 1:
-        raise ConfigError(f"trainer.num_processes={t.num_processes} must be >= 1")
-    check_nodes(config)
-    ranks = trainer_ranks(config)
-    if ranks > 1 and config.server.weight_transfer == "ipc":
-        # vLLM's IPC sender all-gathers the handles over the trainer's process group, where only rank 0 sends
-        raise ConfigError(
-            f"server.weight_transfer=ipc with {ranks} trainer ranks: CUDA IPC shares one process's "
-            "memory with a server on the same GPU; use server.weight_transfer=nccl"
-        )
 
 
 def check_nodes(config: Config) -> None:
@@ -378,13 +258,7 @@ def check_nodes(config: Config) -> None:
         raise ConfigError(f"trainer.rdzv_endpoint={t.rdzv_endpoint} must be HOST:PORT, e.g. node001:29400")
 
 
-def validate(config: Config) -> Components:
-    """Run every check, and return the run's components, built here once (``asyncrl.components``)."""
-    from asyncrl.components import build_components
-
+def validate(config: Config) -> None:
+    """Run every check on the config's own fields."""
     for check in CHECKS:
         check(config)
-    components = build_components(config)
-    for component_check in COMPONENT_CHECKS:
-        component_check(config, components)
-    return components

@@ -1,9 +1,11 @@
 """The trainer's side of the loss: each micro-batch's ``loss_sum`` becomes its share of the step's loss.
 
-Per optimizer step the trainer calls ``start_step(rows)``, then for every row ``batch(row, forward)`` and
-``step_loss(batch)`` (it backpropagates the returned tensor), then ``end_step()``. ``StepLoss`` owns what
-needs the whole step: the normaliser, the entropy bonus and its adaptive coefficient (checkpointed through
-``state_dict``), and the step-level part of advantage estimators that normalise over a batch.
+Per optimizer step rank 0 computes the step's ``StepNorm`` once from all its rows (``StepLoss.norm``: the
+normaliser's counts, the step-level advantage shift and scale, the entropy coefficient) and sends it with each
+rank's rows. Every rank then turns each of its rows into ``batch(row, forward, norm)`` and backpropagates
+``loss(batch, norm)``, which reads nothing else that changes during a step, and returns its ``StepTotals``;
+rank 0 adds the ranks' totals and ends the step with them (``end_step``), which moves the adaptive entropy
+coefficient (checkpointed through ``state_dict``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from asyncrl.rollout.types import RolloutSample
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepCounts:
     tokens: int = 0
     """Trained tokens of the step, less those of completions dropped by mask_truncated_completions."""
@@ -33,8 +35,38 @@ class StepCounts:
     micro_batches: int = 0
 
 
+@dataclass(frozen=True)
+class StepNorm:
+    """What one step's loss is normalised by, decided once from every row of the step (on rank 0) and carried
+    with the rows: a rank's own share of them cannot tell the step's counts or its rollouts' spread."""
+
+    counts: StepCounts = StepCounts()
+    shift: float = 0.0
+    """The step-level advantage affine (advantage estimators that normalise over a batch): (A - shift) / scale."""
+    scale: float = 1.0
+    entropy_coef: float = 0.0
+    """The entropy bonus's coefficient for this step (adaptive under entropy_target: rank 0 owns its state)."""
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What micro-batches add up to over a step: the loss (on the device while a rank trains, so that adding a
+    micro-batch does not wait for it), and under an entropy bonus the policy part and the token-weighted
+    entropy. Each rank returns its own; rank 0 adds them."""
+
+    loss: Tensor | float = 0.0
+    policy_loss: float = 0.0
+    entropy: float = 0.0
+
+    def __add__(self, other: StepTotals) -> StepTotals:
+        return StepTotals(self.loss + other.loss, self.policy_loss + other.policy_loss, self.entropy + other.entropy)
+
+    def on_host(self) -> StepTotals:
+        return StepTotals(float(self.loss), self.policy_loss, self.entropy)
+
+
 class StepLoss:
-    """Normalise, add the entropy bonus, finish step-level advantages; one instance per run.
+    """Normalise, add the entropy bonus, finish step-level advantages; one instance per rank and run.
 
     normalization divides each micro-batch's loss_sum by: token -> the step's tokens (DAPO, the spec's
     default); sequence -> the step's sequences, the loss having weighted each slot by 1/|o_i| (GRPO);
@@ -61,30 +93,28 @@ class StepLoss:
         self.needs_tokens = self.options.normalization == "micro_batch" or self.options.entropy_bonus
         self.router_aux_coef = 0.0
         """The MoE load-balancing weight (trainer/moe.py), set once the model is known."""
-        self.start_step([])
 
     # ---- per step ------------------------------------------------------------------------------------------
 
-    def start_step(self, rows: list[PackedRow]) -> None:
+    def norm(self, rows: list[PackedRow]) -> StepNorm:
+        """The step's ``StepNorm`` from every one of its rows."""
         trains = [s for row in rows for s in row.samples if self._trains(s)]
-        self.counts = StepCounts(sum(s.num_trained for s in trains), len(trains), len(rows))
-        self.shift, self.scale = 0.0, 1.0
+        counts = StepCounts(sum(s.num_trained for s in trains), len(trains), len(rows))
+        shift, scale = 0.0, 1.0
         if self.advantage_rule is not None:
             rollouts = {s.rollout_id: (s.reward, s.advantage) for row in rows for s in row.samples}
             rewards, advantages = np.array(list(rollouts.values()), dtype=np.float64).reshape(-1, 2).T
-            self.shift, self.scale = step_affine(self.advantage_rule, rewards, advantages)
-        self.policy_loss = self.entropy = 0.0
-        self.loss: Tensor | float = 0.0
-        """The step's loss so far: the sum of the micro-batches' backpropagated parts, kept on the device."""
+            shift, scale = step_affine(self.advantage_rule, rewards, advantages)
+        return StepNorm(counts, shift, scale, self.entropy_coef)
 
-    def batch(self, row: PackedRow, forward: Any) -> LossBatch:
+    def batch(self, row: PackedRow, forward: Any, norm: StepNorm) -> LossBatch:
         """The LossBatch of one packed row from the trainer's forward (``logprobs``, ``top_logprobs``, ``entropy``)."""
         device = forward.logprobs.device
         truncated = torch.tensor([s.sequence.truncated for s in row.samples], dtype=torch.bool)
         return LossBatch(
             logprobs=forward.logprobs,
             sampler_logprobs=row.sampler_logprobs.to(device),
-            advantages=self._advantages(row).to(device),
+            advantages=self._advantages(row, norm).to(device),
             mask=torch.ones_like(forward.logprobs, requires_grad=False),
             sequence_index=row.sequence_index.to(device),
             top_logprobs=forward.top_logprobs,
@@ -93,36 +123,40 @@ class StepLoss:
             truncated=truncated[row.sequence_index].to(device),
         )
 
-    def __call__(self, batch: LossBatch, aux_loss: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-        """This micro-batch's part of the step loss (to backpropagate) and the loss's metrics; ``aux_loss``: the
-        row's MoE load-balancing loss, added with router_aux_coef as this row's share of the step's mean."""
+    def loss(
+        self, batch: LossBatch, norm: StepNorm, aux_loss: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, float], StepTotals]:
+        """This micro-batch's part of the step loss (to backpropagate), the loss's metrics and its part of the
+        step's totals; ``aux_loss``: the row's MoE load-balancing loss, added with router_aux_coef as this row's
+        share of the step's mean."""
         result = self.loss_fn(batch)
         trained = batch.mask > 0
         if self.options.mask_truncated_completions and batch.truncated is not None:
             trained = trained & ~batch.truncated
         tokens = int(trained.sum()) if self.needs_tokens else 0
-        loss = result.loss_sum / self._divisor(tokens)
+        loss = result.loss_sum / self._divisor(tokens, norm.counts)
+        policy_loss = entropy_part = 0.0
         if result.entropy_mean is not None:
-            self.policy_loss += float(loss.detach())
-            share = tokens / max(self.counts.tokens, 1)
+            policy_loss = float(loss.detach())
+            share = tokens / max(norm.counts.tokens, 1)
             entropy = float(result.entropy_mean.detach())
-            self.entropy += share * entropy
-            loss = loss - self._coefficient(entropy) * share * result.entropy_mean
+            entropy_part = share * entropy
+            loss = loss - self._coefficient(entropy, norm.entropy_coef) * share * result.entropy_mean
         metrics = result.metrics
         if aux_loss is not None and self.router_aux_coef:
-            loss = loss + self.router_aux_coef * aux_loss / max(self.counts.micro_batches, 1)
+            loss = loss + self.router_aux_coef * aux_loss / max(norm.counts.micro_batches, 1)
             metrics = {**metrics, "aux_loss": float(aux_loss.detach())}
-        self.loss = self.loss + loss.detach()  # the step's whole loss, the auxiliary part included
-        return loss, metrics
+        return loss, metrics, StepTotals(loss.detach(), policy_loss, entropy_part)  # the auxiliary part included
 
-    def end_step(self) -> dict[str, float]:
-        """Step metrics (loss; policy_loss, entropy_coef when a bonus is on); moves the adaptive coefficient."""
+    def end_step(self, totals: StepTotals) -> dict[str, float]:
+        """Step metrics from the step's totals over every rank (loss; policy_loss, entropy_coef when a bonus is
+        on); moves the adaptive coefficient."""
         if not self.options.entropy_bonus:
-            return {"loss": float(self.loss)}
-        metrics = {"loss": float(self.loss), "policy_loss": self.policy_loss, "entropy_coef": self.entropy_coef}
+            return {"loss": float(totals.loss)}
+        metrics = {"loss": float(totals.loss), "policy_loss": totals.policy_loss, "entropy_coef": self.entropy_coef}
         o = self.options
         if o.entropy_target is not None:
-            delta = o.entropy_coef_delta if self.entropy <= o.entropy_target else -o.entropy_coef_delta
+            delta = o.entropy_coef_delta if totals.entropy <= o.entropy_target else -o.entropy_coef_delta
             self.entropy_coef = min(max(self.entropy_coef + delta, o.entropy_coef_min), o.entropy_coef_max)
         return metrics
 
@@ -140,8 +174,8 @@ class StepLoss:
     def _trains(self, sample: RolloutSample) -> bool:
         return not (self.options.mask_truncated_completions and sample.sequence.truncated)
 
-    def _divisor(self, tokens: int) -> int:
-        counts, normalization = self.counts, self.options.normalization
+    def _divisor(self, tokens: int, counts: StepCounts) -> int:
+        normalization = self.options.normalization
         if normalization == "sequence":
             return max(counts.sequences, 1)
         if normalization == "constant":
@@ -150,15 +184,15 @@ class StepLoss:
             return max(tokens, 1) * max(counts.micro_batches, 1)
         return max(counts.tokens, 1)
 
-    def _coefficient(self, entropy: float) -> float:
+    def _coefficient(self, entropy: float, coef: float) -> float:
         target = self.options.entropy_target
-        return self.entropy_coef if target is None or entropy <= target else 0.0
+        return coef if target is None or entropy <= target else 0.0
 
-    def _advantages(self, row: PackedRow) -> Tensor:
+    def _advantages(self, row: PackedRow, norm: StepNorm) -> Tensor:
         if self.advantage_rule is None:
             return row.advantages
         scorable = torch.tensor([not math.isnan(s.reward) for s in row.samples], dtype=torch.bool)
-        scaled = (row.advantages - self.shift) / self.scale
+        scaled = (row.advantages - norm.shift) / norm.scale
         return torch.where(scorable[row.sequence_index], scaled, 0).to(row.advantages.dtype)
 
 

@@ -123,7 +123,7 @@ class WorkerFlow:
         ceiling, g = flow.max_concurrent_rollouts, flow.num_generations
         self.admission = Admission(g, ceiling, asynchronous=not flow.synchronous)
         self.concurrency = ConcurrencyController(ceiling)
-        self.pacer = None if flow.synchronous else StalenessPacer(ceiling, g, flow.max_staleness)
+        self.pacer = None if flow.synchronous else StalenessPacer(ceiling, flow)
         self.batch_start_tokens = 0
         """Synchronous mode: the tokens pushed before the current batch."""
 

@@ -18,12 +18,14 @@ settles under the lag limit instead of sawtoothing. Admission waits on min(this 
 A group queued exactly at the limit is not a signal: it is trained if the trainer pulls it before its next
 sync, which the worker cannot see, and at max_staleness=1 such groups are the norm. Samples that age in
 the queue are admission's part (admission.py). Synchronous mode (max_staleness=0) has no lag and no pacer
-(``WorkerFlow`` in flow.py).
+(``WorkerFlow`` in admission.py). The staleness rule itself is ``FlowControl``'s (flow.py): the pacer asks it.
 """
 
 from __future__ import annotations
 
 import math
+
+from asyncrl.flow import FlowControl
 
 CUT_FACTOR = 0.7
 
@@ -31,8 +33,8 @@ CUT_FACTOR = 0.7
 class StalenessPacer:
     """The cap starts at ``ceiling``; versions are weight syncs done (``channels.model_version``)."""
 
-    def __init__(self, ceiling: int, num_generations: int, max_staleness: int) -> None:
-        self.ceiling, self.num_generations, self.max_staleness = ceiling, num_generations, max_staleness
+    def __init__(self, ceiling: int, flow: FlowControl) -> None:
+        self.ceiling, self.num_generations, self.flow = ceiling, flow.num_generations, flow
         self.cap = ceiling
         self.late_groups = 0
         self._version_at_cut = -1
@@ -48,7 +50,7 @@ class StalenessPacer:
         """Move the cap for a group queued at ``version`` that started at ``start_version``; True if it is
         late. ``inflight``: rollouts still in flight, not counting its own; ``completed``: rollouts finished
         since the start, counting its own."""
-        if version - start_version > self.max_staleness:
+        if self.flow.is_stale(start_version, version):
             self.late_groups += 1
             if start_version > self._version_at_cut:
                 base = min(self.cap, inflight + self.num_generations)
@@ -62,5 +64,5 @@ class StalenessPacer:
         return False
 
     def _may_grow(self, version: int, completed: int) -> bool:
-        settled = version - self._version_at_change > self.max_staleness
+        settled = self.flow.is_stale(self._version_at_change, version)  # a group started since may be late
         return self.cap < self.ceiling and settled and completed - self._completed_at_change >= self.cap

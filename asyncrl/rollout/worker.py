@@ -90,6 +90,8 @@ class WorkerSpec:
     """Every generation server; each request goes to the least loaded (client.choose_server)."""
     model_name: str
     max_model_len: int
+    flow: FlowControl
+    """The run's flow rules (its plan's, asyncrl/plan/): the worker's side of them is ``WorkerFlow``."""
     adapter_prefix: str | None = None
     """Set under adapter-only LoRA sync: each policy version is served as its own adapter (client.policy_model)."""
     start_prompt_index: int = 0
@@ -153,7 +155,7 @@ class StopRequested(Exception):
 class WorkerDriver:
     def __init__(self, spec: WorkerSpec, channels: WorkerChannels) -> None:
         self.spec, self.channels, self.config = spec, channels, spec.config
-        self.flow = WorkerFlow(FlowControl.from_config(self.config))
+        self.flow = WorkerFlow(spec.flow)
         self.admission = self.flow.admission
         self.inflight_versions: Counter[int] = Counter()
         """Groups generating, by the policy version they started under."""

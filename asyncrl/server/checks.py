@@ -16,7 +16,8 @@ from typing import Any
 
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, WeightTransfer
-from asyncrl.config.validate import trainer_ranks
+from asyncrl.flow import FlowControl
+from asyncrl.plan.run_plan import world_size
 from asyncrl.server import vllm
 from asyncrl.server.command import resolve_backend, served_model_name
 
@@ -212,7 +213,7 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
         raise fix(f"weight-transfer backend {transfer} is not supported", "--weight-transfer-config with nccl or ipc")
     if transfer == "ipc" and not _truthy(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION")):
         raise fix("ipc weight transfer sends pickled CUDA IPC handles", "VLLM_ALLOW_INSECURE_SERIALIZATION=1")
-    if transfer == "ipc" and (ranks := trainer_ranks(config)) > 1:
+    if transfer == "ipc" and (ranks := world_size(config)) > 1:
         raise fix(
             f"the server takes weights over ipc, which shares one process's GPU memory, but the trainer has "
             f"{ranks} ranks (trainer.num_processes)",
@@ -224,25 +225,34 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
 
 
 def _check_lora(config: Config, lora: dict[str, Any] | None, env: dict[str, Any], fix: _Fix) -> None:
+    problem = lora_problem(config, lora, env, "vllm")
+    if problem is not None:
+        raise fix(*problem)
+
+
+def lora_problem(
+    config: Config, lora: dict[str, Any] | None, env: dict[str, Any], backend: str
+) -> tuple[str, str] | None:
+    """Why a server whose /server_info reports ``lora`` (its lora_config) and ``env`` cannot serve this run's
+    adapter versions, and the flag that fixes it; None when it can. The one rule: the startup checks above and
+    lora.sync's choice (trainer/sync/choice.py) both ask it."""
     rank, loras = vllm.max_lora_rank(config), vllm.max_loras(config)
+    needed = FlowControl.from_config(config).adapter_slots
     if lora is None:
-        raise fix(
-            "lora.sync loads adapters but the server has LoRA off",
-            f"--enable-lora --max-lora-rank {rank} --max-loras {loras}",
-        )
+        return "the server has LoRA off", f"--enable-lora --max-lora-rank {rank} --max-loras {loras}"
     if int(lora.get("max_lora_rank", 0)) < config.lora.r:
-        raise fix(
-            f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}",
-            f"--max-lora-rank {rank}",
+        return f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}", (
+            f"--max-lora-rank {rank}"
         )
-    if int(lora.get("max_loras", 0)) < loras:
-        raise fix(
-            f"the server holds {lora.get('max_loras')} adapters; {loras} versions are alive at once "
+    if int(lora.get("max_loras", 0)) < needed:
+        return (
+            f"the server holds {lora.get('max_loras')} adapters; {needed} versions are alive at once "
             "(staleness.max_staleness + 2)",
-            f"--max-loras {loras}",
+            f"--max-loras {max(loras, needed)}",
         )
-    if not _truthy(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")):
-        raise fix("the server refuses runtime adapter loading", "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    if backend == "vllm" and not _truthy(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")):
+        return "the server refuses runtime adapter loading", "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+    return None
 
 
 def _candidate_sets(config: Config, control: ControlClient, fix: _Fix, supported: bool) -> bool:

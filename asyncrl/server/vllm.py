@@ -344,7 +344,7 @@ def measured_split_pending(config: Config) -> bool:
     """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU, its share is not set,
     and no earlier run measured this shape."""
     from asyncrl.trainer.memory import cached_memory
-    from asyncrl.trainer.ranks import world_size
+    from asyncrl.plan.run_plan import world_size
 
     sv = config.server
     if not sv.launch or sv.gpu_memory_utilization is not None or resolve_backend(config) != "vllm":

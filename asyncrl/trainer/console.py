@@ -21,6 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from asyncrl.config.schema import Config
+from asyncrl.flow import FlowControl
 
 HIGH_WAIT_FRAC = 0.1
 """A wait counts as high above this fraction of the step time (of one second when no step time was logged)."""
@@ -67,8 +68,9 @@ def classify_bottleneck(metrics: Mapping[str, Any]) -> str | None:
     return GENERATION_BOUND if starving else TRAINER_BOUND if throttled else BALANCED
 
 
-def diagnose_bottleneck(metrics: Mapping[str, Any], max_staleness: int) -> str:
-    """One line naming the bottleneck and what to look at, per the spec's rollout-queue diagnosis."""
+def diagnose_bottleneck(metrics: Mapping[str, Any], flow: FlowControl) -> str:
+    """One line naming the bottleneck and what to look at, per the spec's rollout-queue diagnosis; ``flow`` says
+    whether the run is synchronous."""
     label = classify_bottleneck(metrics)
     if label is None:
         return "bottleneck unknown: no perf/rollout_wait_s or rollout/backpressure_s in this window"
@@ -82,9 +84,9 @@ def diagnose_bottleneck(metrics: Mapping[str, Any], max_staleness: int) -> str:
         )
     if label == TRAINER_BOUND:
         staleness = _value(metrics, "sample/staleness_mean")
-        stale = "" if staleness is None else f", staleness {staleness:.1f} of max {max_staleness}"
+        stale = "" if staleness is None else f", staleness {staleness:.1f} of max {flow.max_staleness}"
         return f"{label}: generation waited {backpressure:.2f} s for training ({queue}{stale}); training is slower"
-    if label == TOO_TIGHT and max_staleness == 0:
+    if label == TOO_TIGHT and flow.synchronous:
         return (
             f"{label}: synchronous mode (staleness.max_staleness=0), generation and training take turns; "
             "raise staleness.max_staleness to overlap them"
@@ -92,7 +94,7 @@ def diagnose_bottleneck(metrics: Mapping[str, Any], max_staleness: int) -> str:
     if label == TOO_TIGHT:
         return (
             f"{label}: training waited {wait:.2f} s/step while generation waited {backpressure:.2f} s "
-            f"({queue}); raise staleness.max_staleness (now {max_staleness})"
+            f"({queue}); raise staleness.max_staleness (now {flow.max_staleness})"
         )
     return f"{label}: training waited {wait:.2f} s/step, generation {backpressure:.2f} s ({queue})"
 
@@ -138,7 +140,7 @@ def _text(value: Any) -> str:
 class Console:
     """Live display (progress, numbers, bottleneck) on a terminal; one plain line per logging step elsewhere."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, flow: FlowControl) -> None:
         mode = config.logging.console
         if mode not in ("auto", "live", "plain"):
             raise ValueError(f"logging.console={mode!r} must be one of auto, live, plain")
@@ -146,7 +148,7 @@ class Console:
         self.console = RichConsole(highlight=False, force_terminal=True if mode == "live" else None)
         self.config = config
         self.max_steps = config.trainer.max_steps
-        self.max_staleness = config.staleness.max_staleness
+        self.flow = flow
         self.started = time.monotonic()
         self.progress = Progress(
             TextColumn("{task.description}"),
@@ -211,7 +213,7 @@ class Console:
                 f"generated {_fmt(metrics, 'rollout/generated_tokens_per_s', '{:,.0f}')} tok/s",
                 f"trained {_fmt(metrics, 'perf/wall_clock_trained_tokens_per_s', '{:,.0f}')} tok/s",
                 f"staleness {_fmt(metrics, 'sample/staleness_mean', '{:.2f}')} "
-                f"(max {_fmt(metrics, 'sample/staleness_max', '{:.0f}')}, limit {self.max_staleness})",
+                f"(max {_fmt(metrics, 'sample/staleness_max', '{:.0f}')}, limit {self.flow.max_staleness})",
                 f"queue {_fmt(metrics, 'rollout/queue_size', '{:.0f}')}",
                 f"step {_fmt(metrics, 'perf/step_s', '{:.2f}')} s",
             )
@@ -219,7 +221,7 @@ class Console:
         colour = _COLOURS.get(classify_bottleneck(metrics) or "", "dim")
         servers = servers_text(metrics)
         lines = [reward, flow] if servers is None else [reward, flow, servers]
-        return Group(*lines, f"[{colour}]{escape(diagnose_bottleneck(metrics, self.max_staleness))}[/]")
+        return Group(*lines, f"[{colour}]{escape(diagnose_bottleneck(metrics, self.flow))}[/]")
 
     def log_completions(self, records: list[dict[str, Any]]) -> None:
         """A table of (prompt, completion, reward, advantage), when logging.log_completions asks for it."""

@@ -28,7 +28,7 @@ import torch
 
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
-from asyncrl.losses.step import StepCounts, StepLoss
+from asyncrl.losses.step import StepLoss, StepNorm, StepTotals
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
 from asyncrl.server.command import serving_dtype
@@ -49,16 +49,16 @@ ORPHAN_GRACE_S = 10.0
 @dataclass
 class RankWork:
     """One rank's share of a step: its rows (weight 0 = a filler that only keeps the collectives paired) and
-    the step-level advantage shift and scale, which need every rollout of the step."""
+    the step's ``StepNorm``, which needs every row of the step."""
 
     rows: list[tuple[PackedRow, float]]
-    affine: tuple[float, float]
+    norm: StepNorm
 
 
-def split_rows(rows: list[PackedRow], placement: list[list[int | None]], affine: tuple[float, float]) -> list[RankWork]:
+def split_rows(rows: list[PackedRow], placement: list[list[int | None]], norm: StepNorm) -> list[RankWork]:
     """Each micro-batch's row r to rank r (``Step.placement``); a rank with none runs a zero-loss filler."""
     world = len(placement[0]) if placement else 1
-    work = [RankWork([], affine) for _ in range(world)]
+    work = [RankWork([], norm) for _ in range(world)]
     for micro in placement:
         if len(micro) != world or all(index is None for index in micro):
             raise ValueError(f"split_rows: micro-batch {micro} must name one row per rank ({world}), not all None")
@@ -74,17 +74,15 @@ class RowsResult:
     forward_backward_s: float
     metrics: list[dict[str, float]]
     """Per trained row: the loss's metrics and the row's mean entropy."""
+    totals: StepTotals
+    """This rank's part of the step's totals; rank 0 adds the ranks' (``StepLoss.end_step``)."""
 
 
 def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config) -> RowsResult:
-    """This rank's forwards and backwards of one step, its loss normalised over all ranks' trained tokens."""
-    real = [row for row, weight in work.rows if weight > 0]
-    loss.start_step(real)
-    loss.shift, loss.scale = work.affine
-    tokens, sequences, micro_batches = ranks.sum([loss.counts.tokens, loss.counts.sequences, len(real)])
-    loss.counts = StepCounts(int(tokens), int(sequences), int(micro_batches))
+    """This rank's forwards and backwards of one step, its loss normalised by the step's ``StepNorm`` (all ranks'
+    trained tokens)."""
     forward_s = forward_backward_s = 0.0
-    metrics = []
+    metrics, totals = [], StepTotals()
     for row, weight in work.rows:
         started = time.perf_counter()
         with phase("forward"):
@@ -92,7 +90,8 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
             if weight == 0:
                 value = out.logprobs.sum() * 0.0
             else:
-                value, row_metrics = loss(loss.batch(row, out), out.aux_loss)
+                value, row_metrics, part = loss.loss(loss.batch(row, out, work.norm), work.norm, out.aux_loss)
+                totals = totals + part
                 entropy = float(out.entropy.mean()) if out.entropy.numel() else float("nan")
                 metrics.append({**row_metrics, "entropy": entropy})
         forward_s += time.perf_counter() - started
@@ -100,8 +99,7 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
             (value * ranks.world).backward()  # FSDP averages over ranks; the step's gradient is their sum
             wait_for_device()
         forward_backward_s += time.perf_counter() - started
-    loss.policy_loss, loss.entropy, loss.loss = ranks.sum([loss.policy_loss, loss.entropy, float(loss.loss)])
-    return RowsResult(forward_s, forward_backward_s, metrics)
+    return RowsResult(forward_s, forward_backward_s, metrics, totals.on_host())
 
 
 def warm_up_step(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config) -> None:
@@ -117,12 +115,12 @@ class Follower:
     def __init__(self, config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
         from asyncrl.trainer.checkpoint import load_checkpoint
 
-        self.config, self.ranks, self.components = config, ranks, components
+        self.config, self.ranks = config, ranks
         use_cpu_threads(config, ranks.world)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
         self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
         if resume is not None:
-            self.loss.load_state_dict(load_checkpoint(resume, self.scheduler).extra.get("loss", {}))
+            load_checkpoint(resume, self.scheduler)  # the loss's state is rank 0's: it comes in each StepNorm
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
         self.dtype = torch_dtype(serving_dtype(config))
 
@@ -146,9 +144,7 @@ class Follower:
     def _warm_up(self, work: RankWork) -> None:
         from asyncrl.trainer.memory import warm_up
 
-        c = self.config
-        loss = StepLoss(self.components.loss, self.components.advantage, c.sampling.max_completion_length)
-        warm_up(lambda: warm_up_step(self.model, loss, work, self.ranks, c), self.model, self.optimizer)
+        warm_up(lambda: warm_up_step(self.model, self.loss, work, self.ranks, self.config), self.model, self.optimizer)
 
     def _step(self, work: RankWork) -> None:
         self.model.train()
@@ -157,8 +153,7 @@ class Follower:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.loss.end_step()
-        self.ranks.gather(result.metrics)
+        self.ranks.gather((result.metrics, result.totals))
 
 
 def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any, Any, Path | None]:

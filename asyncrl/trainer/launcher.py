@@ -187,8 +187,8 @@ def main(run_dir: Path) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from asyncrl.config.schema import Config
+    from asyncrl.plan.run_plan import ranks_per_node
     from asyncrl.server.process import free_port
-    from asyncrl.trainer.ranks import ranks_per_node
 
     # the trainer's keys only: the ranks validate the whole config (and the CLI did before writing it)
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))

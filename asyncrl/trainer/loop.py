@@ -22,8 +22,7 @@ from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import evaluate
-from asyncrl.flow import FlowControl
-from asyncrl.losses.step import StepLoss
+from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.rollout.channels import WorkerChannels
@@ -111,7 +110,7 @@ class Trainer:
         use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout)  # every replica
-        self.flow = FlowControl.from_config(config)
+        self.flow = prepared.plan.flow
         self.channels = WorkerChannels.create(1)
         self.worker = spawn_worker(self.channels)  # it imports, and the model loads, while a launched server boots
         try:
@@ -127,6 +126,10 @@ class Trainer:
         self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
         self.startup = {"perf/startup_model_loaded_s": time.time() - self.started_at}
         self.processor_files = source_processor_files(c, self.model.config)
+        components = self.prepared.components
+        self.loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
+        self.loss.router_aux_coef = router_aux_coef(c, self.model.config)
+        self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
         self.memory = self._warm_up()  # before ready(): a vLLM waiting for the measured split starts after it
         self.server.ready()
         self.startup["perf/startup_server_healthy_s"] = time.time() - self.started_at
@@ -135,16 +138,12 @@ class Trainer:
         if resume is not None:
             self.state = load_checkpoint(resume, self.scheduler)
             log.info("resumed from %s at step %d, prompt %d", resume, self.state.step, self.state.prompt_index)
-        components = self.prepared.components
-        self.loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
         self.loss.load_state_dict(self.state.extra.get("loss", {}))
-        self.loss.router_aux_coef = router_aux_coef(c, self.model.config)
-        self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
         self.mfu, self.step_flops = mfu_meter(c, self.model.config, self.world), 0.0
         self.row_factory, self.token_budget = components.packer.rows(self.max_model_len)
         self.window, self.timeline = MetricWindow(), Timeline()
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
-        self.console = Console(c)
+        self.console = Console(c, self.flow)
         self.trackers = build_trackers(c, self.run_dir)
         self.completions: list[dict[str, Any]] = []
         self.sync = build_weight_sync(c, self.control, self.run_dir, self.prepared)
@@ -217,17 +216,14 @@ class Trainer:
         if not (c.trainer.warm_up and torch.cuda.is_available()):
             return None
         started = time.time()
-        components = self.prepared.components
         text = unwrap_model(self.model).config.get_text_config()
         max_model_len = expected_max_model_len(c, unwrap_model(self.model).config)
-        row_factory, budget = components.packer.rows(max_model_len)
-        loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
-        top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in loss.requires else 0
-        rows = synthetic_rows(row_factory, budget, max_model_len, text.vocab_size, top_k)
-        mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], (0.0, 1.0)))
+        row_factory, budget = self.prepared.components.packer.rows(max_model_len)
+        rows = synthetic_rows(row_factory, budget, max_model_len, text.vocab_size, self.top_k)
+        mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], self.loss.norm(rows)))
         known = cached_memory(c, warm_up_token_budget(c, max_model_len))
-        memory = measure(lambda: warm_up_step(self.model, loss, mine, self.ranks, c), self.model, self.optimizer,
-                         alone=known is None, known=known)  # fmt: skip
+        memory = measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c), self.model,
+                         self.optimizer, alone=known is None, known=known)  # fmt: skip
         record_memory(c, warm_up_token_budget(c, max_model_len), memory)
         self.startup["perf/startup_warm_up_s"] = time.time() - started
         log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
@@ -247,12 +243,11 @@ class Trainer:
 
     def _optimize(self, step: Step) -> list[Any]:
         rows = [row.pack(self.top_k) for row in step.rows]
-        self.loss.start_step(rows)
         self.model.train()
         started = time.time()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows, step)
+        fwd_s, fwd_bwd_s, mine = self._forward_backward(rows, step)
         t1 = time.perf_counter()
         with phase("optimizer"):
             grad_norm = clip_grad_norm(self.model, self.config.trainer.max_grad_norm)
@@ -262,8 +257,9 @@ class Trainer:
         optimizer_s = time.perf_counter() - t1
         if torch.cuda.is_available():
             self.window.add("perf/trainer_peak_memory_gib", torch.cuda.max_memory_reserved() / GIB)
-        self.window.update(self.loss.end_step())
-        for metrics in (m for rank in self.ranks.gather(rank_metrics) for m in rank):
+        ranks_results = self.ranks.gather(mine)  # each rank's per-row metrics and totals
+        self.window.update(self.loss.end_step(sum((totals for _, totals in ranks_results), StepTotals())))
+        for metrics in (m for rank_metrics, _ in ranks_results for m in rank_metrics):
             self.window.add("entropy", metrics.pop("entropy"))
             self.window.update(metrics)
         self.timeline.add("training", started, time.time())
@@ -276,14 +272,16 @@ class Trainer:
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
 
-    def _forward_backward(self, rows: list[Any], step: Step) -> tuple[float, float, list[dict[str, float]]]:
+    def _forward_backward(
+        self, rows: list[Any], step: Step
+    ) -> tuple[float, float, tuple[list[dict[str, float]], StepTotals]]:
         """Forward and backward of the step's rows, each micro-batch's row r on rank r (the loss of each row is its
         share of the step's, so the gradients add up to the step's). Returns the forward and forward+backward
-        seconds and this rank's per-row metrics (the others' come with the step's end)."""
-        work = split_rows(rows, step.placement, (self.loss.shift, self.loss.scale))
+        seconds and this rank's per-row metrics and totals (the others' come with the step's end)."""
+        work = split_rows(rows, step.placement, self.loss.norm(rows))  # the step's norm, decided here once
         mine = self.ranks.command("step", work)
         result = train_rows(self.model, self.loss, mine, self.ranks, self.config)
-        return result.forward_s, result.forward_backward_s, result.metrics
+        return result.forward_s, result.forward_backward_s, (result.metrics, result.totals)
 
     def _record_step_time(self, step: Step, seconds: float) -> None:
         tokens = sum(s.num_tokens for s in step.samples)
@@ -343,7 +341,7 @@ class Trainer:
             config=c, tokenizer=self.prepared.tokenizer, dataset=self.prepared.dataset,
             reward_sources=components.rewards, advantage_fn=components.advantage, loop_cls=self.prepared.loop_cls,
             base_urls=self.server.base_urls,
-            model_name=served_model_name(c), max_model_len=self.max_model_len,
+            model_name=served_model_name(c), max_model_len=self.max_model_len, flow=self.flow,
             adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),
         )  # fmt: skip

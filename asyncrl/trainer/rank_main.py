@@ -13,23 +13,22 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from asyncrl.components import Components
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config
-from asyncrl.launch import EXPECTED_ERRORS, load_run_config, terminate_on_sigterm
+from asyncrl.launch import EXPECTED_ERRORS, load_run_plan, terminate_on_sigterm
 from asyncrl.parent import exit_with_parent
+from asyncrl.plan.run_plan import RunPlan
 from asyncrl.server.group import ServerGroup
 from asyncrl.server.handle import AttachedServer
 from asyncrl.trainer.distributed import ORPHAN_GRACE_S, Follower, leave
 from asyncrl.trainer.loop import run_training
-from asyncrl.trainer.ranks import SERVER_URL_ENV, Ranks, ranks_per_node, world_size
+from asyncrl.trainer.ranks import SERVER_URL_ENV, Ranks
 from asyncrl.trainer.setup import prepare
 
 
 @record  # an unexpected exception reaches the rank's error file too, where its launcher reads it
 def main(run_dir: Path) -> int:
     """One rank of a multi-rank run, from the run directory's config.yaml."""
-    config, components = load_run_config(run_dir)
+    plan = load_run_plan(run_dir)
     terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
     agent = os.getppid()  # a rank waiting inside a collective never runs its SIGTERM handler: leave after a grace
@@ -38,11 +37,11 @@ def main(run_dir: Path) -> int:
     if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
-        check_world(config, ranks)
+        check_world(plan, ranks)
         if ranks.rank == 0:
-            run_rank_zero(config, components, run_dir, ranks)
+            run_rank_zero(plan, run_dir, ranks)
         else:
-            Follower(config, components, run_dir, ranks).serve()
+            Follower(plan.config, plan.components, run_dir, ranks).serve()
         # Tear the process group down together: a rank that destroys it while another still talks to the
         # store can abort in gloo's threads ("terminate called without an active exception").
         dist.barrier()
@@ -57,23 +56,23 @@ def main(run_dir: Path) -> int:
     return 0
 
 
-def check_world(config: Config, ranks: Ranks) -> None:
-    """Every node started as many ranks as the config says: a node with another count would shard differently."""
-    if ranks.world != world_size(config):
-        nodes, per_node = config.trainer.nnodes, ranks_per_node(config)
+def check_world(plan: RunPlan, ranks: Ranks) -> None:
+    """Every node started as many ranks as the plan says: a node with another count would shard differently."""
+    if ranks.world != plan.world_size:
+        nodes, per_node = plan.config.trainer.nnodes, plan.ranks_per_node
         raise ConfigError(
             f"trainer rank {ranks.rank}: the launchers started {ranks.world} ranks but the run has "
-            f"{world_size(config)} (trainer.nnodes={nodes}, {per_node} per node): start every other node with "
+            f"{plan.world_size} (trainer.nnodes={nodes}, {per_node} per node): start every other node with "
             f"torchrun --nnodes {nodes} --nproc-per-node {per_node}"
         )
 
 
-def run_rank_zero(config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
+def run_rank_zero(plan: RunPlan, run_dir: Path, ranks: Ranks) -> None:
     """Rank 0 is the trainer of a single-process run, attached to the servers the CLI started (their URLs in
     SERVER_URL_ENV, comma-separated)."""
     urls = os.environ[SERVER_URL_ENV].split(",")
-    server = ServerGroup([AttachedServer(url, timeout_s=config.server.timeout, booting=True) for url in urls])
-    run_training(config, run_dir, server, prepare(config, components), ranks=ranks)
+    server = ServerGroup([AttachedServer(url, timeout_s=plan.config.server.timeout, booting=True) for url in urls])
+    run_training(plan.config, run_dir, server, prepare(plan), ranks=ranks)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The trainer's ranks: how many a run has, and this process's place among them with the few collectives the
-trainer makes (trainer/distributed.py drives them).
+"""The trainer's ranks: this process's place among them with the few collectives the trainer makes
+(trainer/distributed.py drives them); how many a run has is its plan's (plan/run_plan.py).
 
 A run of one trainer process is a world of one: the same FSDP2 model, step and checkpoint as several ranks, over a
 process group on an in-memory store (``Ranks.alone``). Its collectives return at once instead of pickling a
@@ -17,8 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.config.schema import Config
-
 # Followers wait in a collective while rank 0 waits for rollouts; a dead rank is the launcher's to catch.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 SERVER_URL_ENV = "ASYNCRL_SERVER_URL"
@@ -26,19 +24,6 @@ SERVER_URL_ENV = "ASYNCRL_SERVER_URL"
 of them is trainer rank 0, which drives the servers (a node that torchrun started has none of it)."""
 LEADER_KEY = "asyncrl/leader"
 LEADER_TIMEOUT = timedelta(minutes=5)
-
-
-def ranks_per_node(config: Config) -> int:
-    """trainer.num_processes, else trainer.gpus on a GPU machine, else 1."""
-    t = config.trainer
-    if t.num_processes is not None:
-        return t.num_processes
-    return (t.gpus or 1) if torch.cuda.is_available() else 1
-
-
-def world_size(config: Config) -> int:
-    """The ranks of every node."""
-    return ranks_per_node(config) * config.trainer.nnodes
 
 
 def leader_first(store: dist.Store, rank: int, world: int, leader: bool) -> int:
@@ -123,13 +108,6 @@ class Ranks:
         value = torch.tensor([index], dtype=torch.long, device=self.device)
         dist.broadcast(value, src=0)
         return int(value.item())
-
-    def sum(self, values: list[float]) -> list[float]:
-        if self.world == 1:
-            return [float(v) for v in values]
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on rank 0 (an empty list on the others)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from asyncrl.components import Components
 from asyncrl.config.schema import Config
+from asyncrl.plan.run_plan import RunPlan
 from asyncrl.registry import import_object
 
 
@@ -16,10 +17,14 @@ class Prepared:
     dataset: Any
     eval_dataset: Any | None
     tokenizer: Any
-    components: Components
-    """Built once by validation; the trainer runs them, and the worker gets the rewards and estimator in its
-    spec."""
+    plan: RunPlan
+    """What the run decided once: its components and its flow rules."""
     loop_cls: type
+
+    @property
+    def components(self) -> Components:
+        """The plan's: the trainer runs them, and the worker gets the rewards and estimator in its spec."""
+        return self.plan.components
 
     def total_prompts(self, config: Config) -> int | None:
         """Prompts in the whole run when it stops on epochs; None when max_steps decides."""
@@ -58,14 +63,15 @@ def load_tokenizer(config: Config) -> Any:
     return tokenizer
 
 
-def prepare(config: Config, components: Components) -> Prepared:
-    """Everything the run needs besides the model and the server, checked before the server starts;
-    ``components``: what validation built (``asyncrl.config.compose.to_config_and_components``)."""
+def prepare(plan: RunPlan) -> Prepared:
+    """Everything the run needs besides the model and the server, checked before the server starts
+    (``plan``: asyncrl.plan.assemble.plan_run)."""
     from asyncrl.data import load_prompts
     from asyncrl.rollout.environments import check_routing, environment_rows
     from asyncrl.rollout.loop import AsyncRolloutLoop
     from asyncrl.trainer.moe import check_router_aux_coef
 
+    config = plan.config
     check_model_path(config)
     if config.data.path is None:
         dataset = environment_rows()  # validated: a single environment supplies each prompt from reset()
@@ -79,12 +85,12 @@ def prepare(config: Config, components: Components) -> Prepared:
     loop_cls = import_object(config.rollout.loop_cls)
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
         raise TypeError(f"rollout.loop_cls={config.rollout.loop_cls} is not a subclass of AsyncRolloutLoop")
-    check_components_pickle(components)
+    check_components_pickle(plan.components)
     tokenizer = load_tokenizer(config)
     check_agents(config, tokenizer)
     check_router_aux_coef(config)
     check_routing(dataset, config.rollout.environment_factory)
-    return Prepared(dataset, eval_dataset, tokenizer, components, loop_cls)
+    return Prepared(dataset, eval_dataset, tokenizer, plan, loop_cls)
 
 
 def check_components_pickle(components: Components) -> None:

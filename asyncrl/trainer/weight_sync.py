@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.client import ControlClient
+from asyncrl.client import Control, ControlClient
 from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.registry import Registry
@@ -74,7 +74,7 @@ class WeightSync:
     adapter_prefix: str | None = None  # the policy is served under the base model's name (AdapterSync's differs)
     adapter_only = False  # it sends every weight (merged under LoRA); AdapterSync reads only the trained ones
 
-    def __init__(self, control: ControlClient, transport: Transport, facts: ServerFacts | None = None) -> None:
+    def __init__(self, control: Control, transport: Transport, facts: ServerFacts | None = None) -> None:
         self.control, self.transport, self.facts = control, transport, facts
         self._resuming: Background[float] | None = None
         self._paused_at = 0.0

@@ -22,11 +22,12 @@ from sharded import sharded
 from asyncrl.advantages import ADVANTAGES
 from asyncrl.assets.tiny_model import build_model, build_tokenizer
 from asyncrl.config import ConfigError
-from asyncrl.config.compose import compose, to_config, to_config_and_components
+from asyncrl.config.compose import compose
 from asyncrl.losses import LOSSES
-from asyncrl.losses.step import StepLoss
+from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing.flat import FlatRow
+from asyncrl.plan.assemble import plan_run
 from asyncrl.rollout.loop import AsyncRolloutLoop, render_prompt
 from asyncrl.rollout.types import Rollout, RolloutSample, TrainingSequence, TurnRecord
 from asyncrl.trainer.assembler import Step
@@ -61,13 +62,17 @@ def on_policy(row, entropy: float | list[float] = 1.0) -> SimpleNamespace:
     return SimpleNamespace(logprobs=row.sampler_logprobs.clone().requires_grad_(), top_logprobs=None, entropy=values)
 
 
-def step_total(step_loss: StepLoss, rows, entropy=1.0) -> float:
-    step_loss.start_step(rows)
-    total = 0.0
+def step_totals(step_loss: StepLoss, rows, entropy=1.0) -> tuple[float, StepTotals]:
+    """The step's loss summed over its rows as backpropagated, and the totals it ends with."""
+    norm, totals, total = step_loss.norm(rows), StepTotals(), 0.0
     for row in rows:
-        loss, _ = step_loss(step_loss.batch(row, on_policy(row, entropy)))
-        total += float(loss.detach())
-    return total
+        loss, _, part = step_loss.loss(step_loss.batch(row, on_policy(row, entropy), norm), norm)
+        total, totals = total + float(loss.detach()), totals + part
+    return total, totals
+
+
+def step_total(step_loss: StepLoss, rows, entropy=1.0) -> float:
+    return step_totals(step_loss, rows, entropy)[0]
 
 
 ROWS = ([1.0, 2], [-2.0, 3]), ([0.5, 4],)  # (advantage, trained tokens) per sample, per row
@@ -97,21 +102,21 @@ def test_truncated_completions_leave_the_loss_and_its_denominator():
     step_loss = StepLoss(LOSSES.build({"name": "clipped", "mask_truncated_completions": True}))
     # kept tokens: 2 + 4 = 6; -(1 * 2 + 0.5 * 4) / 6
     assert step_total(step_loss, rows) == pytest.approx(-4 / 6, rel=1e-6)
-    assert step_loss.counts.tokens == 6 and step_loss.counts.sequences == 2
+    counts = step_loss.norm(rows).counts
+    assert counts.tokens == 6 and counts.sequences == 2
     assert step_total(StepLoss(LOSSES.build("clipped")), rows) == pytest.approx(2 / 9, rel=1e-6)
 
 
 def test_static_entropy_bonus_is_the_step_token_mean_whatever_the_normalisation():
     rows = rows_of([sample(1.0, 2), sample(-2.0, 3)], [sample(0.5, 4)])
     step_loss = StepLoss(LOSSES.build({"name": "clipped", "normalization": "sequence", "entropy_coef": 0.1}))
-    step_loss.start_step(rows)
-    total = 0.0
+    norm, totals, total = step_loss.norm(rows), StepTotals(), 0.0
     for row, entropy in zip(rows, (2.0, 0.5), strict=True):
-        loss, _ = step_loss(step_loss.batch(row, on_policy(row, entropy)))
-        total += float(loss.detach())
+        loss, _, part = step_loss.loss(step_loss.batch(row, on_policy(row, entropy), norm), norm)
+        total, totals = total + float(loss.detach()), totals + part
     # policy 0.5 / 3 (sequence normalisation); entropy mean over the 9 tokens (5 * 2 + 4 * 0.5) / 9
     assert total == pytest.approx(0.5 / 3 - 0.1 * 12 / 9, rel=1e-6)
-    assert step_loss.end_step() == pytest.approx({"loss": total, "policy_loss": 0.5 / 3, "entropy_coef": 0.1})
+    assert step_loss.end_step(totals) == pytest.approx({"loss": total, "policy_loss": 0.5 / 3, "entropy_coef": 0.1})
     assert step_loss.state_dict() == {}
 
 
@@ -121,12 +126,14 @@ def test_adaptive_coefficient_is_gated_moves_toward_the_target_and_survives_a_ch
     rows = rows_of([sample(1.0, 2)])
     step_loss = StepLoss(LOSSES.build(spec))
     # entropy 0.5 <= target: the bonus applies (-1 policy - 0.1 x 0.5), then the coefficient rises, capped at 0.12
-    assert step_total(step_loss, rows, entropy=0.5) == pytest.approx(-1.0 - 0.05, rel=1e-6)
-    assert step_loss.end_step()["entropy_coef"] == pytest.approx(0.1)
+    total, totals = step_totals(step_loss, rows, entropy=0.5)
+    assert total == pytest.approx(-1.0 - 0.05, rel=1e-6)
+    assert step_loss.end_step(totals)["entropy_coef"] == pytest.approx(0.1)
     assert step_loss.entropy_coef == pytest.approx(0.12)
     # entropy 2.0 > target: no bonus this step, and the coefficient falls by delta
-    assert step_total(step_loss, rows, entropy=2.0) == pytest.approx(-1.0, rel=1e-6)
-    step_loss.end_step()
+    total, totals = step_totals(step_loss, rows, entropy=2.0)
+    assert total == pytest.approx(-1.0, rel=1e-6)
+    step_loss.end_step(totals)
     assert step_loss.entropy_coef == pytest.approx(0.07)
 
     resumed = StepLoss(LOSSES.build(spec))
@@ -135,17 +142,31 @@ def test_adaptive_coefficient_is_gated_moves_toward_the_target_and_survives_a_ch
     assert StepLoss(LOSSES.build("clipped")).state_dict() == {}
 
 
+def test_every_rank_trains_with_the_norm_rank_0_decided():
+    """The step's norm carries rank 0's adaptive entropy coefficient: a follower's StepLoss, which never ends a
+    step, trains with it rather than with its own."""
+    spec = {"name": "clipped", "entropy_coef": 0.1, "entropy_target": 1.0, "entropy_coef_delta": 0.05,
+            "entropy_coef_max": 0.12}  # fmt: skip
+    rows = rows_of([sample(1.0, 2)])
+    leader, follower = StepLoss(LOSSES.build(spec)), StepLoss(LOSSES.build(spec))
+    leader.end_step(step_totals(leader, rows, entropy=0.5)[1])  # rank 0's coefficient rises to 0.12
+    norm = leader.norm(rows)
+    loss, _, totals = follower.loss(follower.batch(rows[0], on_policy(rows[0], 0.5), norm), norm)
+    assert float(loss) == pytest.approx(-1.0 - 0.12 * 0.5, rel=1e-6) and totals.entropy == pytest.approx(0.5)
+    assert follower.entropy_coef == pytest.approx(0.1)  # untouched: the coefficient's state is rank 0's
+
+
 def test_default_loss_keeps_the_global_token_mean():
     rows = rows_of([sample(1.0, 2), sample(-2.0, 3)], [sample(0.5, 4)], top_k=1)
     step_loss = StepLoss(LOSSES.build({"name": "score_centering"}))
-    step_loss.start_step(rows)
+    norm = step_loss.norm(rows)
     row = rows[0]
     forward = on_policy(row)
     forward.top_logprobs = torch.full((row.num_trained, 1), -5.0)
-    batch = step_loss.batch(row, forward)
-    loss, metrics = step_loss(batch)
+    batch = step_loss.batch(row, forward, norm)
+    loss, metrics, totals = step_loss.loss(batch, norm)
     torch.testing.assert_close(loss, LOSSES.build("score_centering")(batch).loss_sum / 9)
-    assert step_loss.end_step() == {"loss": pytest.approx(float(loss))} and "sampling/sampler_mass" in metrics
+    assert step_loss.end_step(totals) == {"loss": pytest.approx(float(loss))} and "sampling/sampler_mass" in metrics
 
 
 def test_step_level_advantages():
@@ -158,17 +179,15 @@ def test_step_level_advantages():
     ]
     rows = rows_of(samples)
     lite = StepLoss(LOSSES.build("clipped"), ADVANTAGES.build("group_mean_batch_std"))
-    lite.start_step(rows)
     # std of the rewards 3 and 1 is 1: advantages unchanged in value
-    torch.testing.assert_close(lite.batch(rows[0], on_policy(rows[0])).advantages,
+    torch.testing.assert_close(lite.batch(rows[0], on_policy(rows[0]), lite.norm(rows)).advantages,
                                torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0]))  # fmt: skip
 
     gdpo = StepLoss(LOSSES.build("clipped"), ADVANTAGES.build({"name": "gdpo"}))
     shifted = rows_of([sample(a + 2.0, n, reward=s.reward, rollout_id=s.rollout_id) for a, n, s in
                        zip((1.0, 1.0, -1.0, 0.0), (2, 1, 2, 2), samples, strict=True)])  # fmt: skip
-    gdpo.start_step(shifted)
     # scorable advantages 3 and 1: mean 2, std 1 -> +1, -1; the unscorable rollout stays 0
-    torch.testing.assert_close(gdpo.batch(shifted[0], on_policy(shifted[0])).advantages,
+    torch.testing.assert_close(gdpo.batch(shifted[0], on_policy(shifted[0]), gdpo.norm(shifted)).advantages,
                                torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0]))  # fmt: skip
 
 
@@ -186,7 +205,8 @@ def test_rollouts_that_hit_the_length_budget_are_flagged_for_the_loss():
                              model_version=0, rollout_id=str(i))
                for i, seqs in enumerate(group.completions_sequences)]  # fmt: skip
     (row,) = rows_of(samples)
-    batch = StepLoss(LOSSES.build("clipped")).batch(row, on_policy(row))
+    step_loss = StepLoss(LOSSES.build("clipped"))
+    batch = step_loss.batch(row, on_policy(row), step_loss.norm([row]))
     assert batch.truncated.tolist() == [False, False, True, True, True, True]
 
 
@@ -204,7 +224,7 @@ def test_rollouts_that_hit_the_length_budget_are_flagged_for_the_loss():
 )
 def test_config_validation_runs_the_loss(overrides, named):
     with pytest.raises(ConfigError, match=named):
-        to_config(compose(overrides))
+        plan_run(compose(overrides))
 
 
 # ---- inside the real trainer step ----------------------------------------------------------------------------
@@ -220,7 +240,8 @@ def tokenizer():
 def trainer_for(overrides: list[str], model: torch.nn.Module, ranks: Ranks) -> Trainer:
     """The Trainer's step as the CLI runs it in one process: rank 0 of a world of one, its model sharded."""
     overrides = ["trainer.weight_decay=0.0", "trainer.learning_rate=1e-3", *overrides]
-    config, components = to_config_and_components(compose(overrides))
+    plan = plan_run(compose(overrides))
+    config, components = plan.config, plan.components
     trainer = Trainer.__new__(Trainer)
     trainer.config, trainer.ranks, trainer.world = config, ranks, 1
     trainer.model, trainer.optimizer, trainer.scheduler = sharded(config, model)

@@ -8,7 +8,7 @@ from asyncrl.rollout.pacing import StalenessPacer
 
 
 def test_a_late_group_cuts_the_cap_to_70_percent_of_the_rollouts_in_flight_with_it():
-    pacer = StalenessPacer(ceiling=64, num_generations=8, max_staleness=2)
+    pacer = StalenessPacer(ceiling=64, flow=FlowControl(2, num_generations=8))
     assert not pacer.on_group_done(start_version=0, version=2, inflight=32, completed=8)  # at the limit: not late
     assert pacer.cap == 64 and pacer.late_groups == 0
     assert pacer.on_group_done(start_version=0, version=3, inflight=32, completed=16)
@@ -17,7 +17,7 @@ def test_a_late_group_cuts_the_cap_to_70_percent_of_the_rollouts_in_flight_with_
 
 
 def test_groups_that_started_before_the_cut_do_not_cut_again_until_the_pool_drained():
-    pacer = StalenessPacer(ceiling=64, num_generations=8, max_staleness=1)
+    pacer = StalenessPacer(ceiling=64, flow=FlowControl(1, num_generations=8))
     pacer.on_group_done(start_version=3, version=5, inflight=56, completed=8)
     assert pacer.cap == 44
     for n, start in enumerate((3, 4, 5), start=2):  # in flight at the cut (version 5): the old concurrency
@@ -29,13 +29,13 @@ def test_groups_that_started_before_the_cut_do_not_cut_again_until_the_pool_drai
 
 
 def test_the_cut_is_taken_from_the_cap_when_more_rollouts_run_than_it_allows():
-    pacer = StalenessPacer(ceiling=512, num_generations=8, max_staleness=1)
+    pacer = StalenessPacer(ceiling=512, flow=FlowControl(1, num_generations=8))
     pacer.on_group_done(start_version=0, version=2, inflight=600, completed=8)  # the KV cap had been above
     assert pacer.cap == 358  # floor(0.7 x 512)
 
 
 def test_the_cap_grows_by_one_group_per_cap_many_completions_and_staleness_window():
-    pacer = StalenessPacer(ceiling=40, num_generations=8, max_staleness=1)
+    pacer = StalenessPacer(ceiling=40, flow=FlowControl(1, num_generations=8))
     pacer.on_group_done(start_version=0, version=2, inflight=16, completed=8)
     assert pacer.cap == 16
     caps = []
@@ -49,11 +49,11 @@ def test_the_cap_grows_by_one_group_per_cap_many_completions_and_staleness_windo
 
 
 def test_the_cap_never_falls_below_one_group():
-    pacer = StalenessPacer(ceiling=64, num_generations=8, max_staleness=1)
+    pacer = StalenessPacer(ceiling=64, flow=FlowControl(1, num_generations=8))
     for start in (0, 3, 6):  # each started after the previous cut
         pacer.on_group_done(start_version=start, version=start + 2, inflight=0, completed=8 * (start + 1))
         assert pacer.cap == 8
-    small = StalenessPacer(ceiling=4, num_generations=8, max_staleness=1)  # a group larger than the ceiling
+    small = StalenessPacer(ceiling=4, flow=FlowControl(1, num_generations=8))  # a group larger than the ceiling
     small.on_group_done(start_version=0, version=5, inflight=0, completed=8)
     assert small.cap == 4
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from asyncrl.config.compose import compose, to_config_and_components
+from asyncrl.config.compose import compose
 from asyncrl.config.schema import Config
+from asyncrl.flow import FlowControl
+from asyncrl.plan.assemble import plan_run
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.loop import AsyncRolloutLoop
 from asyncrl.rollout.scoring import RewardSource
@@ -26,17 +28,17 @@ from asyncrl.trainer.setup import prepare
 
 
 def test_a_worker_blocked_on_backpressure_stops_promptly(tiny_server, random_tiny_model_dir, arithmetic_data_dir):
-    config, components = to_config_and_components(compose([
+    plan = plan_run(compose([
         f"model.name_or_path={random_tiny_model_dir}", f"data.path={Path(arithmetic_data_dir) / 'train.jsonl'}",
         "data.eval_path=null", "reward=length", "server.launch=false", f"server.base_url={tiny_server.base_url}",
     ]))  # fmt: skip
-    prepared = prepare(config, components)
+    config, components, prepared = plan.config, plan.components, prepare(plan)
     channels = WorkerChannels.create(64)  # a small allowance, and no trainer consumes: admission soon waits
     spec = WorkerSpec(
         config=config, tokenizer=prepared.tokenizer, dataset=prepared.dataset, reward_sources=components.rewards,
         loop_cls=prepared.loop_cls, advantage_fn=components.advantage, base_urls=[tiny_server.base_url],
-        model_name=served_model_name(config), max_model_len=256, adapter_prefix=None, start_prompt_index=0,
-        total_prompts=None,
+        model_name=served_model_name(config), max_model_len=256, flow=plan.flow, adapter_prefix=None,
+        start_prompt_index=0, total_prompts=None,
     )  # fmt: skip
     worker = spawn_worker(channels)
     send_spec(spec, channels)
@@ -121,7 +123,8 @@ def local_spec(reward=by_length, total_prompts: int = 3, max_staleness: int = 1)
     return WorkerSpec(
         config=config, tokenizer=tokenizer(), dataset=rows,
         reward_sources=[RewardSource(reward.__name__, reward)], loop_cls=GatedLoop, advantage_fn=centred,
-        base_urls=["http://127.0.0.1:9"], model_name="tiny", max_model_len=256, total_prompts=total_prompts,
+        base_urls=["http://127.0.0.1:9"], model_name="tiny", max_model_len=256, flow=FlowControl.from_config(config),
+        total_prompts=total_prompts,
     )  # fmt: skip
 
 

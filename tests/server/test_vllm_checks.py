@@ -11,7 +11,7 @@ from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 
 from asyncrl.client import ControlClient
 from asyncrl.config.compose import compose, to_config
-from asyncrl.server.checks import ServerCheckError, check_server
+from asyncrl.server.checks import ServerCheckError, check_server, lora_problem
 from asyncrl.server.vllm import WORKER_EXTENSION
 
 
@@ -196,3 +196,19 @@ def test_a_failing_server_is_reported_with_its_status(serve_app):
     app.get("/version")(lambda: Response(status_code=500))
     with serve_app(app) as url, pytest.raises(Exception, match="HTTP 500"):
         run_checks(attached(url))
+
+
+def test_one_lora_rule_answers_the_startup_checks_and_the_sync_choice():
+    """The run needs max_staleness + 2 adapter slots (6 here), whatever larger server.max_loras it would launch
+    with; vLLM's runtime-loading switch reads as the other switches do ("yes" included)."""
+    config = to_config(compose(["lora=default", "lora.sync=adapter", "server.max_loras=8"]))
+    enough, env = {"max_lora_rank": 32, "max_loras": 6}, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "yes"}
+    assert lora_problem(config, enough, env, "vllm") is None
+    assert lora_problem(config, {"max_lora_rank": 32, "max_loras": 5}, {}, "builtin") == (
+        "the server holds 5 adapters; 6 versions are alive at once (staleness.max_staleness + 2)",
+        "--max-loras 8",
+    )
+    assert lora_problem(config, enough, {}, "vllm") == (
+        "the server refuses runtime adapter loading",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+    )

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from asyncrl.flow import FlowControl
+from asyncrl.losses.step import StepNorm
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing import PACKERS
 from asyncrl.rollout.channels import WorkerChannels
@@ -68,7 +69,7 @@ def test_two_ranks_get_micro_batches_balanced_by_cost_and_an_idle_rank_a_filler(
     assert step.placement == [[0, 1], [2, None]]  # micro-batches of one row per rank; rank 1 has none in the 2nd
     assert step.final and progress.cursor == 5
     packed = [row.pack(0) for row in step.rows]
-    work = split_rows(packed, step.placement, (0.0, 1.0))
+    work = split_rows(packed, step.placement, StepNorm())
     assert [[(row, weight) for row, weight in rank.rows] for rank in work] == [
         [(packed[0], 1.0), (packed[2], 1.0)], [(packed[1], 1.0), (packed[2], 0.0)]]  # fmt: skip
     costs = [row.attention_cost() for row in packed]
@@ -86,7 +87,7 @@ def test_one_rank_steps_report_balance_and_split_rejects_a_malformed_placement()
     packed = [row.pack(0) for row in step.rows]
     assert batch_metrics(step, packed, 25)["batch/row_imbalance"] == 1.0
     with pytest.raises(ValueError, match=r"split_rows: micro-batch \[None\] must name one row per rank \(1\)"):
-        split_rows(packed, [[0], [None]], (0.0, 1.0))
+        split_rows(packed, [[0], [None]], StepNorm())
 
 
 def test_stale_and_oversize_samples_are_dropped_and_counted():

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from asyncrl.config.schema import Config
+from asyncrl.flow import FlowControl
 from asyncrl.trainer.console import (
     BALANCED,
     GENERATION_BOUND,
@@ -43,7 +44,8 @@ def test_classify_bottleneck(metrics, label):
 
 
 def test_generation_bound_line_points_at_generation_metrics():
-    line = diagnose_bottleneck(_queue(1.2, 0.0, **{"rollout/queue_size": 0.0, "batch/samples_per_step": 8.0}), 4)
+    metrics = _queue(1.2, 0.0, **{"rollout/queue_size": 0.0, "batch/samples_per_step": 8.0})
+    line = diagnose_bottleneck(metrics, FlowControl(4))
     assert line.startswith("generation-bound: training waited 1.20 s/step")
     assert "queue 0 samples = 0.0 steps" in line
     assert "rollout/generated_tokens_per_s" in line and "rollout/concurrency" in line
@@ -52,19 +54,19 @@ def test_generation_bound_line_points_at_generation_metrics():
 def test_trainer_bound_line_shows_queue_in_steps_and_staleness():
     metrics = _queue(0.0, 0.9, **{"rollout/queue_size": 32.0, "batch/samples_per_step": 8.0,
                                   "sample/staleness_mean": 3.6})  # fmt: skip
-    line = diagnose_bottleneck(metrics, 4)
+    line = diagnose_bottleneck(metrics, FlowControl(4))
     assert line.startswith("trainer-bound: generation waited 0.90 s")
     assert "queue 32 samples = 4.0 steps" in line and "staleness 3.6 of max 4" in line
 
 
 def test_too_tight_line_says_raise_max_staleness():
-    assert "raise staleness.max_staleness (now 2)" in diagnose_bottleneck(_queue(0.8, 0.7), 2)
-    assert "synchronous mode" in diagnose_bottleneck(_queue(0.8, 0.7), 0)
+    assert "raise staleness.max_staleness (now 2)" in diagnose_bottleneck(_queue(0.8, 0.7), FlowControl(2))
+    assert "synchronous mode" in diagnose_bottleneck(_queue(0.8, 0.7), FlowControl(0))
 
 
 def test_balanced_and_unknown_lines():
-    assert diagnose_bottleneck(_queue(0.0, 0.0), 4).startswith("balanced:")
-    assert diagnose_bottleneck({}, 4).startswith("bottleneck unknown")
+    assert diagnose_bottleneck(_queue(0.0, 0.0), FlowControl(4)).startswith("balanced:")
+    assert diagnose_bottleneck({}, FlowControl(4)).startswith("bottleneck unknown")
 
 
 def _config(**logging: object) -> Config:
@@ -77,7 +79,7 @@ def _config(**logging: object) -> Config:
 
 
 def test_plain_output_is_one_line_per_step_with_the_numbers(capsys):
-    console = Console(_config())
+    console = Console(_config(), FlowControl(4))
     metrics = {"reward": 0.625, "reward_kept": 0.5, "reward_dropped": math.nan,
                "rollout/generated_tokens_per_s": 1234.4, "perf/wall_clock_trained_tokens_per_s": 567.0,
                "sample/staleness_mean": 1.25, "rollout/queue_size": 12.0, **_queue(0.0, 0.9)}  # fmt: skip
@@ -98,7 +100,7 @@ def test_plain_output_is_one_line_per_step_with_the_numbers(capsys):
 def test_plain_output_counts_epochs_without_max_steps(capsys):
     config = _config()
     config.trainer.max_steps, config.trainer.num_train_epochs = -1, 3
-    Console(config).log_step(5, {"epoch": 1.5})
+    Console(config, FlowControl(4)).log_step(5, {"epoch": 1.5})
     assert capsys.readouterr().out.startswith("step 5  epoch 1.50/3")
 
 
@@ -108,12 +110,12 @@ def test_several_servers_show_their_share_of_requests_and_their_summed_load(caps
                "rollout/vllm_queued_requests": 0.0}  # fmt: skip
     assert servers_text(metrics) == "2 servers: requests 75%/25%  KV max 42%  running 12  queued 0"
     assert servers_text({"rollout/server_0_request_count": 3.0}) is None  # one server: nothing to compare
-    Console(_config()).log_step(1, metrics)
+    Console(_config(), FlowControl(4)).log_step(1, metrics)
     assert "2 servers: requests 75%/25%" in capsys.readouterr().out
 
 
 def test_live_mode_draws_progress_stats_and_bottleneck(capsys):
-    console = Console(_config(console="live"))
+    console = Console(_config(console="live"), FlowControl(4))
     console.log_step(5, {"reward": 0.5, "frac_reward_zero_std": 0.5, "reward_dropped": 0.0, **_queue(0.0, 0.9)})
     console.close()
     out = capsys.readouterr().out
@@ -123,7 +125,7 @@ def test_live_mode_draws_progress_stats_and_bottleneck(capsys):
 
 def test_unknown_console_mode_names_the_key():
     with pytest.raises(ValueError, match="logging.console"):
-        Console(_config(console="fancy"))
+        Console(_config(console="fancy"), FlowControl(4))
 
 
 def _records(n: int) -> list[dict]:
@@ -133,12 +135,13 @@ def _records(n: int) -> list[dict]:
 
 @pytest.mark.parametrize(("limit", "shown"), [(2, 2), (None, 5), (9, 5)])
 def test_log_completions_respects_num_completions_to_print(capsys, limit, shown):
-    Console(_config(log_completions=True, num_completions_to_print=limit)).log_completions(_records(5))
+    console = Console(_config(log_completions=True, num_completions_to_print=limit), FlowControl(4))
+    console.log_completions(_records(5))
     out = capsys.readouterr().out
     assert [i for i in range(5) if f"answer-{i}" in out] == list(range(shown))
     assert "user: q0" in out and "+0.500" in out and f"{shown} of 5" in out
 
 
 def test_log_completions_prints_nothing_unless_enabled(capsys):
-    Console(_config(log_completions=False)).log_completions(_records(3))
+    Console(_config(log_completions=False), FlowControl(4)).log_completions(_records(3))
     assert capsys.readouterr().out == ""

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, set_seed
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
 from asyncrl.losses import LOSSES
-from asyncrl.losses.step import StepLoss
+from asyncrl.losses.step import StepLoss, StepNorm
 from asyncrl.packing import TreeRow, plan_micro_batches
 from asyncrl.server.process import free_port
 from asyncrl.trainer import fsdp
@@ -81,10 +81,10 @@ def single_process_step(config: Config, rows: list) -> torch.nn.Module:
     model = load_model(config, config.model.name_or_path)
     optimizer, _ = build_optimizer(config, model)
     loss = StepLoss(LOSSES.build(config.loss))
-    loss.start_step(rows)
+    norm = loss.norm(rows)
     for row in rows:
         out = packed_forward(model, row, config.sampling.temperature)
-        loss(loss.batch(row, out))[0].backward()
+        loss.loss(loss.batch(row, out, norm), norm)[0].backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.trainer.max_grad_norm)
     optimizer.step()
     return model.eval()
@@ -121,15 +121,13 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
         loss = StepLoss(LOSSES.build(config.loss))
-        loss.start_step(rows)
-        mine = ranks.command("step", split_rows(rows, placement, (loss.shift, loss.scale)))
+        mine = ranks.command("step", split_rows(rows, placement, loss.norm(rows)))
         result = train_rows(model, loss, mine, ranks, config)
         fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.end_step()
-        metrics = [m for per_rank in ranks.gather(result.metrics) for m in per_rank]
+        metrics = [m for per_rank, _ in ranks.gather((result.metrics, result.totals)) for m in per_rank]
         if config.lora.enabled:
             write_lora(model, ranks, out)
         else:
@@ -147,7 +145,7 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
                     sync.close()
         ranks.command("stop")
         (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
-            rows, placement, (0.0, 1.0))], "row_metrics": len(metrics)}))  # fmt: skip
+            rows, placement, StepNorm())], "row_metrics": len(metrics)}))  # fmt: skip
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -31,7 +31,7 @@ def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were
     row_factory, budget = components.packer.rows(64)
     rows = synthetic_rows(row_factory, budget, 64, model.config.vocab_size, top_k=0)
     loss = StepLoss(components.loss, components.advantage, 16)
-    work = split_rows(rows, [[0]], (0.0, 1.0))[0]
+    work = split_rows(rows, [[0]], loss.norm(rows))[0]
     random_state = torch.random.get_rng_state()
     resumed = {"step": torch.tensor(7.0)}  # a resumed run's moments are put back as they were
     optimizer.state[next(model.parameters())] = resumed

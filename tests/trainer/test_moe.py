@@ -67,10 +67,10 @@ def test_the_step_loss_adds_the_weighted_mean_over_rows_and_logs_it():
     model = tiny_moe(1)
     step = StepLoss(LOSSES.build({"name": "clipped"}))
     step.router_aux_coef = 0.5
-    step.start_step([row, row])  # two micro-batches: each adds half of its share
+    norm = step.norm([row, row])  # two micro-batches: each adds half of its share
     out = packed_forward(model, row, TEMPERATURE, attention="sdpa", router_aux=True)
-    with_aux, metrics = step(step.batch(row, out), out.aux_loss)
-    without, _ = step(step.batch(row, out))
+    with_aux, metrics, _ = step.loss(step.batch(row, out, norm), norm, out.aux_loss)
+    without, _, _ = step.loss(step.batch(row, out, norm), norm)
     torch.testing.assert_close(with_aux - without, 0.5 * out.aux_loss / 2)
     assert metrics["aux_loss"] == pytest.approx(float(out.aux_loss.detach()))
     with_aux.backward()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.client import ControlClient, policy_model
+from asyncrl.client import Control, policy_model
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.flow import FlowControl
@@ -62,7 +62,7 @@ class AdapterSync:
 
     adapter_only = True
 
-    def __init__(self, control: ControlClient, config: Config, output_dir: Path, facts: Any = None) -> None:
+    def __init__(self, control: Control, config: Config, output_dir: Path, facts: Any = None) -> None:
         self.control, self.facts = control, facts
         self.base_name = config.model.name_or_path
         self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from asyncrl.client import ControlClient
+from asyncrl.client import Control
 
 R = TypeVar("R")
 
@@ -26,7 +26,7 @@ class Transport(ABC):
     session = True
     """Whether the round opens vLLM's weight-update session (/start_weight_update ... /finish_weight_update)."""
 
-    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
+    def init(self, control: Control, model: torch.nn.Module) -> None:
         """Rendezvous with the server, POST /init_weight_transfer_engine included. ``model`` is what the rounds will
         push (same names and shapes), for transports that plan from it up front."""
         control.init_weight_transfer({})
@@ -36,7 +36,7 @@ class Transport(ABC):
         self.model = model
 
     @abstractmethod
-    def send(self, control: ControlClient) -> float:
+    def send(self, control: Control) -> float:
         """Between start and finish: POST /update_weights and move the tensors. Returns the seconds spent
         waiting for the server to take them after they were sent (the barrier)."""
 
@@ -44,7 +44,7 @@ class Transport(ABC):
         """Drop what ``stage`` prepared; runs after every round, failed or not."""
         self.model = None
 
-    def close(self, control: ControlClient) -> None:  # noqa: B027 - an optional hook: most transports hold nothing
+    def close(self, control: Control) -> None:  # noqa: B027 - an optional hook: most transports hold nothing
         """Release the transport at the end of the run."""
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncrl.client import ControlClient
+from asyncrl.client import Control
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.server.checks import ServerFacts
@@ -35,7 +35,7 @@ class FileTransport(Transport):
         """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
         return cls(Path(config.server.weights_dir or run_dir), torch_dtype(serving_dtype(config)))
 
-    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
+    def init(self, control: Control, model: torch.nn.Module) -> None:
         control.init_weight_transfer({"backend": "builtin"})
 
     def stage(self, model: torch.nn.Module) -> None:
@@ -43,7 +43,7 @@ class FileTransport(Transport):
         self.path = self.dir / f"weights-{self._round}.safetensors"
         save_file(unique_state_dict(model, self.dtype), str(self.path))
 
-    def send(self, control: ControlClient) -> float:
+    def send(self, control: Control) -> float:
         assert self.path is not None, "stage() runs before send()"
         control.update_weights({"path": str(self.path)})
         return 0.0
@@ -53,7 +53,7 @@ class FileTransport(Transport):
             self.path.unlink(missing_ok=True)
             self.path = None
 
-    def close(self, control: ControlClient) -> None:
+    def close(self, control: Control) -> None:
         for leftover in self.dir.glob("*"):
             leftover.unlink(missing_ok=True)
         self.dir.rmdir()

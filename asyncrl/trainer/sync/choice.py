@@ -16,9 +16,7 @@ import logging
 
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, LoraSync
-from asyncrl.flow import FlowControl
-from asyncrl.server import vllm
-from asyncrl.server.checks import ServerCheckError
+from asyncrl.server.checks import ServerCheckError, lora_problem
 
 log = logging.getLogger(__name__)
 
@@ -37,27 +35,12 @@ def use_adapter_sync(config: Config, control: ControlClient, backend: str) -> bo
 
 
 def adapter_problem(config: Config, control: ControlClient, backend: str) -> str | None:
-    """Why the server cannot serve this run's adapter versions, or None when it can."""
-    rank, loras = vllm.max_lora_rank(config), vllm.max_loras(config)
+    """Why the server cannot serve this run's adapter versions (server/checks.py's ``lora_problem``), or None
+    when it can."""
     try:
         info = control.server_info()
     except ServerError as error:
         return f"the server has no /server_info to report its LoRA limits ({error.message})"
     lora = (info.get("vllm_config") or {}).get("lora_config")
-    if lora is None:
-        return f"the server has LoRA off: restart it with --enable-lora --max-lora-rank {rank} --max-loras {loras}"
-    env = info.get("vllm_env") or {}
-    if backend == "vllm" and str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("1", "true"):
-        return "the server refuses runtime adapter loading: restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
-    if int(lora.get("max_lora_rank", 0)) < config.lora.r:
-        return (
-            f"the server's max_lora_rank {lora.get('max_lora_rank')} is below lora.r={config.lora.r}: "
-            f"restart it with --max-lora-rank {rank}"
-        )
-    needed = FlowControl.from_config(config).adapter_slots
-    if int(lora.get("max_loras", 0)) < needed:
-        return (
-            f"the server holds {lora.get('max_loras')} adapters and max_staleness + 2 versions are alive at "
-            f"once: restart it with --max-loras {max(loras, needed)}"
-        )
-    return None
+    problem = lora_problem(config, lora, info.get("vllm_env") or {}, backend)
+    return None if problem is None else f"{problem[0]}: restart it with {problem[1]}"

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from asyncrl.client import ControlClient
+from asyncrl.client import Control
 from asyncrl.server import weight_buffer
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, encode_handle
 from asyncrl.trainer.sync.base import Transport, WeightSyncError
@@ -31,7 +31,7 @@ class DirectIpcTransport(Transport):
         self.mapped = False
         self._pending: Iterator[tuple[str, torch.Tensor]] | None = None
 
-    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
+    def init(self, control: Control, model: torch.nn.Module) -> None:
         """Release a buffer that an earlier trainer left mapped on the server (one that crashed, or a run resumed
         against the same server), so its memory is not held until this trainer's first round; this trainer's
         buffer is sized from the model in ``stage``."""
@@ -46,7 +46,7 @@ class DirectIpcTransport(Transport):
         self._pending = serving_parameters(model, None)  # copy_ casts into the wire dtype without a temporary
         self._fill(self.chunks[0])
 
-    def send(self, control: ControlClient) -> float:
+    def send(self, control: Control) -> float:
         assert self.buffer is not None, "stage() runs before send()"
         if not self.mapped:
             control.collective_rpc(MAP, handle=self.share(self.buffer))
@@ -83,7 +83,7 @@ class DirectIpcTransport(Transport):
         self._pending = None
         super().discard()
 
-    def close(self, control: ControlClient) -> None:
+    def close(self, control: Control) -> None:
         mapped, self.buffer, self.mapped = self.mapped, None, False
         if mapped:
             control.collective_rpc(UNMAP)

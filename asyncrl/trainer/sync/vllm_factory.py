@@ -1,7 +1,7 @@
 """vLLM >= 0.28 transports: ``WeightTransferTrainerFactory.trainer_init(...)`` and ``engine.send_weights()``.
 
 vLLM's trainer engine talks to the server through a client object; ours (``RoundClient``) sends its
-/init_weight_transfer_engine and /update_weights through the checked, timed-out ControlClient and turns
+/init_weight_transfer_engine and /update_weights through the checked, timed-out control client and turns
 its start/finish into no-ops, because ``WeightSync`` already makes those calls around the whole round. The
 engine reads the weights from a ``WeightSource`` that casts them to the serving dtype; its interface
 changed in 0.33 (``metadata`` became a cached property, ``iter_full`` replaced iteration, and the engines read
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.client import ControlClient, ServerError
+from asyncrl.client import Control, ServerError
 from asyncrl.server.process import free_port
 from asyncrl.trainer.sync.base import Transport
 from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
@@ -26,9 +26,9 @@ from asyncrl.trainer.sync.vllm_common import ipc_buffer_bytes, ipc_json, rendezv
 
 
 class RoundClient:
-    """vLLM's VLLMWeightSyncClient protocol over our ControlClient; the round's start and finish are ours."""
+    """vLLM's VLLMWeightSyncClient protocol over our control client; the round's start and finish are ours."""
 
-    def __init__(self, control: ControlClient) -> None:
+    def __init__(self, control: Control) -> None:
         self.control = control
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -74,7 +74,7 @@ class FactoryTransport(Transport):
         self.backend, self.dtype, self.timeout_s = backend, dtype, timeout_s
         self.engine: Any = None
 
-    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
+    def init(self, control: Control, model: torch.nn.Module) -> None:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         init_info = self._init_info(control)
@@ -85,7 +85,7 @@ class FactoryTransport(Transport):
             self.timeout_s,
         )
 
-    def _init_info(self, control: ControlClient) -> Any:
+    def _init_info(self, control: Control) -> Any:
         if self.backend == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
@@ -99,7 +99,7 @@ class FactoryTransport(Transport):
             master_address=address, master_port=free_port(address), world_size=control.world_size() + 1, rank=0
         )
 
-    def send(self, control: ControlClient) -> float:
+    def send(self, control: Control) -> float:
         if self.backend == "ipc":
             # vLLM's packed IPC buffer defaults to 1 GiB, smaller than one embedding of an 8B model (it refuses
             # a tensor that does not fit) and larger than a small model needs; size it as the 0.26 path does.
@@ -108,7 +108,7 @@ class FactoryTransport(Transport):
         run_watched(f"{self.backend} send_weights", self.engine.send_weights, self.timeout_s)
         return 0.0
 
-    def close(self, control: ControlClient) -> None:
+    def close(self, control: Control) -> None:
         self.engine = None
         try:
             control.shutdown_weight_transfer()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.client import ControlClient, ServerError
+from asyncrl.client import Control, ServerError
 from asyncrl.server.process import free_port
 from asyncrl.trainer.sync.base import Background, Transport
 from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
@@ -24,7 +24,7 @@ class StaticIpcTransport(Transport):
     def __init__(self, dtype: torch.dtype | None, timeout_s: float) -> None:
         self.dtype, self.timeout_s = dtype, timeout_s
 
-    def send(self, control: ControlClient) -> float:
+    def send(self, control: Control) -> float:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
 
         def post(update_info: Any) -> None:
@@ -45,7 +45,7 @@ class StaticNcclTransport(Transport):
         self.dtype, self.timeout_s = dtype, timeout_s
         self.group: Any = None
 
-    def init(self, control: ControlClient, model: torch.nn.Module) -> None:
+    def init(self, control: Control, model: torch.nn.Module) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         world_size = control.world_size() + 1
@@ -70,7 +70,7 @@ class StaticNcclTransport(Transport):
         )
         server_side.result(self.timeout_s)
 
-    def send(self, control: ControlClient) -> float:
+    def send(self, control: Control) -> float:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
         assert self.model is not None, "stage() runs before send()"
@@ -93,7 +93,7 @@ class StaticNcclTransport(Transport):
         server_side.result(self.timeout_s)
         return time.perf_counter() - sent
 
-    def close(self, control: ControlClient) -> None:
+    def close(self, control: Control) -> None:
         self.group = None
         try:
             control.shutdown_weight_transfer()

@@ -1,0 +1,173 @@
+"""Plan a run: the checks that need more than the config's own fields, then each derived decision, made once.
+
+config/ composes the config and checks it on its own fields (config/validate.py). The checks here need the
+flow rules, the servers' and the trainer's backends, tools and environments, or the built components, so they
+sit above all of those. Each raises ``ConfigError`` naming the key, its value and the override that fixes it;
+``build_plan`` runs them all and returns the frozen ``RunPlan`` (a misspelt component or option fails there,
+before the server is launched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from omegaconf import DictConfig
+
+from asyncrl.components import Components, build_components
+from asyncrl.config.compose import to_config
+from asyncrl.config.errors import ConfigError
+from asyncrl.config.schema import Config, LoraSync
+from asyncrl.flow import FlowControl
+from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
+from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
+
+
+def check_synchronous_sync(config: Config, flow: FlowControl) -> None:
+    if flow.synchronous and config.staleness.weight_sync_steps != 1:
+        raise ConfigError(
+            f"staleness.max_staleness=0 is synchronous GRPO: every step trains on the weights just synced, so "
+            f"staleness.weight_sync_steps={config.staleness.weight_sync_steps} must be 1"
+        )
+
+
+def check_adapter_slots(config: Config, flow: FlowControl) -> None:
+    lora, sv = config.lora, config.server
+    needed = flow.adapter_slots
+    if lora.enabled and lora.sync == LoraSync.adapter and sv.max_loras is not None and sv.max_loras < needed:
+        raise ConfigError(
+            f"lora.sync=adapter keeps max_staleness + 1 adapter versions and loads the next before unloading: "
+            f"server.max_loras={sv.max_loras} must be >= staleness.max_staleness + 2 = {needed}"
+        )
+
+
+def check_lora_rank_choice(config: Config) -> None:
+    """server.max_lora_rank is one of the ranks vLLM accepts for --max-lora-rank."""
+    rank = config.server.max_lora_rank
+    if rank is not None and rank not in VLLM_LORA_RANKS:
+        raise ConfigError(f"server.max_lora_rank={rank} must be one of {VLLM_LORA_RANKS}")
+
+
+def check_ipc_ranks(config: Config) -> None:
+    """Several trainer ranks: no CUDA IPC sync."""
+    ranks = world_size(config)
+    if ranks > 1 and config.server.weight_transfer == "ipc":
+        # vLLM's IPC sender all-gathers the handles over the trainer's process group, where only rank 0 sends
+        raise ConfigError(
+            f"server.weight_transfer=ipc with {ranks} trainer ranks: CUDA IPC shares one process's "
+            "memory with a server on the same GPU; use server.weight_transfer=nccl"
+        )
+
+
+def check_rollout_loop(config: Config) -> None:
+    from asyncrl.registry import RegistryError, import_object
+
+    try:
+        import_object(config.rollout.loop_cls)
+    except RegistryError as exc:
+        raise ConfigError(f"rollout.loop_cls: {exc}") from exc
+
+
+def check_trainer_forward(config: Config) -> None:
+    """trainer.attention names a registered backend, trainer.compile_layers is true, false, auto or a backend."""
+    import torch
+
+    from asyncrl.packing.attention import ATTENTION
+    from asyncrl.registry import RegistryError
+    from asyncrl.trainer.forward import resolve_compile
+
+    try:
+        ATTENTION.get(config.trainer.attention)
+    except RegistryError as exc:
+        raise ConfigError(f"trainer.attention: {exc}") from exc
+    try:
+        resolve_compile(config.trainer.compile_layers, torch.device("cpu"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def check_agent_config(config: Config) -> None:
+    """Tools and environments import, and the tool-call format is one the parser knows."""
+    from asyncrl.registry import RegistryError
+    from asyncrl.rollout.environments import load_factories, load_tools
+    from asyncrl.rollout.tools import FORMATS
+
+    r = config.rollout
+    if r.tool_call_format != "auto" and r.tool_call_format not in FORMATS:
+        raise ConfigError(f"rollout.tool_call_format={r.tool_call_format!r}: expected auto or one of {FORMATS}")
+    if config.sampling.max_tool_calling_iterations is not None and config.sampling.max_tool_calling_iterations < 0:
+        raise ConfigError(
+            f"sampling.max_tool_calling_iterations={config.sampling.max_tool_calling_iterations} "
+            "must be >= 0 (null = no cap)"
+        )
+    try:
+        load_tools(list(r.tools))
+    except (RegistryError, TypeError, ValueError) as exc:
+        raise ConfigError(f"rollout.tools: {exc}") from exc
+    try:
+        factories = load_factories(r.environment_factory)
+    except (RegistryError, TypeError) as exc:
+        raise ConfigError(f"rollout.environment_factory: {exc}") from exc
+    for name, factory in factories.items():
+        if not callable(getattr(factory, "reset", None)) and isinstance(factory, type):
+            raise ConfigError(
+                f"rollout.environment_factory{'' if name is None else f'.{name}'}={factory!r} has no reset method"
+            )
+
+
+def check_vllm_context_without_data(config: Config) -> None:
+    """No dataset: vLLM's context cannot be sized from the longest prompt."""
+    unsized = config.server.max_model_len is None and config.data.max_prompt_length is None
+    if config.data.path is None and unsized and resolve_backend(config) == "vllm":
+        raise ConfigError(
+            "data.path is not set, so vLLM's context cannot be sized from the longest prompt: set "
+            "server.max_model_len (or data.max_prompt_length)"
+        )
+
+
+def check_loss_requirements(config: Config, components: Components) -> None:
+    if "sampler_top_logprobs" in components.loss.requires and config.sampling.num_sampler_logprobs < 1:
+        raise ConfigError(
+            f"loss={config.loss['name']} needs the sampler's top log-probabilities: "
+            "set sampling.num_sampler_logprobs >= 1 (default 8) or choose loss=clipped"
+        )
+
+
+def check_loss_options(config: Config, components: Components) -> None:
+    """Run the configured loss once on a tiny batch: an unsupported combination fails here, not mid-run."""
+    from asyncrl.losses.step import check_loss
+
+    try:
+        check_loss(components.loss, config.sampling.num_sampler_logprobs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"loss={config.loss['name']}: {exc}") from exc
+
+
+FLOW_CHECKS: tuple[Callable[[Config, FlowControl], None], ...] = (check_synchronous_sync, check_adapter_slots)
+CHECKS: tuple[Callable[[Config], None], ...] = (
+    check_lora_rank_choice,
+    check_ipc_ranks,
+    check_rollout_loop,
+    check_trainer_forward,
+    check_agent_config,
+    check_vllm_context_without_data,
+)
+COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (check_loss_requirements, check_loss_options)
+
+
+def build_plan(config: Config) -> RunPlan:
+    """Run every check above on a config that passed its own (``to_config``), and decide what the run reads:
+    its components (built here once), its flow rules and its rank count."""
+    flow = FlowControl.from_config(config)
+    for flow_check in FLOW_CHECKS:
+        flow_check(config, flow)
+    for check in CHECKS:
+        check(config)
+    components = build_components(config)
+    for component_check in COMPONENT_CHECKS:
+        component_check(config, components)
+    return RunPlan(config, components, flow, ranks_per_node(config), world_size(config))
+
+
+def plan_run(cfg: DictConfig) -> RunPlan:
+    """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned."""
+    return build_plan(to_config(cfg))

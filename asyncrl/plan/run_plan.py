@@ -1,0 +1,44 @@
+"""The frozen plan of one run: the validated config and what is decided from it once (plan/assemble.py builds it).
+
+The launcher, the trainer's ranks and the rollout worker read these decisions instead of deriving them again.
+The rank count's rule lives here, below the trainer and the servers, so that a server check that holds only the
+config (server/checks.py) asks the same rule the plan froze.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncrl.config.schema import Config
+from asyncrl.flow import FlowControl
+
+if TYPE_CHECKING:
+    from asyncrl.components import Components
+
+
+def ranks_per_node(config: Config) -> int:
+    """trainer.num_processes, else trainer.gpus on a GPU machine, else 1."""
+    t = config.trainer
+    if t.num_processes is not None:
+        return t.num_processes
+    return (t.gpus or 1) if torch.cuda.is_available() else 1
+
+
+def world_size(config: Config) -> int:
+    """The ranks of every node."""
+    return ranks_per_node(config) * config.trainer.nnodes
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: Config
+    components: Components
+    """Built once from the config's component groups; the trainer runs them, the worker gets the rewards and
+    the estimator in its spec."""
+    flow: FlowControl
+    """The staleness and flow rules both sides of the rollout queue follow."""
+    ranks_per_node: int
+    world_size: int

@@ -1,0 +1,54 @@
+"""Planning a run: the checks that need more than the config's own fields fail naming the key, before anything
+starts, and the plan holds each derived decision once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config
+from asyncrl.plan.assemble import build_plan, plan_run
+
+BAD_INPUTS = [
+    (["staleness.max_staleness=0", "staleness.weight_sync_steps=2"], "staleness.weight_sync_steps"),
+    (["server.max_lora_rank=4"], "server.max_lora_rank"),
+    (["lora=default", "lora.sync=adapter", "server.max_loras=3"], "server.max_loras"),
+    (["loss=score_centering", "sampling.num_sampler_logprobs=0"], "sampling.num_sampler_logprobs"),
+    (["loss.name=not_a_loss"], "unknown loss 'not_a_loss'"),
+    (["+loss.epsilon_hihg=0.3"], "epsilon_hihg"),
+    (["reward_funcs=[{name: length, scal: 0.1}]"], "reward 'length' has no parameter 'scal' (has: target, scale)"),
+    (["advantage.name=nope"], "advantage"),
+    (["packing.name=nope"], "packing"),
+    (["trainer.attention=flash9"], "trainer.attention: unknown attention 'flash9'"),
+    (["trainer.compile_layers=yes"], "trainer.compile_layers='yes'"),
+    (["+packing.attention=sdpa"], "packing.attention is now trainer.attention: set trainer.attention instead"),
+    (["+packing.compile_layers=false"], "packing.compile_layers is now trainer.compile_layers"),
+    (["loss.importance_sampling=tokn_mask"], "loss: loss 'clipped': importance_sampling='tokn_mask' must be one of"),
+    (["packing.token_budget=0"], "packing: packing 'tree': token_budget=0 must be >= 1"),
+    (["rollout.loop_cls=nope"], "rollout.loop_cls"),
+    (["server.weight_transfer=ipc", "trainer.num_processes=2"], "server.weight_transfer=ipc with 2 trainer ranks"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "named"), BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_bad_input_fails_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError) as info:
+        plan_run(compose(overrides))
+    assert named in str(info.value)
+
+
+def test_reward_by_import_path():
+    config = plan_run(compose(["reward_funcs=[{name: 'asyncrl.rewards.accuracy:accuracy'}, {name: length}]"])).config
+    assert [f["name"] for f in config.reward_funcs] == ["asyncrl.rewards.accuracy:accuracy", "length"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the ranks of a machine without CUDA")
+def test_the_rank_count_is_decided_once_and_ipc_is_checked_against_it():
+    """trainer.gpus counts ranks only where CUDA is: the plan, its ipc check and the launcher agree (the check
+    once counted 2 ranks here, where the launcher starts 1)."""
+    plan = plan_run(compose(["trainer.gpus=2", "server.weight_transfer=ipc"]))
+    assert (plan.ranks_per_node, plan.world_size) == (1, 1)  # no CUDA: one rank
+    assert plan.flow.max_staleness == plan.config.staleness.max_staleness
+    nodes = to_config(compose(["trainer.num_processes=2", "trainer.nnodes=2", "trainer.rdzv_endpoint=node001:29400"]))
+    assert build_plan(nodes).world_size == 4
