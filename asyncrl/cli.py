@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from asyncrl import __version__
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import Config
 
 app = typer.Typer(
     name="asyncrl",
@@ -58,6 +61,7 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
     from asyncrl.config.compose import compose, to_config
     from asyncrl.config.messages import check_run_dir
 
+    notes = set()
     for variant in _sweep_variants(overrides) if multirun else [overrides]:
         composed = compose(variant, return_hydra_config=True)
         with open_dict(composed):
@@ -65,7 +69,24 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
         if validate:
-            to_config(composed)
+            notes.add(_check_before_loading(to_config(composed)))
+    for note in notes - {None}:
+        typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
+
+
+def _check_before_loading(config: Config) -> str | None:
+    """This machine can run the server asked for and has, or can download, every Hub id the run reads: checked
+    before the job loads anything, which would otherwise fail late (vLLM's launch, after the data and tokenizer) or
+    slowly (a load waiting through the Hub's retries, then a traceback). Returns a note when the Hub does not answer
+    and the cache serves."""
+    from asyncrl.hub import check_hub_sources
+    from asyncrl.server.command import resolve_backend
+
+    if config.server.launch and resolve_backend(config) == "vllm":
+        from asyncrl.server.vllm import check_launchable
+
+        check_launchable(config)
+    return check_hub_sources(config)
 
 
 def _sweep_variants(overrides: list[str]) -> list[list[str]]:
@@ -98,8 +119,8 @@ def config(
         from asyncrl.launch import shell_line
         from asyncrl.server.choice import printable_server_commands
 
-        commands, warning = _checked(lambda: printable_server_commands(composed))
-        if warning:
+        commands, warnings = _checked(lambda: printable_server_commands(composed))
+        for warning in warnings:
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
         typer.echo("".join(shell_line(command.argv, command.env) for command in commands), nl=False)
         return
@@ -129,6 +150,9 @@ def serve(ctx: typer.Context) -> None:
     from asyncrl.launch import EXPECTED_ERRORS, serve_forever
 
     config = _checked(lambda: to_config(compose(list(ctx.args))))
+    note = _checked(lambda: _check_before_loading(config))
+    if note:
+        typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
     try:
         serve_forever(config)
     except EXPECTED_ERRORS as exc:
