@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from asyncrl import __version__
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import Config
 
 app = typer.Typer(
     name="asyncrl",
@@ -59,6 +62,7 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
     from asyncrl.config.messages import check_run_dir
     from asyncrl.plan.assemble import plan_run
 
+    notes = set()
     for variant in _sweep_variants(overrides) if multirun else [overrides]:
         composed = compose(variant, return_hydra_config=True)
         with open_dict(composed):
@@ -66,7 +70,24 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
         if validate:
-            plan_run(composed)
+            notes.add(_check_before_loading(plan_run(composed).config))
+    for note in notes - {None}:
+        typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
+
+
+def _check_before_loading(config: Config) -> str | None:
+    """This machine can run the server asked for and has, or can download, every Hub id the run reads: checked
+    before the job loads anything, which would otherwise fail late (vLLM's launch, after the data and tokenizer) or
+    slowly (a load waiting through the Hub's retries, then a traceback). Returns a note when the Hub does not answer
+    and the cache serves."""
+    from asyncrl.hub import check_hub_sources
+    from asyncrl.server.command import resolve_backend
+
+    if config.server.launch and resolve_backend(config) == "vllm":
+        from asyncrl.server.vllm import check_launchable
+
+        check_launchable(config)
+    return check_hub_sources(config)
 
 
 def _sweep_variants(overrides: list[str]) -> list[list[str]]:
@@ -100,8 +121,8 @@ def config(
         from asyncrl.launch import shell_line
         from asyncrl.server.choice import printable_server_commands
 
-        commands, warning = _checked(lambda: printable_server_commands(composed))
-        if warning:
+        commands, warnings = _checked(lambda: printable_server_commands(composed))
+        for warning in warnings:
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
         typer.echo("".join(shell_line(command.argv, command.env) for command in commands), nl=False)
         return
@@ -132,6 +153,9 @@ def serve(ctx: typer.Context) -> None:
     from asyncrl.plan.assemble import plan_run
 
     config = _checked(lambda: plan_run(compose(list(ctx.args))).config)
+    note = _checked(lambda: _check_before_loading(config))
+    if note:
+        typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
     try:
         serve_forever(config)
     except EXPECTED_ERRORS as exc:

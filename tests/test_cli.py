@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 from typer.testing import CliRunner
 
 from asyncrl import __version__
 from asyncrl.cli import app
 
 runner = CliRunner()
+without_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 
 
 def test_version():
@@ -94,3 +98,31 @@ def test_the_vllm_command_is_printed_without_gpus_here_with_a_warning(monkeypatc
         in result.output  # fmt: skip
     assert "CUDA_VISIBLE_DEVICES=0 " in result.output  # the server's GPU of the two
     assert "vllm.entrypoints.cli.main serve Qwen/Qwen3.5-2B" in result.output
+
+
+@without_vllm
+def test_the_quick_start_vllm_command_is_printed_without_vllm_a_gpu_or_the_hub(monkeypatch):
+    """The recipe and no other key, with HF_HUB_OFFLINE=1 (conftest): the newest verified release, the prompt length
+    at its stated default, and what the unreadable checkpoint would have decided, each said on stderr."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = runner.invoke(app, ["config", "--server-command", "+recipe=deepmath"])
+    assert result.exit_code == 0, result.output
+    assert "vllm.entrypoints.cli.main serve Qwen/Qwen3.5-2B" in result.stdout
+    assert "--dtype bfloat16 --max-model-len 2560 " in result.stdout  # 512 + the recipe's 2048 completion tokens
+    warnings = result.stderr.splitlines()
+    assert all(line.startswith("warning: ") for line in warnings) and len(warnings) == 4, result.stderr
+    assert "the command is for vLLM 0.33.0, the newest release asyncrl has verified" in warnings[0]
+    assert warnings[1].startswith("warning: model.name_or_path=Qwen/Qwen3.5-2B: its config.json cannot be read here "
+                                  "(HF_HUB_OFFLINE=1), so the command lacks what the checkpoint would decide: "
+                                  "--limit-mm-per-prompt (a vision-language checkpoint)")  # fmt: skip
+    assert "--max-model-len assumes prompts of up to 512 tokens, a default (set data.max_prompt_length=N" in warnings[3]
+
+
+@without_vllm
+def test_train_on_vllm_without_vllm_fails_in_one_line_before_the_run_starts(invoke, tmp_path):
+    result = invoke(["train", "server=vllm", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "config error: server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26'), "
+        "or serve with the built-in server (server=builtin)"
+    ]
+    assert not (tmp_path / "run").exists()

@@ -92,6 +92,32 @@ def target_version(config: Config, version: str | None = None) -> str:
     return version
 
 
+def newest_verified_release() -> str:
+    """The command's release on a machine without vLLM when server.vllm_version is not given."""
+    major, minor = VERIFIED_RELEASES[-1]
+    return f"{major}.{minor}.0"
+
+
+def check_launchable(config: Config) -> None:
+    """This machine can start the vLLM server asyncrl is to launch: vLLM installed, a GPU, as many as the split
+    needs. Checked before anything loads, rather than found after the data and tokenizer, when the server fails."""
+    installed = installed_vllm_version()
+    if installed is None:
+        raise ConfigError(
+            "server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26'), or serve "
+            "with the built-in server (server=builtin)"
+        )
+    target_version(config, installed)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "server.backend=vllm but torch sees no CUDA GPU here: run on a GPU machine, or serve with the built-in "
+            "server (server=builtin)"
+        )
+    split_gpus(config, visible_gpus())
+
+
 @dataclass(frozen=True)
 class CheckpointKind:
     """What the launch flags need to know of the checkpoint, read from its config.json (no weights)."""
@@ -343,8 +369,8 @@ def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: in
 def measured_split_pending(config: Config) -> bool:
     """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU, its share is not set,
     and no earlier run measured this shape."""
-    from asyncrl.trainer.memory import cached_memory
     from asyncrl.plan.run_plan import world_size
+    from asyncrl.trainer.memory import cached_memory
 
     sv = config.server
     if not sv.launch or sv.gpu_memory_utilization is not None or resolve_backend(config) != "vllm":

@@ -39,6 +39,7 @@ def check_model_path(config: Config) -> None:
     from pathlib import Path
 
     from asyncrl.config.errors import ConfigError
+    from asyncrl.hub import is_hub_id
     from asyncrl.trainer.checkpoint import damaged_weights
 
     name = config.model.name_or_path
@@ -47,17 +48,26 @@ def check_model_path(config: Config) -> None:
         damaged = damaged_weights(path)
         if damaged:
             raise ConfigError(f"model.name_or_path={name}: {damaged}; copy the model again")
-    elif path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists():
+    elif not is_hub_id(name):
         raise ConfigError(f"model.name_or_path={name}: no such directory (give a model directory in "
                           "save_pretrained layout, or a Hub id such as Qwen/Qwen3-4B)")  # fmt: skip
 
 
 def load_tokenizer(config: Config) -> Any:
+    """model.name_or_path's tokenizer; one that cannot be loaded (files missing from the directory or the cache) is a
+    ConfigError naming the key, rather than transformers' traceback."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.model.name_or_path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
-    )
+    from asyncrl.config.errors import ConfigError
+
+    m = config.model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+        )
+    except OSError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"model.name_or_path={m.name_or_path}: cannot load its tokenizer ({first})") from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

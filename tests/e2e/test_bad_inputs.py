@@ -109,7 +109,7 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
 def _message_lines(output: str) -> list[str]:
     """The terminal's lines less progress bars (datasets, transformers) and log records ("[date][logger][LEVEL]")."""
     noise = re.compile(r"^\[\d{4}-\d\d-\d\d |( examples| ?it)/s\]")
-    return [line for line in output.strip().splitlines() if not noise.search(line)]
+    return [line for line in output.strip().splitlines() if line.strip() and not noise.search(line)]
 
 
 def _base(b: Broken, run_dir: Path) -> list[str]:
@@ -132,6 +132,12 @@ TRAIN_CASES = {
                      "group 'trainer': output_dir, seed"),
     "appended unknown key": (["+sampling.temprature=0.7"], "{tmp}/run", 2,
                              "sampling.temprature: no such key (did you mean sampling.temperature?)"),
+    "Hub model offline": (["model.name_or_path=nobody/no-such-model"], "{tmp}/run", 2,
+                          "model.name_or_path=nobody/no-such-model: not on this machine (no such path, not in the "
+                          "Hugging Face cache) and the Hub cannot be reached (HF_HUB_OFFLINE=1): give a local model "
+                          "directory"),
+    "Hub dataset offline": (["data.path=nobody/no-such-prompts"], "{tmp}/run", 2,
+                            "data.path=nobody/no-such-prompts: not on this machine"),
     "tokenizer without chat template": (["model.name_or_path={root}/no-template-model"], "{tmp}/run", 1,
                                         "its tokenizer has no chat template"),
     "empty data file": (["data.path={root}/empty.jsonl"], "{tmp}/run", 1,

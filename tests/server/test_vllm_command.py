@@ -274,6 +274,23 @@ def test_server_command_dispatches_and_needs_a_version(monkeypatch):
     assert parse_version("v0.27.1.dev3+cu130") == (0, 27, 1)
 
 
+def test_a_launch_needs_vllm_and_a_gpu_on_this_machine(monkeypatch):
+    """Checked before anything loads; on a CPU machine the GPU check is the one that fails once vLLM is there."""
+    from asyncrl.server.vllm import check_launchable
+
+    config = to_config(compose(BASE))
+    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: None)
+    with pytest.raises(ConfigError, match=r"vllm is not installed here: .* \(server=builtin\)$"):
+        check_launchable(config)
+    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.25.1")
+    with pytest.raises(ConfigError, match="too old"):
+        check_launchable(config)
+    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"torch sees no CUDA GPU here: .* \(server=builtin\)$"):
+        check_launchable(config)
+
+
 @pytest.mark.parametrize(("override", "key"), [
     ("server.gpu_memory_utilization=1.5", "server.gpu_memory_utilization"),
     ("server.tensor_parallel_size=0", "server.tensor_parallel_size"),
