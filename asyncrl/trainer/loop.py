@@ -262,6 +262,7 @@ class Trainer:
             self.flow, self.progress, self.window, self._check_processes,
             c.staleness.rollout_worker_timeout, dp=self.world,
             watch=GroupWatch(c.rollout.max_consecutive_dropped_groups, c.rollout.max_failed_group_fraction),
+            samples_per_step=c.trainer.samples_per_step,
         )  # fmt: skip
 
     def _check_processes(self) -> None:
