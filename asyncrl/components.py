@@ -60,6 +60,11 @@ def build_components(config: Config) -> Components:
     )
 
 
+def build_packer(config: Config) -> Packer:
+    """The packer alone (what the trainer's memory split needs to know of a run's rows)."""
+    return _build(component_registries()["packing"], config.packing, "packing")  # type: ignore[no-any-return]
+
+
 def _build(registry: ComponentRegistry[Any], spec: Mapping[str, Any], key: str) -> Any:
     try:
         return registry.build(spec)

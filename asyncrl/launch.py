@@ -15,8 +15,9 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -42,6 +43,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.trainer.checkpoint import ResumeError
     from asyncrl.trainer.group_watch import TrainingStalledError
     from asyncrl.trainer.launcher import TrainerRankError
+    from asyncrl.trainer.memory import TrainerOutOfMemoryError
     from asyncrl.trainer.sync.base import WeightSyncError
 
     return (
@@ -55,6 +57,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         TrainingStalledError,
         ConfigError,
         WeightSyncError,
+        TrainerOutOfMemoryError,
     )
 
 
@@ -84,6 +87,7 @@ def _hydra_job(cfg: DictConfig) -> None:
 
     from asyncrl.config.messages import config_error_line
 
+    os.environ["ASYNCRL_STARTED_AT"] = str(time.time())  # trainer/loop.py's STARTED_ENV: perf/startup_* count from here
     try:
         config, components = to_config_and_components(cfg)
     except ConfigError as exc:
@@ -164,6 +168,7 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
     from asyncrl.trainer.setup import prepare
 
     world = world_size(config)
+    log.info(dtype_line(config))
     _check_resume(config, run_dir)  # before config.yaml: a refused run leaves the directory as it was
     check_port(config)
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
@@ -186,6 +191,20 @@ def run_job(config: Config, components: Components, run_dir: Path) -> None:
         from asyncrl.report import write_report
 
         print(f"report: {write_report(run_dir)}", flush=True)
+
+
+def dtype_line(config: Config) -> str:
+    """Which dtype each side uses, for the startup log: a gap between the sampler's and the trainer's
+    log-probabilities starts there."""
+    from asyncrl.server.command import resolve_backend, serving_dtype
+    from asyncrl.trainer.model import use_bf16
+
+    mixed = ", computes in bfloat16 mixed precision" if use_bf16(config) else ""
+    why = "server.dtype" if config.server.dtype is not None else "default: 16 bits on a GPU, model.dtype on a CPU"
+    return (
+        f"dtypes: the trainer keeps {config.model.dtype} weights (model.dtype){mixed}; the {resolve_backend(config)} "
+        f"server computes in {serving_dtype(config)} ({why}) and weight syncs send that"
+    )
 
 
 def check_port(config: Config) -> None:
@@ -264,15 +283,15 @@ def claim_server_access(config: Config, run_dir: Path) -> None:
         atexit.register(shutil.rmtree, config.server.weights_dir, ignore_errors=True)
 
 
-def launch_command(config: Config, run_dir: Path, replica: int = 0) -> ServerCommand:
-    """The command of server ``replica`` this run launches, once its token and weights directory are claimed (one
-    directory for every replica: a weight file is written once and each loads it). vLLM reads the token as its
-    --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
+def launch_command(config: Config, run_dir: Path, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
+    """The command of server ``replica`` this run launches (on ``gpus``, else the visible ones), once its token and
+    weights directory are claimed (one directory for every replica: a weight file is written once and each loads
+    it). vLLM reads the token as its --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
     from asyncrl.server.choice import server_command
 
     claim_server_access(config, run_dir)
-    command = server_command(config, replica)
+    command = server_command(config, replica, gpus)
     if command.backend == "vllm":
         os.environ["VLLM_API_KEY"] = os.environ[TOKEN_ENV]
     return command
@@ -280,26 +299,40 @@ def launch_command(config: Config, run_dir: Path, replica: int = 0) -> ServerCom
 
 def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGroup:
     """A context manager: the supervised servers (server.replicas of them), or handles on running ones when
-    server.launch=false. ``wait=False``: launched servers are only started on entry; ``ready()`` waits for them."""
-    from asyncrl.server.command import base_url, base_urls
+    server.launch=false. ``wait=False``: launched servers are only started on entry; ``ready()`` waits for them.
+    A vLLM that shares the trainer's GPU before the trainer's footprint was ever measured for this shape starts
+    at ``ready()`` instead, which the trainer calls after its warm-up (trainer/memory.py): its share is a launch
+    flag."""
+    from asyncrl.server.command import base_url, base_urls, resolve_backend
     from asyncrl.server.group import ServerGroup
-    from asyncrl.server.handle import AttachedServer, LaunchedServer
+    from asyncrl.server.handle import AttachedServer, DeferredServer, LaunchedServer
 
     timeout_s = config.server.timeout
     if not config.server.launch:
         return ServerGroup([AttachedServer(url, timeout_s=timeout_s) for url in base_urls(config)], wait)
-    commands = [launch_command(config, run_dir, replica) for replica in range(config.server.replicas)]
-    if commands[0].backend == "vllm":
-        from asyncrl.server.vllm import trainer_gpus
+    visible, deferred = None, False
+    if resolve_backend(config) == "vllm":
+        from asyncrl.server.vllm import measured_split_pending, trainer_gpus, visible_gpus
 
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config))  # the servers' GPUs are in their env
+        visible, deferred = visible_gpus(), measured_split_pending(config)
+        cache = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
+        log.info("vLLM keeps its compile cache in %s across runs (VLLM_CACHE_ROOT): the first start of a shape "
+                 "compiles, later ones load it", cache)  # fmt: skip
+        if deferred:
+            log.info("vLLM starts once the trainer has measured its memory (the first run of this shape)")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config, visible))  # the servers' are in their env
     (run_dir / "commands").mkdir(exist_ok=True)
-    servers = []
-    for replica, command in enumerate(commands):
-        name = "server" if len(commands) == 1 else f"server_{replica}"
-        (run_dir / "commands" / f"{name}.sh").write_text(shell_line(command.argv, command.env))
-        log_path = run_dir / "logs" / f"{name}.log"
-        servers.append(LaunchedServer(command, base_url(config, replica), log_path, timeout_s, wait=False))
+    servers: list[Any] = []
+    for replica in range(config.server.replicas):
+        name = "server" if config.server.replicas == 1 else f"server_{replica}"
+
+        def launched(replica: int = replica, name: str = name) -> LaunchedServer:
+            command = launch_command(config, run_dir, replica, visible)
+            (run_dir / "commands" / f"{name}.sh").write_text(shell_line(command.argv, command.env))
+            log_path = run_dir / "logs" / f"{name}.log"
+            return LaunchedServer(command, base_url(config, replica), log_path, timeout_s, wait=False)
+
+        servers.append(DeferredServer(launched, base_url(config, replica)) if deferred else launched())
     return ServerGroup(servers, wait)
 
 

@@ -4,7 +4,9 @@ the vLLM launch and export, so that every side loads the same class and names th
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +16,36 @@ def is_vision_language(model_config: Any) -> bool:
     """A checkpoint with a vision part (its config has a ``vision_config``: Qwen3.5/3.6, Qwen3-VL, Gemma 3, LLaVA):
     it loads with AutoModelForImageTextToText and asyncrl trains and serves its text model only."""
     return getattr(model_config, "vision_config", None) is not None
+
+
+def local_config_json(name_or_path: str, revision: str | None = None) -> dict[str, Any] | None:
+    """A checkpoint's config.json from its directory or the Hub cache, without the network; None when neither has it
+    (or it is not JSON)."""
+    path: Path | None = Path(name_or_path) / "config.json"
+    if not Path(name_or_path).is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
+        except ValueError:  # not a Hub id either (a missing directory): the model path check names it
+            return None
+        path = Path(cached) if isinstance(cached, str) else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return dict(json.loads(path.read_text()))
+    except ValueError:
+        return None
+
+
+def stored_dtype(config_json: dict[str, Any]) -> str | None:
+    """The dtype a config.json says the weights are stored in (transformers >= 5 writes ``dtype``, earlier
+    ``torch_dtype``; a vision-language checkpoint may say it only for its text model)."""
+    for section in (config_json, config_json.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(section.get(key), str):
+                return str(section[key])
+    return None
 
 
 def auto_model_class(path: str | os.PathLike[str], **source: Any) -> Any:

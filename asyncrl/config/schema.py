@@ -135,7 +135,8 @@ class ServerConfig:
     """Built-in default: the model's max_position_embeddings. vLLM default: the longest prompt (data.max_prompt_length,
     else measured on the data) + sampling.max_completion_length; set it for multi-turn rollouts."""
     dtype: ModelDtype | None = None
-    """Serving dtype; defaults to model.dtype."""
+    """Serving dtype (weight syncs send it). None: 16 bits for a server on a GPU (bfloat16; float16 for a float16
+    checkpoint), model.dtype on the CPU."""
     device: str = "auto"
     """Built-in server device: auto|cpu|cuda."""
     max_num_seqs: int = 64
@@ -147,8 +148,8 @@ class ServerConfig:
     trainer gets the rest, or shares the server's first GPU when none is left."""
     gpu_memory_utilization: float | None = None
     """vLLM's share of each of its GPUs. None: 0.9 on GPUs of its own; on a GPU shared with the trainer, what the
-    trainer's estimated needs leave (weights, gradients, AdamW moments, a margin for activations), else 0.3 where
-    they cannot be measured; the startup log says which."""
+    trainer's footprint measured by its warm-up step leaves, less a margin (asyncrl/trainer/memory.py); the startup
+    log says which."""
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     api_server_count: int | None = None
@@ -205,6 +206,10 @@ class TrainerConfig:
     attention: str = "auto"
     """Attention backend of the packed forward (asyncrl/packing/attention.py): auto (sdpa on CPU, varlen on
     CUDA) | sdpa | varlen | cascade | flex | kernels."""
+    warm_up: bool = True
+    """On CUDA: one step on synthetic rows of the token budget before the first, its update thrown away. The layers
+    compile there (while a launched server boots), and its measured memory decides what a vLLM on the same GPU
+    gets (asyncrl/trainer/memory.py)."""
     compile_layers: str = "auto"
     """torch.compile the decoder layers: true | false | auto (on CUDA) | a torch.compile backend's name."""
     bf16: bool | None = None

@@ -35,11 +35,12 @@ def printable_server_commands(config: Config) -> tuple[list[ServerCommand], str 
     return commands, "; ".join(warnings) or None
 
 
-def server_command(config: Config, replica: int = 0) -> ServerCommand:
-    """The command of launched server ``replica`` (its own port, and GPUs under vLLM)."""
+def server_command(config: Config, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
+    """The command of launched server ``replica`` (its own port, and GPUs under vLLM: of ``gpus``, else those
+    visible)."""
     backend = resolve_backend(config)
     if backend == "vllm":
         from asyncrl.server.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
 
-        return vllm_command(config, replica=replica)
+        return vllm_command(config, gpus=gpus, replica=replica)
     return builtin_command(config, replica)

@@ -50,8 +50,35 @@ def replica_port(config: Config, replica: int) -> int:
 
 
 def serving_dtype(config: Config) -> ModelDtype:
-    """The dtype the server computes in and the trainer sends weights in: server.dtype, else model.dtype."""
-    return config.server.dtype or config.model.dtype
+    """The dtype the server computes in and the trainer sends weights in: server.dtype when set; else, for a server
+    on a GPU (vLLM, or the built-in server on cuda), 16 bits whatever the trainer's master weights are (float16 for a
+    float16 checkpoint, else bfloat16): float32 serving halves the KV cache and the throughput, and vLLM's
+    gated-DeltaNet kernels refuse it; on the CPU, model.dtype (16 bits buys a CPU nothing)."""
+    if config.server.dtype is not None:
+        return config.server.dtype
+    if not serves_on_gpu(config):
+        return config.model.dtype
+    return ModelDtype.float16 if checkpoint_dtype(config) == "float16" else ModelDtype.bfloat16
+
+
+def serves_on_gpu(config: Config) -> bool:
+    """vLLM always does; the built-in server with server.device=cuda, or auto on a machine with CUDA."""
+    if resolve_backend(config) == "vllm":
+        return True
+    if config.server.device != "auto":
+        return config.server.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def checkpoint_dtype(config: Config) -> str | None:
+    """The dtype model.name_or_path's config.json stores its weights in, read from a local directory or the Hub
+    cache only (never the network): None when neither has it."""
+    from asyncrl.model_kind import local_config_json, stored_dtype
+
+    found = local_config_json(config.model.name_or_path, config.model.revision)
+    return None if found is None else stored_dtype(found)
 
 
 def served_model_name(config: Config) -> str:

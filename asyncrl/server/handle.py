@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -39,6 +40,44 @@ class LaunchedServer(ServerProcess):
         if not self._healthy:
             self.wait_healthy()
             self._healthy = True
+
+
+class DeferredServer:
+    """A server launched at ``ready()`` rather than on entry: a vLLM whose share of the GPU it shares with the trainer
+    waits for the trainer's measured footprint (trainer/memory.py). ``launch`` builds the LaunchedServer then;
+    until it runs there is nothing to watch, so it counts as alive."""
+
+    backend = "vllm"
+
+    def __init__(self, launch: Callable[[], LaunchedServer], base_url: str) -> None:
+        self.launch = launch
+        self.base_url = base_url.rstrip("/")
+        self.server: LaunchedServer | None = None
+
+    @property
+    def log_path(self) -> Path | None:
+        return None if self.server is None else self.server.log_path
+
+    def ready(self) -> None:
+        if self.server is None:
+            self.server = self.launch()
+            self.server.__enter__()
+        self.server.ready()
+
+    def is_alive(self) -> bool:
+        return self.server is None or self.server.is_alive()
+
+    def log_summary(self) -> str:
+        return "(not started yet)" if self.server is None else self.server.log_summary()
+
+    def __enter__(self) -> DeferredServer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.server is not None:
+            self.server.__exit__(exc_type, exc, tb)
 
 
 class AttachedServer:

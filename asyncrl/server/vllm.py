@@ -39,6 +39,7 @@ from asyncrl.server.command import (
     max_lora_rank,
     max_loras,
     replica_port,
+    resolve_backend,
     served_model_name,
     serving_dtype,
 )
@@ -128,6 +129,18 @@ def checkpoint_kind(config: Config) -> CheckpointKind:
         ) from error
     modules = tuple(adapter_modules(config, model_config)) if lora_adapters(config) else ()
     return CheckpointKind.of(model_config, modules)
+
+
+def checked_dtype(config: Config, kind: CheckpointKind) -> str:
+    """The serving dtype (server/command.py), refused when vLLM cannot run it: its gated-DeltaNet kernels
+    (ChunkGatedDeltaRuleFunction) assert 16-bit inputs, so a float32 server of such a model dies at startup."""
+    dtype = serving_dtype(config)
+    if kind.gated_deltanet and dtype == "float32":
+        raise ConfigError(
+            f"server.dtype=float32: vLLM's gated-DeltaNet kernels run {config.model.name_or_path} in 16 bits only; "
+            "leave server.dtype unset (bfloat16; the trainer keeps its float32 weights) or set server.dtype=bfloat16"
+        )
+    return dtype
 
 
 def flashinfer_importable() -> bool:
@@ -252,69 +265,95 @@ def weight_transfer_backend(config: Config, split: GpuSplit | None) -> str:
 OWN_GPU_SHARE = 0.9
 """--gpu-memory-utilization on GPUs the server has to itself (vLLM's default)."""
 SHARED_GPU_SHARE = 0.3
-"""On a GPU shared with the trainer when the trainer's needs cannot be measured here: the trainer keeps 70%."""
-TRAINER_OVERHEAD = 1.25
-"""Activations of a row (gradient checkpointing), logit chunks and allocator slack, over the parameter states."""
-CUDA_CONTEXT_BYTES = 2 * 2**30
+"""On a GPU shared with the trainer before the trainer's footprint was measured (only printed commands: a run
+measures it before launching vLLM)."""
+VLLM_OVERHEAD_BYTES = 2 * 2**30
+"""vLLM's own activations, CUDA graphs and CUDA context beside its weights and KV cache."""
 
 
-def shared_gpu_share(trainer_bytes: int | None, gpu_bytes: int | None) -> tuple[float, str]:
-    """The server's share of a GPU it shares with the trainer, and why: what the trainer's estimate leaves,
-    within [0.1, 0.9]; SHARED_GPU_SHARE when the GPU's size or the trainer's needs are unknown here."""
-    if trainer_bytes is None or gpu_bytes is None:
-        return SHARED_GPU_SHARE, f"a safe share ({'GPU size' if gpu_bytes is None else 'model size'} unknown here)"
-    share = round(min(max((gpu_bytes - trainer_bytes) / gpu_bytes, 0.1), OWN_GPU_SHARE), 2)
-    gib = 2**30
-    return share, f"the trainer needs ~{trainer_bytes / gib:.1f} of the GPU's {gpu_bytes / gib:.1f} GiB"
+def warm_up_token_budget(config: Config, model_len: int) -> int:
+    """The tokens of a trainer row beside a launched vLLM of ``model_len``: packing's token_budget, else that."""
+    from asyncrl.components import build_packer
+
+    return build_packer(config).rows(model_len)[1]
 
 
-def trainer_bytes(config: Config) -> int | None:
-    """The trainer's GPU memory estimate: weights, gradients and AdamW's two moments (weights alone for the
-    frozen base under LoRA) in the training dtype, times TRAINER_OVERHEAD, plus the CUDA context. None when the
-    model's config cannot be read here."""
+def shared_gpu_share(config: Config, model_len: int) -> tuple[float, str]:
+    """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
+    (trainer/memory.py) leaves, at most OWN_GPU_SHARE; SHARED_GPU_SHARE before it was measured. Refused before
+    launch when the rest cannot hold vLLM's weights and one longest sequence's KV cache."""
+    from asyncrl.trainer.memory import GIB, cached_memory
+
+    memory = cached_memory(config, warm_up_token_budget(config, model_len))
+    if memory is None:
+        return SHARED_GPU_SHARE, "the trainer's footprint is not measured yet: a run measures it before launching vLLM"
+    rest = memory.gpu_bytes - memory.need_bytes
+    floor = vllm_floor_bytes(config, model_len)
+    if rest < floor:
+        raise ConfigError(
+            f"one GPU cannot hold both: {memory.describe()} leaves {rest / GIB:.1f} GiB, and vLLM needs "
+            f"{floor / GIB:.1f} (its weights, one {model_len}-token sequence's KV cache, 2 GiB of its "
+            "own); lower packing.token_budget, use lora=default, or give vLLM a GPU of its own"
+        )
+    share = min(int(rest / memory.gpu_bytes * 100) / 100, OWN_GPU_SHARE)
+    return share, memory.describe()
+
+
+def vllm_floor_bytes(config: Config, model_len: int) -> int:
+    """The least vLLM runs in: its weights in the serving dtype, the KV cache of one sequence of max_model_len
+    tokens in every attention layer, and VLLM_OVERHEAD_BYTES."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
-        model_config = AutoConfig.from_pretrained(
-            config.model.name_or_path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
-        )
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
-    except (OSError, ValueError):
-        return None
-    dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else model.dtype
-    weights = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
-    states = weights if config.lora.enabled else 4 * weights
-    return int(states * TRAINER_OVERHEAD) + CUDA_CONTEXT_BYTES
+    from asyncrl.dtypes import torch_dtype
+
+    m = config.model
+    model_config = AutoConfig.from_pretrained(
+        m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=m.trust_remote_code)
+    width = torch.finfo(torch_dtype(serving_dtype(config)) or torch.bfloat16).bits // 8
+    weights = sum(p.numel() for p in model.parameters()) * width
+    text = model_config.get_text_config()
+    layers = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * sum(t != "linear_attention" for t in layers) * text.num_key_value_heads * head_dim * width
+    return int(weights + per_token * model_len + VLLM_OVERHEAD_BYTES)
 
 
-def gpu_bytes(gpu: str, visible: list[str]) -> int | None:
-    """Total memory of ``gpu`` (an entry of ``visible``, torch's device order), None without CUDA here."""
-    import torch
-
-    if not torch.cuda.is_available() or gpu not in visible:
-        return None
-    return int(torch.cuda.get_device_properties(visible.index(gpu)).total_memory)
-
-
-def gpu_memory_utilization(config: Config, split: GpuSplit | None, visible: list[str]) -> float:
-    """server.gpu_memory_utilization; else 0.9 on the server's own GPUs, and on a GPU shared with the trainer
-    what the trainer leaves (logged: the choice decides whether the trainer runs out of memory)."""
+def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: int) -> float:
+    """server.gpu_memory_utilization; else 0.9 on the server's own GPUs, and on a GPU shared with the trainer what
+    the trainer's measured footprint leaves (logged: the choice decides whether the trainer runs out of memory)."""
     if config.server.gpu_memory_utilization is not None:
         return config.server.gpu_memory_utilization
     if split is None or not split.shared:
         return OWN_GPU_SHARE
-    total = gpu_bytes(split.server[0], visible)
-    share, why = shared_gpu_share(None if total is None else trainer_bytes(config), total)
+    share, why = shared_gpu_share(config, model_len)
     log.info(
-        "vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set "
-        "server.gpu_memory_utilization to choose)",
+        "vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set server.gpu_memory_utilization to "
+        "choose)",
         split.server[0],
         share,
         why,
     )
     return share
+
+
+def measured_split_pending(config: Config) -> bool:
+    """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU, its share is not set,
+    and no earlier run measured this shape."""
+    from asyncrl.trainer.memory import cached_memory
+    from asyncrl.trainer.ranks import world_size
+
+    sv = config.server
+    if not sv.launch or sv.gpu_memory_utilization is not None or resolve_backend(config) != "vllm":
+        return False
+    if world_size(config) > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
+        return False
+    if not split_gpus(config, visible_gpus()).shared:
+        return False
+    return cached_memory(config, warm_up_token_budget(config, required_model_len(config))) is None
 
 
 def api_server_count(config: Config, version: str) -> int | None:
@@ -386,19 +425,22 @@ def vllm_command(
     split = split_gpus(config, visible) if sv.launch else None
     transfer = weight_transfer_backend(config, split)
     host, port = _listen_address(config, replica)
+    kind = checkpoint_kind(config) if checkpoint is None else checkpoint
+    dtype = checked_dtype(config, kind)
+    model_len = required_model_len(config, prompt_tokens)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model.name_or_path,
         "--served-model-name", served_model_name(config),
         "--host", host, "--port", str(port),
         "--seed", str(config.trainer.seed),
-        "--dtype", serving_dtype(config),
-        "--max-model-len", str(required_model_len(config, prompt_tokens)),
+        "--dtype", dtype,
+        "--max-model-len", str(model_len),
         "--max-logprobs", str(max(sv.max_logprobs, s.num_sampler_logprobs)),
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": transfer}),
-        "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, visible)),
+        "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, model_len)),
     ]  # fmt: skip
     if split is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))
@@ -421,7 +463,7 @@ def vllm_command(
     if lora_adapters(config):
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    argv += checkpoint_flags(checkpoint_kind(config) if checkpoint is None else checkpoint)
+    argv += checkpoint_flags(kind)
     if config.model.revision:
         argv += ["--revision", config.model.revision]
     if config.model.trust_remote_code:

@@ -104,13 +104,20 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
     return RowsResult(forward_s, forward_backward_s, metrics)
 
 
+def warm_up_step(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config) -> None:
+    """The warm-up's forward, backward and gradient clipping on every rank (trainer/memory.py throws the update
+    away)."""
+    train_rows(model, loss, work, ranks, config)
+    fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
+
+
 class Follower:
     """A rank other than 0: the same sharded model and optimizer, driven by rank 0's commands."""
 
     def __init__(self, config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
         from asyncrl.trainer.checkpoint import load_checkpoint
 
-        self.config, self.ranks = config, ranks
+        self.config, self.ranks, self.components = config, ranks, components
         use_cpu_threads(config, ranks.world)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
         self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
@@ -126,6 +133,8 @@ class Follower:
                 return
             if name == "step":
                 self._step(payload)
+            elif name == "warm_up":
+                self._warm_up(payload)
             elif name == "sync":  # payload: the gathered dtype and whether only the adapter is, which set the buckets
                 fsdp.serve_gathers(self.model, self.ranks, *payload)
             elif name in ("save", "final"):
@@ -133,6 +142,13 @@ class Follower:
                                   resumable=name == "save")  # fmt: skip
             else:
                 raise RuntimeError(f"trainer rank {self.ranks.rank}: unknown command {name!r} from rank 0")
+
+    def _warm_up(self, work: RankWork) -> None:
+        from asyncrl.trainer.memory import warm_up
+
+        c = self.config
+        loss = StepLoss(self.components.loss, self.components.advantage, c.sampling.max_completion_length)
+        warm_up(lambda: warm_up_step(self.model, loss, work, self.ranks, c), self.model, self.optimizer)
 
     def _step(self, work: RankWork) -> None:
         self.model.train()

@@ -9,10 +9,13 @@ the other ranks (trainer/distributed.py), and every world size runs the same sha
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from asyncrl.client import policy_model
 from asyncrl.config.schema import Config
@@ -22,6 +25,7 @@ from asyncrl.evaluate import EvalRecord, evaluate
 from asyncrl.flow import FlowControl
 from asyncrl.losses.step import StepLoss
 from asyncrl.metrics import JsonlSink, MetricWindow
+from asyncrl.packing.attention import unwrap_model
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
@@ -38,11 +42,12 @@ from asyncrl.trainer.checkpoint import (
     source_processor_files,
 )
 from asyncrl.trainer.console import Console
-from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows
+from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows, warm_up_step
 from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.lora import is_peft
+from asyncrl.trainer.memory import GIB, TrainerMemory, TrainerOutOfMemoryError, measure, out_of_memory_line
 from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step
@@ -55,19 +60,54 @@ from asyncrl.trainer.weight_sync import WeightSyncError, build_weight_sync
 log = logging.getLogger("asyncrl.trainer")
 
 
+STARTED_ENV = "ASYNCRL_STARTED_AT"
+"""time.time() when `asyncrl train` started this job (launch.py sets it): the origin of perf/startup_*."""
+
+
 def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
-    """Train as rank 0 of ``ranks`` (trainer/distributed.py)."""
-    trainer = Trainer(config, run_dir, server, prepared, ranks)
+    """Train as rank 0 of ``ranks`` (trainer/distributed.py). A CUDA out-of-memory error anywhere in it ends the run
+    with one line saying what was measured and which keys change it (the traceback goes to the run's log)."""
+    trainer = None
     try:
-        trainer.train()
-    finally:
-        trainer.close()
+        trainer = Trainer(config, run_dir, server, prepared, ranks)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except torch.OutOfMemoryError as error:
+        memory = None if trainer is None else trainer.memory
+        raise TrainerOutOfMemoryError(out_of_memory_line(config, memory, _server_share(server))) from error
+
+
+def _server_share(server: Any) -> str | None:
+    """The launched vLLM's --gpu-memory-utilization, for the out-of-memory line."""
+    for handle in getattr(server, "servers", []):
+        argv = getattr(getattr(handle, "server", handle), "argv", [])
+        if "--gpu-memory-utilization" in argv:
+            return f"--gpu-memory-utilization {argv[argv.index('--gpu-memory-utilization') + 1]}"
+    return None
+
+
+def expected_max_model_len(config: Config, model_config: Any) -> int:
+    """The server's max_model_len before it answers (the warm-up's row size): server.max_model_len, else vLLM's
+    from the config, else the built-in server's (the model's max_position_embeddings)."""
+    from asyncrl.server.command import resolve_backend
+
+    if config.server.max_model_len is not None:
+        return config.server.max_model_len
+    if resolve_backend(config) == "vllm":
+        from asyncrl.server.vllm import required_model_len
+
+        return required_model_len(config)
+    return int(model_config.get_text_config().max_position_embeddings)
 
 
 class Trainer:
     def __init__(self, config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
         self.ranks, self.world = ranks, ranks.world
+        self.started_at = float(os.environ.get(STARTED_ENV) or time.time())
+        self.memory: TrainerMemory | None = None
         use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout)  # every replica
@@ -85,8 +125,11 @@ class Trainer:
         the loss, packing, logging, the weight-sync channel, the first evaluation, and the worker's spec."""
         c = self.config
         self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
+        self.startup = {"perf/startup_model_loaded_s": time.time() - self.started_at}
         self.processor_files = source_processor_files(c, self.model.config)
+        self.memory = self._warm_up()  # before ready(): a vLLM waiting for the measured split starts after it
         self.server.ready()
+        self.startup["perf/startup_server_healthy_s"] = time.time() - self.started_at
         self.max_model_len = self.control.max_model_len()
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})
         if resume is not None:
@@ -130,6 +173,8 @@ class Trainer:
                     break
                 rows = self._optimize(step)
                 self.state.step += 1
+                if self.startup:
+                    self._report_startup()
                 if self.flow.grant_before_sync():
                     self._grant_allowance(step, rows)
                 if self.state.step % self.config.staleness.weight_sync_steps == 0:
@@ -156,6 +201,48 @@ class Trainer:
             self.console.note(self.evaluations.summary(self._num_eval_prompts(), self.config.sampling.temperature))
         self.ranks.command("stop")
 
+    def _report_startup(self) -> None:
+        """Once, with the first step: seconds from the CLI's start to the model, the warm-up, the server's health
+        and the first optimizer step (perf/startup_*), in the metrics and on the console."""
+        self.startup["perf/startup_first_step_s"] = time.time() - self.started_at
+        self.window.update(self.startup)
+        parts = [f"{key.removeprefix('perf/startup_').removesuffix('_s').replace('_', ' ')} {value:.1f} s"
+                 for key, value in self.startup.items()]  # fmt: skip
+        self.console.note("startup (seconds since launch): " + ", ".join(parts))
+        self.startup = {}
+
+    def _warm_up(self) -> TrainerMemory | None:
+        """On CUDA, one step on synthetic rows of the token budget whose update is thrown away, by every rank: the
+        compiled layers compile now (while a launched server boots), and its measured footprint decides the memory
+        a vLLM on the same GPU gets (trainer/memory.py)."""
+        from asyncrl.server.vllm import warm_up_token_budget
+        from asyncrl.trainer.memory import cached_memory, record_memory, synthetic_rows
+
+        c = self.config
+        if not (c.trainer.warm_up and torch.cuda.is_available()):
+            return None
+        started = time.time()
+        components = self.prepared.components
+        text = unwrap_model(self.model).config.get_text_config()
+        max_model_len = expected_max_model_len(c, unwrap_model(self.model).config)
+        row_factory, budget = components.packer.rows(max_model_len)
+        loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
+        top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in loss.requires else 0
+        rows = synthetic_rows(row_factory, budget, max_model_len, text.vocab_size, top_k)
+        mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], (0.0, 1.0)))
+        known = cached_memory(c, warm_up_token_budget(c, max_model_len))
+        memory = measure(lambda: warm_up_step(self.model, loss, mine, self.ranks, c), self.model, self.optimizer,
+                         alone=known is None, known=known)  # fmt: skip
+        record_memory(c, warm_up_token_budget(c, max_model_len), memory)
+        self.startup["perf/startup_warm_up_s"] = time.time() - started
+        log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
+                 time.time() - started, memory.describe())  # fmt: skip
+        if known is not None and memory.need_bytes > known.need_bytes * 1.05:
+            log.warning("the trainer now needs %.1f GiB, not the %.1f GiB measured before, which set vLLM's share: "
+                        "the next run of this shape uses the new figure", memory.need_bytes / GIB,
+                        known.need_bytes / GIB)  # fmt: skip
+        return memory
+
     def _finished(self) -> bool:
         t = self.config.trainer
         if t.max_steps > 0:
@@ -168,6 +255,8 @@ class Trainer:
         self.loss.start_step(rows)
         self.model.train()
         started = time.time()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         fwd_s, fwd_bwd_s, rank_metrics = self._forward_backward(rows, step)
         t1 = time.perf_counter()
         with phase("optimizer"):
@@ -176,6 +265,8 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - t1
+        if torch.cuda.is_available():
+            self.window.add("perf/trainer_peak_memory_gib", torch.cuda.max_memory_reserved() / GIB)
         self.window.update(self.loss.end_step())
         for metrics in (m for rank in self.ranks.gather(rank_metrics) for m in rank):
             self.window.add("entropy", metrics.pop("entropy"))

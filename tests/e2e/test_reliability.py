@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from asyncrl.trainer.checkpoint import check_checkpoint, list_checkpoints
+
 from .helpers import kill_marked, run_cli, wait_no_marked
 from .test_train import attach, common_args, steps_of
 
@@ -49,3 +51,27 @@ def test_failed_groups_and_long_prompts_are_dropped_and_counted_while_the_run_tr
     assert sum(s.get("rollout/failed_group_count", 0) for s in steps) > 0
     assert all(s["loss"] == s["loss"] for s in steps)  # logged every step (TRL's `loss`)
     assert {"rollout/score_wait_s", "rollout/score_block_s", "rollout/score_queue_size"} <= set(steps[0])
+
+
+def test_a_cuda_out_of_memory_error_ends_the_run_in_one_line_with_its_checkpoints_whole(
+    random_tiny_model_dir, arithmetic_data_dir, session_server, tmp_path
+):  # fmt: skip
+    """CUDA runs out of memory in a step's loss after some steps: the line names the keys that change the trainer's
+    memory, the traceback is in the run's log, the checkpoint of the last step logged loads, and nothing is left."""
+    run_dir = tmp_path / "run"
+    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "trainer.save_steps=1",
+            "loss={name: tests.e2e.losses:OutOfMemoryAtFifthCall}", *attach(session_server)]  # fmt: skip
+    run = run_cli(args, timeout_s=180)
+    leftover = wait_no_marked(run.marker)
+    kill_marked(run.marker)
+    assert run.returncode == 1, run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if line.startswith("error (")]
+    assert len(errors) == 1 and errors[0].startswith("error (TrainerOutOfMemoryError): the trainer ran out of GPU")
+    assert "packing.token_budget" in errors[0] and "server.gpu_memory_utilization" in errors[0]
+    assert "Traceback" not in run.output
+    assert "torch.OutOfMemoryError: CUDA out of memory" in (run_dir / "launch.log").read_text()
+    checkpoints = list_checkpoints(run_dir)
+    assert checkpoints and checkpoints[-1].name == f"step_{steps_of(run_dir)[-1]['step']:06d}"
+    for checkpoint in checkpoints:
+        check_checkpoint(checkpoint)
+    assert leftover == []

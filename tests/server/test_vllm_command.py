@@ -24,6 +24,7 @@ from asyncrl.server.vllm import (
     shared_gpu_share,
     split_gpus,
     vllm_command,
+    warm_up_token_budget,
 )
 from asyncrl.server.vllm_extension import WeightBufferExtension
 
@@ -52,7 +53,7 @@ GOLDEN = {
         SERVE
         + flags(
             "--dtype",
-            "float32",
+            "bfloat16",
             "--max-model-len",
             "1224",
             "--max-logprobs",
@@ -98,7 +99,7 @@ GOLDEN = {
         SERVE
         + flags(
             "--dtype",
-            "float32",
+            "bfloat16",
             "--max-model-len",
             "1224",
             "--max-logprobs",
@@ -154,7 +155,7 @@ GOLDEN = {
         [*SERVE[:7], "--host", "10.0.0.5", "--port", "9000", "--seed", "42"]
         + flags(
             "--dtype",
-            "float32",
+            "bfloat16",
             "--max-model-len",
             "4096",
             "--max-logprobs",
@@ -189,7 +190,7 @@ def test_golden_tensor_parallel():
     cmd = command([*overrides, "server.max_logprobs=32"], version, gpus)
     assert cmd.argv == SERVE + flags(
         "--dtype",
-        "float32",
+        "bfloat16",
         "--max-model-len",
         "1224",
         "--max-logprobs",
@@ -387,26 +388,25 @@ def test_served_adapters_reserve_lora_slots_only_in_their_target_modules(random_
     assert not {"qkv", "proj", "linear_fc1"} & set(modules)  # never the vision tower (frozen, not adapted)
 
 
-def test_a_shared_gpu_gives_vllm_what_the_trainer_leaves():
-    gib = 2**30
-    assert shared_gpu_share(60 * gib, 140 * gib) == (0.57, "the trainer needs ~60.0 of the GPU's 140.0 GiB")
-    assert shared_gpu_share(2 * gib, 140 * gib)[0] == 0.9  # never more than on a GPU of its own
-    assert shared_gpu_share(200 * gib, 80 * gib)[0] == 0.1  # a trainer that cannot fit: vLLM's start says so
-    assert shared_gpu_share(None, 140 * gib) == (0.3, "a safe share (model size unknown here)")
-    assert shared_gpu_share(60 * gib, None) == (0.3, "a safe share (GPU size unknown here)")
+def test_a_shared_gpu_gives_vllm_what_the_trainers_measured_footprint_leaves(random_tiny_model_dir, tmp_path,
+                                                                              monkeypatch):  # fmt: skip
+    from asyncrl.trainer.memory import GIB, TrainerMemory, record_memory
 
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "packing=flat"]))
+    assert shared_gpu_share(config, 1224)[0] == 0.3  # not measured yet (a printed command)
+    budget = warm_up_token_budget(config, 1224)
 
-def test_trainer_memory_is_its_parameter_states_with_a_margin(random_tiny_model_dir):
-    from transformers import AutoModelForCausalLM
+    def share(peak: float, context: float = 1.0) -> tuple[float, str]:
+        record_memory(config, budget, TrainerMemory(int(peak * GIB), int(context * GIB), 140 * GIB))
+        return shared_gpu_share(config, 1224)
 
-    from asyncrl.server.vllm import CUDA_CONTEXT_BYTES, TRAINER_OVERHEAD, trainer_bytes
-
-    params = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir).num_parameters()
-    full = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))  # float32: weights, grads, 2 moments
-    assert trainer_bytes(full) == int(params * 4 * 4 * TRAINER_OVERHEAD) + CUDA_CONTEXT_BYTES
-    lora = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "model.dtype=bfloat16"]))
-    assert trainer_bytes(lora) == int(params * 2 * TRAINER_OVERHEAD) + CUDA_CONTEXT_BYTES
-    assert trainer_bytes(to_config(compose([f"model.name_or_path={random_tiny_model_dir}/missing"]))) is None
+    assert share(50) == (0.59, "the trainer's measured peak 50.0 GiB + 1.0 GiB CUDA context + margin = 56.1 of the "
+                               "GPU's 140.0 GiB")  # fmt: skip
+    assert share(1)[0] == 0.9  # never more than on a GPU of its own
+    assert shared_gpu_share(config, 4096)[0] == 0.3  # another row size is another shape: measured again
+    with pytest.raises(ConfigError, match=r"one GPU cannot hold both: .* leaves 0\.3 GiB, and vLLM needs 2\.0"):
+        share(126)
 
 
 def test_utilization_follows_the_split_unless_set(caplog):
@@ -417,5 +417,15 @@ def test_utilization_follows_the_split_unless_set(caplog):
     assert utilization([], ("0", "1")) == "0.9"  # own GPUs
     with caplog.at_level("INFO", logger="asyncrl.server.vllm"):
         assert utilization(["model.name_or_path=/no/model"], ("0",)) == "0.3"  # shared, nothing to measure
-    assert "vLLM shares GPU 0 with the trainer: --gpu-memory-utilization 0.3 (a safe share" in caplog.text
+    assert (
+        "vLLM shares GPU 0 with the trainer: --gpu-memory-utilization 0.3 (the trainer's footprint is not "
+        in caplog.text
+    )
     assert utilization(["server.gpu_memory_utilization=0.5"], ("0",)) == "0.5"
+
+
+def test_a_float32_server_of_a_gated_deltanet_model_is_refused_before_launch():
+    with pytest.raises(ConfigError, match="server.dtype=float32: vLLM's gated-DeltaNet kernels"):
+        command(["server.dtype=float32"], checkpoint=CheckpointKind(gated_deltanet=True))
+    argv = command(["server.dtype=float32"]).argv  # an attention-only model may serve in float32 when asked
+    assert argv[argv.index("--dtype") + 1] == "float32"

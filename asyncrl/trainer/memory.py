@@ -1,0 +1,193 @@
+"""The trainer's GPU memory, measured rather than estimated, and what a GPU shared with vLLM leaves the server.
+
+A warm-up step (``warm_up``) runs the step the trainer will run, forward, backward, gradient clipping and an AdamW
+step, on synthetic rows that fill the token budget with trained tokens, and throws its update away (the gradients
+are zeroed before the optimizer steps at learning rate 0, and the optimizer's state is cleared after). Its peak,
+read from the CUDA caching allocator, plus the process's CUDA context, is the trainer's footprint: an estimate from
+parameter counts missed the activations of a full row, the logit chunks, compiled kernels' workspaces and the
+allocator's slack, and the spec's quick start ran out of memory at its first step. The warm-up is also the first
+call of the compiled layers, so the compiling is done before the first real step.
+
+vLLM's share of a shared GPU is a launch flag, so the figure is kept per shape in a small cache
+(``$ASYNCRL_CACHE_DIR``, else ``~/.cache/asyncrl``, ``trainer_memory.json``): the first run of a shape warms up
+before vLLM starts; a later one starts vLLM at once and warms up while it boots, and records the new figure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omegaconf import OmegaConf
+
+from asyncrl.config.schema import Config
+from asyncrl.rollout.types import RolloutSample, TrainingSequence
+
+if TYPE_CHECKING:
+    from asyncrl.packing import RowFactory
+    from asyncrl.packing.row import PackedRow
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+MARGIN_FRACTION = 0.1
+"""Headroom over the measured peak, for what the warm-up does not run: evaluation, checkpoint gathers, sync
+buffers, allocator fragmentation over a long run. At least MARGIN_MIN_BYTES."""
+MARGIN_MIN_BYTES = 2 * GIB
+CACHE_FILE = "trainer_memory.json"
+
+
+class TrainerOutOfMemoryError(RuntimeError):
+    """CUDA ran out of memory in the trainer; the message says what was measured and which keys change it."""
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """What the warm-up measured on one GPU."""
+
+    peak_bytes: int
+    """The warm-up step's peak in the caching allocator (max_memory_reserved)."""
+    context_bytes: int
+    """The rest of the process's footprint: CUDA context, cuBLAS and NCCL workspaces (outside the allocator)."""
+    gpu_bytes: int
+
+    @property
+    def need_bytes(self) -> int:
+        """The footprint with the margin: what vLLM must leave the trainer."""
+        footprint = self.peak_bytes + self.context_bytes
+        return footprint + max(int(footprint * MARGIN_FRACTION), MARGIN_MIN_BYTES)
+
+    def describe(self) -> str:
+        return (
+            f"the trainer's measured peak {self.peak_bytes / GIB:.1f} GiB + {self.context_bytes / GIB:.1f} GiB CUDA "
+            f"context + margin = {self.need_bytes / GIB:.1f} of the GPU's {self.gpu_bytes / GIB:.1f} GiB"
+        )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ASYNCRL_CACHE_DIR") or Path.home() / ".cache" / "asyncrl")
+
+
+def shape_key(config: Config, token_budget: int) -> str:
+    """What decides the trainer's footprint (model, precision, LoRA, checkpointing, attention, compile, row size,
+    top log-probabilities, torch and the GPU), hashed: runs that differ only elsewhere share a figure."""
+    t = config.trainer
+    parts = {
+        "model": OmegaConf.to_container(OmegaConf.structured(config.model)),
+        "lora": OmegaConf.to_container(OmegaConf.structured(config.lora)),
+        "trainer": [t.gradient_checkpointing, t.logit_chunk_tokens, t.attention, t.compile_layers, t.bf16],
+        "packing": config.packing,
+        "loss": config.loss,
+        "top_k": config.sampling.num_sampler_logprobs,
+        "token_budget": token_budget,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached_memory(config: Config, token_budget: int) -> TrainerMemory | None:
+    """The figure a warm-up of this shape recorded, if any."""
+    path = cache_dir() / CACHE_FILE
+    try:
+        entry = json.loads(path.read_text())[shape_key(config, token_budget)]
+        return TrainerMemory(**entry)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_memory(config: Config, token_budget: int, memory: TrainerMemory) -> None:
+    """Keep the figure for the next run of this shape (written beside and renamed: readers never see half)."""
+    path = cache_dir() / CACHE_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = json.loads(path.read_text()) if path.is_file() else {}
+        entries[shape_key(config, token_budget)] = asdict(memory)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries, indent=1))
+        partial.replace(path)
+    except (OSError, ValueError) as error:
+        log.warning("could not record the trainer's memory in %s (%s): the next run measures again", path, error)
+
+
+def synthetic_rows(row_factory: RowFactory, token_budget: int, max_model_len: int, vocab_size: int,
+                   top_k: int) -> list[PackedRow]:  # fmt: skip
+    """One row filled to ``token_budget`` with samples of up to ``max_model_len`` tokens, all trained but the
+    first (a step's worst case for activations and logit chunks), random tokens with a fixed seed."""
+    rng = random.Random(0)
+    row = row_factory()
+    left, index = token_budget, 0
+    while left > 1:
+        length = min(left, max_model_len)
+        tokens = [rng.randrange(vocab_size) for _ in range(length)]
+        top = [{rng.randrange(vocab_size): -1.0 for _ in range(top_k)} for _ in tokens] if top_k else None
+        sequence = TrainingSequence(tokens, [0] + [1] * (length - 1), [-1.0] * length, top)
+        sample = RolloutSample(sequence, 1.0 if index % 2 else -1.0, 0.0, index, index, index, 0, f"warm-up-{index}")
+        if not row.fits(sample):
+            break
+        row.add(sample)
+        left, index = left - length, index + 1
+    return [row.pack(top_k)]
+
+
+def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``run_step()`` (forward and backward of the synthetic rows, gradient clipping) then an optimizer step whose
+    update is thrown away: gradients zeroed, learning rate 0, on a state of its own (a resumed run's moments are
+    set aside and put back), the RNG states restored. What the step allocates (the AdamW moments included) stays in
+    the caching allocator for the run."""
+    rng = torch.random.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    rates = [group["lr"] for group in optimizer.param_groups]
+    kept, optimizer.state = optimizer.state, defaultdict(dict)
+    try:
+        run_step()
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.zero_()
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        optimizer.step()
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state = kept
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        torch.random.set_rng_state(rng[0])
+        if rng[1]:
+            torch.cuda.set_rng_state_all(rng[1])
+
+
+def measure(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, alone: bool,
+            known: TrainerMemory | None) -> TrainerMemory:  # fmt: skip
+    """The warm-up's footprint on this process's GPU. ``alone``: nothing else uses the GPU yet, so what the device
+    reports in use beyond the allocator is this process's context; otherwise the known figure's context is kept."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    warm_up(run_step, model, optimizer)
+    torch.cuda.synchronize()
+    peak = int(torch.cuda.max_memory_reserved())
+    free, total = torch.cuda.mem_get_info()
+    if alone or known is None:
+        context = max(int(total - free) - int(torch.cuda.memory_reserved()), 0)
+    else:
+        context = known.context_bytes
+    return TrainerMemory(peak, context, int(total))
+
+
+def out_of_memory_line(config: Config, memory: TrainerMemory | None, share: str | None) -> str:
+    """The one line a CUDA out-of-memory error in the trainer ends the run with: what was measured, how the GPU was
+    split, and the keys that change it."""
+    measured = memory.describe() if memory is not None else "no warm-up measurement (trainer.warm_up or no CUDA)"
+    split = f"; vLLM was given {share}" if share else ""
+    return (
+        f"the trainer ran out of GPU memory ({measured}{split}): lower packing.token_budget, keep "
+        f"trainer.gradient_checkpointing=true (now {str(config.trainer.gradient_checkpointing).lower()}), lower "
+        "trainer.logit_chunk_tokens, or give the server less with server.gpu_memory_utilization"
+    )

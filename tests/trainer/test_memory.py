@@ -1,0 +1,79 @@
+"""The warm-up step throws its update away, its synthetic row fills the token budget, the measured figure is kept
+per shape, and the out-of-memory line names what changes the trainer's memory."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.components import build_components
+from asyncrl.config.compose import compose, to_config
+from asyncrl.losses.step import StepLoss
+from asyncrl.trainer.distributed import split_rows, warm_up_step
+from asyncrl.trainer.memory import (
+    GIB,
+    TrainerMemory,
+    cached_memory,
+    out_of_memory_line,
+    record_memory,
+    synthetic_rows,
+    warm_up,
+)
+from asyncrl.trainer.model import build_optimizer, load_model
+
+
+def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were(random_tiny_model_dir, one_rank):
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "loss=clipped",
+                                "trainer.learning_rate=1e-2", "trainer.weight_decay=0.1"]))  # fmt: skip
+    components = build_components(config)
+    model = load_model(config, str(random_tiny_model_dir))
+    optimizer, _ = build_optimizer(config, model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    row_factory, budget = components.packer.rows(64)
+    rows = synthetic_rows(row_factory, budget, 64, model.config.vocab_size, top_k=0)
+    loss = StepLoss(components.loss, components.advantage, 16)
+    work = split_rows(rows, [[0]], (0.0, 1.0))[0]
+    random_state = torch.random.get_rng_state()
+    resumed = {"step": torch.tensor(7.0)}  # a resumed run's moments are put back as they were
+    optimizer.state[next(model.parameters())] = resumed
+    warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert dict(optimizer.state) == {next(model.parameters()): resumed}
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.state.clear()
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-2]
+    assert torch.equal(torch.random.get_rng_state(), random_state)
+    optimizer.zero_grad()  # the same step for real moves the weights: the warm-up did run it
+    warm_up_step(model, loss, work, one_rank, config)
+    optimizer.step()
+    assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_the_synthetic_row_fills_the_budget_with_trained_tokens():
+    config = to_config(compose(["packing=flat", "packing.token_budget=250", "loss=score_centering"]))
+    row_factory, budget = build_components(config).packer.rows(100)
+    (row,) = synthetic_rows(row_factory, budget, 100, vocab_size=50, top_k=4)
+    assert budget == 250 and row.num_forwarded == 250 and row.num_trained == 250 - 3  # 100 + 100 + 50 tokens
+    assert row.top_ids is not None and row.top_ids.shape == (247, 4)
+
+
+def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    memory = TrainerMemory(10 * GIB, GIB, 80 * GIB)
+    assert cached_memory(config, 512) is None
+    record_memory(config, 512, memory)
+    assert cached_memory(config, 512) == memory
+    assert cached_memory(config, 1024) is None  # another row size
+    assert cached_memory(to_config(compose(["trainer.logit_chunk_tokens=7"])), 512) is None
+    assert cached_memory(to_config(compose(["trainer.learning_rate=1e-3"])), 512) == memory  # not a shape change
+    assert memory.need_bytes == 13 * GIB  # a margin of 10% of the footprint, at least 2 GiB
+    assert TrainerMemory(39 * GIB, GIB, 80 * GIB).need_bytes == 44 * GIB
+
+
+def test_the_out_of_memory_line_names_the_measurement_the_split_and_the_keys():
+    config = to_config(compose([]))
+    line = out_of_memory_line(config, TrainerMemory(30 * GIB, GIB, 140 * GIB), "--gpu-memory-utilization 0.7")
+    assert line.startswith("the trainer ran out of GPU memory (the trainer's measured peak 30.0 GiB + 1.0 GiB")
+    assert "vLLM was given --gpu-memory-utilization 0.7" in line
+    for key in ("packing.token_budget", "trainer.gradient_checkpointing", "server.gpu_memory_utilization"):
+        assert key in line
