@@ -1,14 +1,19 @@
 """Held-out evaluation through the generation server: the reward functions on the eval split.
 
-Runs before training (the server holds the initial weights) and after the last weight sync, greedy and
-sampled at the training temperature (pass@1), so a run ends with a before/after comparison. Greedy is top-1
-sampling at temperature 1: a vLLM >= 0.28 that returns sampling masks (--return-sampling-mask, which asyncrl
-passes when top-k/top-p/min-p are on) refuses every request with temperature 0 or top_k 0.
+Runs before training (the server holds the initial weights, or a resumed run's checkpoint), at
+logging.eval_steps and checkpoint steps if asked (trainer/loop.py), and after the last weight sync, greedy and
+sampled at the training temperature (pass@1), so a run ends with a before/after comparison. The two answer
+different questions: sampled is one completion drawn as in training, the pass@1 GRPO raises; greedy is the
+completion the model finds most likely, which moves only when that answer changes (a model that already answers
+right greedily stays at its ceiling while sampled climbs to it). Greedy is top-1 sampling at temperature 1: a
+vLLM >= 0.28 that returns sampling masks (--return-sampling-mask, which asyncrl passes when top-k/top-p/min-p are
+on) refuses every request with temperature 0 or top_k 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -102,3 +107,36 @@ def evaluate(
     the servers at ``base_urls``."""
     rows = [dataset[i] for i in range(min(len(dataset), config.data.num_eval_prompts))]
     return asyncio.run(_evaluate(config, base_urls, model_name, tokenizer, rows, sources, max_model_len))
+
+
+@dataclass
+class EvalRecord:
+    """A run's evaluations at its two ends (eval.json and the console's closing line): the model it started from
+    (the base model, or the checkpoint a resumed run starts from, whatever the weights were called) and the
+    model it ended with, each at its optimizer step."""
+
+    before: dict[str, float]
+    before_step: int
+    resumed: bool = False
+    after: dict[str, float] = field(default_factory=dict)
+    after_step: int = 0
+
+    @property
+    def origin(self) -> str:
+        return f"checkpoint step {self.before_step}" if self.resumed else "base model"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"before": self.before, "after": self.after, "before_model": self.origin,
+                "before_step": self.before_step, "after_step": self.after_step}  # fmt: skip
+
+    def summary(self, num_prompts: int, temperature: float) -> str:
+        """One line: what each score means, then where it started and ended."""
+        moved = "; ".join(
+            f"{label} {self.before[key]:.3f} -> {self.after[key]:.3f}"
+            for label, key in (("sampled", "eval/sampled_reward"), ("greedy", "eval/greedy_reward"))
+        )
+        return (
+            f"held-out reward on {num_prompts} prompts, {self.origin} -> step {self.after_step}: {moved} (sampled: "
+            f"one completion at temperature {temperature:g}, the pass@1 training raises; greedy: the most likely "
+            "completion, which moves only when the model's preferred answer changes)"
+        )

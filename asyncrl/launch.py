@@ -106,8 +106,9 @@ def _hydra_job(cfg: DictConfig) -> None:
         print(f"error ({type(exc).__name__}): {first}{_see_log()}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
         raise SystemExit(1) from exc
     except KeyboardInterrupt as exc:
-        log_to_file("interrupted", exc)
-        print(interrupted_line(run_dir, Path(config.trainer.output_dir or run_dir), exc), file=sys.stderr)
+        line = interrupted_line(run_dir, Path(config.trainer.output_dir or run_dir), exc)
+        log_to_file(line, exc)  # the run's launch.log keeps the resume command when the console's copy is lost
+        print(line, file=sys.stderr)
         signum = getattr(signal, exc.args[0], signal.SIGINT) if exc.args else signal.SIGINT
         raise SystemExit(128 + signum) from exc
     if HydraConfig.get().mode == RunMode.MULTIRUN and config.logging.report:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -70,6 +71,20 @@ class JsonlSink:
         record = {"step": step, **finite}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def drop_after(self, step: int) -> int:
+        """Drop the records past ``step`` (those an interrupted run logged after the checkpoint a resumed run
+        continues from), replacing the file atomically; returns how many were dropped."""
+        if not self.path.is_file():
+            return 0
+        records = read_jsonl(self.path)  # a last line cut short is dropped too: the next record would extend it
+        kept = [record for record in records if record["step"] <= step]
+        text = "".join(json.dumps(record) + "\n" for record in kept)
+        if text != self.path.read_text():
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.path)
+        return len(records) - len(kept)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -142,6 +142,30 @@ def plot_step_time(records: Records) -> Figure | None:
     return fig
 
 
+EVAL_METRICS = ("eval/sampled_reward", "eval/greedy_reward")
+
+
+def plot_evaluation(records: Records, evaluation: dict[str, Any]) -> Figure | None:
+    """Held-out rewards at logging.eval_steps (metrics.jsonl), joined by the run's first and last evaluations
+    (eval.json, each at its step: a resumed run's first is its checkpoint's)."""
+    fig, (ax,) = _figure()
+    drawn = False
+    for name in EVAL_METRICS:
+        points = dict(zip(*series(records, name), strict=True))
+        for end in ("before", "after"):
+            value, step = evaluation.get(end, {}).get(name), evaluation.get(f"{end}_step")
+            if _is_number(value) and _is_number(step):  # eval.json of an older asyncrl has no steps
+                points.setdefault(float(step), float(value))
+        if points:
+            steps = sorted(points)
+            ax.plot(steps, [points[s] for s in steps], label=name, marker=".")
+            drawn = True
+    if not drawn:
+        return None
+    _finish(ax, "Held-out reward (sampled: pass@1; greedy: the most likely answer)", "mean reward")
+    return fig
+
+
 def plot_timeline(timeline: dict[str, Any]) -> Figure | None:
     spans = timeline.get("spans", {})
     busy = {name: merge([tuple(s) for s in spans.get(name, [])]) for name in ("generation", "training")}
@@ -259,6 +283,7 @@ def _run_report(run_dir: Path) -> Path:
     records = read_jsonl(run_dir / "metrics.jsonl")
     timeline = _read_json(run_dir / "timeline.json")
     images = [_save(plot(records), out_dir, stem) for stem, plot in _PLOTS]
+    images.append(_save(plot_evaluation(records, _read_json(run_dir / "eval.json")), out_dir, "evaluation"))
     images.append(_save(plot_timeline(timeline), out_dir, "timeline"))
     summary = run_summary(records, run_dir, timeline)
     sections = ["<h2>Summary</h2>", _table(None, [[html.escape(k), html.escape(v)] for k, v in summary])]

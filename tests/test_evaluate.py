@@ -30,3 +30,17 @@ def test_evaluation_never_asks_for_temperature_zero(monkeypatch):
     greedy, sampled = sent[:2], sent[2:]
     assert {(p.temperature, p.top_k) for p in greedy} == {(1.0, 1)}
     assert {(p.temperature, p.top_k) for p in sampled} == {(0.7, 20)} and len(sampled) == 2
+
+
+def test_the_closing_line_names_where_the_run_started_and_what_each_score_measures():
+    before, after = {"eval/greedy_reward": 1.0, "eval/sampled_reward": 0.325}, {"eval/greedy_reward": 1.0,
+                                                                               "eval/sampled_reward": 0.9}  # fmt: skip
+    fresh = evaluate.EvalRecord(before, 0, after=after, after_step=60)
+    assert fresh.summary(200, 1.0).startswith(
+        "held-out reward on 200 prompts, base model -> step 60: sampled 0.325 -> 0.900; greedy 1.000 -> 1.000 "
+        "(sampled: one completion at temperature 1, the pass@1 training raises; greedy: the most likely completion"
+    )
+    resumed = evaluate.EvalRecord(before, 30, resumed=True, after=after, after_step=60)
+    assert resumed.summary(200, 0.7).startswith("held-out reward on 200 prompts, checkpoint step 30 -> step 60")
+    assert resumed.to_json() == {"before": before, "after": after, "before_model": "checkpoint step 30",
+                                 "before_step": 30, "after_step": 60}  # fmt: skip

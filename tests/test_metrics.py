@@ -46,3 +46,18 @@ def test_a_torn_last_line_is_skipped_with_a_warning_and_a_bad_middle_line_named(
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"^{path}:2: not valid JSON"):
         read_jsonl(path)
+
+
+def test_a_resume_drops_the_rows_past_its_checkpoint_and_a_torn_last_line(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in range(1, 6):
+        sink.write(step, {"reward": step / 10, "entropy": math.nan})
+    with sink.path.open("a") as f:
+        f.write('{"step": 6, "rew')  # the interrupted run was writing step 6
+    assert sink.drop_after(3) == 2
+    assert read_jsonl(sink.path) == [{"step": s, "reward": s / 10, "entropy": None} for s in (1, 2, 3)]
+    sink.write(4, {"reward": 1.0})
+    assert [r["step"] for r in read_jsonl(sink.path)] == [1, 2, 3, 4]
+    untouched = sink.path.stat().st_mtime_ns
+    assert sink.drop_after(4) == 0 and sink.path.stat().st_mtime_ns == untouched  # nothing past it: not rewritten
+    assert JsonlSink(tmp_path / "new" / "metrics.jsonl").drop_after(0) == 0

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
-from asyncrl.report import series, write_report
+from asyncrl.report import plot_evaluation, series, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN_PNGS = {"reward", "lengths", "throughput", "staleness_queue", "step_time", "timeline"}
@@ -64,6 +64,24 @@ def test_run_report_writes_every_plot_and_inlines_them(tmp_path):
     assert "final reward</td><td>0.7000" in text and "best reward</td><td>0.7000" in text
     assert "timeline overlap_frac</td><td>37.5%" in text
     assert "generation-bound" in text  # run means: 0.3 s wait per 1.0 s step
+
+
+def test_evaluations_during_training_are_drawn_between_the_first_and_the_last(tmp_path):
+    run = _write_run(tmp_path / "run")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records[3::4]:  # logging.eval_steps=4: steps 4, 8, 12 (the last is also the "after")
+        record.update({"eval/sampled_reward": record["step"] / 20, "eval/greedy_reward": 1.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    evaluation = {"before": {"eval/sampled_reward": 0.05, "eval/greedy_reward": 1.0}, "before_step": 0,
+                  "after": {"eval/sampled_reward": 0.6, "eval/greedy_reward": 1.0}, "after_step": 12}  # fmt: skip
+    (run / "eval.json").write_text(json.dumps(evaluation))
+    write_report(run)
+    assert {p.stem for p in (run / "report").glob("*.png")} == RUN_PNGS | {"evaluation"}
+    fig = plot_evaluation(records, evaluation)
+    sampled, greedy = fig.axes[0].lines
+    assert list(sampled.get_xdata()) == [0, 4, 8, 12] and list(sampled.get_ydata()) == [0.05, 0.2, 0.4, 0.6]
+    assert list(greedy.get_ydata()) == [1.0] * 4
+    assert plot_evaluation(records[:3], {"before": {"eval/sampled_reward": 0.1}}) is None  # an old eval.json
 
 
 def test_missing_metrics_are_skipped(tmp_path):

@@ -195,6 +195,10 @@ class TrainerConfig:
     gradient_accumulation_steps: int = 1
     """Micro-batches (one row per rank each) per optimizer step. An asynchronous step that is full takes one more
     when samples at their last trainable version would otherwise be dropped (batch/overflow_micro_batch_count)."""
+    samples_per_step: int | None = None
+    """null: a step is gradient_accumulation_steps micro-batches of token-budget rows, however many samples fill
+    them (the spec's steps). N: a step trains exactly N samples (rollouts, not groups: a group may be cut by drops),
+    packed into as many rows as they take, gradients accumulated over them; asynchronous mode only."""
     gradient_checkpointing: bool = True
     logit_chunk_tokens: int = 4096
     """Trained tokens whose LM-head logits exist at once (their [tokens x vocabulary] float32 buffers bound a
@@ -302,6 +306,13 @@ class LoggingConfig:
     """Optimizer steps (1-based) to capture with torch.profiler: <run_dir>/profile/step_N.{txt,trace.json}."""
     report: bool = True
     """Write <run_dir>/report/ (plots and an HTML page, `asyncrl report`) as the run ends: a second or two of CPU."""
+    eval_steps: int | None = None
+    """Also evaluate on the held-out prompts every N optimizer steps (eval/* in that step's metrics); null or 0:
+    only before and after training. A multiple of staleness.weight_sync_steps (the server holds that step's
+    weights)."""
+    eval_on_save: bool = False
+    """Also evaluate at each checkpoint's step; the checkpoint keeps the result, which a run resumed from it reports
+    as its "before" instead of evaluating again."""
 
 
 @dataclass

@@ -99,6 +99,35 @@ def check_trainer_rates(config: Config) -> None:
         )
 
 
+def check_samples_per_step(config: Config) -> None:
+    """A fixed number of samples per step replaces the micro-batch count, and needs a step to end mid-batch."""
+    t = config.trainer
+    if t.samples_per_step is None:
+        return
+    if t.samples_per_step < 1:
+        raise ConfigError(f"trainer.samples_per_step={t.samples_per_step} must be >= 1 (or null: token-budget steps)")
+    if t.gradient_accumulation_steps != 1:
+        raise ConfigError(
+            f"trainer.samples_per_step={t.samples_per_step} sets the step's size and its rows: drop "
+            f"trainer.gradient_accumulation_steps={t.gradient_accumulation_steps}, or set trainer.samples_per_step=null"
+        )
+
+
+def check_eval_steps(config: Config) -> None:
+    """An evaluation inside the run sees the weights of its step only at a weight sync."""
+    lg, t, every = config.logging, config.trainer, config.staleness.weight_sync_steps
+    if lg.eval_steps is not None and (lg.eval_steps < 0 or lg.eval_steps % every):
+        raise ConfigError(
+            f"logging.eval_steps={lg.eval_steps} must be a multiple of staleness.weight_sync_steps={every} (the "
+            "server holds a step's weights only after its sync), or 0/null: evaluate only before and after"
+        )
+    if lg.eval_on_save and t.save_strategy == "steps" and t.save_steps % every:
+        raise ConfigError(
+            f"logging.eval_on_save=true evaluates at trainer.save_steps={t.save_steps}, which must be a multiple of "
+            f"staleness.weight_sync_steps={every} (the server holds a step's weights only after its sync)"
+        )
+
+
 def check_server_config(config: Config) -> None:
     sv = config.server
     if not sv.launch and not sv.base_url and sv.base_urls is None:
@@ -231,6 +260,8 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_truncation_needs_top_k,
     check_staleness,
     check_trainer_rates,
+    check_samples_per_step,
+    check_eval_steps,
     check_server_config,
     check_replicas,
     check_lora,

@@ -30,6 +30,16 @@ def check_synchronous_sync(config: Config, flow: FlowControl) -> None:
         )
 
 
+def check_samples_per_step_mode(config: Config, flow: FlowControl) -> None:
+    """A fixed number of samples per step needs a step to end mid-batch, which a synchronous step never does."""
+    t = config.trainer
+    if t.samples_per_step is not None and flow.synchronous:
+        raise ConfigError(
+            f"trainer.samples_per_step={t.samples_per_step} needs asynchronous mode: a synchronous step "
+            "(staleness.max_staleness=0) trains the whole batch generated for it; set staleness.max_staleness >= 1"
+        )
+
+
 def check_adapter_slots(config: Config, flow: FlowControl) -> None:
     lora, sv = config.lora, config.server
     needed = flow.adapter_slots
@@ -142,7 +152,11 @@ def check_loss_options(config: Config, components: Components) -> None:
         raise ConfigError(f"loss={config.loss['name']}: {exc}") from exc
 
 
-FLOW_CHECKS: tuple[Callable[[Config, FlowControl], None], ...] = (check_synchronous_sync, check_adapter_slots)
+FLOW_CHECKS: tuple[Callable[[Config, FlowControl], None], ...] = (
+    check_synchronous_sync,
+    check_samples_per_step_mode,
+    check_adapter_slots,
+)
 CHECKS: tuple[Callable[[Config], None], ...] = (
     check_lora_rank_choice,
     check_ipc_ranks,

@@ -3,6 +3,9 @@
 A step is micro-batches of ``dp`` rows, one per trainer rank, planned by the load-balancing
 MicroBatchPlanner (packing/planner.py); with one rank a micro-batch is a row, closed when the next sample
 does not fit. Asynchronous mode closes a step after ``gradient_accumulation_steps`` micro-batches.
+With ``samples_per_step`` (trainer.samples_per_step) a step closes instead at that many samples, in as many
+micro-batches as they fill: the batch size a user sets, whatever the samples' lengths (the loss is normalised over
+the step's rows and ranks, trainer/distributed.py, so more rows do not change its scale).
 Synchronous mode (max_staleness=0) takes everything up to the worker's ``EndOfBatch`` marker. Of the samples
 that have arrived, the oldest policy version is taken first: groups finish out of their start order, and a
 sample one sync from its staleness limit must not wait behind younger ones that have time to spare. For the
@@ -109,6 +112,7 @@ class StepAssembler:
         worker_timeout_s: float,
         dp: int = 1,
         watch: GroupWatch | None = None,
+        samples_per_step: int | None = None,
     ) -> None:
         self.channels, self.token_budget = channels, token_budget
         self.micro_batches_per_step, self.flow = micro_batches_per_step, flow
@@ -117,6 +121,7 @@ class StepAssembler:
         self.health_check, self.worker_timeout_s = health_check, worker_timeout_s
         self.planner = MicroBatchPlanner(row_factory, dp, token_budget)
         self.watch = watch or GroupWatch(None, 1.0)
+        self.samples_per_step = samples_per_step
         self._samples: list[tuple[int, int, RolloutSample]] = []  # heap by (model_version, arrival)
         self._markers: deque[PromptDone | EndOfBatch] = deque()
         self._arrivals = itertools.count()
@@ -134,7 +139,7 @@ class StepAssembler:
         this step (staleness.weight_sync_steps); if not, the next step trains at the same version, so no sample
         is at its last chance in this one."""
         micro_batches: list[list[Row]] = []
-        wait_s, overflow = 0.0, False
+        wait_s, overflow, taken = 0.0, False, 0
         self.expiring.start_step()
         self._sync_follows = sync_follows
         while True:
@@ -159,6 +164,10 @@ class StepAssembler:
                 return self._step(micro_batches, wait_s, overflow=overflow)
             self._take(item)
             self._close(micro_batches, self.planner.offer(item))
+            taken += 1
+            if taken == self.samples_per_step:  # a fixed number of samples, in as many rows as they filled
+                self._close(micro_batches, self.planner.flush())
+                return self._step(micro_batches, wait_s)
 
     def _step(self, micro_batches: list[list[Row]], wait_s: float, final: bool = False, overflow: bool = False) -> Step:
         if not self.flow.synchronous:
@@ -180,6 +189,8 @@ class StepAssembler:
         """The sample would close the step's last micro-batch and open the next step's first. That step trains
         after the next weight sync, one version later, so the sample goes back among the held ones instead of
         waiting in a row where its staleness would no longer be checked."""
+        if self.samples_per_step is not None:
+            return False  # the step closes at its count of samples, however many rows they take
         last = len(micro_batches) == self.micro_batches_per_step - 1 + overflow
         return last and not self.flow.synchronous and not self.planner.fits(sample)
 

@@ -21,7 +21,7 @@ from asyncrl.client import policy_model
 from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.dtypes import torch_dtype
-from asyncrl.evaluate import evaluate
+from asyncrl.evaluate import EvalRecord, evaluate
 from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing.attention import unwrap_model
@@ -143,6 +143,8 @@ class Trainer:
         self.row_factory, self.token_budget = components.packer.rows(self.max_model_len)
         self.window, self.timeline = MetricWindow(), Timeline()
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
+        if resume is not None:
+            self._drop_abandoned_rows()
         self.console = Console(c, self.flow)
         self.trackers = build_trackers(c, self.run_dir)
         self.completions: list[dict[str, Any]] = []
@@ -150,7 +152,8 @@ class Trainer:
         self.sync.init(self._sync_view())
         if resume is not None:
             self._push(self.state.model_version)  # the server starts from the base weights
-        self.evaluations = {"before": self._evaluate()} if self.prepared.eval_dataset is not None else {}
+        self.last_evaluation: tuple[int, dict[str, float]] | None = None
+        self.evaluations = self._first_evaluation(resume is not None)
         self._start_worker()
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -179,7 +182,8 @@ class Trainer:
                 if not self.flow.grant_before_sync():
                     self._grant_allowance(step, rows)
             self._record_step_time(step, time.perf_counter() - step_started)
-            if self.state.step % self.config.trainer.logging_steps == 0:
+            evaluated = self._evaluate_if_due()
+            if self.state.step % self.config.trainer.logging_steps == 0 or evaluated:
                 self._log()
             if self._should_save():
                 self._save()
@@ -187,12 +191,13 @@ class Trainer:
                 break
         if self.state.step % self.config.staleness.weight_sync_steps != 0:
             self._sync_weights()  # the server, and the evaluation below, get the final weights
+        if self.evaluations is not None:
+            self._last_evaluation(self.evaluations)  # before the last checkpoint, which keeps it
         if self.config.trainer.save_strategy == "steps" and not self._should_save():
             self._save()  # the last step is always resumable
         self._save_final_model()
-        if self.evaluations:
-            self.evaluations["after"] = self._evaluate()
-            self._report_evaluations()
+        if self.evaluations is not None:
+            self.console.note(self.evaluations.summary(self._num_eval_prompts(), self.config.sampling.temperature))
         self.ranks.command("stop")
 
     def _report_startup(self) -> None:
@@ -351,6 +356,7 @@ class Trainer:
             self.flow, self.progress, self.window, self._check_processes,
             c.staleness.rollout_worker_timeout, dp=self.world,
             watch=GroupWatch(c.rollout.max_consecutive_dropped_groups, c.rollout.max_failed_group_fraction),
+            samples_per_step=c.trainer.samples_per_step,
         )  # fmt: skip
 
     def _check_processes(self) -> None:
@@ -387,20 +393,75 @@ class Trainer:
                     self.timeline.add(name, start, end)
             self.window.extend(events)
 
+    # ---- held-out evaluation ----------------------------------------------------------------------------------
+
     def _evaluate(self) -> dict[str, float]:
+        """Evaluate the weights the server holds, those of the current step (an evaluation comes after its sync).
+        The trainer waits for it; the rollout worker does not, and generates beside it."""
         self.sync.settle()  # the server generates again after the last sync
         p = self.prepared
         model = policy_model(served_model_name(self.config), self.sync.adapter_prefix, self.state.model_version)
-        return evaluate(self.config, self.server.base_urls, model, p.tokenizer,
-                        p.eval_dataset, p.components.rewards, self.max_model_len)  # fmt: skip
+        results = evaluate(self.config, self.server.base_urls, model, p.tokenizer,
+                           p.eval_dataset, p.components.rewards, self.max_model_len)  # fmt: skip
+        self.last_evaluation = (self.state.step, results)
+        return results
 
-    def _report_evaluations(self) -> None:
+    def _first_evaluation(self, resumed: bool) -> EvalRecord | None:
+        """The "before" evaluation: the base model's, or a resumed run's checkpoint's (the one saved with it when
+        its step was evaluated, else evaluated now), labelled as such."""
+        if self.prepared.eval_dataset is None:
+            return None
+        saved = self.state.extra.get("evaluation") if resumed else None  # a checkpoint's JSON, not a config
+        if saved:
+            self.last_evaluation = (self.state.step, saved)
+        results = saved or self._evaluate()
+        self.trackers.write(self.state.step, results)
+        return EvalRecord(results, self.state.step, resumed=resumed)
+
+    def _evaluate_if_due(self) -> bool:
+        """Evaluate at logging.eval_steps and, with logging.eval_on_save, at checkpoint steps; eval/* then join the
+        step's metrics (metrics.jsonl, trackers, the report's plots) and the console gets a line.
+
+        Sharing the server: the evaluation runs on the trainer's thread right after the step's weight sync (these
+        steps are multiples of staleness.weight_sync_steps), so the server holds exactly that step's weights and
+        no sync can land mid-evaluation. The rollout worker keeps generating meanwhile: its requests and the
+        evaluation's share the server's batches, and it stops only if it fills its token allowance
+        (max_staleness steps of samples) before training resumes. Generation is thus slowed by the evaluation's
+        share of the server, and never held back longer than the evaluation lasts; training waits for it, as it
+        does for a checkpoint (perf/eval_s)."""
+        lg, step = self.config.logging, self.state.step
+        due = (bool(lg.eval_steps) and step % lg.eval_steps == 0) or (lg.eval_on_save and self._should_save())
+        if self.evaluations is None or not due:
+            return False
+        started = time.perf_counter()
+        results = self._evaluate()
+        self.window.update(results)
+        self.window.add("perf/eval_s", time.perf_counter() - started)
+        scores = ", ".join(f"{key.removeprefix('eval/')} {value:.3f}" for key, value in sorted(results.items()))
+        self.console.note(f"held-out evaluation at step {step}: {scores}")
+        return True
+
+    def _last_evaluation(self, record: EvalRecord) -> None:
+        """The "after" evaluation: the last step's own if it was evaluated, else one now; eval.json."""
         import json
 
-        (self.run_dir / "eval.json").write_text(json.dumps(self.evaluations, indent=2))
-        before, after = self.evaluations["before"], self.evaluations["after"]
-        lines = [f"{name}: {before[name]:.3f} -> {after[name]:.3f}" for name in before]
-        self.console.note("held-out evaluation (before -> after): " + "; ".join(lines))
+        step, results = self.last_evaluation or (-1, {})
+        if step != self.state.step:
+            results = self._evaluate()
+            self.trackers.write(self.state.step, results)
+        record.after, record.after_step = results, self.state.step
+        (self.run_dir / "eval.json").write_text(json.dumps(record.to_json(), indent=2))
+
+    def _num_eval_prompts(self) -> int:
+        return min(len(self.prepared.eval_dataset), self.config.data.num_eval_prompts)
+
+    def _drop_abandoned_rows(self) -> None:
+        """A resumed run continues from its checkpoint's step: rows an interrupted run logged past it would be
+        logged again, and plots would zig-zag."""
+        dropped = self.sink.drop_after(self.state.step)
+        if dropped:
+            log.info("metrics.jsonl: dropped %d rows past step %d, the checkpoint resumed from", dropped,
+                     self.state.step)  # fmt: skip
 
     def _should_save(self) -> bool:
         t = self.config.trainer
@@ -411,6 +472,8 @@ class Trainer:
         self.state.prompts_consumed = self.progress.consumed
         self.state.extra["num_tokens"] = self.num_tokens
         self.state.extra["loss"] = self.loss.state_dict()
+        step, results = self.last_evaluation or (-1, {})
+        self.state.extra["evaluation"] = results if step == self.state.step else {}  # a resume's "before"
         path = save_checkpoint(self.output_dir, self.state, self.prepared.tokenizer, self.scheduler,
                                self.config.trainer.save_total_limit, lambda tmp: self._write_sharded(tmp, "save"),
                                self.world, self.processor_files)  # fmt: skip

@@ -253,5 +253,6 @@ def test_ctrl_c_in_a_background_job_stops_and_says_how_to_resume(tiny_server: Se
     last = [line for line in output.splitlines() if line.startswith("interrupted")]
     assert len(last) == 1 and " with: asyncrl train " in last[0], output[-2000:]
     assert last[0].endswith(f"trainer.resume_from_checkpoint=latest hydra.run.dir={run_dir}")
+    assert last[0] in (run_dir / "launch.log").read_text()  # kept where a console piped through tee loses it
     assert "Traceback" not in output
     assert wait_no_marked(marker) == [] and marked_pids(marker) == []

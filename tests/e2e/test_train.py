@@ -5,7 +5,9 @@ The runs attach to the session's built-in server; the launched server is covered
 run also checks the default staleness bound, 4, with the default loss) and by the failing-reward run here.
 The async run uses a non-default loss and advantage estimator (CISPO, RLOO) with an adaptive entropy
 coefficient, so that its checkpoint and resume carry loss state too (the other losses are exercised through the
-real trainer step in tests/losses/test_trainer_step.py, which costs no server or worker start).
+real trainer step in tests/losses/test_trainer_step.py, which costs no server or worker start), and steps of a fixed
+number of samples (trainer.samples_per_step) spanning several rows. Both runs evaluate every 2 steps (at checkpoints,
+then by logging.eval_steps); the resumed one finds the abandoned steps an interrupted run leaves in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ SAVE_STEPS = STEPS // 2
 RESUMED = [STEPS + 1, STEPS + 2, STEPS + 3]
 CISPO = ["loss=cispo", "advantage=rloo", "loss.entropy_coef=0.01", "loss.entropy_target=100.0"]
 ENTROPY_DELTA = 0.005  # the default loss.entropy_coef_delta
+EVAL_PROMPTS = 4  # evaluated before, every SAVE_STEPS steps and after: a second each on the tiny model
+EVALS = ("eval/greedy_reward", "eval/sampled_reward")
+SAMPLES = 32  # the async run's trainer.samples_per_step: 4 groups, more than a 512-token row holds
 
 
 def common_args(model: Path, data: Path, run_dir: Path) -> list[str]:
     return [
-        f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}", "data.eval_path=null", "reward=length",
+        f"model.name_or_path={model}", f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}",
+        f"data.num_eval_prompts={EVAL_PROMPTS}", "reward=length",
         "packing.token_budget=512", f"trainer.max_steps={STEPS}", f"trainer.save_steps={SAVE_STEPS}",
         "logging.console=plain", "logging.report=false", f"hydra.run.dir={run_dir}", f"server.port={free_port()}",
     ]  # fmt: skip
@@ -70,7 +76,8 @@ def async_run(random_tiny_model_dir, arithmetic_data_dir, fresh_server, tmp_path
     server = fresh_server()
     run_dir = tmp_path_factory.mktemp("async") / "run"
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "staleness.max_staleness=1",
-            *CISPO, "logging.profile_steps=[3]", "trainer.peak_tflops=0.5", *attach(server)]  # fmt: skip
+            *CISPO, "logging.profile_steps=[3]", "trainer.peak_tflops=0.5", f"trainer.samples_per_step={SAMPLES}",
+            "logging.eval_on_save=true", *attach(server)]  # fmt: skip
     run = run_cli(args)
     version, gap = ControlClient(server.base_url).weight_version(), math.inf
     if run.returncode == 0:
@@ -87,9 +94,12 @@ def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, session_s
     if async_run.run.returncode != 0:
         pytest.skip("the first run failed")
     run_dir = async_run.run_dir
+    (run_dir / "eval_first_run.json").write_text((run_dir / "eval.json").read_text())  # this run writes its own
+    with (run_dir / "metrics.jsonl").open("a") as f:  # as a run interrupted after its last checkpoint leaves it
+        f.write(json.dumps({**steps_of(run_dir)[-1], "step": STEPS + 1, "abandoned": True}) + "\n")
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir),
             f"trainer.max_steps={RESUMED[-1]}", "staleness.max_staleness=0", *CISPO,
-            "trainer.resume_from_checkpoint=latest", "trainer.save_total_limit=3",
+            "trainer.resume_from_checkpoint=latest", "trainer.save_total_limit=3", f"logging.eval_steps={SAVE_STEPS}",
             *attach(session_server)]  # fmt: skip
     return run_cli(args), run_dir
 
@@ -100,6 +110,7 @@ def test_async_run_trains_every_step_within_its_staleness_bound_and_overlaps(asy
     steps = steps_of(run_dir)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["batch/trained_tokens_per_step"] > 0 for s in steps)
+    assert all(s["batch/samples_per_step"] == SAMPLES and s["batch/microbatches_per_step"] >= 2 for s in steps)
     assert max(s["sample/staleness_max"] for s in steps) <= 1
     assert overlap(run_dir) > 0.0  # generation and training were busy at the same time
     assert (run_dir / "model" / "model.safetensors").is_file()
@@ -157,12 +168,34 @@ def test_resume_continues_at_the_recorded_prompt_and_version(resumed_run):
     assert f"resumed from {last} at step {STEPS}, prompt {saved['prompt_index']}" in (
         (run_dir / "launch.log").read_text() + run.output
     )
-    resumed = [s for s in steps_of(run_dir) if s["step"] > STEPS]
-    assert [s["step"] for s in resumed] == RESUMED
+    steps = steps_of(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, RESUMED[-1] + 1))  # the abandoned step 5 row was dropped
+    assert not any("abandoned" in s for s in steps)
+    resumed = [s for s in steps if s["step"] > STEPS]
     assert resumed[0]["model_version"] == RESUMED[0]  # versions continue from the checkpoint
     assert resumed[0]["entropy_coef"] == pytest.approx(0.01 + ENTROPY_DELTA * STEPS)  # and the loss state
     final = json.loads((run_dir / "checkpoints" / f"step_{RESUMED[-1]:06d}" / "rollout_state.json").read_text())
     assert final["prompt_index"] > saved["prompt_index"]
+
+
+def test_held_out_evaluation_runs_every_eval_steps_and_a_resume_starts_from_its_checkpoints(async_run,
+                                                                                          resumed_run):  # fmt: skip
+    """eval/* at steps 2 and 4 (the first run's checkpoints: logging.eval_on_save) and 6 (the resumed run's
+    logging.eval_steps=2) of metrics.jsonl. The first run's "after" is its step 4 evaluation, which its checkpoint
+    keeps: the resumed run's "before" is that one, labelled as the checkpoint's (not evaluated again), and its
+    "after" is step 7's, evaluated after the loop."""
+    run, run_dir = resumed_run
+    assert run.returncode == 0, run.output[-3000:]
+    evaluated = {s["step"]: {k: s[k] for k in EVALS} for s in steps_of(run_dir) if EVALS[0] in s}
+    assert sorted(evaluated) == [2, 4, 6] and all(math.isfinite(v) for e in evaluated.values() for v in e.values())
+    first = json.loads((run_dir / "eval_first_run.json").read_text())
+    assert (first["before_model"], first["before_step"], first["after_step"]) == ("base model", 0, STEPS)
+    assert first["after"] == evaluated[STEPS]
+    resumed = json.loads((run_dir / "eval.json").read_text())
+    assert (resumed["before_model"], resumed["before_step"]) == (f"checkpoint step {STEPS}", STEPS)
+    assert resumed["before"] == evaluated[STEPS] and resumed["after_step"] == RESUMED[-1]
+    assert f"held-out reward on {EVAL_PROMPTS} prompts, checkpoint step {STEPS} -> step {RESUMED[-1]}" in run.output
+    assert "held-out evaluation at step 6: greedy_reward" in run.output
 
 
 def test_no_process_remains_after_runs(async_run, resumed_run):

@@ -284,12 +284,14 @@ def model_and_samples(tokenizer):
     return model, samples
 
 
-def run_step(overrides: list[str], model_and_samples, ranks: Ranks) -> tuple[Trainer, dict[str, float], float]:
+def run_step(overrides: list[str], model_and_samples, ranks: Ranks, per_row: int = 2
+             ) -> tuple[Trainer, dict[str, float], float]:  # fmt: skip
+    """One trainer step of the four samples, ``per_row`` of them in each packed row."""
     model, samples = model_and_samples
     rows = []
-    for pair in (samples[:2], samples[2:]):
+    for start in range(0, len(samples), per_row):
         row = FlatRow(token_budget=256)
-        for s in pair:
+        for s in samples[start : start + per_row]:
             row.add(s)
         rows.append(row)
     trainer = trainer_for(overrides, copy.deepcopy(model), ranks)
@@ -318,3 +320,14 @@ def test_every_option_at_once_through_the_trainer(model_and_samples, one_rank):
     assert math.isfinite(metrics["policy_loss"]) and metrics["entropy_coef"] == pytest.approx(0.01)
     # the tiny model's entropy is below the target of 100 nats: the adaptive coefficient went up for the next step
     assert trainer.loss.state_dict() == {"entropy_coef": pytest.approx(0.015)}
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_a_step_spread_over_more_rows_makes_the_same_update(normalization, model_and_samples, one_rank):
+    """trainer.samples_per_step packs a step's samples into as many rows as they take: the loss is normalised over
+    the whole step, so one row or four give the same loss and gradient norm (taken before clipping; Adam's first
+    update would hide a wrong scale). Two ranks: tests/trainer/test_distributed.py."""
+    overrides = ["loss=clipped", f"loss.normalization={normalization}"]
+    one_row, four_rows = (run_step(overrides, model_and_samples, one_rank, per_row=n)[1] for n in (4, 1))
+    assert four_rows["loss"] == pytest.approx(one_row["loss"], rel=1e-5)
+    assert four_rows["grad_norm"] == pytest.approx(one_row["grad_norm"], rel=1e-4)

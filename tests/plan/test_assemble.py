@@ -11,6 +11,7 @@ from asyncrl.config.compose import compose, to_config
 from asyncrl.plan.assemble import build_plan, plan_run
 
 BAD_INPUTS = [
+    (["trainer.samples_per_step=64", "staleness.max_staleness=0"], "needs asynchronous mode"),
     (["staleness.max_staleness=0", "staleness.weight_sync_steps=2"], "staleness.weight_sync_steps"),
     (["server.max_lora_rank=4"], "server.max_lora_rank"),
     (["lora=default", "lora.sync=adapter", "server.max_loras=3"], "server.max_loras"),

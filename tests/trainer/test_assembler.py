@@ -35,13 +35,14 @@ def sample(prompt_index: int, n_tokens: int = 10, version: int = 0) -> RolloutSa
 
 
 def assembler(channels: WorkerChannels, *, budget: int = 25, rows: int = 2, max_staleness: int = 1,
-              timeout_s: float = 60.0, dp: int = 1) -> tuple[StepAssembler, PromptProgress, MetricWindow]:  # fmt: skip
+              timeout_s: float = 60.0, dp: int = 1, samples_per_step: int | None = None,
+              ) -> tuple[StepAssembler, PromptProgress, MetricWindow]:  # fmt: skip
     """An assembler on the channels' scripted rollout queue, timing its waits by that queue's fake clock."""
     factory, budget = PACKERS.build({"name": "flat"}).rows(budget)
     progress, window = PromptProgress(cursor=0), MetricWindow()
     flow = FlowControl(max_staleness, clock=channels.rollout_queue.clock)
-    return (StepAssembler(channels, factory, budget, rows, flow, progress, window, lambda: None, timeout_s, dp=dp),
-            progress, window)  # fmt: skip
+    return (StepAssembler(channels, factory, budget, rows, flow, progress, window, lambda: None, timeout_s, dp=dp,
+                          samples_per_step=samples_per_step), progress, window)  # fmt: skip
 
 
 def put(channels: WorkerChannels, *items) -> None:
@@ -57,6 +58,17 @@ def test_rows_close_when_full_and_the_step_has_rows_per_step_rows():
     assert [len(r.samples) for r in step.rows] == [2, 2]
     assert progress.cursor == 4
     assert channels.tokens_consumed == 40 and asm.held == 1
+
+
+@pytest.mark.parametrize(("dp", "micro_batches"), [(1, 3), (2, 2)])
+def test_samples_per_step_trains_that_many_samples_in_as_many_rows_as_they_take(dp, micro_batches):
+    channels, _ = scripted_channels()
+    asm, progress, _ = assembler(channels, rows=1, dp=dp, samples_per_step=5)  # rows=1 would allow one row
+    put(channels, *(sample(i) for i in range(8)))
+    step = asm.next_step()  # rows of 2 samples (20 of 25 tokens): 5 samples fill 3 rows
+    assert sorted(len(r.samples) for r in step.rows) == [1, 2, 2] and len(step.samples) == 5
+    assert len(step.placement) == micro_batches and all(len(m) == dp for m in step.placement)
+    assert progress.cursor == 5 and asm.held == 3
 
 
 def test_two_ranks_get_micro_batches_balanced_by_cost_and_an_idle_rank_a_filler():
