@@ -10,11 +10,33 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from asyncrl import __version__
 
+
+class _UntypedFlags:
+    """Help that shows no type beside a flag (``--help <bool>``): a flag takes no value."""
+
+    def get_params(self, ctx):  # type: ignore[no-untyped-def]
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Group(_UntypedFlags, TyperGroup):
+    pass
+
+
+class _Command(_UntypedFlags, TyperCommand):
+    pass
+
+
 app = typer.Typer(
     name="asyncrl",
+    cls=_Group,
     help="Asynchronous GRPO: generation and training overlap, weights move to the server as training goes.",
     no_args_is_help=True,
     rich_markup_mode="rich",
@@ -22,6 +44,7 @@ app = typer.Typer(
 )
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+_OVERRIDES = "[OPTIONS] [OVERRIDES]..."
 
 
 def _version(value: bool) -> None:
@@ -37,7 +60,7 @@ def main(
     """asyncrl: asynchronous GRPO trainer for language models."""
 
 
-@app.command(context_settings=_EXTRA)
+@app.command(cls=_Command, context_settings=_EXTRA, options_metavar=_OVERRIDES)
 def train(
     ctx: typer.Context,
     multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: one job per combination of values."),
@@ -51,21 +74,27 @@ def train(
 
 
 def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
-    """Compose (each value of a sweep), validate, and check the run directory, before Hydra makes it: Hydra
-    reports these over many lines or as a traceback, and would create the run directory first."""
+    """Compose (each value of a sweep), validate, and make the job's startup checks, before Hydra makes the run
+    directory: Hydra reports these over many lines or as a traceback, and a refused run must leave no directory
+    behind nor change an earlier run's."""
     from omegaconf import open_dict
 
     from asyncrl.config.compose import compose, to_config
     from asyncrl.config.messages import check_run_dir
+    from asyncrl.launch import check_startup
 
+    jobs = []
     for variant in _sweep_variants(overrides) if multirun else [overrides]:
         composed = compose(variant, return_hydra_config=True)
         with open_dict(composed):
             hydra = composed.pop("hydra")
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-        check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
+        run_dir = str(hydra.sweep.dir if multirun else hydra.run.dir)
+        check_run_dir(run_dir, key)
         if validate:
-            to_config(composed)
+            jobs.append((to_config(composed), None if multirun else Path(run_dir)))
+    for config, job_dir in jobs:  # once every value is valid: these look at the machine and the directories
+        check_startup(config, job_dir)
 
 
 def _sweep_variants(overrides: list[str]) -> list[list[str]]:
@@ -83,7 +112,7 @@ def _sweep_variants(overrides: list[str]) -> list[list[str]]:
     return variants
 
 
-@app.command(context_settings=_EXTRA)
+@app.command(cls=_Command, context_settings=_EXTRA, options_metavar=_OVERRIDES)
 def config(
     ctx: typer.Context,
     server_command: bool = typer.Option(
@@ -106,7 +135,7 @@ def config(
     typer.echo(to_yaml(composed), nl=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def recipes() -> None:
     """List the recipes selectable with +recipe=NAME."""
     from rich.console import Console
@@ -122,13 +151,16 @@ def recipes() -> None:
     Console().print(table)
 
 
-@app.command(context_settings=_EXTRA)
+@app.command(cls=_Command, context_settings=_EXTRA, options_metavar="[OPTIONS] [RUN_DIR] [OVERRIDES]...")
 def serve(ctx: typer.Context) -> None:
-    """Run the generation server alone in the foreground (same config groups as train)."""
+    """Run the generation server alone in the foreground. Arguments: a run directory (its final model, else its
+    newest checkpoint, with the run's overrides) or a model directory, if any, then Hydra overrides as for train:
+    [bold]asyncrl serve runs/2026-01-31_12-00-00 server.port=8001[/bold]"""
     from asyncrl.config.compose import compose, to_config
-    from asyncrl.launch import EXPECTED_ERRORS, serve_forever
+    from asyncrl.launch import EXPECTED_ERRORS, check_serve, serve_forever, serve_overrides
 
-    config = _checked(lambda: to_config(compose(list(ctx.args))))
+    config = _checked(lambda: to_config(compose(serve_overrides(list(ctx.args)))))
+    _checked(lambda: check_serve(config))
     try:
         serve_forever(config)
     except EXPECTED_ERRORS as exc:
@@ -136,7 +168,7 @@ def serve(ctx: typer.Context) -> None:
         raise typer.Exit(1) from exc
 
 
-@app.command()
+@app.command(cls=_Command)
 def report(
     run_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="A run directory or a multirun sweep.")],
 ) -> None:
@@ -156,7 +188,7 @@ class ExportDtype(StrEnum):
     float32 = "float32"
 
 
-@app.command()
+@app.command(cls=_Command)
 def export(
     source: Annotated[Path, typer.Argument(help="Run dir (its model/, else newest checkpoint), checkpoint or model.")],
     out: Annotated[Path, typer.Argument(help="The directory to write the standalone model to.")],
@@ -188,13 +220,12 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from asyncrl.config.errors import ConfigError
     from asyncrl.config.messages import config_error_line
-    from asyncrl.data import DatasetError
+    from asyncrl.launch import CONFIG_ERRORS
 
     try:
         return build()
-    except (ConfigError, DatasetError, HydraException, OmegaConfBaseException) as exc:
+    except (*CONFIG_ERRORS, HydraException, OmegaConfBaseException) as exc:
         typer.secho(f"config error: {config_error_line(exc)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 

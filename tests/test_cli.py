@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 from asyncrl import __version__
 from asyncrl.cli import app
+from asyncrl.server.process import free_port
 
 runner = CliRunner()
 
@@ -65,10 +66,10 @@ def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(invoke
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "solution": "2"}\n')
-    result = invoke(["train", f"data.path={data}", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert result.exit_code != 0
+    result = invoke(["train", f"data.path={data}", f"hydra.run.dir={tmp_path / 'run'}", f"server.port={free_port()}"])
+    assert result.exit_code == 2
     assert "has no 'prompt' column (columns: question, solution)" in result.output
-    assert not (tmp_path / "run" / "logs" / "server.log").exists()
+    assert not (tmp_path / "run").exists()  # the directory Hydra made for the job went with it
 
 
 def test_config_shows_the_server_command_without_running_it():
