@@ -95,8 +95,8 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
         **source,
         **m.model_init_kwargs,
     }
-    model = auto_model_class(path, **source).from_pretrained(path, **kwargs)
-    model.config.use_cache = False
+    model = auto_model_class(path, **source).from_pretrained(path, **kwargs)  # its config as is: a saved model
+    # keeps the source's use_cache (the packed forward passes use_cache=False itself)
     freeze_non_text(model)
     if config.trainer.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

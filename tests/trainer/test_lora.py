@@ -213,9 +213,9 @@ def test_adapter_sync_makes_the_server_match_the_trainer_under_the_new_name(
         base = served_vs_local(lora_server.base_url, peft_model, served_name(str(random_tiny_model_dir)))
         files = sorted(p.name for p in sync.path(1).iterdir())
         sync.close()
-        assert [card["id"] for card in control.models()] == [str(random_tiny_model_dir)]
+        assert [card["id"] for card in control.models()] == [served_name(str(random_tiny_model_dir))]
     assert served <= 1e-4 and base > 1e-2, (served, base)
-    assert sync.name(1) == f"{sync.adapter_prefix}-v1" and sync.name(0) == str(random_tiny_model_dir)
+    assert sync.name(1) == f"{sync.adapter_prefix}-v1" and sync.name(0) == served_name(str(random_tiny_model_dir))
     assert files == ["adapter_config.json", "adapter_model.safetensors"]
     full = (random_tiny_model_dir / "model.safetensors").stat().st_size
     assert 0 < metrics["perf/weight_sync_bytes"] < full / 10 and metrics["perf/weight_sync_s"] > 0
@@ -275,5 +275,5 @@ def test_a_refused_load_fails_the_sync_naming_the_step(lora_server, peft_model, 
                 sync.push(peft_model, 4)
         finally:
             sync.close()
-        assert [card["id"] for card in control.models()] == [str(random_tiny_model_dir)]
+        assert [card["id"] for card in control.models()] == [served_name(str(random_tiny_model_dir))]
     assert not (tmp_path / ".vllm_lora").exists()
