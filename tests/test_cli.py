@@ -95,3 +95,10 @@ def test_the_vllm_command_is_printed_without_gpus_here_with_a_warning(monkeypatc
         in result.output  # fmt: skip
     assert "CUDA_VISIBLE_DEVICES=0 " in result.output  # the server's GPU of the two
     assert "vllm.entrypoints.cli.main serve Qwen/Qwen3.5-2B" in result.output
+
+
+def test_help_says_what_each_command_takes_and_shows_no_type_for_a_flag():
+    for command in ([], ["train"], ["serve"], ["export"]):
+        assert "<bool>" not in runner.invoke(app, [*command, "--help"]).output
+    assert "serve [OPTIONS] [RUN_DIR] [OVERRIDES]..." in runner.invoke(app, ["serve", "--help"]).output
+    assert "train [OPTIONS] [OVERRIDES]..." in runner.invoke(app, ["train", "--help"]).output
