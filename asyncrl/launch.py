@@ -207,10 +207,10 @@ def check_startup(config: Config, run_dir: Path | None) -> None:
     directory, the server's port, and the resume (or a fresh ``run_dir``; None: a sweep's, not yet numbered)."""
     from asyncrl.trainer.setup import check_model_path
 
-    check_model_path(config)
-    check_port(config)
     if run_dir is not None:
         _check_resume(config, run_dir)
+    check_model_path(config)
+    check_port(config)
 
 
 def write_provenance(config: Config, cfg: DictConfig, run_dir: Path) -> None:

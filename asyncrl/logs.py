@@ -1,8 +1,8 @@
 """What reaches the console from Python's logging: asyncrl's own records, and libraries' only from WARNING.
 
 A library logging at INFO (httpx: one line per HTTP request, several per step and per rank) would drown the step
-lines; the run's log file (launch.log) keeps every record. Hydra's job logging installs ``ConsoleFilter`` on its
-console handler (conf/config.yaml); a trainer rank's console handler is ``console_handler()``.
+lines; the run's log file (launch.log) keeps them, httpx's excepted. Hydra's job logging installs ``ConsoleFilter``
+on its console handler (conf/config.yaml); a trainer rank's console handler is ``console_handler()``.
 """
 
 from __future__ import annotations

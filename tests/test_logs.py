@@ -1,5 +1,5 @@
-"""The console shows asyncrl's records and libraries' warnings; a library's INFO records (httpx: one per request)
-reach the run's log file only, through the job logging that conf/config.yaml gives Hydra."""
+"""The console shows asyncrl's records and libraries' warnings; a library's INFO records reach the run's log file
+only, httpx's (one per request) not even that, through the job logging that conf/config.yaml gives Hydra."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_hydra_job_logging_keeps_library_info_in_the_file_only(tmp_path, capsys,
     logging.config.dictConfig(job_logging)
     assert not (tmp_path / "launch.log").exists()  # delayed: a job refused before its first record leaves none
     logging.getLogger("httpx").info("HTTP Request: POST http://127.0.0.1:8000/v1/completions")
+    logging.getLogger("transformers.modeling_utils").info("loading weights")
     logging.getLogger("asyncrl.trainer").info("step 1")
-    console = capsys.readouterr().out
-    assert "step 1" in console and "HTTP Request" not in console
-    assert "HTTP Request" in (tmp_path / "launch.log").read_text()
+    console, log = capsys.readouterr().out, (tmp_path / "launch.log").read_text()
+    assert "step 1" in console and "loading weights" not in console and "HTTP Request" not in console
+    assert "step 1" in log and "loading weights" in log and "HTTP Request" not in log
