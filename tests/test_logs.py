@@ -43,7 +43,7 @@ def test_hydra_job_logging_keeps_library_info_in_the_file_only(tmp_path, capsys,
     logging.config.dictConfig(job_logging)
     assert not (tmp_path / "launch.log").exists()  # delayed: a job refused before its first record leaves none
     logging.getLogger("httpx").info("HTTP Request: POST http://127.0.0.1:8000/v1/completions")
-    logging.getLogger("transformers.modeling_utils").info("loading weights")
+    logging.getLogger("urllib3.connectionpool").info("loading weights")
     logging.getLogger("asyncrl.trainer").info("step 1")
     console, log = capsys.readouterr().out, (tmp_path / "launch.log").read_text()
     assert "step 1" in console and "loading weights" not in console and "HTTP Request" not in console
