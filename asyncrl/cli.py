@@ -92,9 +92,17 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
         run_dir = str(hydra.sweep.dir if multirun else hydra.run.dir)
         check_run_dir(run_dir, key)
         if validate:
-            jobs.append((to_config(composed), None if multirun else Path(run_dir)))
-    for config, job_dir in jobs:  # once every value is valid: these look at the machine and the directories
-        check_startup(config, job_dir)
+            jobs.append((to_config(composed), _job_dirs(Path(run_dir), multirun)))
+    for config, job_dirs in jobs:  # once every value is valid: these look at the machine and the directories
+        check_startup(config, job_dirs)
+
+
+def _job_dirs(run_dir: Path, multirun: bool) -> list[Path]:
+    """Where the jobs will train: the run directory, or a sweep's job directories already there (Hydra numbers
+    them 0, 1, ... as it starts the jobs: hydra.sweep.subdir)."""
+    if not multirun:
+        return [run_dir]
+    return sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name.isdigit()) if run_dir.is_dir() else []
 
 
 def _sweep_variants(overrides: list[str]) -> list[list[str]]:

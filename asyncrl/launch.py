@@ -178,7 +178,7 @@ def run_job(config: Config, components: Components, run_dir: Path, cfg: DictConf
     from asyncrl.trainer.setup import prepare
 
     world = world_size(config)
-    check_startup(config, run_dir)
+    check_startup(config, [run_dir])
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
         claim_server_access(config, run_dir)
     terminate_on_sigterm()
@@ -202,13 +202,13 @@ def run_job(config: Config, components: Components, run_dir: Path, cfg: DictConf
         print(f"report: {write_report(run_dir)}", flush=True)
 
 
-def check_startup(config: Config, run_dir: Path | None) -> None:
-    """The checks before a job writes anything, also made before Hydra starts it (asyncrl/cli.py): the model
-    directory, the server's port, and the resume (or a fresh ``run_dir``; None: a sweep's, not yet numbered)."""
+def check_startup(config: Config, job_dirs: list[Path]) -> None:
+    """The checks before a job writes anything, also made before Hydra starts it (asyncrl/cli.py): the resume, or
+    ``job_dirs`` hold no earlier run; the model directory; the server's port."""
     from asyncrl.trainer.setup import check_model_path
 
-    if run_dir is not None:
-        _check_resume(config, run_dir)
+    for job_dir in job_dirs:
+        _check_resume(config, job_dir)
     check_model_path(config)
     check_port(config)
 

@@ -46,6 +46,16 @@ def test_a_sweep_value_that_cannot_compose_fails_in_one_line_before_any_job(tmp_
     assert not sweep.exists()
 
 
+def test_a_sweep_into_a_sweep_that_trained_is_refused_before_hydra_writes_there(tmp_path):
+    sweep = tmp_path / "sweep"
+    (sweep / "1").mkdir(parents=True)
+    (sweep / "1" / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.relative_to(sweep) for p in sweep.rglob("*"))
+    result = runner.invoke(app, ["train", "-m", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}"])
+    assert result.exit_code == 2 and f"{sweep / '1'} already holds a run" in result.output
+    assert sorted(p.relative_to(sweep) for p in sweep.rglob("*")) == before  # no multirun.yaml, no job 0
+
+
 def test_train_cfg_job_prints_and_exits_without_training(invoke, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke(["train", "--cfg", "job", "trainer.max_steps=7"])
