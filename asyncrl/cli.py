@@ -10,14 +10,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from asyncrl import __version__
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
 
+
+class _UntypedFlags:
+    """Help that shows no type beside a flag (``--help <bool>``): a flag takes no value."""
+
+    def get_params(self, ctx):  # type: ignore[no-untyped-def]
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Group(_UntypedFlags, TyperGroup):
+    pass
+
+
+class _Command(_UntypedFlags, TyperCommand):
+    pass
+
+
 app = typer.Typer(
     name="asyncrl",
+    cls=_Group,
     help="Asynchronous GRPO: generation and training overlap, weights move to the server as training goes.",
     no_args_is_help=True,
     rich_markup_mode="rich",
@@ -25,6 +47,7 @@ app = typer.Typer(
 )
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+_OVERRIDES = "[OPTIONS] [OVERRIDES]..."
 
 
 def _version(value: bool) -> None:
@@ -40,7 +63,7 @@ def main(
     """asyncrl: asynchronous GRPO trainer for language models."""
 
 
-@app.command(context_settings=_EXTRA)
+@app.command(cls=_Command, context_settings=_EXTRA, options_metavar=_OVERRIDES)
 def train(
     ctx: typer.Context,
     multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: one job per combination of values."),
@@ -54,23 +77,30 @@ def train(
 
 
 def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
-    """Compose (each value of a sweep), validate, and check the run directory, before Hydra makes it: Hydra
-    reports these over many lines or as a traceback, and would create the run directory first."""
+    """Compose (each value of a sweep), validate, and make the job's startup checks, before Hydra makes the run
+    directory: Hydra reports these over many lines or as a traceback, and a refused run must leave no directory
+    behind nor change an earlier run's."""
     from omegaconf import open_dict
 
     from asyncrl.config.compose import compose
     from asyncrl.config.messages import check_run_dir
+    from asyncrl.launch import check_startup
     from asyncrl.plan.assemble import plan_run
 
-    notes = set()
+    jobs = []
     for variant in _sweep_variants(overrides) if multirun else [overrides]:
         composed = compose(variant, return_hydra_config=True)
         with open_dict(composed):
             hydra = composed.pop("hydra")
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-        check_run_dir(str(hydra.sweep.dir if multirun else hydra.run.dir), key)
+        run_dir = str(hydra.sweep.dir if multirun else hydra.run.dir)
+        check_run_dir(run_dir, key)
         if validate:
-            notes.add(_check_before_loading(plan_run(composed).config))
+            jobs.append((plan_run(composed).config, _job_dirs(Path(run_dir), multirun)))
+    notes = set()
+    for config, job_dirs in jobs:  # once every value is valid: these look at the machine and the directories
+        notes.add(_check_before_loading(config))
+        check_startup(config, job_dirs)
     for note in notes - {None}:
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
 
@@ -90,6 +120,14 @@ def _check_before_loading(config: Config) -> str | None:
     return check_hub_sources(config)
 
 
+def _job_dirs(run_dir: Path, multirun: bool) -> list[Path]:
+    """Where the jobs will train: the run directory, or a sweep's job directories already there (Hydra numbers
+    them 0, 1, ... as it starts the jobs: hydra.sweep.subdir)."""
+    if not multirun:
+        return [run_dir]
+    return sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name.isdigit()) if run_dir.is_dir() else []
+
+
 def _sweep_variants(overrides: list[str]) -> list[list[str]]:
     """Every sweep override (``key=a,b``, ``key=range(...)``) at its first value, then each other value of each
     sweep with the rest at their first: every value is checked once, not every combination."""
@@ -105,7 +143,7 @@ def _sweep_variants(overrides: list[str]) -> list[list[str]]:
     return variants
 
 
-@app.command(context_settings=_EXTRA)
+@app.command(cls=_Command, context_settings=_EXTRA, options_metavar=_OVERRIDES)
 def config(
     ctx: typer.Context,
     server_command: bool = typer.Option(
@@ -129,7 +167,7 @@ def config(
     typer.echo(to_yaml(composed), nl=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def recipes() -> None:
     """List the recipes selectable with +recipe=NAME."""
     from rich.console import Console
@@ -145,17 +183,20 @@ def recipes() -> None:
     Console().print(table)
 
 
-@app.command(context_settings=_EXTRA)
+@app.command(cls=_Command, context_settings=_EXTRA, options_metavar="[OPTIONS] [RUN_DIR] [OVERRIDES]...")
 def serve(ctx: typer.Context) -> None:
-    """Run the generation server alone in the foreground (same config groups as train)."""
+    """Run the generation server alone in the foreground. Arguments: a run directory (its final model, else its
+    newest checkpoint, with the run's overrides) or a model directory, if any, then Hydra overrides as for train:
+    [bold]asyncrl serve runs/2026-01-31_12-00-00 server.port=8001[/bold]"""
     from asyncrl.config.compose import compose
-    from asyncrl.launch import EXPECTED_ERRORS, serve_forever
+    from asyncrl.launch import EXPECTED_ERRORS, check_serve, serve_forever, serve_overrides
     from asyncrl.plan.assemble import plan_run
 
-    config = _checked(lambda: plan_run(compose(list(ctx.args))).config)
+    config = _checked(lambda: plan_run(compose(serve_overrides(list(ctx.args)))).config)
     note = _checked(lambda: _check_before_loading(config))
     if note:
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
+    _checked(lambda: check_serve(config))
     try:
         serve_forever(config)
     except EXPECTED_ERRORS as exc:
@@ -163,7 +204,7 @@ def serve(ctx: typer.Context) -> None:
         raise typer.Exit(1) from exc
 
 
-@app.command()
+@app.command(cls=_Command)
 def report(
     run_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="A run directory or a multirun sweep.")],
 ) -> None:
@@ -183,7 +224,7 @@ class ExportDtype(StrEnum):
     float32 = "float32"
 
 
-@app.command()
+@app.command(cls=_Command)
 def export(
     source: Annotated[Path, typer.Argument(help="Run dir (its model/, else newest checkpoint), checkpoint or model.")],
     out: Annotated[Path, typer.Argument(help="The directory to write the standalone model to.")],
@@ -215,13 +256,12 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from asyncrl.config.errors import ConfigError
     from asyncrl.config.messages import config_error_line
-    from asyncrl.data import DatasetError
+    from asyncrl.launch import CONFIG_ERRORS
 
     try:
         return build()
-    except (ConfigError, DatasetError, HydraException, OmegaConfBaseException) as exc:
+    except (*CONFIG_ERRORS, HydraException, OmegaConfBaseException) as exc:
         typer.secho(f"config error: {config_error_line(exc)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 

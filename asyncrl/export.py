@@ -27,6 +27,7 @@ from asyncrl.trainer.checkpoint import (
     list_checkpoints,
     processor_files,
     save_processor_files,
+    umask_mode,
 )
 from asyncrl.trainer.lora import ADAPTER_CONFIG, is_adapter_dir
 
@@ -162,6 +163,8 @@ def export(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
+        for weights in tmp.glob("*.safetensors"):
+            umask_mode(weights)
         tokenizer.save_pretrained(tmp)
         save_processor_files(vision_files(model_dir, base_path, model.config), tmp)
         _replace(tmp, out)

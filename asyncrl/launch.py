@@ -8,6 +8,7 @@ of every child process, starts the server under supervision and runs the trainer
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -17,7 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from omegaconf import DictConfig
 
@@ -65,6 +66,17 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 EXPECTED_ERRORS = _expected_errors()
 
 
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """The expected errors that a change of configuration or input fixes: exit code 2, like a bad override."""
+    from asyncrl.data import DatasetError
+    from asyncrl.trainer.checkpoint import ResumeError
+
+    return ConfigError, DatasetError, ResumeError
+
+
+CONFIG_ERRORS = _config_errors()
+
+
 def run_hydra(overrides: list[str], *, multirun: bool = False, cfg: str | None = None) -> None:
     import hydra
 
@@ -86,19 +98,17 @@ def _hydra_job(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from asyncrl.config.messages import config_error_line
-
     os.environ["ASYNCRL_STARTED_AT"] = str(time.time())  # trainer/loop.py's STARTED_ENV: perf/startup_* count from here
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         plan = plan_run(cfg)
     except ConfigError as exc:
-        print(f"config error: {config_error_line(exc)}", file=sys.stderr)
-        raise SystemExit(2) from exc
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the metrics
+        _refuse(exc, run_dir)
     config = plan.config
     try:
-        run_job(plan, run_dir)
+        run_job(plan, run_dir, cfg)
+    except CONFIG_ERRORS as exc:
+        _refuse(exc, run_dir)
     except EXPECTED_ERRORS as exc:
         details = getattr(exc, "details", "")
         log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
@@ -115,6 +125,16 @@ def _hydra_job(cfg: DictConfig) -> None:
         from asyncrl.report import write_report
 
         print(f"sweep report: {write_report(run_dir.parent)}", flush=True)  # updated as each job ends
+
+
+def _refuse(exc: BaseException, run_dir: Path) -> NoReturn:
+    """A configuration error in one line, exit code 2; the directory Hydra made for the job goes if still empty."""
+    from asyncrl.config.messages import config_error_line
+
+    print(f"config error: {config_error_line(exc)}", file=sys.stderr)
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()
+    raise SystemExit(2) from exc
 
 
 def log_to_file(message: str, exc: BaseException) -> None:
@@ -143,11 +163,7 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     metrics = run_dir / "metrics.jsonl"
     steps = [r["step"] for r in read_jsonl(metrics)] if metrics.is_file() else []
     done = f"interrupted ({exc.args[0] if exc.args else 'SIGINT'}) at step {steps[-1] if steps else 0}"
-    kept = [
-        o
-        for o in HydraConfig.get().overrides.task
-        if not o.lstrip("+~").startswith(("trainer.resume_from_checkpoint", "hydra.run.dir"))
-    ]
+    kept = other_overrides(list(HydraConfig.get().overrides.task), ("trainer.resume_from_checkpoint", "hydra.run.dir"))
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
         again = " ".join(shlex.quote(o) for o in kept)
@@ -159,23 +175,23 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     )
 
 
-def run_job(plan: RunPlan, run_dir: Path) -> None:
-    """One training job in ``run_dir`` as ``plan`` says: the server is stopped however the job ends."""
+def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
+    """One training job in ``run_dir`` as ``plan`` (composed from ``cfg``) says: the server is stopped however the
+    job ends."""
     config = plan.config
-    run_dir.mkdir(parents=True, exist_ok=True)
     if config.trainer.output_dir is None:
         config.trainer.output_dir = str(run_dir)
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
     log.info(dtype_line(config))
-    _check_resume(config, run_dir)  # before config.yaml: a refused run leaves the directory as it was
-    check_port(config)
+    check_startup(config, [run_dir])
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
         claim_server_access(config, run_dir)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
     terminate_on_sigterm()
     prepared = prepare(plan)  # data, picklability: fail before the server starts
+    write_provenance(config, cfg, run_dir)  # a run refused until here leaves the directory as it was
+    warn_cpu_oversubscribed(plan)
     with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if plan.world_size > 1:
             from asyncrl.trainer.launcher import run_ranks
@@ -205,6 +221,43 @@ def dtype_line(config: Config) -> str:
         f"dtypes: the trainer keeps {config.model.dtype} weights (model.dtype){mixed}; the {resolve_backend(config)} "
         f"server computes in {serving_dtype(config)} ({why}) and weight syncs send that"
     )
+
+
+def check_startup(config: Config, job_dirs: list[Path]) -> None:
+    """The checks before a job writes anything, also made before Hydra starts it (asyncrl/cli.py): the resume, or
+    ``job_dirs`` hold no earlier run; the model directory; the server's port."""
+    from asyncrl.trainer.setup import check_model_path
+
+    for job_dir in job_dirs:
+        _check_resume(config, job_dir)
+    check_model_path(config)
+    check_port(config)
+
+
+def write_provenance(config: Config, cfg: DictConfig, run_dir: Path) -> None:
+    """config.yaml (the resolved config every child process reads) and Hydra's .hydra/ (the composed config, Hydra's
+    own and the overrides), written once the job's checks passed (conf/config.yaml sets hydra.output_subdir=null)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    hydra = HydraConfig.get()
+    provenance = run_dir / ".hydra"
+    provenance.mkdir(parents=True, exist_ok=True)
+    (provenance / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (provenance / "hydra.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra})))
+    (provenance / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra.overrides.task))
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+
+
+def warn_cpu_oversubscribed(plan: RunPlan) -> None:
+    """One warning when a CPU run starts more trainer ranks than this machine has cores."""
+    import torch
+
+    from asyncrl.trainer.model import available_cores, oversubscribed_cores
+
+    warning = None if torch.cuda.is_available() else oversubscribed_cores(plan.ranks_per_node, available_cores())
+    if warning:
+        log.warning(warning)
 
 
 def check_port(config: Config) -> None:
@@ -336,11 +389,36 @@ def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGrou
     return ServerGroup(servers, wait)
 
 
-def serve_forever(config: Config) -> None:
-    """`asyncrl serve`: the server in the foreground until Ctrl-C."""
-    from asyncrl.client import TOKEN_ENV
-    from asyncrl.server.command import base_url
-    from asyncrl.server.handle import LaunchedServer
+def serve_overrides(args: list[str]) -> list[str]:
+    """`asyncrl serve`'s arguments as overrides. A first argument that is no override is a directory: a run's (its
+    final model, else its newest checkpoint, composed with the run's own overrides) or a model's."""
+    if not args or "=" in args[0] or args[0].startswith("~"):
+        return args
+    import yaml
+
+    from asyncrl.export import ExportError, resolve_source
+    from asyncrl.trainer.lora import is_adapter_dir
+
+    source = Path(args[0])
+    try:
+        model = resolve_source(source)
+    except ExportError as exc:
+        raise ConfigError(f"asyncrl serve {source}: {exc}") from exc
+    if is_adapter_dir(model):
+        raise ConfigError(f"{model} is a LoRA adapter: merge it with `asyncrl export {source} OUT`, then serve OUT")
+    recorded = source / ".hydra" / "overrides.yaml"
+    earlier = (yaml.safe_load(recorded.read_text()) or []) if recorded.is_file() else []
+    kept = other_overrides(earlier, ("hydra.", "trainer.resume_from_checkpoint", "trainer.output_dir"))
+    return [*kept, *args[1:], f"model.name_or_path={model}"]
+
+
+def other_overrides(overrides: list[str], keys: tuple[str, ...]) -> list[str]:
+    """``overrides`` less those that set, add or delete a key starting with one of ``keys``."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(keys)]
+
+
+def check_serve(config: Config) -> None:
+    """`asyncrl serve`'s configuration, before anything starts: one server, a model that loads, a free port."""
     from asyncrl.trainer.setup import check_model_path
 
     if config.server.replicas > 1:
@@ -350,6 +428,14 @@ def serve_forever(config: Config) -> None:
         )
     check_model_path(config)
     check_port(config)
+
+
+def serve_forever(config: Config) -> None:
+    """`asyncrl serve`: the server in the foreground until Ctrl-C."""
+    from asyncrl.client import TOKEN_ENV
+    from asyncrl.server.command import base_url, served_model_name
+    from asyncrl.server.handle import LaunchedServer
+
     run_dir = Path(config.trainer.output_dir or "runs/serve")
     command = launch_command(config, run_dir)
     print(shell_line(command.argv, command.env), flush=True)
@@ -357,7 +443,8 @@ def serve_forever(config: Config) -> None:
     log_path = run_dir / "logs" / "server.log"
     try:  # Ctrl-C during startup stops the server too (the context manager's exit runs either way)
         with LaunchedServer(command, base_url(config), log_path, config.server.timeout) as server:
-            print(f"serving {config.model.name_or_path} at {server.base_url} (log: {server.log_path})", flush=True)
+            served = f"{config.model.name_or_path} as {served_model_name(config)!r}"
+            print(f"serving {served} at {server.base_url} (log: {server.log_path})", flush=True)
             print(
                 f"attach with: export {TOKEN_ENV}={os.environ[TOKEN_ENV]}; asyncrl train server.launch=false "
                 f"server.base_url={server.base_url} server.weights_dir={config.server.weights_dir}",

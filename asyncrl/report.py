@@ -46,23 +46,34 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
 
 
-def _lines(ax: Axes, records: Records, names: tuple[str, ...], **style: Any) -> bool:
+def _lines(ax: Axes, records: Records, names: tuple[str, ...], gaps: bool = False, **style: Any) -> bool:
+    """A line per metric that has values; ``gaps``: broken at the steps without one (a window without dropped
+    groups has no reward_dropped: a line across it would show values nothing measured)."""
     drawn = False
     for name in names:
         x, y = series(records, name)
         if x:
+            if gaps:
+                x, y = _with_gaps(records, name)
             ax.plot(x, y, label=name, marker="." if len(x) < 40 else None, **style)
             drawn = True
     return drawn
 
 
-def _figure(ncols: int = 1) -> tuple[Figure, list[Axes]]:
-    """Axes in margins fixed in inches (room for tick labels of six digits, the axis labels, the title and a right
-    axis): a layout engine draws every figure twice, once to measure it, which was a third of a report's time."""
+def _with_gaps(records: Records, name: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of one metric at every step, NaN (no line drawn) where it is absent."""
+    values = [r.get(name) for r in records]
+    return [float(r["step"]) for r in records], [float(v) if _is_number(v) else math.nan for v in values]
+
+
+def _figure(ncols: int = 1, left: float = 0.85) -> tuple[Figure, list[Axes]]:
+    """Axes in margins fixed in inches (``left``: room for tick labels of six digits and the axis label; the
+    title and a right axis): a layout engine draws every figure twice, once to measure it, which was a third of a
+    report's time."""
     width, height = (6 * ncols if ncols > 1 else 8), 4
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
-    left, right, bottom, top, gap = 0.85, 0.75, 0.55, 0.35, 0.85  # inches
+    right, bottom, top, gap = 0.75, 0.55, 0.35, 0.85  # inches
     panel = (width - left - right - gap * (ncols - 1)) / ncols
     fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
                         wspace=gap / panel)  # fmt: skip
@@ -77,7 +88,7 @@ def _finish(ax: Axes, title: str, ylabel: str, xlabel: str = "optimizer step") -
 
 def plot_reward(records: Records) -> Figure | None:
     fig, (ax,) = _figure()
-    if not _lines(ax, records, ("reward", "reward_kept", "reward_dropped")):
+    if not _lines(ax, records, ("reward", "reward_kept", "reward_dropped"), gaps=True):
         return None
     _finish(ax, "Reward (`reward` includes dropped groups: follow it)", "reward")
     x, y = series(records, "frac_reward_zero_std")
@@ -172,7 +183,7 @@ def plot_timeline(timeline: dict[str, Any]) -> Figure | None:
     if not any(busy.values()):
         return None
     origin = min(start for merged in busy.values() for start, _ in merged)
-    fig, (ax,) = _figure()
+    fig, (ax,) = _figure(left=1.0)  # the rows' names as tick labels: "generation" is wider than six digits
     for row, (name, merged) in enumerate(busy.items()):
         ax.broken_barh([(s - origin, e - s) for s, e in merged], (row - 0.35, 0.7), color=f"C{row}", label=name)
     ax.set_yticks(range(len(busy)), list(busy))

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import Completion, GenerationClient, SamplingParams
+from asyncrl.server.command import served_name
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
 
@@ -64,7 +65,7 @@ def test_sets_from_the_generate_endpoint_reproduce_the_samplers_logprobs(server,
                             return_sampling_mask=True)  # fmt: skip
 
     async def sample() -> tuple[Completion, bool | None]:
-        async with GenerationClient(server.base_url, str(random_tiny_model_dir), timeout_s=60) as client:
+        async with GenerationClient(server.base_url, served_name(str(random_tiny_model_dir)), timeout_s=60) as client:
             return await client.sample(prompt, params), client.candidate_sets
 
     out, capable = asyncio.run(sample())

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from asyncrl import __version__
 from asyncrl.cli import app
+from asyncrl.server.process import free_port
 
 runner = CliRunner()
 without_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
@@ -49,6 +50,16 @@ def test_a_sweep_value_that_cannot_compose_fails_in_one_line_before_any_job(tmp_
     assert not sweep.exists()
 
 
+def test_a_sweep_into_a_sweep_that_trained_is_refused_before_hydra_writes_there(tmp_path):
+    sweep = tmp_path / "sweep"
+    (sweep / "1").mkdir(parents=True)
+    (sweep / "1" / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.relative_to(sweep) for p in sweep.rglob("*"))
+    result = runner.invoke(app, ["train", "-m", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}"])
+    assert result.exit_code == 2 and f"{sweep / '1'} already holds a run" in result.output
+    assert sorted(p.relative_to(sweep) for p in sweep.rglob("*")) == before  # no multirun.yaml, no job 0
+
+
 def test_train_cfg_job_prints_and_exits_without_training(invoke, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke(["train", "--cfg", "job", "trainer.max_steps=7"])
@@ -69,10 +80,10 @@ def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(invoke
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "solution": "2"}\n')
-    result = invoke(["train", f"data.path={data}", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert result.exit_code != 0
+    result = invoke(["train", f"data.path={data}", f"hydra.run.dir={tmp_path / 'run'}", f"server.port={free_port()}"])
+    assert result.exit_code == 2
     assert "has no 'prompt' column (columns: question, solution)" in result.output
-    assert not (tmp_path / "run" / "logs" / "server.log").exists()
+    assert not (tmp_path / "run").exists()  # the directory Hydra made for the job went with it
 
 
 def test_config_shows_the_server_command_without_running_it():
@@ -126,3 +137,10 @@ def test_train_on_vllm_without_vllm_fails_in_one_line_before_the_run_starts(invo
         "or serve with the built-in server (server=builtin)"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_help_says_what_each_command_takes_and_shows_no_type_for_a_flag():
+    for command in ([], ["train"], ["serve"], ["export"]):
+        assert "<bool>" not in runner.invoke(app, [*command, "--help"]).output
+    assert "serve [OPTIONS] [RUN_DIR] [OVERRIDES]..." in runner.invoke(app, ["serve", "--help"]).output
+    assert "train [OPTIONS] [OVERRIDES]..." in runner.invoke(app, ["train", "--help"]).output

@@ -11,10 +11,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
-from asyncrl.report import plot_evaluation, series, write_report
+from asyncrl.report import (
+    plot_evaluation,
+    plot_lengths,
+    plot_reward,
+    plot_staleness,
+    plot_step_time,
+    plot_throughput,
+    plot_timeline,
+    series,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN_PNGS = {"reward", "lengths", "throughput", "staleness_queue", "step_time", "timeline"}
@@ -156,3 +167,28 @@ def test_cli_report_on_a_dir_without_metrics_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2
     assert "no metrics.jsonl" in result.output
+
+
+def _run_figures(tmp_path: Path) -> dict[str, Figure]:
+    run = _write_run(tmp_path / "run")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    timeline = json.loads((run / "timeline.json").read_text())
+    plots = {"reward": plot_reward, "lengths": plot_lengths, "throughput": plot_throughput,
+             "staleness": plot_staleness, "step_time": plot_step_time}  # fmt: skip
+    return {name: plot(records) for name, plot in plots.items()} | {"timeline": plot_timeline(timeline)}
+
+
+def test_no_label_of_a_plot_is_cut_off(tmp_path):
+    for name, fig in _run_figures(tmp_path).items():
+        fig.canvas.draw()  # lays the axis labels out
+        for ax in fig.axes:
+            box = ax.get_tightbbox(fig.canvas.get_renderer())  # what the axes draw: ticks, labels, title
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height, name
+
+
+def test_reward_dropped_is_drawn_only_where_groups_were_dropped(tmp_path):
+    (ax, *_) = _run_figures(tmp_path)["reward"].axes
+    dropped = next(line for line in ax.get_lines() if line.get_label() == "reward_dropped")
+    steps, values = dropped.get_xdata(), dropped.get_ydata()
+    assert list(steps) == list(range(1, 13))  # every step: the odd ones, without dropped groups, break the line
+    assert [math.isnan(v) for v in values] == [step % 2 == 1 for step in steps]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -53,9 +55,24 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
     ``return_hydra_config`` the result keeps Hydra's own node (``hydra.run.dir``, ...)."""
     register_schema()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="asyncrl"):
-        return hydra_compose(
-            config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config
-        )
+        try:
+            return hydra_compose(
+                config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config
+            )
+        except MissingConfigException as exc:  # an option that does not exist: its message lists the real ones
+            group = conf_dir() / Path(exc.missing_cfg_file).parent
+            exc.options = [o for o in exc.options or [] if not is_preset(group / f"{o}.yaml", exc.options)]
+            raise
+
+
+def is_preset(option: Path, options: list[str]) -> bool:
+    """A group's option that is another option with other values (the embedded default's ``loss/tiny_arith``
+    extends ``clipped``, ``packing/tiny_arith`` sets ``name: tree``): no choice of its own to offer."""
+    data = yaml.safe_load(option.read_text()) if option.is_file() else None
+    if not isinstance(data, dict):
+        return False
+    extends = [entry for entry in data["defaults"] if entry in options] if "defaults" in data else []
+    return bool(extends) or ("name" in data and data["name"] != option.stem and data["name"] in options)
 
 
 def to_config(cfg: DictConfig) -> Config:

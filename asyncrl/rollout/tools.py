@@ -42,7 +42,8 @@ class ToolStats:
     """What one rollout's tool calls did, for the ``tools/*`` metrics."""
 
     calls: list[tuple[str, float, bool]] = field(default_factory=list)
-    """(tool name, latency in seconds, failed) per call, in execution order."""
+    """(tool name, latency in seconds, failed) per call, in execution order; a name that is no tool's is
+    ``<unknown>`` (one metric key for every misspelling the model emits), a call without one ``<malformed>``."""
     unknown_names: int = 0
     parallel: list[int] = field(default_factory=list)
     """Calls per assistant message that called tools."""
@@ -173,7 +174,8 @@ async def run_tool_calls(
     for call in calls:
         started = time.monotonic()
         content, failed = await _run_one(call, tools, pool, stats)
-        stats.calls.append((call.name or "<malformed>", time.monotonic() - started, failed))
+        name = call.name if call.name in tools else "<unknown>" if call.name else "<malformed>"
+        stats.calls.append((name, time.monotonic() - started, failed))
         results.append({"role": "tool", "name": call.name, "content": content})
     return results
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend
 from asyncrl.flow import FlowControl
@@ -82,7 +83,20 @@ def checkpoint_dtype(config: Config) -> str | None:
 
 
 def served_model_name(config: Config) -> str:
-    return config.model.name_or_path
+    """The name clients send as ``model``: see ``served_name``."""
+    return served_name(config.model.name_or_path)
+
+
+def served_name(name_or_path: str) -> str:
+    """A Hub id as it is; a local directory by its name, not its absolute path (which says where the files lie,
+    not what they are): a run's final model or checkpoint as ``RUN/model`` or ``RUN/step_N``."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        return name_or_path
+    path = path.resolve()
+    if path.parent.name == "checkpoints":
+        return f"{path.parent.parent.name}/{path.name}"
+    return f"{path.parent.name}/{path.name}" if path.name == "model" else path.name
 
 
 def builtin_command(config: Config, replica: int = 0) -> ServerCommand:

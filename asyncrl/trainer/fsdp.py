@@ -30,7 +30,7 @@ import torch
 
 from asyncrl.config.schema import Config
 from asyncrl.trainer import lora
-from asyncrl.trainer.checkpoint import SHARDED_DIR
+from asyncrl.trainer.checkpoint import SHARDED_DIR, save_safetensors
 from asyncrl.trainer.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -267,10 +267,8 @@ def save_weights(
     if adapter:
         lora.save_adapter(model, tensors, directory)
         return
-    from safetensors.torch import save_file
-
     tensors.update({name: _cast(buffer, dtype).contiguous().cpu() for name, buffer in _buffers(model)})
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, directory / "model.safetensors")
     model.config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)

@@ -177,8 +177,8 @@ def adapter_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> d
 
 def save_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """peft's adapter files (what ``save_pretrained`` writes) from the trainable ``tensors`` by parameter name."""
-    from safetensors.torch import save_file
+    from asyncrl.trainer.checkpoint import save_safetensors
 
     model.peft_config["default"].save_pretrained(str(directory))
     state = {name: t.contiguous() for name, t in adapter_state(model, tensors).items()}
-    save_file(state, str(directory / ADAPTER_FILE), metadata={"format": "pt"})
+    save_safetensors(state, directory / ADAPTER_FILE)

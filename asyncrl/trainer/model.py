@@ -37,6 +37,17 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def oversubscribed_cores(ranks: int, cores: int) -> str | None:
+    """Why ``ranks`` trainer ranks on ``cores`` CPU cores are slow, if there are more ranks: they take turns on the
+    cores, and each waits in every collective for the one that is not running."""
+    if ranks <= cores:
+        return None
+    return (
+        f"trainer.num_processes={ranks} is more than the {cores} CPU core(s) here: the ranks take turns on them and "
+        f"each step waits for the slowest; set trainer.num_processes to {cores} or fewer"
+    )
+
+
 def use_cpu_threads(config: Config, world: int) -> None:
     """Set this rank's torch threads when it trains on the CPU (see trainer_cpu_threads)."""
     if torch.cuda.is_available():
@@ -84,8 +95,8 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
         **source,
         **m.model_init_kwargs,
     }
-    model = auto_model_class(path, **source).from_pretrained(path, **kwargs)
-    model.config.use_cache = False
+    model = auto_model_class(path, **source).from_pretrained(path, **kwargs)  # its config as is: a saved model
+    # keeps the source's use_cache (the packed forward passes use_cache=False itself)
     freeze_non_text(model)
     if config.trainer.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.launch import EXPECTED_ERRORS, load_run_plan, terminate_on_sigterm
+from asyncrl.logs import console_handler
 from asyncrl.parent import exit_with_parent
 from asyncrl.plan.run_plan import RunPlan
 from asyncrl.server.group import ServerGroup
@@ -35,7 +36,7 @@ def main(run_dir: Path) -> int:
     exit_with_parent(agent, grace_s=ORPHAN_GRACE_S, message=f"trainer rank: its launcher (pid {agent}) is gone")
     ranks = Ranks.from_env()
     if ranks.rank == 0:  # its progress lines ("resumed from ...", checkpoints) reach the terminal as in one process
-        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        logging.basicConfig(level=logging.INFO, handlers=[console_handler()])  # libraries' records from WARNING
     try:
         check_world(plan, ranks)
         if ranks.rank == 0:

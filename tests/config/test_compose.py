@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra.errors import ConfigCompositionException, HydraException
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
 from omegaconf.errors import ValidationError
 
 from asyncrl.config import Config
@@ -109,3 +109,17 @@ def test_unknown_recipe_lists_available_ones():
     with pytest.raises((ConfigCompositionException, HydraException)) as info:
         compose(["+recipe=nope"])
     assert "deepmath" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("group", "choices"),
+    [
+        ("loss", ["cispo", "clipped", "gspo", "luspo", "sapo", "score_centering", "vespo"]),
+        ("packing", ["flat", "tree"]),  # packing/tiny_arith is tree with another budget
+        ("model", ["qwen3_4b", "qwen3_5_2b", "tiny_arith"]),  # a model of its own
+    ],
+)
+def test_a_missing_option_lists_the_groups_choices_not_their_presets(group, choices):
+    with pytest.raises(MissingConfigException) as error:
+        compose([f"{group}=nosuch"])
+    assert error.value.options == choices

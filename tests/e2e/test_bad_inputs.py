@@ -88,9 +88,19 @@ def broken(random_tiny_model_dir: Path, arithmetic_data_dir: Path, tmp_path_fact
         shutil.copytree(checkpoint.parents[1], root / name)
         damage(root / name / checkpoint.relative_to(checkpoint.parents[1]))
     (root / "run-empty").mkdir()
+    _finished_run(root / "run-done")
     (root / "torn").mkdir()
     (root / "torn" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n{"step": 3')
     return Broken(root, random_tiny_model_dir, arithmetic_data_dir / "train.jsonl")
+
+
+def _finished_run(run_dir: Path) -> None:
+    """A run directory as a finished run leaves it: its metrics, its final model and its provenance."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("trainer:\n  max_steps: 2\n")
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- trainer.max_steps=2\n")
+    (run_dir / "launch.log").write_text("[2026-01-31 12:00:00,000][asyncrl][INFO] - step 2\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
 
 
 def _pickle_rng_state(checkpoint: Path) -> None:
@@ -117,11 +127,12 @@ def _base(b: Broken, run_dir: Path) -> list[str]:
             f"server.port={free_port()}", f"hydra.run.dir={run_dir}"]  # fmt: skip
 
 
-# (overrides relative to the broken inputs, the run directory, exit code, the text the one line must hold)
+# (overrides relative to the broken inputs, the run directory, exit code, the text the one line must hold): every
+# bad input is a configuration error, exit code 2, and leaves the run directory as it was (none if there was none)
 TRAIN_CASES = {
-    "missing model path": (["model.name_or_path={root}/no-such-model"], "{tmp}/run", 1,
+    "missing model path": (["model.name_or_path={root}/no-such-model"], "{tmp}/run", 2,
                            "model.name_or_path={root}/no-such-model: no such directory"),
-    "truncated model.safetensors": (["model.name_or_path={root}/truncated-model"], "{tmp}/run", 1,
+    "truncated model.safetensors": (["model.name_or_path={root}/truncated-model"], "{tmp}/run", 2,
                                     "truncated-model/model.safetensors is damaged"),
     "model.dtype=bf16": (["model.dtype=bf16"], "{tmp}/run", 2,
                          "model.dtype: Invalid value 'bf16', expected one of [auto, float32, bfloat16, float16]"),
@@ -138,25 +149,26 @@ TRAIN_CASES = {
                           "directory"),
     "Hub dataset offline": (["data.path=nobody/no-such-prompts"], "{tmp}/run", 2,
                             "data.path=nobody/no-such-prompts: not on this machine"),
-    "tokenizer without chat template": (["model.name_or_path={root}/no-template-model"], "{tmp}/run", 1,
+    "tokenizer without chat template": (["model.name_or_path={root}/no-template-model"], "{tmp}/run", 2,
                                         "its tokenizer has no chat template"),
-    "empty data file": (["data.path={root}/empty.jsonl"], "{tmp}/run", 1,
+    "empty data file": (["data.path={root}/empty.jsonl"], "{tmp}/run", 2,
                         "data.path={root}/empty.jsonl: the file is empty"),
-    "corrupt JSONL line": (["data.path={root}/corrupt.jsonl"], "{tmp}/run", 1,
+    "corrupt JSONL line": (["data.path={root}/corrupt.jsonl"], "{tmp}/run", 2,
                            "{root}/corrupt.jsonl:7: not valid JSON"),
     "hydra.run.dir under a file": ([], "{root}/a-file/run", 2,
                                    "hydra.run.dir={root}/a-file/run: {root}/a-file is a file, not a directory"),
-    "resume latest without checkpoint": (["trainer.resume_from_checkpoint=latest"], "{root}/run-empty", 1,
+    "resume latest without checkpoint": (["trainer.resume_from_checkpoint=latest"], "{root}/run-empty", 2,
                                          "trainer.resume_from_checkpoint=latest: no checkpoint in"),
-    "resume from a missing path": (["trainer.resume_from_checkpoint={root}/nowhere"], "{tmp}/run", 1,
+    "resume from a missing path": (["trainer.resume_from_checkpoint={root}/nowhere"], "{tmp}/run", 2,
                                    "trainer.resume_from_checkpoint={root}/nowhere: no such directory"),
-    "resume with corrupt trainer_state.json": (["trainer.resume_from_checkpoint=latest"], "{root}/run-bad-state", 1,
+    "resume with corrupt trainer_state.json": (["trainer.resume_from_checkpoint=latest"], "{root}/run-bad-state", 2,
                                                "step_000002/trainer_state.json is not valid JSON"),
-    "resume with truncated weights": (["trainer.resume_from_checkpoint=latest"], "{root}/run-truncated", 1,
+    "resume with truncated weights": (["trainer.resume_from_checkpoint=latest"], "{root}/run-truncated", 2,
                                       "step_000002/model.safetensors is damaged"),
-    "resume without optimizer.pt": (["trainer.resume_from_checkpoint=latest"], "{root}/run-no-optimizer", 1,
+    "resume without optimizer.pt": (["trainer.resume_from_checkpoint=latest"], "{root}/run-no-optimizer", 2,
                                     "step_000002/optimizer.pt is missing"),
-    "resume from a pickled rng_state.pt": (["trainer.resume_from_checkpoint=latest"], "{root}/run-pickled-rng", 1,
+    "a finished run's directory": ([], "{root}/run-done", 2, "{root}/run-done already holds a run"),
+    "resume from a pickled rng_state.pt": (["trainer.resume_from_checkpoint=latest"], "{root}/run-pickled-rng", 2,
                                            "rng_state.pt holds Python objects that only a code-running load can "
                                            "restore (numpy"),
 }  # fmt: skip
@@ -167,15 +179,13 @@ def test_train_bad_input_is_one_line(case: str, broken: Broken, invoke, tmp_path
     overrides, run_dir, code, expected = TRAIN_CASES[case]
     fill = {"root": broken.root, "tmp": tmp_path}
     run_dir = Path(run_dir.format(**fill))
-    before = _snapshot(run_dir)
+    before, existed = _snapshot(run_dir), run_dir.exists()
     result = invoke(["train", *_base(broken, run_dir), *(o.format(**fill) for o in overrides)])
     lines = _message_lines(result.output)
     assert result.exit_code == code, result.output
     assert len(lines) == 1 and expected.format(**fill) in lines[0], result.output
     assert "Traceback" not in result.output
-    after = _snapshot(run_dir)
-    assert {k: v for k, v in after.items() if k in before} == before  # nothing that was there changed
-    assert not (run_dir / "checkpoints").exists() or sorted(before) == sorted(k for k in after if k in before)
+    assert _snapshot(run_dir) == before and run_dir.exists() == existed, result.output
 
 
 def test_serve_on_a_busy_port_or_a_missing_model(broken: Broken, invoke, tmp_path: Path) -> None:
@@ -185,16 +195,21 @@ def test_serve_on_a_busy_port_or_a_missing_model(broken: Broken, invoke, tmp_pat
         port = busy.getsockname()[1]
         result = invoke(["serve", f"model.name_or_path={broken.model}", f"server.port={port}",
                          f"trainer.output_dir={tmp_path}"])  # fmt: skip
-    assert result.exit_code == 1 and _message_lines(result.output) == [
-        f"error (ConfigError): server.port={port}: 127.0.0.1:{port} is already in use (another server?); choose a "
+    assert result.exit_code == 2 and _message_lines(result.output) == [
+        f"config error: server.port={port}: 127.0.0.1:{port} is already in use (another server?); choose a "
         "free one with server.port=N, or attach to it with server.launch=false"
     ]
     result = invoke(["serve", f"model.name_or_path={broken.root}/no-such-model", f"trainer.output_dir={tmp_path}"])
-    assert result.exit_code == 1 and len(_message_lines(result.output)) == 1
+    assert result.exit_code == 2 and len(_message_lines(result.output)) == 1
     assert f"model.name_or_path={broken.root}/no-such-model: no such directory" in result.output
+    result = invoke(["serve", str(broken.root / "run-empty")])
+    assert result.exit_code == 2 and _message_lines(result.output) == [
+        f"config error: asyncrl serve {broken.root}/run-empty: {broken.root}/run-empty: no model to export: no "
+        "adapter_config.json, no config.json with model.safetensors, no model/ and no checkpoints/step_* inside"
+    ]
     result = invoke(["serve", f"model.name_or_path={broken.model}", "server.replicas=2"])
-    assert result.exit_code == 1 and _message_lines(result.output) == [
-        "error (ConfigError): server.replicas=2: asyncrl serve runs one server; start one per port (server.port=P) "
+    assert result.exit_code == 2 and _message_lines(result.output) == [
+        "config error: server.replicas=2: asyncrl serve runs one server; start one per port (server.port=P) "
         "and attach the run to them with server.launch=false server.base_urls=[...]"
     ]
 

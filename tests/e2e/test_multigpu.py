@@ -41,6 +41,7 @@ def test_two_ranks_train_sync_checkpoint_and_stop(random_tiny_model_dir, arithme
         assert wait_no_marked(run.marker) == []
     finally:
         kill_marked(run.marker)
+    assert "HTTP Request" not in run.output  # rank 0's console: libraries' INFO records stay off it
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in steps] == [1, 2]
     assert all(row["perf/weight_sync_s"] > 0 and row["model_version"] == row["step"] for row in steps)

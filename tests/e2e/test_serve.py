@@ -1,5 +1,6 @@
-"""`asyncrl serve`: the server answers vLLM's completion API, its state-changing routes need the token it
-prints, and no process outlives the CLI, whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
+"""`asyncrl serve RUN_DIR`: the server answers vLLM's completion API with the run's final model under a short name
+and the run's overrides, its state-changing routes need the token it prints, and no process outlives the CLI,
+whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ def wait_healthy(url: str, proc, timeout_s: float = 120) -> None:
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
 def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_path, stop_signal, server_token):
     port = free_port()
-    proc, marker = start_cli(["serve", f"model.name_or_path={random_tiny_model_dir}", f"server.port={port}",
-                              f"trainer.output_dir={tmp_path}"])  # fmt: skip
+    run = tmp_path / "run-a"
+    shutil.copytree(random_tiny_model_dir, run / "model")
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "overrides.yaml").write_text(f"- server.max_num_seqs=3\n- hydra.run.dir={run}\n")
+    proc, marker = start_cli(["serve", str(run), f"server.port={port}", f"trainer.output_dir={tmp_path}"])
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
-        body = {"model": str(random_tiny_model_dir), "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0,
+        body = {"model": "run-a/model", "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0,
                 "logprobs": 2, "seed": 1, "return_token_ids": True}  # fmt: skip
         choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
         tokens = choice["token_ids"]
@@ -57,6 +61,7 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
             log = (tmp_path / "logs" / "server.log").read_text(errors="replace")[-3000:]
             pytest.fail(f"the CLI outlived {stop_signal.name} by 60 s; its output:\n{proc.stdout.read()}\nlog:\n{log}")
         output = proc.stdout.read()
+        assert f"serving {run}/model as 'run-a/model'" in output and "--max-num-seqs 3" in output, output
         attach = re.search(r"export ASYNCRL_SERVER_TOKEN=(\S+); asyncrl train .* server.weights_dir=(\S+)", output)
         assert attach is not None and attach[1] == server_token, output
         if stop_signal == signal.SIGINT:

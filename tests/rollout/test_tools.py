@@ -85,14 +85,16 @@ def test_failures_become_tool_messages_and_count():
                                 '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
                                 '<tool_call>{"name": "add", "arguments": {"c": 1}}</tool_call>'
                                 '<tool_call>{"name": "boom", "arguments": {}}</tool_call>'
-                                '<tool_call>{"name": "async_add", "arguments": {"a": 2, "b": 2}}</tool_call>',
+                                '<tool_call>{"name": "async_add", "arguments": {"a": 2, "b": 2}}</tool_call>'
+                                '<tool_call>{"name": "ad", "arguments": {"a": 1, "b": 2}}</tool_call>',
                                 "hermes")  # fmt: skip
     stats = ToolStats()
     tools = {"add": add, "boom": boom, "async_add": async_add}
     results = asyncio.run(run_tool_calls(calls, tools, None, stats))
-    assert [r["content"][:6] for r in results] == ["3", "Error:", "Error:", "Error:", "4"]
-    assert "kaput" in results[3]["content"] and stats.unknown_names == 1 and stats.failures == 3
-    assert stats.parallel == [5] and [name for name, _, _ in stats.calls][0] == "add"
+    assert [r["content"][:6] for r in results] == ["3", "Error:", "Error:", "Error:", "4", "Error:"]
+    assert "kaput" in results[3]["content"] and stats.unknown_names == 2 and stats.failures == 4
+    assert stats.parallel == [6]
+    assert [name for name, _, _ in stats.calls] == ["add", "<unknown>", "add", "boom", "async_add", "<unknown>"]
 
 
 def test_slow_sync_tools_do_not_stall_other_rollouts():

@@ -41,8 +41,8 @@ def complete_all(server: ServerProcess) -> list[tuple[list[int], list[float]]]:
 
 
 def served_name(server: ServerProcess) -> str:
-    """The model directory: the server serves it under its --model path."""
-    return server.argv[server.argv.index("--model") + 1]
+    """The name the server serves its model under (--served-model-name)."""
+    return server.argv[server.argv.index("--served-model-name") + 1]
 
 
 def forward_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from asyncrl.config.schema import Config
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss, StepNorm
 from asyncrl.packing import TreeRow, plan_micro_batches
+from asyncrl.server.command import served_model_name
 from asyncrl.server.process import free_port
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
@@ -227,7 +228,7 @@ def test_two_ranks_make_the_single_process_update(two_ranks, reference):
 def test_the_server_holds_the_gathered_weights(two_ranks, reference, tiny_server, fresh_server):
     config, _, _ = two_ranks
     try:
-        assert served_vs_local(tiny_server.base_url, reference, config.model.name_or_path) < 1e-4
+        assert served_vs_local(tiny_server.base_url, reference, served_model_name(config)) < 1e-4
     finally:
         fresh_server()
 

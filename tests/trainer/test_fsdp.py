@@ -98,3 +98,21 @@ def test_a_world_of_one_gathers_every_parameter_as_it_is(random_tiny_model_dir, 
     view.done()
     assert list(gathered) == list(expected)
     assert all(gathered[n].dtype == torch.bfloat16 and torch.equal(gathered[n], expected[n]) for n in expected)
+
+
+def test_a_saved_model_keeps_its_use_cache_and_the_mode_of_other_files(random_tiny_model_dir, one_rank, tmp_path):
+    """The final model/ (and a checkpoint's weights) load for generation as the source did, and under the umask."""
+    import json
+
+    from sharded import sharded
+
+    from asyncrl.config.compose import compose, to_config
+    from asyncrl.trainer.fsdp import save_weights
+    from asyncrl.trainer.model import load_model
+
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))
+    model, optimizer, _ = sharded(config, load_model(config, config.model.name_or_path))
+    save_weights(tmp_path, model, optimizer, one_rank, None, resumable=False)
+    assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True  # the tiny model's own
+    modes = {path.name: path.stat().st_mode & 0o777 for path in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes

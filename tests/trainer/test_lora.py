@@ -18,6 +18,7 @@ from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
 from asyncrl.server.checks import ServerCheckError
+from asyncrl.server.command import served_name
 from asyncrl.server.process import ServerProcess, free_port
 from asyncrl.trainer import lora
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint
@@ -122,7 +123,7 @@ def server(tiny_server):
 
 @pytest.mark.parametrize("sync", ["merged", "auto"])
 def test_merged_sync_makes_the_server_match_the_trainer(server, peft_model, random_tiny_model_dir, tmp_path, sync):
-    name = str(random_tiny_model_dir)
+    name = served_name(str(random_tiny_model_dir))
     config = lora_config(random_tiny_model_dir, f"lora.sync={sync}")
     with ControlClient(server.base_url, timeout_s=60) as control:
         sync_ = WeightSync(control, FileTransport.from_config(config=config, run_dir=tmp_path))
@@ -173,8 +174,8 @@ def lora_server(random_tiny_model_dir: Path, weights_root: Path, tmp_path_factor
     """The built-in server with runtime LoRA, as asyncrl launches it for lora.sync=adapter and max_staleness=1."""
     port = free_port()
     argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
-            "--device", "cpu", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3",
-            "--weights-dir", str(weights_root)]  # fmt: skip
+            "--served-model-name", served_name(str(random_tiny_model_dir)), "--device", "cpu", "--enable-lora",
+            "--max-lora-rank", "8", "--max-loras", "3", "--weights-dir", str(weights_root)]  # fmt: skip
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},
                        startup_timeout_s=120) as process:  # fmt: skip
@@ -209,12 +210,12 @@ def test_adapter_sync_makes_the_server_match_the_trainer_under_the_new_name(
         sync.init(peft_model)
         metrics = sync.push(peft_model, 1)
         served = served_vs_local(lora_server.base_url, peft_model, sync.name(1))
-        base = served_vs_local(lora_server.base_url, peft_model, str(random_tiny_model_dir))
+        base = served_vs_local(lora_server.base_url, peft_model, served_name(str(random_tiny_model_dir)))
         files = sorted(p.name for p in sync.path(1).iterdir())
         sync.close()
-        assert [card["id"] for card in control.models()] == [str(random_tiny_model_dir)]
+        assert [card["id"] for card in control.models()] == [served_name(str(random_tiny_model_dir))]
     assert served <= 1e-4 and base > 1e-2, (served, base)
-    assert sync.name(1) == f"{sync.adapter_prefix}-v1" and sync.name(0) == str(random_tiny_model_dir)
+    assert sync.name(1) == f"{sync.adapter_prefix}-v1" and sync.name(0) == served_name(str(random_tiny_model_dir))
     assert files == ["adapter_config.json", "adapter_model.safetensors"]
     full = (random_tiny_model_dir / "model.safetensors").stat().st_size
     assert 0 < metrics["perf/weight_sync_bytes"] < full / 10 and metrics["perf/weight_sync_s"] > 0
@@ -274,5 +275,5 @@ def test_a_refused_load_fails_the_sync_naming_the_step(lora_server, peft_model, 
                 sync.push(peft_model, 4)
         finally:
             sync.close()
-        assert [card["id"] for card in control.models()] == [str(random_tiny_model_dir)]
+        assert [card["id"] for card in control.models()] == [served_name(str(random_tiny_model_dir))]
     assert not (tmp_path / ".vllm_lora").exists()

@@ -1,8 +1,11 @@
-"""The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves. A
+"""The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves, and more ranks
+than cores is one warning. A
 vision-language checkpoint loads whole and trains its text model only: the tower gets no gradient and no
 optimizer state."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -12,11 +15,20 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.assets.model_families import build_model, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config.compose import compose, to_config
+from asyncrl.launch import warn_cpu_oversubscribed
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow
 from asyncrl.trainer.checkpoint import source_processor_files
 from asyncrl.trainer.forward import packed_forward
-from asyncrl.trainer.model import build_optimizer, freeze_non_text, load_model, trainer_cpu_threads, use_cpu_threads
+from asyncrl.trainer.model import (
+    available_cores,
+    build_optimizer,
+    freeze_non_text,
+    load_model,
+    oversubscribed_cores,
+    trainer_cpu_threads,
+    use_cpu_threads,
+)
 from asyncrl.trainer.setup import load_tokenizer
 
 
@@ -35,6 +47,19 @@ from asyncrl.trainer.setup import load_tokenizer
 )
 def test_the_trainer_takes_the_cores_the_server_leaves(overrides, world, cores, threads):
     assert trainer_cpu_threads(to_config(compose(overrides)), world, cores) == threads
+
+
+def test_more_ranks_than_cores_is_one_warning(caplog):
+    assert oversubscribed_cores(2, 2) is None
+    assert oversubscribed_cores(3, 2) == (
+        "trainer.num_processes=3 is more than the 2 CPU core(s) here: the ranks take turns on them and each step "
+        "waits for the slowest; set trainer.num_processes to 2 or fewer"
+    )
+    too_many = available_cores() + 1
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        warn_cpu_oversubscribed(to_config(compose([f"trainer.num_processes={too_many}"])))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ([] if torch.cuda.is_available() else [oversubscribed_cores(too_many, available_cores())])
 
 
 def test_the_threads_are_set_on_a_cpu_machine():

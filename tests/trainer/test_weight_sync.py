@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.server.checks import ServerFacts
+from asyncrl.server.command import served_name
 from asyncrl.server.vllm import WORKER_EXTENSION
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
 from asyncrl.trainer.fsdp import GatheredModel
@@ -79,7 +80,7 @@ def served_vs_local(base_url: str, model: torch.nn.Module, name: str) -> float:
 
 
 def test_a_round_moves_the_weights_and_reports_its_parts(server, model, random_tiny_model_dir, tmp_path):
-    name = str(random_tiny_model_dir)
+    name = served_name(str(random_tiny_model_dir))
     perturb(model, seed=1)
     with ControlClient(server.base_url, timeout_s=60) as control:
         sync = WeightSync(control, FileTransport(tmp_path))

@@ -29,7 +29,7 @@ from asyncrl.client import Control, policy_model
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.flow import FlowControl
-from asyncrl.server.command import serving_dtype
+from asyncrl.server.command import served_model_name, serving_dtype
 from asyncrl.trainer import lora
 from asyncrl.trainer.fsdp import whole_tensors
 from asyncrl.trainer.sync.base import WeightSyncError, run_step
@@ -64,7 +64,7 @@ class AdapterSync:
 
     def __init__(self, control: Control, config: Config, output_dir: Path, facts: Any = None) -> None:
         self.control, self.facts = control, facts
-        self.base_name = config.model.name_or_path
+        self.base_name = served_model_name(config)
         self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers
         self.root = output_dir / CACHE_DIR
         self.dtype = torch_dtype(serving_dtype(config))
