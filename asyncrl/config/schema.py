@@ -132,8 +132,9 @@ class ServerConfig:
     timeout: float = 1800.0
     """Seconds for server readiness, each generation request and each weight-sync call."""
     max_model_len: int | None = None
-    """Built-in default: the model's max_position_embeddings. vLLM default: the longest prompt (data.max_prompt_length,
-    else measured on the data) + sampling.max_completion_length; set it for multi-turn rollouts."""
+    """Built-in default: the model's max_position_embeddings. vLLM default: the same for multi-turn rollouts (tools or
+    environments); else the longest prompt (data.max_prompt_length, else measured on the data) +
+    sampling.max_completion_length."""
     dtype: ModelDtype | None = None
     """Serving dtype (weight syncs send it). None: 16 bits for a server on a GPU (bfloat16; float16 for a float16
     checkpoint), model.dtype on the CPU."""

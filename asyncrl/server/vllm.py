@@ -425,11 +425,30 @@ def _rendered_length(tokenizer: object, messages: list[dict[str, str]], config: 
 
 
 def required_model_len(config: Config, prompt_tokens: int | None = None) -> int:
-    """server.max_model_len, else the longest prompt plus one turn's completion budget."""
+    """server.max_model_len; else for multi-turn rollouts (tools or environments), whose later turns carry the
+    earlier ones and the tools' answers, the model's context (max_position_embeddings, as the built-in server takes);
+    else the longest prompt plus one turn's completion budget."""
     if config.server.max_model_len is not None:
         return config.server.max_model_len
+    context = model_context(config) if config.rollout.tools or config.rollout.environment_factory else None
+    if context is not None:
+        return context
     prompt = longest_prompt_tokens(config) if prompt_tokens is None else prompt_tokens
     return prompt + config.sampling.max_completion_length
+
+
+def model_context(config: Config) -> int | None:
+    """The checkpoint's max_position_embeddings from its config.json here (a vision-language one's text model's),
+    None when this machine does not have it."""
+    from asyncrl.model_kind import local_config_json
+
+    found = local_config_json(config.model.name_or_path, config.model.revision)
+    if found is None:
+        return None
+    for section in (found, found.get("text_config") or {}):
+        if isinstance(section.get("max_position_embeddings"), int):
+            return int(section["max_position_embeddings"])
+    return None
 
 
 def vllm_command(

@@ -446,3 +446,15 @@ def test_a_float32_server_of_a_gated_deltanet_model_is_refused_before_launch():
         command(["server.dtype=float32"], checkpoint=CheckpointKind(gated_deltanet=True))
     argv = command(["server.dtype=float32"]).argv  # an attention-only model may serve in float32 when asked
     assert argv[argv.index("--dtype") + 1] == "float32"
+
+
+def test_a_multi_turn_run_gets_the_models_whole_context():
+    """The counter agent's later turns carry the earlier ones and the tool's answers: one turn's budget over the
+    longest prompt (56 tokens) truncated every rollout to reward 0 on an H200."""
+    agent = to_config(compose(["+recipe=counter_agent", "server=vllm"]))
+    assert required_model_len(agent, prompt_tokens=24) == 256  # tiny-counter's max_position_embeddings
+    assert (
+        required_model_len(to_config(compose(["+recipe=counter_agent", "server=vllm", "server.max_model_len=99"])))
+        == 99
+    )
+    assert required_model_len(to_config(compose(["server=vllm"])), prompt_tokens=24) == 24 + 24  # one turn
