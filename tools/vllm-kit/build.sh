@@ -34,13 +34,15 @@ echo "vllm $version, torch $torch, torchvision $vision, triton $triton, nccl $nc
 for whl in "$w"/wheels/*.whl; do unzip -q -o "$whl" -d "$w/site"; done  # unzip keeps the executables' modes
 
 # Not needed to serve on Hopper: FA2 (vLLM uses FA3 there), Blackwell sources, other Pythons' builds, the
-# opt-in Rust frontend (VLLM_USE_RUST_FRONTEND); C++ headers and CMake files (no extension is compiled there);
+# opt-in Rust frontend (VLLM_USE_RUST_FRONTEND); torch's CMake files (no extension is compiled there);
 # Triton's profiler libraries, Blackwell ptxas and test plugins; NCCL's headers; static libraries; debug
 # sections and static symbol tables (237 + 44 MB of libtriton.so; the dynamic symbols stay); and GPU code
 # for other architectures than sm_90 (keep_arch.py).
 s=$w/site
 rm -f "$s"/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$s"/vllm/vllm-rs
-rm -rf "$s"/vllm/third_party/fmha_sm100 "$s"/torch/include "$s"/torch/share "$s"/nvidia/nccl/include
+# torch/include stays: Inductor compiles its CPU kernels against it (a CPU scalar in a compiled graph, as under
+# LoRA, failed with "torch/csrc/inductor/cpp_prefix.h: No such file or directory" on the H200 without it).
+rm -rf "$s"/vllm/third_party/fmha_sm100 "$s"/torch/share "$s"/nvidia/nccl/include
 find "$s"/vllm -name '*.cpython-31[0134]-*.so' -delete
 rm -rf "$s"/triton/backends/nvidia/lib/cupti "$s"/triton/instrumentation "$s"/triton/FileCheck
 rm -f "$s"/triton/backends/nvidia/bin/ptxas-blackwell "$s"/triton/plugins/*TestLib*
