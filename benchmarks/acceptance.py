@@ -12,9 +12,11 @@ embedded default saves every 30 steps: a 10-step run has nothing to resume from 
 
 On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then each call starts with
 ``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --rows ... --out $OUT
---work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints while the machine stays warm). Cheap rows first, a few
-per 10-minute call: ``builtin,default,lora`` | ``lora-merged,export,counter-agent`` | ``sigint,sweep`` |
-``deepmath`` | ``deepmath-4b`` (the 2B and 4B shapes are built into --work on the GPU first, ~1 min each).
+--work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints while the machine stays warm). Cheap rows first, each
+vLLM launch ~1-2 min: ``builtin,default,lora`` | ``lora-merged,counter-agent`` | ``export`` (train, export, serve) |
+``sigint`` (two launches) | ``sweep`` (two) | ``deepmath`` | ``deepmath-4b``. A recipe row first builds its shape into
+--work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished build): give it
+``--row-timeout 480`` so that build and row fit one call.
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora``
 (adapter sync), ``lora-merged``, ``counter-agent``, ``sweep`` (a two-job ``-m``), ``sigint`` (SIGINT to the run's
@@ -551,7 +553,7 @@ def failure_log(result: Result, row_dir: Path) -> str:
     files = sorted(row_dir.glob("*.err")) + sorted(row_dir.glob("*.out")) + [r / "launch.log" for r in result.runs]
     for path in files:
         if path.is_file():
-            tail = path.read_text(errors="replace").splitlines()[-40:]
+            tail = [line[-300:] for line in path.read_text(errors="replace").splitlines()[-40:]]
             parts.append(f"--- {path.relative_to(row_dir)} (last {len(tail)} lines)\n" + "\n".join(tail) + "\n")
     return "".join(parts)
 
