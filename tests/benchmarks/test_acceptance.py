@@ -4,6 +4,7 @@ resume command read from Ctrl-C's output, the failure rules and the row selectio
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,3 +86,22 @@ def test_rows_are_selected_by_name_in_the_given_order(acceptance: ModuleType) ->
     assert [r.name for r in acceptance.select("sweep,builtin")] == ["sweep", "builtin"]
     with pytest.raises(SystemExit, match="no row nope; the rows are builtin,default,"):
         acceptance.select("builtin,nope")
+
+
+def test_vllm_memory_sums_the_rows_other_processes_else_total_minus_trainer(
+    acceptance: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    smi = tmp_path / "nvidia-smi"  # this machine has none: one that answers as the H200's does
+    smi.write_text(
+        '#!/bin/sh\ncase "$1" in --query-compute-apps*) printf "$APPS";; --query-gpu=memory.used) echo 61440;; esac\n'
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("APPS", "100, 30000\\n101, 40960\\n102, 1024\\n999, 7\\n")
+    ours = acceptance.GpuMemory()
+    ours.sample(tree={100, 101, 102}, trainer=100)
+    assert ours.server_gib(trainer_peak_gib=25.0) == "41.0"  # 40960 + 1024 MiB: not the trainer's, not pid 999's
+    monkeypatch.setenv("APPS", "5001, 30000\\n5002, 40960\\n")  # another pid namespace's
+    other = acceptance.GpuMemory()
+    other.sample(tree={100, 101}, trainer=100)
+    assert other.server_gib(trainer_peak_gib=25.0) == "35.0t" and other.server_gib(trainer_peak_gib=None) == "-"
