@@ -13,16 +13,18 @@ embedded default saves every 30 steps: a 10-step run has nothing to resume from 
 On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then each call starts with
 ``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --rows ... --out $OUT
 --work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints while the machine stays warm). Cheap rows first, each
-vLLM launch ~1-2 min: ``builtin,default,lora`` | ``lora-merged,counter-agent`` | ``export`` (train, export, serve) |
-``sigint`` (two launches) | ``sweep`` (two) | ``deepmath`` | ``deepmath-4b``. A recipe row first builds its shape into
---work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished build): give it
-``--row-timeout 480`` so that build and row fit one call.
+vLLM launch ~1-2 min: ``builtin,default,lora`` | ``lora-adapter,lora-merged,counter-agent`` | ``export`` (train,
+export, serve) | ``sigint`` (two launches) | ``sweep`` (two) | ``deepmath`` | ``deepmath-4b``. A recipe row first
+builds its shape into --work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished
+build): give it ``--row-timeout 480`` so that build and row fit one call.
 
-Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora``
-(adapter sync), ``lora-merged``, ``counter-agent``, ``sweep`` (a two-job ``-m``), ``sigint`` (SIGINT to the run's
-process group once a checkpoint exists, as Ctrl-C does, then the resume command the CLI printed, run verbatim),
-``export`` (a LoRA run, ``asyncrl export RUN exported``, then ``vllm serve exported``: /health and one completion;
-the rehearsal loads the export with transformers instead), ``deepmath``, ``deepmath-4b``.
+Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
+typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
+starts without LoRA), ``lora-adapter`` (lora.sync=adapter: vLLM with --enable-lora), ``lora-merged``,
+``counter-agent``, ``sweep`` (a two-job ``-m``), ``sigint`` (SIGINT to the run's process group once a checkpoint
+exists, as Ctrl-C does, then the resume command the CLI printed, run verbatim), ``export`` (a LoRA run, ``asyncrl
+export RUN exported``, then ``vllm serve exported``: /health and one completion; the rehearsal loads the export
+with transformers instead), ``deepmath``, ``deepmath-4b``.
 
 Each row runs in its own directory (``--work``/rows/NAME, the runs under its ``runs/``) within ``--row-timeout``
 (then its process group is stopped and the row fails), and appends one line to ``--out``/acceptance.md when it ends;
@@ -103,6 +105,7 @@ ROWS = [
     Row("builtin", ("train", "server=builtin", TRAIN)),
     Row("default", ("train", TRAIN)),
     Row("lora", ("train", "lora=default", TRAIN)),
+    Row("lora-adapter", ("train", "lora=default", "lora.sync=adapter", TRAIN)),
     Row("lora-merged", ("train", "lora=default", "lora.sync=merged", TRAIN)),
     Row("export", ("train", "lora=default", TRAIN), kind="export"),
     Row("counter-agent", ("train", "+recipe=counter_agent", TRAIN)),
