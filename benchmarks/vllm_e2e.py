@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,24 +54,33 @@ def overrides(backend: str) -> list[str]:
     return [*(VLLM if backend == "vllm" else BUILTIN), "data.eval_path=null", "logging.console=plain", *MODEL]
 
 
-def build_qwen3_5_2b_shape(out: Path) -> Path:
-    """A random Qwen3.5-2B-shaped vision-language checkpoint with the tiny-arith tokenizer, written to ``out``."""
+def build_qwen3_5_shape(out: Path, name: str, text: dict[str, Any], vision: dict[str, Any]) -> Path:
+    """A random Qwen3.5 vision-language checkpoint (``text`` and ``vision`` override the tiny hybrid's config) with
+    the tiny-arith tokenizer, in bfloat16, written to ``out / name``."""
     from asyncrl.assets.model_families import build_model, hybrid_vlm_config, save_checkpoint
     from asyncrl.assets.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = hybrid_vlm_config(
-        tokenizer, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, layer_types=None, max_position_embeddings=4096,
+    config = hybrid_vlm_config(tokenizer, **text)
+    for key, value in vision.items():
+        setattr(config.vision_config, key, value)
+    return save_checkpoint(build_model(config, tokenizer).to(torch.bfloat16), tokenizer, out / name)
+
+
+def build_qwen3_5_2b_shape(out: Path) -> Path:
+    """Qwen3.5-2B's shape: 24 layers (three gated-DeltaNet per attention layer), a 4-block vision tower."""
+    text = dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, layer_types=None, max_position_embeddings=4096,
     )  # fmt: skip
-    config.vision_config.depth, config.vision_config.hidden_size = 4, 1024
-    config.vision_config.intermediate_size, config.vision_config.num_heads = 4096, 16
-    return save_checkpoint(build_model(config, tokenizer).to(torch.bfloat16), tokenizer, out / "qwen3.5-2b-shape")
+    vision = dict(depth=4, hidden_size=1024, intermediate_size=4096, num_heads=16)
+    return build_qwen3_5_shape(out, "qwen3.5-2b-shape", text, vision)
 
 
-def build_qwen3_0_6b_shape(out: Path) -> Path:
-    """A random Qwen3-0.6B-shaped checkpoint (tied embeddings) with the tiny-arith tokenizer, written to ``out``."""
+def build_qwen3_shape(out: Path, name: str, **dims: int) -> Path:
+    """A random Qwen3 checkpoint of ``dims`` (tied embeddings, 4096 positions) with the tiny-arith tokenizer, in
+    bfloat16, written to ``out / name``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from asyncrl.assets.model_families import save_checkpoint
@@ -78,13 +88,28 @@ def build_qwen3_0_6b_shape(out: Path) -> Path:
 
     tokenizer = build_tokenizer()
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **dims,
     )  # fmt: skip
     torch.manual_seed(0)
-    return save_checkpoint(Qwen3ForCausalLM(config).to(torch.bfloat16), tokenizer, out / "qwen3-0.6b-shape")
+    return save_checkpoint(Qwen3ForCausalLM(config).to(torch.bfloat16), tokenizer, out / name)
+
+
+def build_qwen3_0_6b_shape(out: Path) -> Path:
+    """Qwen3-0.6B's shape: 28 layers, hidden 1024, 16 query / 8 KV heads of 128."""
+    return build_qwen3_shape(
+        out, "qwen3-0.6b-shape", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    )  # fmt: skip
+
+
+def build_qwen3_4b_shape(out: Path) -> Path:
+    """Qwen3-4B's shape: 36 layers, hidden 2560, FFN 9728, 32 query / 8 KV heads of 128."""
+    return build_qwen3_shape(
+        out, "qwen3-4b-shape", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    )  # fmt: skip
 
 
 # ---- sync: checks, rounds, logprob agreement ----------------------------------------------------------------

@@ -1,0 +1,618 @@
+"""The GPU acceptance run (issue 32): every README command and recipe that fits one GPU, as a user types it.
+
+Only what the Hub would provide is replaced: same-shape random checkpoints built here with the tiny-arith tokenizer
+(Qwen3.5-2B for ``+recipe=deepmath``, Qwen3-4B for ``+recipe=deepmath_qwen3_4b``; ``benchmarks/vllm_e2e.py``), the
+shipped arithmetic data (``data=arithmetic``) and a reward with spread on random weights (``reward=length``). Each
+command gets ``trainer.max_steps`` and nothing else, except the ``sigint`` row's ``trainer.save_steps=2`` (the
+embedded default saves every 30 steps: a 10-step run has nothing to resume from before its end).
+
+    python benchmarks/acceptance.py --out $OUT                        # every row, in ROWS' order
+    python benchmarks/acceptance.py --rows builtin,default,lora --out $OUT --work /tmp/acc
+    python benchmarks/acceptance.py --rehearse --out /tmp/acc-out     # the CPU rehearsal of every row
+
+On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then each call starts with
+``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --rows ... --out $OUT
+--work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints while the machine stays warm). Cheap rows first, each
+vLLM launch ~1-2 min: ``builtin,default,lora`` | ``lora-adapter,lora-merged,counter-agent`` | ``export`` (train,
+export, serve) | ``sigint`` (two launches) | ``sweep`` (two) | ``deepmath`` | ``deepmath-4b``. A recipe row first
+builds its shape into --work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished
+build): give it ``--row-timeout 480`` so that build and row fit one call.
+
+Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
+typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
+starts without LoRA), ``lora-adapter`` (lora.sync=adapter: vLLM with --enable-lora), ``lora-merged``,
+``counter-agent``, ``sweep`` (a two-job ``-m``), ``sigint`` (SIGINT to the run's process group once a checkpoint
+exists, as Ctrl-C does, then the resume command the CLI printed, run verbatim), ``export`` (a LoRA run, ``asyncrl
+export RUN exported``, then ``vllm serve exported``: /health and one completion; the rehearsal loads the export
+with transformers instead), ``deepmath``, ``deepmath-4b``.
+
+Each row runs in its own directory (``--work``/rows/NAME, the runs under its ``runs/``) within ``--row-timeout``
+(then its process group is stopped and the row fails), and appends one line to ``--out``/acceptance.md when it ends;
+a failed row also appends the tails of its console and launch.log to ``--out``/failures.log. A row fails on an exit
+code other than 0, fewer steps than asked in any of its runs, or a process of the row still alive 15 s after it
+ended (then killed). The script exits 1 when any row failed.
+
+Columns, read from each run's metrics.jsonl ('-' where absent): healthy s and first step s are
+``perf/startup_server_healthy_s`` and ``perf/startup_first_step_s`` (seconds from the CLI's start); where the
+latter is absent, first step s is the time from the command's start to its first metrics.jsonl record, polled,
+marked ``*``. Steady step s: the median ``perf/step_s`` of the steps after the second; samples/s: their samples
+over their seconds; wall MFU: their mean ``perf/wall_clock_mfu``; trainer GiB: the largest
+``perf/trainer_peak_memory_gib``; sync s: the mean ``perf/weight_sync_s``. vLLM GiB: the largest sum, over
+``nvidia-smi --query-compute-apps`` samples every 2 s, of the row's processes other than the trainer (the CLI
+process: one rank trains in it); where nvidia-smi shows other pids (another pid namespace), the GPU's largest
+total minus the trainer's peak, marked ``t``.
+
+``--rehearse`` (CPU): 4 steps unless --steps says otherwise, ``server=builtin`` where vLLM or a GPU is missing, tiny
+Qwen3.5 and Qwen3 checkpoints with 4096 positions for the recipes, whose 200-prompt evaluation at 2048 tokens
+(``data.eval_path=null``) it skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncrl.metrics import read_jsonl  # noqa: E402
+from asyncrl.parent import die_with_parent  # noqa: E402
+from asyncrl.server.process import free_port  # noqa: E402
+
+POLL_S = 0.5
+GPU_POLL_S = 2.0
+STOP_GRACE_S = 30.0
+"""Seconds a stopped command has between SIGTERM and SIGKILL."""
+LEFTOVER_GRACE_S = 15.0
+"""Seconds a row's processes have to end after its command did."""
+TRAIN = "trainer.max_steps={steps}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One acceptance row: what the user types after ``asyncrl`` (``{steps}``, ``{model}`` filled in)."""
+
+    name: str
+    args: tuple[str, ...]
+    kind: str = "train"
+    """train | sigint | export (a train, then the export and its load)."""
+    shape: str | None = None
+    """The checkpoint (``build_shape``) standing in for the recipe's Hub model."""
+    rehearse: tuple[str, ...] = ()
+    """More overrides in the CPU rehearsal only."""
+
+
+RECIPE_DATA = ("model.name_or_path={model}", "data=arithmetic", "reward=length", TRAIN)
+SKIP_LONG_EVAL = ("data.eval_path=null",)
+ROWS = [
+    Row("builtin", ("train", "server=builtin", TRAIN)),
+    Row("default", ("train", TRAIN)),
+    Row("lora", ("train", "lora=default", TRAIN)),
+    Row("lora-adapter", ("train", "lora=default", "lora.sync=adapter", TRAIN)),
+    Row("lora-merged", ("train", "lora=default", "lora.sync=merged", TRAIN)),
+    Row("export", ("train", "lora=default", TRAIN), kind="export"),
+    Row("counter-agent", ("train", "+recipe=counter_agent", TRAIN)),
+    Row("sigint", ("train", TRAIN, "trainer.save_steps=2"), kind="sigint"),
+    Row("sweep", ("train", "-m", "trainer.learning_rate=1e-6,3e-6", TRAIN)),
+    Row("deepmath", ("train", "+recipe=deepmath", *RECIPE_DATA), shape="qwen3.5-2b", rehearse=SKIP_LONG_EVAL),
+    Row("deepmath-4b", ("train", "+recipe=deepmath_qwen3_4b", *RECIPE_DATA), shape="qwen3-4b", rehearse=SKIP_LONG_EVAL),
+]  # fmt: skip
+
+
+# ---- checkpoints standing in for the Hub's ------------------------------------------------------------------
+
+
+def build_shape(shape: str, rehearse: bool, out: Path) -> Path:
+    """The random checkpoint of ``shape`` (tiny in the rehearsal), built on the GPU where there is one."""
+    import torch
+
+    from benchmarks import vllm_e2e
+
+    tiny = {
+        "qwen3.5-2b": lambda: vllm_e2e.build_qwen3_5_shape(out, "qwen3.5-tiny", {"max_position_embeddings": 4096}, {}),
+        "qwen3-4b": lambda: vllm_e2e.build_qwen3_shape(
+            out, "qwen3-tiny", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16,
+        ),
+    }  # fmt: skip
+    full = {"qwen3.5-2b": vllm_e2e.build_qwen3_5_2b_shape, "qwen3-4b": vllm_e2e.build_qwen3_4b_shape}
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 4B weights: seconds on a GPU
+        return tiny[shape]() if rehearse else full[shape](out)
+
+
+def shape_path(shape: str, ctx: Context) -> Path:
+    """``shape``'s checkpoint in --work, built once (in a child process, so this one never holds a CUDA context)."""
+    shapes = ctx.work / "shapes"
+    done = shapes / (f"{shape}-tiny" if ctx.rehearse else shape)
+    if (done / "config.json").is_file():
+        return done
+    building = shapes / ".building"
+    shutil.rmtree(building, ignore_errors=True)
+    started = time.monotonic()
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        built = pool.submit(build_shape, shape, ctx.rehearse, building).result()
+    done.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(built, done)
+    print(f"[acceptance] built the {shape} checkpoint in {time.monotonic() - started:.0f} s: {done}", flush=True)
+    return done
+
+
+# ---- processes: one command, its descendants, its GPU memory ----------------------------------------------------
+
+
+def _stat(pid: str) -> tuple[int, str, str] | None:
+    """(parent pid, state, start time) of a /proc entry, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[1]), fields[0], fields[19]
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every process below ``root`` (pid -> start time): servers start their own sessions, so a process group would
+    miss them."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(entry)) is not None:
+            children.setdefault(stat[0], []).append((int(entry), stat[2]))
+    found, todo = {}, [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            found[pid] = started
+            todo.append(pid)
+    return found
+
+
+def alive(pid: int, started: str) -> bool:
+    stat = _stat(str(pid))
+    return stat is not None and stat[2] == started and stat[1] not in "ZX"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
+
+
+class GpuMemory:
+    """The row's GPU memory outside the trainer, sampled with nvidia-smi while its commands run."""
+
+    def __init__(self) -> None:
+        self.apps_mib: float | None = None  # the largest sum over the row's processes other than the trainer
+        self.total_mib: float | None = None  # the GPU's largest total
+        self.last = 0.0
+
+    def sample(self, tree: set[int], trainer: int) -> None:
+        if time.monotonic() - self.last < GPU_POLL_S:
+            return
+        self.last = time.monotonic()
+        apps = [(int(pid), float(mib)) for pid, mib in _smi("--query-compute-apps=pid,used_memory")]
+        if any(pid in tree for pid, _ in apps):
+            ours = sum(mib for pid, mib in apps if pid in tree and pid != trainer)
+            self.apps_mib = max(self.apps_mib or 0.0, ours)
+        totals = [float(used) for (used,) in _smi("--query-gpu=memory.used")]
+        if totals:
+            self.total_mib = max(self.total_mib or 0.0, sum(totals))
+
+    def server_gib(self, trainer_peak_gib: float | None) -> str:
+        """vLLM's GiB: from its processes, else the GPU's total minus the trainer's peak (marked t)."""
+        if self.apps_mib is not None:
+            return f"{self.apps_mib / 1024:.1f}"
+        if self.total_mib is not None and trainer_peak_gib is not None:
+            return f"{self.total_mib / 1024 - trainer_peak_gib:.1f}t"
+        return "-"
+
+
+def _smi(query: str) -> list[list[str]]:
+    try:
+        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=20).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How one command ended: rc None = stopped at the row's time limit."""
+
+    rc: int | None
+    first_record_s: float | None
+    leftovers: list[str]
+
+
+def env() -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def execute(
+    argv: list[str], cwd: Path, stem: str, ctx: Context, poll: Callable[[subprocess.Popen[bytes]], None] | None = None
+) -> Outcome:
+    """Run ``argv`` in ``cwd`` (console in ``stem``.out/.err there) in its own session, ended if this process dies;
+    stopped at the row's deadline; its processes still alive after it ends are reported and killed."""
+    print(f"[acceptance] $ {shlex.join(argv)}", flush=True)
+    with (cwd / f"{stem}.out").open("wb") as out, (cwd / f"{stem}.err").open("wb") as err:
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=err, env=env(), preexec_fn=die_with_parent())
+    started, seen, first, timed_out = time.monotonic(), {proc.pid: ""}, None, False
+    try:
+        while proc.poll() is None:
+            if time.monotonic() >= ctx.deadline:
+                timed_out = True
+                break
+            seen.update(descendants(proc.pid))
+            if first is None and any(p.stat().st_size for p in cwd.glob("runs/**/metrics.jsonl")):
+                first = time.monotonic() - started
+            if ctx.gpu is not None:
+                ctx.gpu.sample(set(seen), proc.pid)
+            if poll is not None:
+                poll(proc)
+            time.sleep(POLL_S)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+    del seen[proc.pid]
+    return Outcome(None if timed_out else proc.returncode, first, survivors(seen))
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the command's process group (asyncrl stops its servers on it), SIGKILL after STOP_GRACE_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(STOP_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+def survivors(seen: dict[int, str]) -> list[str]:
+    """The processes of ``seen`` still alive LEFTOVER_GRACE_S after their command ended, each then killed."""
+    until = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := [pid for pid, started in seen.items() if alive(pid, started)]) and time.monotonic() < until:
+        time.sleep(POLL_S)
+    found = [f"{pid} {cmdline(pid)}" for pid in left]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return found
+
+
+# ---- rows --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Context:
+    work: Path
+    steps: int
+    rehearse: bool
+    row_timeout: float
+    vllm: bool
+    """vLLM and a GPU are here (else the rehearsal forces server=builtin)."""
+    gpu: GpuMemory | None = None
+    deadline: float = 0.0
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished row: its commands' outcomes, the runs they wrote and why it failed, if it did."""
+
+    row: str
+    rc: int | None = None
+    outcomes: list[Outcome] = dataclasses.field(default_factory=list)
+    runs: list[Path] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+def asyncrl(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "asyncrl", *args]
+
+
+def typed(row: Row, ctx: Context, model: Path | None) -> list[str]:
+    """The row's ``asyncrl`` arguments as typed, plus the rehearsal's."""
+    args = [a.format(steps=ctx.steps, model=model) for a in row.args]
+    if ctx.rehearse:
+        args += [*row.rehearse, *([] if ctx.vllm or "server=builtin" in args else ["server=builtin"])]
+    return args
+
+
+def run_dirs(row_dir: Path) -> list[Path]:
+    """The run directories a row's commands wrote (a sweep's jobs in order)."""
+    return sorted(p.parent for p in row_dir.glob("runs/**/metrics.jsonl"))
+
+
+def train(result: Result, row_dir: Path, args: list[str], ctx: Context, poll: Any = None) -> Outcome:
+    outcome = execute(asyncrl(args), row_dir, f"console{len(result.outcomes)}", ctx, poll)
+    result.outcomes.append(outcome)
+    result.rc = outcome.rc
+    return outcome
+
+
+def run_train(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
+    train(result, row_dir, typed(row, ctx, model), ctx)
+
+
+def run_sigint(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
+    """SIGINT to the run's process group once it has a checkpoint, then the resume command it printed."""
+    sent: list[int] = []
+
+    def interrupt(proc: subprocess.Popen[bytes]) -> None:
+        if not sent and any(re.fullmatch(r"step_\d+", p.name) for p in row_dir.glob("runs/*/checkpoints/*")):
+            os.killpg(proc.pid, signal.SIGINT)
+            sent.append(proc.pid)
+
+    first = train(result, row_dir, typed(row, ctx, model), ctx, interrupt)
+    printed = resume_command((row_dir / "console0.err").read_text(errors="replace"))
+    if not sent or printed is None:
+        result.problems.append(f"exit {first.rc}, no resume command printed" if sent else "never interrupted")
+        return
+    said, argv = printed
+    result.notes.append(f"{said}, exit {first.rc}")
+    train(result, row_dir, argv[1:], ctx)
+
+
+def resume_command(stderr: str) -> tuple[str, list[str]] | None:
+    """What Ctrl-C printed: where the run stopped and resumes from, and the command that resumes it, as argv."""
+    found = re.findall(r"^(interrupted .*); (resume from .*) with: (asyncrl train .*)$", stderr, re.MULTILINE)
+    return (f"{found[-1][0]}, {found[-1][1]}", shlex.split(found[-1][2])) if found else None
+
+
+def run_export(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
+    """A LoRA run, ``asyncrl export RUN exported``, then the export served by vLLM (rehearsal: transformers)."""
+    train(result, row_dir, typed(row, ctx, model), ctx)
+    runs = run_dirs(row_dir)
+    if result.rc != 0 or not runs:
+        return
+    outcome = execute(asyncrl(["export", str(runs[0].relative_to(row_dir)), "exported"]), row_dir, "export", ctx)
+    result.outcomes.append(outcome)
+    if outcome.rc != 0:
+        result.problems.append(f"asyncrl export exited {outcome.rc}")
+        return
+    if ctx.vllm:
+        serve_export(row_dir, ctx, result)
+    else:
+        result.notes.append(generate_export(row_dir / "exported"))
+
+
+def serve_export(row_dir: Path, ctx: Context, result: Result) -> None:
+    """``vllm serve exported`` until /health answers, one completion, then SIGTERM (its memory is not sampled)."""
+    import httpx
+
+    port, said = free_port(), []
+    base = f"http://127.0.0.1:{port}"
+
+    def probe(proc: subprocess.Popen[bytes]) -> None:
+        if said:
+            return
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code != 200:
+                return
+            body = {"model": "exported", "prompt": "What is 2 + 3?", "max_tokens": 8}
+            said.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "exported", "--port", str(port)]
+    result.outcomes.append(execute(argv, row_dir, "vllm_serve", dataclasses.replace(ctx, gpu=None), probe))
+    if said:
+        result.notes.append(f"vllm served the export: {said[0]!r}")
+    else:
+        result.problems.append("vllm never served the export (vllm_serve.err)")
+
+
+def generate_export(model_dir: Path) -> str:
+    """The rehearsal's load: transformers reads the export and generates a few tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = tokenizer("What is 2 + 3?", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    return f"transformers loaded the export: {tokenizer.decode(out[0, ids['input_ids'].shape[1] :])!r}"
+
+
+RUNNERS = {"train": run_train, "sigint": run_sigint, "export": run_export}
+
+
+def run_row(row: Row, ctx: Context) -> Result:
+    row_dir = ctx.work / "rows" / row.name
+    shutil.rmtree(row_dir, ignore_errors=True)
+    row_dir.mkdir(parents=True)
+    model = shape_path(row.shape, ctx) if row.shape else None
+    result, started = Result(row.name), time.monotonic()
+    ctx.deadline = started + ctx.row_timeout
+    ctx.gpu = GpuMemory() if ctx.vllm else None
+    try:
+        RUNNERS[row.kind](row, row_dir, ctx, model, result)
+    except Exception as exc:  # one row's surprise must not cost the rows after it
+        result.problems.append(f"acceptance.py: {type(exc).__name__}: {exc}")
+    result.seconds = time.monotonic() - started
+    result.runs = run_dirs(row_dir)
+    judge(result, ctx.steps, expected_runs=2 if "-m" in row.args else 1)
+    return result
+
+
+def judge(result: Result, steps: int, expected_runs: int) -> None:
+    """A row fails on an exit code other than 0, a run short of its steps, or a process left behind."""
+    if result.rc is None:
+        result.problems.append("stopped at --row-timeout")
+    elif result.rc != 0:
+        result.problems.append(f"exit {result.rc}")
+    if len(result.runs) < expected_runs:
+        result.problems.append(f"{len(result.runs)} of {expected_runs} runs wrote metrics")
+    short = [f"{r.name}: {last_step(r)}" for r in result.runs if last_step(r) < steps]
+    if short:
+        result.problems.append(f"fewer steps than {steps}: {', '.join(short)}")
+    left = [p for o in result.outcomes for p in o.leftovers]
+    if left:
+        result.problems.append(f"left behind (killed): {'; '.join(left)}")
+
+
+def last_step(run: Path) -> int:
+    records = read_jsonl(run / "metrics.jsonl")
+    return int(records[-1]["step"]) if records else 0
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+
+
+COLUMNS = ["row", "exit", "steps", "healthy s", "first step s", "steady step s", "trainer GiB", "vLLM GiB", "sync s",
+           "samples/s", "wall MFU %", "row wall s", "notes"]  # fmt: skip
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _values(records: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+
+def summarise(records: list[dict[str, Any]], polled_first_s: float | None) -> dict[str, str]:
+    """The metric columns of a row from its runs' metrics.jsonl records (in order), '-' where a metric is absent;
+    the steady figures come from the steps after the second."""
+    steady = [r for r in records if r["step"] > 2]
+    step_s, samples = _values(steady, "perf/step_s"), _values(steady, "batch/samples_per_step")
+    first = _values(records, "perf/startup_first_step_s")
+    peak, sync = _values(records, "perf/trainer_peak_memory_gib"), _values(records, "perf/weight_sync_s")
+    mfu = _values(steady, "perf/wall_clock_mfu")
+    return {
+        "steps": str(max((r["step"] for r in records), default=0)),
+        "healthy s": _fmt(next(iter(_values(records, "perf/startup_server_healthy_s")), None)),
+        "first step s": _fmt(first[0]) if first else _fmt(polled_first_s) + ("*" if polled_first_s is not None else ""),
+        "steady step s": _fmt(statistics.median(step_s), 2) if step_s else "-",
+        "trainer GiB": _fmt(max(peak) if peak else None),
+        "sync s": _fmt(statistics.mean(sync) if sync else None, 3),
+        "samples/s": _fmt(sum(samples) / sum(step_s) if samples and sum(step_s) > 0 else None),
+        "wall MFU %": _fmt(100 * statistics.mean(mfu) if mfu else None, 2),
+    }
+
+
+def table_line(result: Result, gpu: GpuMemory | None) -> str:
+    records = [r for run in result.runs for r in read_jsonl(run / "metrics.jsonl")]
+    polled = next((o.first_record_s for o in result.outcomes if o.first_record_s is not None), None)
+    cells = summarise(records, polled)
+    peak = _values(records, "perf/trainer_peak_memory_gib")
+    status = "FAIL: " + "; ".join(result.problems) if result.problems else "ok"
+    cells.update(
+        row=result.row, exit=str(result.rc), notes="; ".join([status, *result.notes]).replace("|", "/"),
+        **{"vLLM GiB": gpu.server_gib(max(peak) if peak else None) if gpu else "-",
+           "row wall s": _fmt(result.seconds, 0)},
+    )  # fmt: skip
+    return "| " + " | ".join(cells[c] for c in COLUMNS) + " |"
+
+
+def header(ctx: Context, commands: list[tuple[str, list[str]]]) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    gpus = [", ".join(g) for g in _smi("--query-gpu=name,memory.total")]
+    lines = [
+        f"# Acceptance run {datetime.datetime.now().isoformat(timespec='seconds')}",
+        "",
+        f"commit {commit.stdout.strip() or '-'}; {'; '.join(gpus) or 'no GPU'}; "
+        f"{'CPU rehearsal' if ctx.rehearse else 'GPU run'}; {ctx.steps} steps; work {ctx.work}",
+        "",
+        *[f"- {name}: `asyncrl {shlex.join(args)}`" for name, args in commands],
+        "",
+        "`*` first step polled (no perf/startup_first_step_s); `t` vLLM GiB = GPU total - trainer peak",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def failure_log(result: Result, row_dir: Path) -> str:
+    """The tails of a failed row's consoles and launch.logs."""
+    parts = [f"\n## {result.row}: {'; '.join(result.problems)}\n"]
+    files = sorted(row_dir.glob("*.err")) + sorted(row_dir.glob("*.out")) + [r / "launch.log" for r in result.runs]
+    for path in files:
+        if path.is_file():
+            tail = [line[-300:] for line in path.read_text(errors="replace").splitlines()[-40:]]
+            parts.append(f"--- {path.relative_to(row_dir)} (last {len(tail)} lines)\n" + "\n".join(tail) + "\n")
+    return "".join(parts)
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+
+
+def select(names: str | None) -> list[Row]:
+    """The rows ``--rows`` names, in its order; an unknown name exits with the real ones."""
+    if names is None:
+        return ROWS
+    by_name = {row.name: row for row in ROWS}
+    unknown = [n for n in names.split(",") if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--rows: no row {', '.join(unknown)}; the rows are {','.join(by_name)}")
+    return [by_name[n] for n in names.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = ",".join(r.name for r in ROWS)
+    parser.add_argument("--rows", help=f"comma-separated, run in this order (default: {names})")
+    parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (default 10; rehearsal 4)")
+    parser.add_argument("--work", type=Path, help="run directories and built checkpoints (default: a new temp dir)")
+    parser.add_argument("--out", type=Path, help="acceptance.md and failures.log (default: --work)")
+    parser.add_argument("--rehearse", action="store_true", help="the CPU rehearsal (see above)")
+    parser.add_argument("--row-timeout", type=float, default=540.0, help="seconds a row may take (default 540)")
+    args = parser.parse_args()
+    rows = select(args.rows)
+    vllm = importlib.util.find_spec("vllm") is not None and bool(_smi("--query-gpu=name"))
+    if not (vllm or args.rehearse):
+        raise SystemExit("acceptance: needs vLLM and a GPU (import vllm, nvidia-smi); rehearse on CPU with --rehearse")
+    steps = args.steps or (4 if args.rehearse else 10)
+    if steps < 4:
+        raise SystemExit(f"--steps {steps}: the sigint row needs at least 4 (a checkpoint at step 2, then 2 more)")
+    work = (args.work or Path(tempfile.mkdtemp(prefix="acceptance-"))).resolve()
+    out = (args.out or work).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(work, steps, args.rehearse, args.row_timeout, vllm)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a cut call still stops the row's processes
+    commands = [(r.name, typed(r, ctx, Path(f"<{r.shape} shape>") if r.shape else None)) for r in rows]
+    (out / "acceptance.md").write_text(header(ctx, commands))
+    failed = []
+    for row in rows:
+        result = run_row(row, ctx)
+        line = table_line(result, ctx.gpu)
+        print(line, flush=True)
+        with (out / "acceptance.md").open("a") as table:
+            table.write(line + "\n")
+        if result.problems:
+            failed.append(row.name)
+            with (out / "failures.log").open("a") as log:
+                log.write(failure_log(result, ctx.work / "rows" / row.name))
+    print(f"[acceptance] {len(rows) - len(failed)}/{len(rows)} rows passed; table: {out / 'acceptance.md'}")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
