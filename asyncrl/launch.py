@@ -184,13 +184,13 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
-    log.info(dtype_line(config))
     check_startup(config, [run_dir])
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
         claim_server_access(config, run_dir)
     terminate_on_sigterm()
     prepared = prepare(plan)  # data, picklability: fail before the server starts
     write_provenance(config, cfg, run_dir)  # a run refused until here leaves the directory as it was
+    log.info(dtype_line(config))
     warn_cpu_oversubscribed(plan)
     with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if plan.world_size > 1:

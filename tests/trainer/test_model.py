@@ -18,6 +18,7 @@ from asyncrl.config.compose import compose, to_config
 from asyncrl.launch import warn_cpu_oversubscribed
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow
+from asyncrl.plan.assemble import plan_run
 from asyncrl.trainer.checkpoint import source_processor_files
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import (
@@ -57,7 +58,7 @@ def test_more_ranks_than_cores_is_one_warning(caplog):
     )
     too_many = available_cores() + 1
     with caplog.at_level(logging.WARNING, logger="asyncrl"):
-        warn_cpu_oversubscribed(to_config(compose([f"trainer.num_processes={too_many}"])))
+        warn_cpu_oversubscribed(plan_run(compose([f"trainer.num_processes={too_many}"])))
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == ([] if torch.cuda.is_available() else [oversubscribed_cores(too_many, available_cores())])
 
