@@ -92,7 +92,7 @@ def _hydra_job(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the metrics
     try:
-        run_job(config, components, run_dir)
+        _run_restarting(cfg, config, components, run_dir)
     except EXPECTED_ERRORS as exc:
         details = getattr(exc, "details", "")
         log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
@@ -108,6 +108,41 @@ def _hydra_job(cfg: DictConfig) -> None:
         from asyncrl.report import write_report
 
         print(f"sweep report: {write_report(run_dir.parent)}", flush=True)  # updated as each job ends
+
+
+def _run_restarting(cfg: DictConfig, config: Config, components: Components, run_dir: Path) -> None:
+    """The job; after a process of it died, again from its newest good checkpoint, up to trainer.max_restarts
+    times (asyncrl/restart.py)."""
+    from asyncrl.restart import run_restarting
+
+    first = iter([(config, components)])  # the first attempt runs as composed
+
+    def attempt(resume: str | None) -> None:
+        job = next(first, None) or _recomposed(cfg, resume, config.server.weights_dir)
+        run_job(*job, run_dir)
+
+    output_dir = Path(config.trainer.output_dir or run_dir)
+    run_restarting(attempt, run_dir, output_dir, config.trainer.max_restarts,
+                   resume=config.trainer.resume_from_checkpoint, report=_report_restart)  # fmt: skip
+
+
+def _recomposed(cfg: DictConfig, resume: str | None, weights_dir: str | None) -> tuple[Config, Components]:
+    """The job's config and fresh components for a restart: resuming from ``resume`` (None: from the start), with
+    the server weights directory the first attempt claimed (removed at exit)."""
+    import copy
+
+    from omegaconf import open_dict
+
+    again = copy.deepcopy(cfg)
+    with open_dict(again):
+        again.trainer.resume_from_checkpoint = resume
+        again.server.weights_dir = weights_dir
+    return to_config_and_components(again)
+
+
+def _report_restart(line: str, exc: BaseException) -> None:
+    log_to_file(line, exc)
+    print(line, file=sys.stderr, flush=True)
 
 
 def log_to_file(message: str, exc: BaseException) -> None:
