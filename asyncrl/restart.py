@@ -1,5 +1,6 @@
 """Automatic restart (trainer.max_restarts): a run whose trainer rank, rollout worker or generation server dies, or
-whose weight sync fails, starts again from its newest good checkpoint instead of exiting.
+whose weight sync or generations fail (a hung server), starts again from its newest good checkpoint instead of
+exiting.
 
 The decision is the CLI's, around the whole job (launch.py): the failed attempt's own teardown stops every process
 it started (the server group's context, the trainer's close, the launcher agent's stop), then the job runs again
@@ -33,10 +34,11 @@ def restartable_errors() -> tuple[type[BaseException], ...]:
     bad config, bad data or a stalled reward, which would fail again)."""
     from asyncrl.server.process import ServerStartError
     from asyncrl.trainer.assembler import RolloutWorkerError
+    from asyncrl.trainer.group_watch import GenerationFailingError
     from asyncrl.trainer.launcher import TrainerRankError
     from asyncrl.trainer.sync.base import WeightSyncError
 
-    return RolloutWorkerError, TrainerRankError, ServerStartError, WeightSyncError
+    return RolloutWorkerError, TrainerRankError, ServerStartError, WeightSyncError, GenerationFailingError
 
 
 def restarts_path(run_dir: Path) -> Path:
