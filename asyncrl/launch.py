@@ -8,6 +8,7 @@ of every child process, starts the server under supervision and runs the trainer
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import shutil
@@ -99,6 +100,13 @@ def _hydra_job(cfg: DictConfig) -> None:
         first, _, rest = str(exc).partition("\n")  # a server's log tail follows the line
         print(f"error ({type(exc).__name__}): {first}{_see_log()}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
         raise SystemExit(1) from exc
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        again = resume_line(run_dir, Path(config.trainer.output_dir or run_dir))  # no log: the disk is full
+        print(f"error (OSError): {exc.strerror}{where}: free space there; {again}", file=sys.stderr)
+        raise SystemExit(1) from exc
     except KeyboardInterrupt as exc:
         log_to_file("interrupted", exc)
         print(interrupted_line(run_dir, Path(config.trainer.output_dir or run_dir), exc), file=sys.stderr)
@@ -161,16 +169,25 @@ def _see_log() -> str:
 def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str:
     """The step Ctrl-C or SIGTERM stopped at (the last one logged), and the command that resumes the run from its
     newest checkpoint: the run's own overrides, ``trainer.resume_from_checkpoint=latest`` and its directory."""
-    import shlex
-
-    from hydra.core.hydra_config import HydraConfig
-
     from asyncrl.metrics import read_jsonl
-    from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
+    from asyncrl.trainer.checkpoint import list_checkpoints
 
     metrics = run_dir / "metrics.jsonl"
     steps = [r["step"] for r in read_jsonl(metrics)] if metrics.is_file() else []
     done = f"interrupted ({exc.args[0] if exc.args else 'SIGINT'}) at step {steps[-1] if steps else 0}"
+    separator = "; " if list_checkpoints(output_dir) else ", "
+    return done + separator + resume_line(run_dir, output_dir)
+
+
+def resume_line(run_dir: Path, output_dir: Path) -> str:
+    """How to continue the run: the command that resumes it from its newest checkpoint (the run's own overrides,
+    ``trainer.resume_from_checkpoint=latest`` and its directory), or before one, the command that starts it again."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
+
     kept = [
         o
         for o in HydraConfig.get().overrides.task
@@ -178,11 +195,10 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     ]
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
-        again = " ".join(shlex.quote(o) for o in kept)
-        return f"{done}, before its first checkpoint: nothing to resume; start again with: asyncrl train {again}"
+        return f"before its first checkpoint: nothing to resume; start again with: asyncrl train {shlex.join(kept)}"
     resume = [*kept, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run_dir}"]
     return (
-        f"{done}; resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
+        f"resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
         f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}"
     )
 

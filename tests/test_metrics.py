@@ -46,3 +46,13 @@ def test_a_torn_last_line_is_skipped_with_a_warning_and_a_bad_middle_line_named(
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"^{path}:2: not valid JSON"):
         read_jsonl(path)
+
+
+def test_a_resumed_sink_cuts_the_torn_last_row_before_appending(tmp_path, caplog):
+    """A run out of disk (or killed) mid-row: the next launch's rows would otherwise follow the torn one, which no
+    read could then skip."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew')
+    JsonlSink(path).write(2, {"reward": 0.5})
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2, "reward": 0.5}]
+    assert "incomplete last row" in caplog.text
