@@ -452,6 +452,7 @@ def main() -> int:
     parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), help="seconds of training between faults")
     parser.add_argument("--disk-mb", type=int, default=400, help="the run directory's tmpfs")
     parser.add_argument("--finish-steps", type=int, default=5)
+    parser.add_argument("--cycle", action="store_true", help="take --kinds in turn instead of at random")
     parser.add_argument("--baseline", action="store_true", help="also train an uninterrupted run and compare")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "chaos-out")
     args = parser.parse_args()
@@ -490,7 +491,7 @@ def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Rand
         raise SystemExit(f"the run did not reach step 6: see {console}")
     while len(driver.faults) < args.faults and time.monotonic() - started < args.minutes * 60:
         time.sleep(rng.uniform(*args.gap))
-        kind = rng.choice(kinds)
+        kind = kinds[len(driver.faults) % len(kinds)] if args.cycle else rng.choice(kinds)
         fault = driver.inject(kind)
         print(f"fault {len(driver.faults)}: {kind} at step {fault.step}: {fault.outcome} ({fault.lost_s:.1f} s)",
               flush=True)  # fmt: skip
@@ -510,6 +511,7 @@ def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Rand
     report = table(driver.faults, checks)
     print(report, flush=True)
     (args.out / "table.md").write_text(report + "\n")
+    (args.out / "checks.json").write_text(json.dumps(checks, indent=1) + "\n")
     (args.out / "faults.json").write_text(json.dumps([f.__dict__ for f in driver.faults], indent=1))
     for name in ("metrics.jsonl", "logs", "config.yaml", "launch.log", "model"):
         source = run_dir / name

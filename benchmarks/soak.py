@@ -3,7 +3,8 @@ parameters, and, every few seconds, a pause (abort, wait or keep; cache cleared 
 (the model's own weights and a perturbed copy in turn), and a resume. Loopback only; bounded by --minutes and
 --max-requests.
 
-It reports: requests by HTTP status (any 5xx, refused connection or server exit is a failure), the finish reasons,
+It reports: requests by HTTP status (anything but 200, a refused connection or the server's exit is a failure: every
+request is valid), the finish reasons,
 request latency percentiles (p50/p90/p99/max; a request caught by a pause waits it out), pause/update/resume call
 times, and the server's resident memory (VmRSS, sampled every 2 s): its range after the warm-up (the first
 --warmup-frac of the run) relative to its minimum there, which must stay within 10%.
@@ -64,11 +65,11 @@ def weight_files(weights_dir: Path, seed: int) -> list[str]:
     return paths
 
 
-def random_body(rng: random.Random, vocab: int, max_model_len: int) -> dict:
+def random_body(rng: random.Random, model: str, vocab: int, max_model_len: int) -> dict:
     """A completion request with random sampling parameters (each one the built-in server supports)."""
     prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 48))]
     max_tokens = rng.randint(1, min(64, max_model_len - len(prompt)))
-    body = {"model": "soak", "prompt": prompt, "max_tokens": max_tokens,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": rng.choice([0.0, 0.3, 1.0, 1.7]),
             "top_p": rng.choice([None, 0.5, 0.9, 1.0]), "top_k": rng.choice([None, -1, 1, 5, 50]),
             "min_p": rng.choice([None, 0.0, 0.05, 0.2]), "repetition_penalty": rng.choice([None, 0.9, 1.0, 1.3]),
@@ -81,31 +82,44 @@ def random_body(rng: random.Random, vocab: int, max_model_len: int) -> dict:
 class Load:
     """``concurrency`` request loops; each records its status, finish reason and latency."""
 
-    def __init__(self, url: str, token: str, concurrency: int, max_requests: int, vocab: int, max_len: int) -> None:
+    def __init__(self, url: str, token: str, concurrency: int, max_requests: int, model: str, vocab: int,
+                 max_len: int) -> None:  # fmt: skip
         self.url, self.token, self.concurrency, self.max_requests = url, token, concurrency, max_requests
-        self.vocab, self.max_len = vocab, max_len
+        self.model, self.vocab, self.max_len = model, vocab, max_len
         self.statuses: Counter[str] = Counter()
         self.finish: Counter[str] = Counter()
         self.latencies: list[float] = []
         self.tokens = 0
         self.stop = threading.Event()
+        self.rejecting: list[list[float]] = []
+        """[start, end] of each abort or wait pause: vLLM's semantics reject requests (503) until the resume."""
+        self.rejected_while_paused = 0
+
+    def _while_paused(self, started: float, ended: float) -> bool:
+        return any(start <= ended and (end is None or end >= started) for start, end in self.rejecting)
 
     async def _loop(self, client: httpx.AsyncClient, seed: int) -> None:
         rng = random.Random(seed)
         while not self.stop.is_set() and sum(self.statuses.values()) < self.max_requests:
             started = time.monotonic()
             try:
-                response = await client.post("/v1/completions", json=random_body(rng, self.vocab, self.max_len))
+                response = await client.post(
+                    "/v1/completions", json=random_body(rng, self.model, self.vocab, self.max_len)
+                )
             except httpx.HTTPError as exc:
                 self.statuses[type(exc).__name__] += 1
                 await asyncio.sleep(0.1)
                 continue
+            if response.status_code == 503 and self._while_paused(started, time.monotonic()):
+                self.rejected_while_paused += 1
+                await asyncio.sleep(0.2)  # a client backs off until the resume
+                continue
             self.statuses[str(response.status_code)] += 1
             if response.status_code == 200:
                 self.latencies.append(time.monotonic() - started)
+                self.tokens += response.json()["usage"]["completion_tokens"]
                 for choice in response.json()["choices"]:
                     self.finish[choice["finish_reason"]] += 1
-                    self.tokens += len(choice.get("token_ids") or [])
 
     def run(self) -> None:
         async def main() -> None:
@@ -117,14 +131,17 @@ class Load:
         asyncio.run(main())
 
 
-def control_loop(control: ControlClient, paths: list[str], stop: threading.Event, rng: random.Random,
+def control_loop(control: ControlClient, paths: list[str], load: Load, rng: random.Random,
                  calls: dict[str, list[float]]) -> None:  # fmt: skip
     """Every 3-10 s: pause (random mode and cache clearing), a weight update two times in three, resume."""
     version = 0
     control.init_weight_transfer({})
-    while not stop.wait(rng.uniform(3, 10)):
+    while not load.stop.wait(rng.uniform(3, 10)):
         mode = rng.choice(["abort", "wait", "keep"])
         started = time.monotonic()
+        window = [started, None]
+        if mode != "keep":
+            load.rejecting.append(window)
         control.pause(mode, clear_cache=rng.random() < 0.5)
         calls[f"pause_{mode}_s"].append(time.monotonic() - started)
         try:
@@ -139,7 +156,8 @@ def control_loop(control: ControlClient, paths: list[str], stop: threading.Event
         finally:
             started = time.monotonic()
             control.resume()
-            calls["resume_s"].append(time.monotonic() - started)
+            window[1] = time.monotonic()
+            calls["resume_s"].append(window[1] - started)
 
 
 def rss_mb(pid: int) -> float:
@@ -152,7 +170,7 @@ def rss_mb(pid: int) -> float:
 def percentiles(values: list[float]) -> dict[str, float]:
     if len(values) < 2:
         return {}
-    q = statistics.quantiles(values, n=100)
+    q = statistics.quantiles(values, n=100, method="inclusive")
     return {"p50": round(q[49], 3), "p90": round(q[89], 3), "p99": round(q[98], 3), "max": round(max(values), 3)}
 
 
@@ -176,13 +194,13 @@ def main() -> int:
         control = ControlClient(url, timeout_s=120, token=token)
         control.wait_healthy(120, is_alive=lambda: server.poll() is None)
         config = json.loads((MODEL / "config.json").read_text())
-        load = Load(url, token, args.load_factor * args.max_num_seqs, args.max_requests, config["vocab_size"],
-                    control.max_model_len())  # fmt: skip
+        load = Load(url, token, args.load_factor * args.max_num_seqs, args.max_requests,
+                    control.served_model_name(), config["vocab_size"], control.max_model_len())  # fmt: skip
         calls: dict[str, list[float]] = {k: [] for k in ("pause_abort_s", "pause_wait_s", "pause_keep_s",
                                                          "weight_update_s", "resume_s")}  # fmt: skip
         rng = random.Random(args.seed)
         controller = threading.Thread(target=control_loop, args=(control, weight_files(weights_dir, args.seed),
-                                                                 load.stop, rng, calls), daemon=True)  # fmt: skip
+                                                                 load, rng, calls), daemon=True)  # fmt: skip
         loader = threading.Thread(target=load.run, daemon=True)
         started = time.monotonic()
         loader.start()
@@ -199,7 +217,9 @@ def main() -> int:
         result = {
             "minutes": round(elapsed / 60, 2), "max_num_seqs": args.max_num_seqs, "concurrency": load.concurrency,
             "server_alive": server.poll() is None, "requests": dict(load.statuses), "finish_reasons": dict(load.finish),
-            "failures": sum(n for s, n in load.statuses.items() if not s.startswith(("2", "4"))),
+            "rejected_while_paused_by_design": load.rejected_while_paused,
+            "failures": sum(n for s, n in load.statuses.items() if s != "200"),
+            "http_5xx": sum(n for s, n in load.statuses.items() if s.startswith("5")),
             "tokens_per_s": round(load.tokens / elapsed, 1), "latency_s": percentiles(load.latencies),
             "rss_mb_start": round(rss[0][1], 1), "rss_mb_after_warmup_min": round(min(after), 1),
             "rss_mb_after_warmup_max": round(max(after), 1), "rss_mb_end": round(rss[-1][1], 1),
