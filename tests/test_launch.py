@@ -43,3 +43,51 @@ def test_each_replica_needs_its_port_free():
         check_port(to_config(compose([f"server.port={port}"])))  # one server: port + 1 is not its business
         with pytest.raises(ConfigError, match=rf"^server.port={port} \+ replica 1: 127.0.0.1:{port + 1} is already"):
             check_port(to_config(compose([f"server.port={port}", "server.replicas=2"])))
+
+
+# ---- the job's failures, the job itself replaced by one that fails (it stands for the processes a run starts) ----
+
+
+def test_a_restart_composes_the_job_again_resuming_from_the_checkpoint_with_the_same_weights_dir(
+    tmp_path, monkeypatch, capsys
+):  # fmt: skip
+    from test_restart import checkpoint
+
+    from asyncrl import launch
+    from asyncrl.trainer.assembler import RolloutWorkerError
+
+    attempts = []
+
+    def job(config, components, run_dir):  # type: ignore[no-untyped-def]
+        attempts.append((config.trainer.resume_from_checkpoint, config.server.weights_dir, config.trainer.max_steps))
+        if len(attempts) == 1:
+            config.server.weights_dir = "/dev/shm/asyncrl-transfer-claimed"  # what claim_server_access does
+            checkpoint(run_dir, 2)
+            raise RolloutWorkerError("the rollout worker exited with code -9 without an error")
+
+    monkeypatch.setattr(launch, "run_job", job)
+    launch.run_hydra([f"hydra.run.dir={tmp_path}", "trainer.max_restarts=1", "trainer.max_steps=3"])
+    assert attempts == [(None, None, 3), (str(tmp_path / "checkpoints" / "step_000002"),
+                                          "/dev/shm/asyncrl-transfer-claimed", 3)]  # fmt: skip
+    assert capsys.readouterr().err.splitlines() == [
+        "restart 1/1 (RolloutWorkerError): the rollout worker exited with code -9 without an error; resuming from "
+        "step_000002 (step 2)"
+    ]
+
+
+def test_a_full_disk_ends_in_one_line_with_the_command_that_starts_the_run_again(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from asyncrl import launch
+
+    def full(config, components, run_dir):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "metrics.jsonl"))
+
+    monkeypatch.setattr(launch, "run_job", full)
+    with pytest.raises(SystemExit) as exited:
+        launch.run_hydra([f"hydra.run.dir={tmp_path}", "trainer.max_steps=3"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error (OSError): No space left on device writing {tmp_path / 'metrics.jsonl'}: free space there; before "
+        "its first checkpoint: nothing to resume; start again with: asyncrl train trainer.max_steps=3"
+    ]
