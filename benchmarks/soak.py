@@ -7,7 +7,8 @@ It reports: requests by HTTP status (anything but 200, a refused connection or t
 request is valid), the finish reasons,
 request latency percentiles (p50/p90/p99/max; a request caught by a pause waits it out), pause/update/resume call
 times, and the server's resident memory (VmRSS, sampled every 2 s): its range after the warm-up (the first
---warmup-frac of the run) relative to its minimum there, which must stay within 10%.
+--warmup-frac of the run) relative to its minimum there, which must stay within 10%, and its least-squares slope
+(a leak climbs steadily; the allocator's high-water marks do not).
 
     python benchmarks/soak.py --minutes 10                  # the RESULTS.md run (tiny model, CPU)
     python benchmarks/soak.py --minutes 1 --max-num-seqs 8  # a quick look
@@ -224,6 +225,9 @@ def main() -> int:
             "rss_mb_start": round(rss[0][1], 1), "rss_mb_after_warmup_min": round(min(after), 1),
             "rss_mb_after_warmup_max": round(max(after), 1), "rss_mb_end": round(rss[-1][1], 1),
             "rss_growth_after_warmup": round((max(after) - min(after)) / min(after), 4),
+            "rss_mb_per_min_after_warmup": round(statistics.linear_regression(
+                [t for t, _ in rss if t >= args.warmup_frac * elapsed], after).slope * 60, 2),
+            "rss_mb_every_10s": [round(mb) for t, mb in rss[::5]],
             "calls": {k: {"count": len(v), **percentiles(v)} for k, v in calls.items()},
         }  # fmt: skip
     finally:
