@@ -302,7 +302,8 @@ def claim_server_access(config: Config, run_dir: Path) -> None:
     """The token and weights directory of a server this run launches. The token is $ASYNCRL_SERVER_TOKEN, else a
     fresh one put there: the environment (not argv, which ``ps`` shows every user) carries it to the server and to
     every process of the run, whose clients send it. Without server.weights_dir the server gets a fresh private
-    directory (in /dev/shm when writable, else under the run directory), removed at exit."""
+    directory (in /dev/shm when writable, else under the run directory), removed at exit; one left by a launcher
+    killed outright (no exit handler ran) is removed by the next."""
     from asyncrl.client import ensure_token
 
     ensure_token()
@@ -310,8 +311,30 @@ def claim_server_access(config: Config, run_dir: Path) -> None:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
         base.mkdir(parents=True, exist_ok=True)
-        config.server.weights_dir = tempfile.mkdtemp(prefix="asyncrl-transfer-", dir=base)
+        remove_orphaned_transfer_dirs(base)
+        config.server.weights_dir = tempfile.mkdtemp(prefix=f"{TRANSFER_PREFIX}{os.getpid()}-", dir=base)
         atexit.register(shutil.rmtree, config.server.weights_dir, ignore_errors=True)
+
+
+TRANSFER_PREFIX = "asyncrl-transfer-"
+
+
+def remove_orphaned_transfer_dirs(base: Path) -> None:
+    """The weight-transfer directories in ``base`` whose launcher (the pid in their name) no longer exists."""
+    for path in base.glob(f"{TRANSFER_PREFIX}*-*"):
+        pid = path.name[len(TRANSFER_PREFIX) :].partition("-")[0]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def launch_command(config: Config, run_dir: Path, replica: int = 0) -> ServerCommand:

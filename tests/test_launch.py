@@ -91,3 +91,21 @@ def test_a_full_disk_ends_in_one_line_with_the_command_that_starts_the_run_again
         f"error (OSError): No space left on device writing {tmp_path / 'metrics.jsonl'}: free space there; before "
         "its first checkpoint: nothing to resume; start again with: asyncrl train trainer.max_steps=3"
     ]
+
+
+def test_a_transfer_directory_left_by_a_launcher_killed_outright_goes_with_the_next_launch(tmp_path):
+    """kill -9 of the CLI runs no exit handler: its /dev/shm directory (named by its pid) stays until the next
+    launch, which removes it; a live launcher's, and one named otherwise, stay."""
+    import subprocess
+    import sys
+
+    from asyncrl.launch import remove_orphaned_transfer_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"asyncrl-transfer-{int(dead.stdout)}-x1"
+    live = tmp_path / "asyncrl-transfer-1-x2"  # init: always alive
+    other = tmp_path / "asyncrl-transfer-abcdef"
+    for path in (orphan, live, other):
+        (path / "asyncrl-weights").mkdir(parents=True)
+    remove_orphaned_transfer_dirs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, other.name]
