@@ -22,6 +22,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -238,6 +239,8 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     ok = result["server_alive"] and result["failures"] == 0 and result["rss_growth_after_warmup"] <= 0.10
     print("PASS" if ok else f"FAIL (log: {log})")
+    if ok:
+        shutil.rmtree(weights_dir)
     return 0 if ok else 1
 
 
