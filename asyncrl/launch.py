@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -106,7 +107,7 @@ def _hydra_job(cfg: DictConfig) -> None:
         _refuse(exc, run_dir)
     config = plan.config
     try:
-        run_job(plan, run_dir, cfg)
+        _run_restarting(cfg, plan, run_dir)
     except CONFIG_ERRORS as exc:
         _refuse(exc, run_dir)
     except EXPECTED_ERRORS as exc:
@@ -114,6 +115,13 @@ def _hydra_job(cfg: DictConfig) -> None:
         log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
         first, _, rest = str(exc).partition("\n")  # a server's log tail follows the line
         print(f"error ({type(exc).__name__}): {first}{_see_log()}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
+        raise SystemExit(1) from exc
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        again = resume_line(run_dir, Path(config.trainer.output_dir or run_dir))  # no log: the disk is full
+        print(f"error (OSError): {exc.strerror}{where}: free space there; {again}", file=sys.stderr)
         raise SystemExit(1) from exc
     except KeyboardInterrupt as exc:
         line = interrupted_line(run_dir, Path(config.trainer.output_dir or run_dir), exc)
@@ -137,6 +145,41 @@ def _refuse(exc: BaseException, run_dir: Path) -> NoReturn:
     raise SystemExit(2) from exc
 
 
+def _run_restarting(cfg: DictConfig, plan: RunPlan, run_dir: Path) -> None:
+    """The job; after a process of it died, again from its newest good checkpoint, up to trainer.max_restarts
+    times (asyncrl/restart.py)."""
+    from asyncrl.restart import run_restarting
+
+    config = plan.config
+    first = iter([plan])  # the first attempt runs as composed
+
+    def attempt(resume: str | None) -> None:
+        run_job(next(first, None) or _recomposed(cfg, resume, config.server.weights_dir), run_dir, cfg)
+
+    output_dir = Path(config.trainer.output_dir or run_dir)
+    run_restarting(attempt, run_dir, output_dir, config.trainer.max_restarts,
+                   resume=config.trainer.resume_from_checkpoint, report=_report_restart)  # fmt: skip
+
+
+def _recomposed(cfg: DictConfig, resume: str | None, weights_dir: str | None) -> RunPlan:
+    """The job's plan, with fresh components, for a restart: resuming from ``resume`` (None: from the start), with
+    the server weights directory the first attempt claimed (removed at exit)."""
+    import copy
+
+    from omegaconf import open_dict
+
+    again = copy.deepcopy(cfg)
+    with open_dict(again):
+        again.trainer.resume_from_checkpoint = resume
+        again.server.weights_dir = weights_dir
+    return plan_run(again)
+
+
+def _report_restart(line: str, exc: BaseException) -> None:
+    log_to_file(line, exc)
+    print(line, file=sys.stderr, flush=True)
+
+
 def log_to_file(message: str, exc: BaseException) -> None:
     """``message`` and ``exc``'s traceback into the run's log files only (the terminal gets one line)."""
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, (type(exc), exc, exc.__traceback__))
@@ -153,24 +196,32 @@ def _see_log() -> str:
 def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str:
     """The step Ctrl-C or SIGTERM stopped at (the last one logged), and the command that resumes the run from its
     newest checkpoint: the run's own overrides, ``trainer.resume_from_checkpoint=latest`` and its directory."""
-    import shlex
-
-    from hydra.core.hydra_config import HydraConfig
-
     from asyncrl.metrics import read_jsonl
-    from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
+    from asyncrl.trainer.checkpoint import list_checkpoints
 
     metrics = run_dir / "metrics.jsonl"
     steps = [r["step"] for r in read_jsonl(metrics)] if metrics.is_file() else []
     done = f"interrupted ({exc.args[0] if exc.args else 'SIGINT'}) at step {steps[-1] if steps else 0}"
+    separator = "; " if list_checkpoints(output_dir) else ", "
+    return done + separator + resume_line(run_dir, output_dir)
+
+
+def resume_line(run_dir: Path, output_dir: Path) -> str:
+    """How to continue the run: the command that resumes it from its newest checkpoint (the run's own overrides,
+    ``trainer.resume_from_checkpoint=latest`` and its directory), or before one, the command that starts it again."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
+
     kept = other_overrides(list(HydraConfig.get().overrides.task), ("trainer.resume_from_checkpoint", "hydra.run.dir"))
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
-        again = " ".join(shlex.quote(o) for o in kept)
-        return f"{done}, before its first checkpoint: nothing to resume; start again with: asyncrl train {again}"
+        return f"before its first checkpoint: nothing to resume; start again with: asyncrl train {shlex.join(kept)}"
     resume = [*kept, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run_dir}"]
     return (
-        f"{done}; resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
+        f"resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
         f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}"
     )
 
@@ -324,7 +375,8 @@ def claim_server_access(config: Config, run_dir: Path) -> None:
     """The token and weights directory of a server this run launches. The token is $ASYNCRL_SERVER_TOKEN, else a
     fresh one put there: the environment (not argv, which ``ps`` shows every user) carries it to the server and to
     every process of the run, whose clients send it. Without server.weights_dir the server gets a fresh private
-    directory (in /dev/shm when writable, else under the run directory), removed at exit."""
+    directory (in /dev/shm when writable, else under the run directory), removed at exit; one left by a launcher
+    killed outright (no exit handler ran) is removed by the next."""
     from asyncrl.client import ensure_token
 
     ensure_token()
@@ -332,8 +384,30 @@ def claim_server_access(config: Config, run_dir: Path) -> None:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
         base.mkdir(parents=True, exist_ok=True)
-        config.server.weights_dir = tempfile.mkdtemp(prefix="asyncrl-transfer-", dir=base)
+        remove_orphaned_transfer_dirs(base)
+        config.server.weights_dir = tempfile.mkdtemp(prefix=f"{TRANSFER_PREFIX}{os.getpid()}-", dir=base)
         atexit.register(shutil.rmtree, config.server.weights_dir, ignore_errors=True)
+
+
+TRANSFER_PREFIX = "asyncrl-transfer-"
+
+
+def remove_orphaned_transfer_dirs(base: Path) -> None:
+    """The weight-transfer directories in ``base`` whose launcher (the pid in their name) no longer exists."""
+    for path in base.glob(f"{TRANSFER_PREFIX}*-*"):
+        pid = path.name[len(TRANSFER_PREFIX) :].partition("-")[0]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def launch_command(config: Config, run_dir: Path, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:

@@ -65,6 +65,7 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        drop_partial_row(path)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         finite = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
@@ -85,6 +86,21 @@ class JsonlSink:
             tmp.write_text(text)
             os.replace(tmp, self.path)
         return len(records) - len(kept)
+
+
+def drop_partial_row(path: Path) -> None:
+    """Cut a last row left incomplete (a run killed or out of disk while writing it) before rows are appended
+    after it, where every later read would fail on it."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        content = f.read()
+        f.truncate(content.rfind(b"\n") + 1)
+        log.warning("%s: an incomplete last row (the run stopped while writing it) removed", path)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -66,3 +66,70 @@ def test_serve_takes_a_run_directory_with_its_overrides_then_the_given_ones(tmp_
     assert serve_overrides(["server.port=8001"]) == ["server.port=8001"]  # no directory: overrides only
     with pytest.raises(ConfigError, match=rf"^asyncrl serve {tmp_path}/nowhere: {tmp_path}/nowhere: no such dir"):
         serve_overrides([str(tmp_path / "nowhere")])
+
+
+# ---- the job's failures, the job itself replaced by one that fails (it stands for the processes a run starts) ----
+
+
+def test_a_restart_composes_the_job_again_resuming_from_the_checkpoint_with_the_same_weights_dir(
+    tmp_path, monkeypatch, capsys
+):  # fmt: skip
+    from test_restart import checkpoint
+
+    from asyncrl import launch
+    from asyncrl.trainer.assembler import RolloutWorkerError
+
+    attempts = []
+
+    def job(plan, run_dir, cfg):  # type: ignore[no-untyped-def]
+        config = plan.config
+        attempts.append((config.trainer.resume_from_checkpoint, config.server.weights_dir, config.trainer.max_steps))
+        if len(attempts) == 1:
+            config.server.weights_dir = "/dev/shm/asyncrl-transfer-claimed"  # what claim_server_access does
+            checkpoint(run_dir, 2)
+            raise RolloutWorkerError("the rollout worker exited with code -9 without an error")
+
+    monkeypatch.setattr(launch, "run_job", job)
+    launch.run_hydra([f"hydra.run.dir={tmp_path}", "trainer.max_restarts=1", "trainer.max_steps=3"])
+    assert attempts == [(None, None, 3), (str(tmp_path / "checkpoints" / "step_000002"),
+                                          "/dev/shm/asyncrl-transfer-claimed", 3)]  # fmt: skip
+    assert capsys.readouterr().err.splitlines() == [
+        "restart 1/1 (RolloutWorkerError): the rollout worker exited with code -9 without an error; resuming from "
+        "step_000002 (step 2)"
+    ]
+
+
+def test_a_full_disk_ends_in_one_line_with_the_command_that_starts_the_run_again(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from asyncrl import launch
+
+    def full(plan, run_dir, cfg):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "metrics.jsonl"))
+
+    monkeypatch.setattr(launch, "run_job", full)
+    with pytest.raises(SystemExit) as exited:
+        launch.run_hydra([f"hydra.run.dir={tmp_path}", "trainer.max_steps=3"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error (OSError): No space left on device writing {tmp_path / 'metrics.jsonl'}: free space there; before "
+        "its first checkpoint: nothing to resume; start again with: asyncrl train trainer.max_steps=3"
+    ]
+
+
+def test_a_transfer_directory_left_by_a_launcher_killed_outright_goes_with_the_next_launch(tmp_path):
+    """kill -9 of the CLI runs no exit handler: its /dev/shm directory (named by its pid) stays until the next
+    launch, which removes it; a live launcher's, and one named otherwise, stay."""
+    import subprocess
+    import sys
+
+    from asyncrl.launch import remove_orphaned_transfer_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"asyncrl-transfer-{int(dead.stdout)}-x1"
+    live = tmp_path / "asyncrl-transfer-1-x2"  # init: always alive
+    other = tmp_path / "asyncrl-transfer-abcdef"
+    for path in (orphan, live, other):
+        (path / "asyncrl-weights").mkdir(parents=True)
+    remove_orphaned_transfer_dirs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, other.name]

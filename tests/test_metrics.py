@@ -61,3 +61,13 @@ def test_a_resume_drops_the_rows_past_its_checkpoint_and_a_torn_last_line(tmp_pa
     untouched = sink.path.stat().st_mtime_ns
     assert sink.drop_after(4) == 0 and sink.path.stat().st_mtime_ns == untouched  # nothing past it: not rewritten
     assert JsonlSink(tmp_path / "new" / "metrics.jsonl").drop_after(0) == 0
+
+
+def test_a_resumed_sink_cuts_the_torn_last_row_before_appending(tmp_path, caplog):
+    """A run out of disk (or killed) mid-row: the next launch's rows would otherwise follow the torn one, which no
+    read could then skip."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew')
+    JsonlSink(path).write(2, {"reward": 0.5})
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2, "reward": 0.5}]
+    assert "incomplete last row" in caplog.text

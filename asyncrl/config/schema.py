@@ -243,6 +243,10 @@ class TrainerConfig:
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None
     """latest | a checkpoint directory."""
+    max_restarts: int = 0
+    """A rank, rollout worker or generation server that dies (or stops answering: a weight sync or the generations
+    fail) restarts the run from its newest good checkpoint, up to this many times (asyncrl/restart.py); 0: the run
+    stops with the error."""
 
 
 @dataclass

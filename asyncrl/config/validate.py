@@ -62,7 +62,7 @@ def check_staleness(config: Config) -> None:
 
 def check_trainer_rates(config: Config) -> None:
     t = config.trainer
-    for key in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
+    for key in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "max_restarts"):
         value = getattr(t, key)
         if value < 0:
             raise ConfigError(f"trainer.{key}={value} must be >= 0")

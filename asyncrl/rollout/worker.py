@@ -95,6 +95,8 @@ class WorkerSpec:
     adapter_prefix: str | None = None
     """Set under adapter-only LoRA sync: each policy version is served as its own adapter (client.policy_model)."""
     start_prompt_index: int = 0
+    skip_prompt_indices: frozenset[int] = frozenset()
+    """Prompts past start_prompt_index that the checkpoint resumed from had already consumed."""
     total_prompts: int | None = None
     """Stop after this global prompt index (epoch-based runs); None = cycle epochs until stopped."""
 
@@ -175,7 +177,9 @@ class WorkerDriver:
         async with self._running() as tasks:
             accepted = 0
             for prompt in prompts(self.spec):
-                if not self.loop.filter_prompt(prompt.row_index, prompt.row, prompt.epoch):
+                if prompt.index in self.spec.skip_prompt_indices:
+                    accepted += 1  # trained before the checkpoint this run resumed from
+                elif not self.loop.filter_prompt(prompt.row_index, prompt.row, prompt.epoch):
                     self.channels.send(PromptDone(prompt.index, "filtered"))
                 else:
                     accepted += 1

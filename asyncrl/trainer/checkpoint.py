@@ -4,7 +4,8 @@ A checkpoint (and the final model) is written into ``NAME.tmp`` and renamed when
 a crash never leaves a half checkpoint that resume would pick up. It holds the model (save_pretrained: with
 LoRA only the adapter, which resume puts back on model.name_or_path) and tokenizer, the optimizer and
 scheduler states, RNG states, ``trainer_state.json`` (step, model_version, the number of trainer ranks, ...)
-and ``rollout_state.json``: the index of the first prompt not yet trained, where the worker resumes. The model
+and ``rollout_state.json``: the index of the first prompt not yet trained, where the worker resumes, and the
+prompts past it already trained (groups finish out of order), which the resumed worker skips. The model
 and optimizer are the sharded resume files (``sharded/``: torch.distributed.checkpoint's fp32 master weights and
 optimizer state, resharded on load for any number of ranks) plus a consolidated copy of the model in the serving
 dtype (with LoRA: the adapter) that a server or ``from_pretrained`` loads (trainer/fsdp.py).
@@ -24,7 +25,7 @@ import re
 import shutil
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ class TrainerState:
     """First prompt (global stream index) not yet trained."""
     prompts_consumed: int
     extra: dict[str, Any]
+    done_after_index: list[int] = field(default_factory=list)
+    """Prompts past prompt_index already consumed (trained or dropped): a resume must not train them again."""
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -113,7 +116,8 @@ def save_checkpoint(
             indent=2,
         )
     )
-    (tmp / "rollout_state.json").write_text(json.dumps({"prompt_index": state.prompt_index}, indent=2))
+    rollout = {"prompt_index": state.prompt_index, "done_after_index": state.done_after_index}
+    (tmp / "rollout_state.json").write_text(json.dumps(rollout, indent=2))
     publish(tmp, final)
     if total_limit:
         for old in list_checkpoints(output_dir)[:-total_limit]:
@@ -302,6 +306,7 @@ def load_checkpoint(path: Path, scheduler: Any) -> TrainerState:
         rollout["prompt_index"],
         trainer["prompts_consumed"],
         trainer.get("extra", {}),
+        rollout.get("done_after_index", []),  # absent from checkpoints written before it was recorded
     )
 
 

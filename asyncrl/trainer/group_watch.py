@@ -38,6 +38,11 @@ class TrainingStalledError(RuntimeError):
     """No group could train for too long, or too many failed to generate; the message says why."""
 
 
+class GenerationFailingError(TrainingStalledError):
+    """Too many groups failed to generate: the server errs or stopped answering, which a restart of the run's
+    processes may fix (trainer.max_restarts), unlike rewards that give no signal."""
+
+
 @dataclass
 class _Reason:
     count: int = 0
@@ -61,7 +66,7 @@ class GroupWatch:
         entry.last = detail or entry.last
         self.failures.append(reason == "failed")
         if reason == "failed" and sum(self.failures) > self.max_failed_fraction * FAILURE_WINDOW:
-            raise TrainingStalledError(
+            raise GenerationFailingError(
                 f"{sum(self.failures)} of the last {len(self.failures)} groups failed to generate "
                 f"(rollout.max_failed_group_fraction={self.max_failed_fraction:g} of {FAILURE_WINDOW}); "
                 f"last error: {entry.last}"

@@ -25,6 +25,7 @@ from asyncrl.evaluate import EvalRecord, evaluate
 from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing.attention import unwrap_model
+from asyncrl.restart import restart_count
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
@@ -145,6 +146,7 @@ class Trainer:
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
         if resume is not None:
             self._drop_abandoned_rows()
+        self.restarts = restart_count(self.run_dir)
         self.console = Console(c, self.flow)
         self.trackers = build_trackers(c, self.run_dir)
         self.completions: list[dict[str, Any]] = []
@@ -337,7 +339,8 @@ class Trainer:
 
     def _start_worker(self) -> None:
         c, components = self.config, self.prepared.components
-        self.progress = PromptProgress(cursor=self.state.prompt_index, consumed=self.state.prompts_consumed)
+        self.progress = PromptProgress(cursor=self.state.prompt_index, done=set(self.state.done_after_index),
+                                       consumed=self.state.prompts_consumed)  # fmt: skip
         self.num_tokens = int(self.state.extra.get("num_tokens", 0))
         self.rows_per_step = c.trainer.gradient_accumulation_steps * self.world
         self.channels.token_allowance = self.flow.initial_allowance(self.rows_per_step, self.token_budget)
@@ -349,6 +352,7 @@ class Trainer:
             model_name=served_model_name(c), max_model_len=self.max_model_len, flow=self.flow,
             adapter_prefix=self.sync.adapter_prefix,
             start_prompt_index=self.state.prompt_index, total_prompts=self.prepared.total_prompts(c),
+            skip_prompt_indices=frozenset(self.state.done_after_index),
         )  # fmt: skip
         send_spec(spec, self.channels)
         self.assembler = StepAssembler(
@@ -370,6 +374,7 @@ class Trainer:
         metrics = self.window.reduce()
         metrics["num_tokens"] = self.num_tokens
         metrics["model_version"] = self.state.model_version
+        metrics["perf/restarts"] = self.restarts
         metrics["epoch"] = self.progress.consumed / max(1, len(self.prepared.dataset))
         metrics["time_s"] = time.time() - self.run_started
         self.sink.write(self.state.step, metrics)
@@ -470,6 +475,7 @@ class Trainer:
     def _save(self) -> None:
         self.state.prompt_index = self.progress.cursor
         self.state.prompts_consumed = self.progress.consumed
+        self.state.done_after_index = sorted(self.progress.done)
         self.state.extra["num_tokens"] = self.num_tokens
         self.state.extra["loss"] = self.loss.state_dict()
         step, results = self.last_evaluation or (-1, {})

@@ -212,3 +212,21 @@ def test_a_failing_reward_reaches_the_trainer_as_one_line_with_the_traceback():
     line, trace = channels.failure()
     assert "failing" in line and "no reward today" in line and "Traceback" in trace
     channels.stop()  # the stop listener's thread ends too
+
+
+def test_a_resumed_worker_skips_the_prompts_its_checkpoint_had_already_trained():
+    """Groups finish out of order: the checkpoint's cursor is 1 while prompt 2 already trained. The resumed worker
+    generates prompt 1 and not prompt 2 again."""
+    channels = WorkerChannels.create(10**6, in_process=True)
+    spec = local_spec(total_prompts=3)
+    spec.loop_cls, spec.start_prompt_index, spec.skip_prompt_indices = OpenLoop, 1, frozenset({2})
+    driver = WorkerDriver(spec, channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
+        assert [getattr(item, "prompt_index", None) for item in sent(channels)] == [1, 1, None]
+        channels.stop()
+        await run
+
+    asyncio.run(scenario())

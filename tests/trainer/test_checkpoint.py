@@ -31,8 +31,9 @@ def saver(random_tiny_model_dir, one_rank):
     model, optimizer, scheduler = sharded(config, model)
     tokenizer = AutoTokenizer.from_pretrained(random_tiny_model_dir)
 
-    def saver(output_dir, step: int, limit: int | None = None, prompt_index: int = 0):
-        state = TrainerState(step=step, model_version=step, prompt_index=prompt_index, prompts_consumed=0, extra={})
+    def saver(output_dir, step: int, limit: int | None = None, prompt_index: int = 0, done_after_index=()):
+        state = TrainerState(step=step, model_version=step, prompt_index=prompt_index, prompts_consumed=0, extra={},
+                             done_after_index=list(done_after_index))  # fmt: skip
         return save(output_dir, state, model, tokenizer, optimizer, scheduler, one_rank, limit)
 
     return saver
@@ -65,13 +66,13 @@ def test_a_checkpoint_loads_with_weights_only_and_restores_every_rng(saver, rand
     """optimizer.pt and rng_state.pt hold only tensors and plain values: torch.load(weights_only=True) reads them,
     so a checkpoint from someone else cannot run code, and the random streams continue where they were."""
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    path = saver(tmp_path, 4, prompt_index=7)
+    path = saver(tmp_path, 4, prompt_index=7, done_after_index=[9, 12])
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     for name in ("optimizer.pt", "rng_state.pt"):
         torch.load(path / name, weights_only=True)
     optimizer = torch.optim.AdamW(AutoModelForCausalLM.from_pretrained(random_tiny_model_dir).parameters())
     state = load_checkpoint(path, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
-    assert (state.step, state.prompt_index) == (4, 7)
+    assert (state.step, state.prompt_index, state.done_after_index) == (4, 7, [9, 12])
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.trainer.group_watch import FAILURE_WINDOW, GroupWatch, TrainingStalledError
+from asyncrl.trainer.group_watch import FAILURE_WINDOW, GenerationFailingError, GroupWatch, TrainingStalledError
 
 
 def test_consecutive_drops_stop_the_run_naming_reasons_and_rewards():
@@ -15,6 +15,7 @@ def test_consecutive_drops_stop_the_run_naming_reasons_and_rewards():
     with pytest.raises(TrainingStalledError) as info:
         watch.on_sample(group_id=7, drop_reason="oversize")
     message = str(info.value)
+    assert not isinstance(info.value, GenerationFailingError)  # rewards without signal: a restart cannot help
     assert "no trainable group in the last 5 (rollout.max_consecutive_dropped_groups=5)" in message
     assert "zero_std 3 (rewards: length x3; last: length=0), too_few_scorable 1 (rewards: accuracy x1; last: " \
            "accuracy=None for 8 of 8), oversize 1" in message  # fmt: skip
@@ -53,6 +54,7 @@ def test_failures_stop_the_run_past_the_fraction_of_the_window_with_the_last_err
         try:
             watch.on_dropped("failed", detail=f"/v1/completions: HTTP 500: boom {extra}")
         except TrainingStalledError as error:
+            assert isinstance(error, GenerationFailingError)  # a server fault: trainer.max_restarts restarts it
             assert str(error).startswith(f"{allowed + 1} of the last {FAILURE_WINDOW} groups failed to generate")
             assert "rollout.max_failed_group_fraction=0.1" in str(error)
             assert str(error).endswith(f"last error: /v1/completions: HTTP 500: boom {extra}")

@@ -1,0 +1,526 @@
+"""Chaos run (CPU): one long run of the embedded default (`asyncrl train`, small overrides) while a driver injects
+faults at random times and places, resumes after each, and checks the run's own files at the end.
+
+Faults (``--kinds``): kill -9 / SIGTERM of the rollout worker, the server, a trainer rank (``--ranks 2``; with one
+rank the trainer is the launcher) or the launcher (the CLI); a hung server (SIGSTOP until the run restarts it);
+a full disk (the run directory is a small tmpfs, filled to the last byte for a few seconds); the newest
+checkpoint corrupted (its weights cut in half) just before the worker dies. Where the run restarts itself
+(trainer.max_restarts) the driver only waits; where the launcher died it runs the printed resume command (for a
+kill -9, which prints nothing, the same command built from the run's overrides).
+
+After the last fault the run is stopped (SIGTERM) and resumed with trainer.max_steps a few steps on, so that it
+ends as every run does. The checks, from the run's files:
+
+- prompts: the final checkpoint's rollout_state.json against the dataset. Each prompt counted as consumed is
+  counted once (trainer_state's prompts_consumed = the cursor + the prompts past it already trained): a prompt
+  trained again after a resume would be counted twice, one skipped would leave the cursor behind it for good.
+  Each completed epoch covers every dataset row once (the seeded order, asyncrl.rollout.worker.prompt_order).
+- steps: metrics.jsonl's kept history (a resume from step S supersedes the rows past S written before it) holds
+  each step 1..N once; the raw file's rows of superseded histories are reported apart.
+- every checkpoint passes ``check_checkpoint`` and its weights, optimizer and RNG files load; the final model loads.
+- orphans: no process of the run left after each fault's recovery and at the end, nothing left in /dev/shm.
+  The driver runs in its own mount namespace with a private /dev/shm and the run directory on a tmpfs, so that
+  the other users of a shared machine do not blur the count.
+- weights: ``--baseline`` trains an uninterrupted run of the same number of steps; asynchronous sampling is not
+  bit-deterministic, so the comparison is the distance between the two final updates relative to their size.
+
+    python benchmarks/chaos.py --faults 100 --minutes 40            # the RESULTS.md run
+    python benchmarks/chaos.py --faults 5 --kinds worker_kill,server_kill,launcher_kill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncrl.metrics import read_jsonl  # noqa: E402
+from asyncrl.trainer.checkpoint import check_checkpoint, list_checkpoints  # noqa: E402
+
+INSIDE = "ASYNCRL_CHAOS_INSIDE"
+MARKER = "ASYNCRL_CHAOS_MARKER"
+KINDS = ("worker_kill", "worker_term", "server_kill", "server_term", "server_hang", "rank_kill", "rank_term",
+         "launcher_kill", "launcher_term", "disk_full", "corrupt_checkpoint")  # fmt: skip
+RECOVERY_S = 300.0
+
+
+@dataclass
+class Fault:
+    kind: str
+    injected_at: float
+    step: int
+    outcome: str = "pending"
+    """restarted (by the run itself) | relaunched (by the resume command) | absorbed (no stop) | lost"""
+    lost_s: float = float("nan")
+    """Seconds from the fault until the run trained past the step it had reached."""
+    orphans: int = 0
+
+
+@dataclass
+class Run:
+    """The CLI of the run under test, relaunched as needed; its processes carry MARKER in their environment."""
+
+    run_dir: Path
+    overrides: list[str]
+    console: Path
+    marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+    proc: subprocess.Popen[bytes] | None = None
+    launches: int = 0
+    read_offset: int = 0
+    restarts_seen: int = 0
+    printed_resume: list[str] | None = None
+    """The overrides of the resume command the last launch printed (a Ctrl-C or SIGTERM)."""
+
+    def start(self, args: list[str]) -> None:
+        env = {**os.environ, MARKER: self.marker, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+        self.printed_resume = None
+        with self.console.open("ab") as out:
+            out.write(f"\n=== launch {self.launches}: asyncrl train {shlex.join(args)}\n".encode())
+            command = [sys.executable, "-m", "asyncrl", "train", *args]
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                         start_new_session=True)  # fmt: skip
+        self.launches += 1
+
+    def resume(self, extra: list[str] = ()) -> None:  # type: ignore[assignment]
+        """The resume command the CLI printed, else (a kill -9 prints nothing) the same built from the run's
+        overrides: trainer.resume_from_checkpoint=latest in the run's directory. ``extra`` overrides replace."""
+        self.poll_console()
+        if list_checkpoints(self.run_dir):
+            base = self.printed_resume or [*self.overrides, "trainer.resume_from_checkpoint=latest"]
+        else:  # before a checkpoint: start again, as the restart does
+            base = self.overrides
+            metrics = self.run_dir / "metrics.jsonl"
+            if metrics.is_file():
+                metrics.rename(self.run_dir / "logs" / f"metrics.before_launch_{self.launches}.jsonl")
+        keys = {e.partition("=")[0] for e in extra}
+        self.start([o for o in base if o.partition("=")[0] not in keys] + list(extra))
+
+    def poll_console(self) -> None:
+        """Read the console's new lines: restart lines, and the resume command a stopped launch printed."""
+        with self.console.open("rb") as f:
+            f.seek(self.read_offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.read_offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            self.restarts_seen += line.startswith("restart ")
+            if " with: asyncrl train " in line:  # Ctrl-C, SIGTERM, a full disk
+                self.printed_resume = shlex.split(line.split(" with: asyncrl train ", 1)[1])
+
+    def pids(self, role: str) -> list[int]:
+        return [pid for pid, r in processes(self.marker) if r == role]
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+def processes(marker: str) -> list[tuple[int, str]]:
+    """(pid, role) of every live process with ``marker`` in its environment: launcher, server, rank_N, worker,
+    other."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            if f"{MARKER}={marker}".encode() not in environ:
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            found.append((int(proc.name), _role((proc / "cmdline").read_bytes(), environ)))
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+    return found
+
+
+def _role(cmdline: bytes, environ: bytes) -> str:
+    if b"asyncrl.server" in cmdline:
+        return "server"
+    if b"asyncrl.trainer.rank_main" in cmdline:
+        rank = [e for e in environ.split(b"\0") if e.startswith(b"LOCAL_RANK=")]
+        return "rank_" + rank[0].split(b"=")[1].decode() if rank else "rank_?"
+    if b"spawn_main" in cmdline:
+        return "worker"
+    if b"-m\0asyncrl\0train" in cmdline:
+        return "launcher"
+    return "other"
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def last_step(run_dir: Path) -> int:
+    """The step of metrics.jsonl's last complete row (read from its end: the file grows to megabytes)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines[1:] if len(lines) > 1 else lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+    return 0
+
+
+class Driver:
+    def __init__(self, run: Run, kinds: list[str], rng: random.Random, ranks: int) -> None:
+        self.run, self.kinds, self.rng, self.ranks = run, kinds, rng, ranks
+        self.faults: list[Fault] = []
+        self.damaged_seen = 0
+
+    def wait_trained_past(self, step: int, timeout_s: float) -> bool:
+        """Until a step past ``step`` is logged; the launcher's exit on the way is relaunched (once per exit)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if last_step(self.run.run_dir) > step:
+                return True
+            if self.run.exited() is not None:
+                return False
+            time.sleep(0.5)
+        return False
+
+    def inject(self, kind: str) -> Fault:
+        fault = Fault(kind, time.monotonic(), last_step(self.run.run_dir))
+        restarts_before = self._restart_lines()
+        role, sig = _target(kind, self.ranks)
+        hung: list[int] = []
+        if kind == "disk_full":
+            self._fill_disk_until_stopped()
+        elif kind == "corrupt_checkpoint":
+            newest = list_checkpoints(self.run.run_dir)[-1]
+            weights = newest / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+            signal_pids(self.run.pids("worker"), signal.SIGKILL)  # a restart must now pass the damaged one over
+        elif kind == "server_hang":
+            hung = self.run.pids("server")
+            signal_pids(hung, signal.SIGSTOP)
+        else:
+            signal_pids(self.run.pids(role), sig)
+        fault.outcome = self._outcome(fault, restarts_before, hung)
+        self.faults.append(fault)
+        return fault
+
+    def _outcome(self, fault: Fault, restarts_before: int, hung: list[int]) -> str:
+        """Wait for the run to restart itself, or relaunch a run whose launcher ended; then for it to train past
+        the step it had reached."""
+        deadline = time.monotonic() + RECOVERY_S
+        outcome = ""
+        while time.monotonic() < deadline and not outcome:
+            if self._restart_lines() > restarts_before:
+                outcome = "restarted"
+            elif self.run.exited() is not None:
+                outcome = "relaunched"
+            elif last_step(self.run.run_dir) > fault.step + 2 and fault.kind not in ("server_hang",):
+                outcome = "absorbed"  # trained on without a stop
+            time.sleep(0.2)
+        signal_pids(hung, signal.SIGCONT)  # its pending SIGTERM from the run's teardown then ends it
+        fault.step = max(fault.step, last_step(self.run.run_dir))  # what the stopped attempt had trained
+        for _ in range(3):  # a launch that ends on the way (a fault that stops the restarted run) is relaunched
+            if outcome and self.run.exited() is not None:
+                fault.orphans += self._reap()
+                self.run.resume()
+                outcome = "relaunched"
+            if not outcome or self.wait_trained_past(fault.step, RECOVERY_S):
+                break
+        if not outcome or last_step(self.run.run_dir) <= fault.step:
+            return "lost"
+        fault.lost_s = time.monotonic() - fault.injected_at
+        self._clear_damaged()
+        return outcome
+
+    def _restart_lines(self) -> int:
+        self.run.poll_console()
+        return self.run.restarts_seen
+
+    def _reap(self) -> int:
+        """Processes of the dead launcher still alive 30 s on (then killed): orphans."""
+        deadline = time.monotonic() + 30
+        while (left := processes(self.run.marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        signal_pids([pid for pid, _ in left], signal.SIGKILL)
+        return len(left)
+
+    def _fill_disk_until_stopped(self) -> None:
+        """Fill the run directory's filesystem; free it once the run stopped or restarted, or after 20 s."""
+        filler = self.run.run_dir.parent / "filler"
+        stat = os.statvfs(self.run.run_dir)
+        with open(filler, "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, stat.f_bavail * stat.f_frsize)
+            except OSError:
+                pass
+        restarts = self._restart_lines()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.run.exited() is None and self._restart_lines() == restarts:
+            time.sleep(0.2)
+        filler.unlink()
+
+    def _clear_damaged(self) -> None:
+        """Checkpoints the restart set aside as damaged: counted, then deleted (the tmpfs is small)."""
+        for path in (self.run.run_dir / "checkpoints").glob("*.damaged"):
+            self.damaged_seen += 1
+            shutil.rmtree(path)
+
+
+def _target(kind: str, ranks: int) -> tuple[str, int]:
+    what, _, how = kind.rpartition("_")
+    sig = signal.SIGKILL if how == "kill" else signal.SIGTERM
+    if what == "rank":
+        return ("rank_1" if ranks > 1 else "launcher"), sig
+    return what, sig
+
+
+# ---- the checks -----------------------------------------------------------------------------------------------
+
+
+def kept_history(rows: list[dict]) -> tuple[list[int], int]:
+    """The steps of the history the run ended with, and the rows of superseded ones: a row whose step is not past
+    the previous row's starts a resumed history, which supersedes the rows from that step on."""
+    kept: list[int] = []
+    superseded = 0
+    for row in rows:
+        while kept and kept[-1] >= row["step"]:
+            kept.pop()
+            superseded += 1
+        kept.append(row["step"])
+    return kept, superseded
+
+
+def check_steps(run_dir: Path) -> dict:
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    kept, superseded = kept_history(rows)
+    expected = list(range(1, kept[-1] + 1)) if kept else []
+    return {"steps": len(kept), "steps_missing": len(set(expected) - set(kept)),
+            "steps_duplicated": len(kept) - len(set(kept)), "rows_superseded": superseded,
+            "restarts_logged": rows[-1].get("perf/restarts") if rows else None}  # fmt: skip
+
+
+def check_prompts(run_dir: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    from asyncrl.rollout.worker import prompt_order
+
+    config = OmegaConf.load(run_dir / "config.yaml")
+    dataset_rows = sum(1 for line in Path(config.data.path).read_text().splitlines() if line.strip())
+    seed = config.trainer.seed
+    last = list_checkpoints(run_dir)[-1]
+    trainer = json.loads((last / "trainer_state.json").read_text())
+    rollout = json.loads((last / "rollout_state.json").read_text())
+    cursor, done = rollout["prompt_index"], rollout.get("done_after_index", [])
+    distinct = cursor + len(done)
+    epochs = cursor // dataset_rows
+    whole = all(sorted(prompt_order(dataset_rows, e, seed, True)) == list(range(dataset_rows)) for e in range(epochs))
+    return {"prompts_trained": distinct, "epochs_completed": epochs, "epochs_cover_dataset": whole,
+            "prompts_duplicated": trainer["prompts_consumed"] - distinct,
+            "prompts_lost": max(0, distinct - trainer["prompts_consumed"])}  # fmt: skip
+
+
+def check_checkpoints(run_dir: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    bad = []
+    checkpoints = list_checkpoints(run_dir)
+    for path in checkpoints:
+        try:
+            check_checkpoint(path)
+            load_file(str(path / "model.safetensors"))
+            for name in ("optimizer.pt", "rng_state.pt"):
+                torch.load(path / name, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 (any failure is a finding)
+            bad.append(f"{path.name}: {exc}")
+    AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    return {"checkpoints": len(checkpoints), "checkpoints_bad": bad}
+
+
+def checked(check, run_dir: Path) -> dict:  # type: ignore[no-untyped-def]
+    """A check's figures, or the error that stopped it (a finding too)."""
+    try:
+        return check(run_dir)
+    except Exception as exc:  # noqa: BLE001
+        return {f"{getattr(check, '__name__', 'check')}_error": f"{type(exc).__name__}: {exc}"}
+
+
+def compare_weights(chaos: Path, baseline: Path) -> dict:
+    """The two final updates from the base model: their distance relative to the uninterrupted one's size, and
+    their cosine."""
+    import torch
+    from safetensors.torch import load_file
+
+    base = load_file(str(REPO / "asyncrl" / "assets" / "tiny-arith" / "model.safetensors"))
+    a, b = load_file(str(chaos / "model.safetensors")), load_file(str(baseline / "model.safetensors"))
+    da = torch.cat([(a[k].float() - base[k].float()).flatten() for k in sorted(base)])
+    db = torch.cat([(b[k].float() - base[k].float()).flatten() for k in sorted(base)])
+    return {"update_distance_rel": float((da - db).norm() / db.norm()),
+            "update_cosine": float(torch.nn.functional.cosine_similarity(da, db, dim=0)),
+            "update_norm_ratio": float(da.norm() / db.norm())}  # fmt: skip
+
+
+# ---- the run --------------------------------------------------------------------------------------------------
+
+
+def isolate(args: argparse.Namespace) -> int:
+    """Run this script again in its own mount namespace: a private /dev/shm and a tmpfs run directory."""
+    command = ["unshare", "--mount", "--propagation", "private", sys.executable, *sys.argv]
+    return subprocess.call(command, env={**os.environ, INSIDE: "1"})
+
+
+def mount_tmpfs(path: Path, size_mb: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], check=True)
+
+
+def overrides(run_dir: Path, port: int, ranks: int, steps: int) -> list[str]:
+    return [f"trainer.max_steps={steps}", "trainer.save_steps=5", "trainer.max_restarts=100000",
+            "data.num_eval_prompts=0", "logging.report=false", "logging.console=plain", "server.timeout=30",
+            f"trainer.num_processes={ranks}", f"server.port={port}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+
+
+def finish(run: Run, finish_steps: int) -> int:
+    """Stop the run (SIGTERM) and resume it to end ``finish_steps`` steps on; the final step."""
+    signal_pids([run.proc.pid], signal.SIGTERM)
+    run.proc.wait(timeout=120)
+    end = last_step(run.run_dir) + finish_steps
+    run.resume([f"trainer.max_steps={end}"])
+    if run.proc.wait(timeout=600) != 0:
+        raise SystemExit(f"the finishing launch failed: see {run.console}")
+    return end
+
+
+def baseline_run(work: Path, port: int, ranks: int, steps: int, console: Path) -> Path:
+    run = Run(work / "baseline", overrides(work / "baseline", port, ranks, steps), console)
+    run.start(run.overrides)
+    if run.proc.wait(timeout=3600) != 0:
+        raise SystemExit(f"the baseline run failed: see {console}")
+    return work / "baseline" / "model"
+
+
+def table(faults: list[Fault], checks: dict) -> str:
+    by_kind: dict[str, list[Fault]] = defaultdict(list)
+    for f in faults:
+        by_kind[f.kind].append(f)
+    lines = ["| fault | injected | survived | restarted itself | relaunched | absorbed | orphans | s lost mean / max |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for kind, group in [*sorted(by_kind.items()), ("all", faults)]:
+        lost = [f.lost_s for f in group if f.outcome != "lost"]
+        n = {
+            outcome: sum(f.outcome == outcome for f in group)
+            for outcome in ("lost", "restarted", "relaunched", "absorbed")
+        }
+        span = f"{sum(lost) / len(lost):.1f} / {max(lost):.1f}" if lost else "-"
+        orphans = sum(f.orphans for f in group)
+        lines.append(f"| {kind} | {len(group)} | {len(group) - n['lost']} | {n['restarted']} | {n['relaunched']} | "
+                     f"{n['absorbed']} | {orphans} | {span} |")  # fmt: skip
+    lines.append("")
+    lines.append("checks: " + json.dumps(checks))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument("--minutes", type=float, default=40.0, help="stop injecting after this long")
+    parser.add_argument("--kinds", default=",".join(k for k in KINDS if not k.startswith("rank_")))
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=18650)
+    parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), help="seconds of training between faults")
+    parser.add_argument("--disk-mb", type=int, default=400, help="the run directory's tmpfs")
+    parser.add_argument("--finish-steps", type=int, default=5)
+    parser.add_argument("--cycle", action="store_true", help="take --kinds in turn instead of at random")
+    parser.add_argument("--baseline", action="store_true", help="also train an uninterrupted run and compare")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "chaos-out")
+    args = parser.parse_args()
+    if os.environ.get(INSIDE) is None and shutil.which("unshare") and os.geteuid() == 0:
+        return isolate(args)
+    kinds = [k for k in args.kinds.split(",") if k != "disk_full" or os.environ.get(INSIDE)]  # needs the tmpfs
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp") / f"asyncrl-chaos-{os.getpid()}"
+    isolated = os.environ.get(INSIDE) == "1"
+    if isolated:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", "/dev/shm"], check=True)
+        mount_tmpfs(work, args.disk_mb)
+    run_dir = work / "run"
+    console = args.out / "console.log"
+    console.write_text("")
+    rng = random.Random(args.seed)
+    run = Run(run_dir, overrides(run_dir, args.port, args.ranks, 100_000), console)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cleanup below runs
+    try:
+        return chaos(args, run, kinds, rng, isolated, work)
+    finally:
+        pids = [pid for pid, _ in processes(run.marker)]
+        signal_pids(pids, signal.SIGCONT)
+        signal_pids(pids, signal.SIGKILL)
+
+
+def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Random, isolated: bool, work: Path) -> int:
+    """Inject the faults, finish the run, check it and print the table."""
+    run_dir, console, started = run.run_dir, run.console, time.monotonic()
+    run.start(run.overrides)
+    driver = Driver(run, kinds, rng, args.ranks)
+    if not driver.wait_trained_past(5, RECOVERY_S):  # the first checkpoint exists before the first fault
+        raise SystemExit(f"the run did not reach step 6: see {console}")
+    while len(driver.faults) < args.faults and time.monotonic() - started < args.minutes * 60:
+        time.sleep(rng.uniform(*args.gap))
+        kind = kinds[len(driver.faults) % len(kinds)] if args.cycle else rng.choice(kinds)
+        fault = driver.inject(kind)
+        print(f"fault {len(driver.faults)}: {kind} at step {fault.step}: {fault.outcome} ({fault.lost_s:.1f} s)",
+              flush=True)  # fmt: skip
+        (args.out / "faults.json").write_text(json.dumps([f.__dict__ for f in driver.faults], indent=1))
+        if fault.outcome == "lost":
+            break
+    end = finish(run, args.finish_steps)
+    orphans_end = driver._reap()
+    checks = {"minutes": round((time.monotonic() - started) / 60, 1), "final_step": end,
+              "damaged_checkpoints_set_aside": driver.damaged_seen, "orphan_processes_at_end": orphans_end,
+              "dev_shm_left": sorted(os.listdir("/dev/shm")) if isolated else "not isolated"}  # fmt: skip
+    for check in (check_steps, check_prompts, check_checkpoints):
+        checks.update(checked(check, run_dir))
+    if args.baseline:
+        baseline = baseline_run(work, args.port, args.ranks, end, console)
+        checks.update(checked(lambda _: compare_weights(run_dir / "model", baseline), run_dir))
+    report = table(driver.faults, checks)
+    print(report, flush=True)
+    (args.out / "table.md").write_text(report + "\n")
+    (args.out / "checks.json").write_text(json.dumps(checks, indent=1) + "\n")
+    (args.out / "faults.json").write_text(json.dumps([f.__dict__ for f in driver.faults], indent=1))
+    for name in ("metrics.jsonl", "logs", "config.yaml", "launch.log", "model"):
+        source = run_dir / name
+        if source.is_dir():
+            shutil.copytree(source, args.out / name, dirs_exist_ok=True)
+        elif source.is_file():
+            shutil.copy(source, args.out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
