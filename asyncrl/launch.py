@@ -140,9 +140,20 @@ def _refuse(exc: BaseException, run_dir: Path) -> NoReturn:
     from asyncrl.config.messages import config_error_line
 
     print(f"config error: {config_error_line(exc)}", file=sys.stderr)
+    _close_log_files(run_dir)
     with contextlib.suppress(OSError):
         run_dir.rmdir()
     raise SystemExit(2) from exc
+
+
+def _close_log_files(run_dir: Path) -> None:
+    """Detach the job's log files in ``run_dir`` from the root logger: once the directory is gone, a later record in
+    this process (the next job of a sweep, a caller that ran the CLI in-process) would try to create the file there."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+            root.removeHandler(handler)
+            handler.close()
 
 
 def _run_restarting(cfg: DictConfig, plan: RunPlan, run_dir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 from typer.testing import CliRunner
@@ -84,6 +85,8 @@ def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(invoke
     assert result.exit_code == 2
     assert "has no 'prompt' column (columns: question, solution)" in result.output
     assert not (tmp_path / "run").exists()  # the directory Hydra made for the job went with it
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    assert not [h.baseFilename for h in handlers if str(tmp_path) in h.baseFilename]  # and its log file's handler
 
 
 def test_config_shows_the_server_command_without_running_it():

@@ -83,7 +83,20 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, 
     out = Path(out_dir)
     save_tiny_model(model, tokenizer, out)
     if hasattr(model.config, "vision_config"):
+        image_processor_class()(patch_size=model.config.vision_config.patch_size).save_pretrained(out)
+    return out
+
+
+def image_processor_class() -> type:
+    """Qwen2-VL's image processor: the torchvision one where torchvision is installed (as on a GPU machine, whose
+    vLLM loads it), else its PIL twin, named outright: transformers >= 5.24 falls back to it by itself only when
+    the torchvision module was not imported first, so which one a process got depended on import order."""
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
         from transformers import Qwen2VLImageProcessor
 
-        Qwen2VLImageProcessor(patch_size=model.config.vision_config.patch_size).save_pretrained(out)
-    return out
+        return Qwen2VLImageProcessor
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil
