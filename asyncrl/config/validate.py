@@ -136,6 +136,8 @@ def check_server_config(config: Config) -> None:
         raise ConfigError(f"server.port={sv.port} is not a TCP port")
     if sv.timeout <= 0:
         raise ConfigError(f"server.timeout={sv.timeout} must be > 0 seconds")
+    if sv.health_timeout is not None and sv.health_timeout <= 0:
+        raise ConfigError(f"server.health_timeout={sv.health_timeout} must be > 0 seconds (null: no watchdog)")
     if sv.max_num_seqs < 1:
         raise ConfigError(f"server.max_num_seqs={sv.max_num_seqs} must be >= 1")
     if sv.max_model_len is not None and sv.max_model_len <= config.sampling.max_completion_length:

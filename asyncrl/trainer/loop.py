@@ -31,6 +31,7 @@ from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.server.command import served_model_name, serving_dtype
 from asyncrl.server.handle import check_alive
+from asyncrl.server.watchdog import HealthWatchdog
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
 from asyncrl.trainer.checkpoint import (
@@ -111,6 +112,8 @@ class Trainer:
         use_cpu_threads(config, self.world)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout)  # every replica
+        health_timeout = config.server.health_timeout  # a hung server accepts connections: its silence tells
+        self.watchdog = None if health_timeout is None else HealthWatchdog(server.base_urls, health_timeout)
         self.flow = prepared.plan.flow
         self.channels = WorkerChannels.create(1)
         self.worker = spawn_worker(self.channels)  # it imports, and the model loads, while a launched server boots
@@ -365,6 +368,8 @@ class Trainer:
 
     def _check_processes(self) -> None:
         check_alive(self.server)
+        if self.watchdog is not None:
+            self.watchdog.check()
         self.sync.check()  # a failed resume leaves the server paused: say so instead of waiting for rollouts
         if not self.worker.is_alive() and self.channels.failure() is None:
             raise RolloutWorkerError(f"the rollout worker exited with code {self.worker.exitcode} without an error")

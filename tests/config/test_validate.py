@@ -32,6 +32,7 @@ BAD_INPUTS = [
     (["staleness.max_concurrent_rollouts=0"], "staleness.max_concurrent_rollouts"),
     (["server.launch=false"], "server.base_url"),
     (["server.max_model_len=16"], "server.max_model_len"),
+    (["server.health_timeout=0"], "server.health_timeout=0"),
     (["sampling.num_sampler_logprobs=50"], "server.max_logprobs"),
     (["lora=default", "lora.target_modules=[q_proj,lm_head]"], "lm_head"),
     (["lora=default", "server.max_lora_rank=16"], "lora.r"),
