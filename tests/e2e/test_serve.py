@@ -53,6 +53,7 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
         assert 1 <= len(tokens) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(tokens)
         assert httpx.post(f"{url}/resume").status_code == 401  # the CLI's token: the test session's, inherited
         assert httpx.post(f"{url}/resume", headers=auth_headers()).status_code == 200
+        printed = _lines_until(proc, "attach with: ")  # the CLI prints them once it saw the server healthy itself
         proc.send_signal(stop_signal)
         try:
             proc.wait(timeout=60)
@@ -60,7 +61,7 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
             proc.kill()
             log = (tmp_path / "logs" / "server.log").read_text(errors="replace")[-3000:]
             pytest.fail(f"the CLI outlived {stop_signal.name} by 60 s; its output:\n{proc.stdout.read()}\nlog:\n{log}")
-        output = proc.stdout.read()
+        output = printed + proc.stdout.read()
         assert f"serving {run}/model as 'run-a/model'" in output and "--max-num-seqs 3" in output, output
         attach = re.search(r"export ASYNCRL_SERVER_TOKEN=(\S+); asyncrl train .* server.weights_dir=(\S+)", output)
         assert attach is not None and attach[1] == server_token, output
@@ -72,3 +73,13 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
     finally:
         proc.kill()
         kill_marked(marker)
+
+
+def _lines_until(proc: subprocess.Popen[str], marker: str) -> str:
+    """What the CLI printed up to and including its first line holding ``marker`` (or until its output ends)."""
+    lines = []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        if marker in line:
+            break
+    return "".join(lines)
