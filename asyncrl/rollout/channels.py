@@ -19,7 +19,9 @@ other can:
 7. ``status``: what the worker is doing or waiting on, for the trainer's error messages.
 
 The counters are arrays rather than one value each: every field of one array has a single writer, so one lock
-covers them and nothing is lost by sharing it.
+covers them and nothing is lost by sharing it. A reader waits at most LOCK_WAIT_S for that lock (``_read``): a
+process killed while holding it (the worker's kill -9 in a chaos run) leaves it held for good, since POSIX
+semaphores are not robust, and a reader blocked on it would never get to check whether the writer lives.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ is past any staleness bound the trainer checks."""
 STOP = "stop"
 """The trainer's stop request on the control queue."""
 
+LOCK_WAIT_S = 1.0
+"""How long a reader waits for a shared array's lock before reading without it: no live writer holds it that long,
+and what a dead one left is final."""
+
 _VERSION, _ALLOWANCE, _CONSUMED = range(3)  # trainer_counters
 _SENT, _HEARTBEAT_MS, _INFLIGHT = range(3)  # worker_counters; (version, groups) pairs from _INFLIGHT on
 
@@ -50,10 +56,22 @@ class _Cell:
         self.array, self.index = array, index
 
     def __get__(self, channels: WorkerChannels, owner: type) -> int:
-        return int(getattr(channels, self.array)[self.index])
+        return int(_read(getattr(channels, self.array), lambda raw: raw[self.index]))
 
     def __set__(self, channels: WorkerChannels, value: int) -> None:
         getattr(channels, self.array)[self.index] = value
+
+
+def _read(array: Any, read: Any) -> Any:
+    """``read(raw)`` of a shared array's raw object under its lock, or without it once LOCK_WAIT_S passed (its
+    holder died: see the module docstring)."""
+    lock = array.get_lock()
+    if not lock.acquire(timeout=LOCK_WAIT_S):
+        return read(array.get_obj())
+    try:
+        return read(array.get_obj())
+    finally:
+        lock.release()
 
 
 @dataclass
@@ -114,8 +132,7 @@ class WorkerChannels:
 
     def inflight_at(self, version: int) -> int:
         """Groups still generating under ``version``."""
-        with self.worker_counters.get_lock():
-            flat = self.worker_counters[_INFLIGHT:]
+        flat = _read(self.worker_counters, lambda raw: raw[_INFLIGHT:])
         return next((n for v, n in zip(flat[::2], flat[1::2], strict=True) if n and v == version), 0)
 
     items_sent = _Cell("worker_counters", _SENT)
@@ -123,14 +140,14 @@ class WorkerChannels:
     @property
     def heartbeat(self) -> float:
         """time.time() of the worker's last progress."""
-        return self.worker_counters[_HEARTBEAT_MS] / 1000
+        return float(_read(self.worker_counters, lambda raw: raw[_HEARTBEAT_MS])) / 1000
 
     @heartbeat.setter
     def heartbeat(self, seconds: float) -> None:
         self.worker_counters[_HEARTBEAT_MS] = int(seconds * 1000)
 
     def get_status(self) -> str:
-        return self.status.value.decode(errors="replace")
+        return bytes(_read(self.status, lambda raw: raw.value)).decode(errors="replace")
 
     # ---- written by the worker -------------------------------------------------------------------------------
 
