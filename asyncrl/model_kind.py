@@ -38,13 +38,14 @@ def local_config_json(name_or_path: str, revision: str | None = None) -> dict[st
         return None
 
 
-def stored_dtype(config_json: dict[str, Any]) -> str | None:
-    """The dtype a config.json says the weights are stored in (transformers >= 5 writes ``dtype``, earlier
-    ``torch_dtype``; a vision-language checkpoint may say it only for its text model)."""
+def config_field(config_json: dict[str, Any], keys: tuple[str, ...], kind: type) -> Any:
+    """The first of ``keys`` a config.json sets to a ``kind`` value, at its top or, for a vision-language checkpoint
+    that says it only for its text model, in ``text_config``; None when neither does. Dtypes: ``("dtype",
+    "torch_dtype")`` (transformers >= 5 writes the first, earlier ones the second)."""
     for section in (config_json, config_json.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            if isinstance(section.get(key), str):
-                return str(section[key])
+        for key in keys:
+            if isinstance(section.get(key), kind):
+                return section[key]
     return None
 
 

@@ -76,10 +76,10 @@ def serves_on_gpu(config: Config) -> bool:
 def checkpoint_dtype(config: Config) -> str | None:
     """The dtype model.name_or_path's config.json stores its weights in, read from a local directory or the Hub
     cache only (never the network): None when neither has it."""
-    from asyncrl.model_kind import local_config_json, stored_dtype
+    from asyncrl.model_kind import config_field, local_config_json
 
     found = local_config_json(config.model.name_or_path, config.model.revision)
-    return None if found is None else stored_dtype(found)
+    return None if found is None else config_field(found, ("dtype", "torch_dtype"), str)
 
 
 def served_model_name(config: Config) -> str:

@@ -440,15 +440,10 @@ def required_model_len(config: Config, prompt_tokens: int | None = None) -> int:
 def model_context(config: Config) -> int | None:
     """The checkpoint's max_position_embeddings from its config.json here (a vision-language one's text model's),
     None when this machine does not have it."""
-    from asyncrl.model_kind import local_config_json
+    from asyncrl.model_kind import config_field, local_config_json
 
     found = local_config_json(config.model.name_or_path, config.model.revision)
-    if found is None:
-        return None
-    for section in (found, found.get("text_config") or {}):
-        if isinstance(section.get("max_position_embeddings"), int):
-            return int(section["max_position_embeddings"])
-    return None
+    return None if found is None else config_field(found, ("max_position_embeddings",), int)
 
 
 def vllm_command(
