@@ -457,7 +457,7 @@ def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGrou
         log.info("vLLM keeps its compile cache in %s across runs (VLLM_CACHE_ROOT): the first start of a shape "
                  "compiles, later ones load it", cache)  # fmt: skip
         if deferred:
-            log.info("vLLM starts once the trainer has measured its memory (the first run of this shape)")
+            log.info("vLLM starts once the trainer has measured its memory (a warm-up step)")
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config, visible))  # the servers' are in their env
     (run_dir / "commands").mkdir(exist_ok=True)
     servers: list[Any] = []

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from types import TracebackType
 from typing import Any
 
+from asyncrl.server.handle import DeferredServer
 from asyncrl.server.process import ServerStartError
 
 
@@ -45,6 +46,17 @@ class ServerGroup:
         if len(self.servers) == 1:
             return ""
         return f"replica {index} of {len(self.servers)} ({self.servers[index].base_url}): "
+
+    @property
+    def waits_for_warm_up(self) -> bool:
+        """Whether a replica is a vLLM not yet launched because its share of the GPU is the trainer's warm-up's."""
+        return any(isinstance(server, DeferredServer) and not server.launched for server in self.servers)
+
+    def start(self) -> None:
+        """Launch the replicas that waited for the trainer's warm-up, without waiting for their health."""
+        for server in self.servers:
+            if isinstance(server, DeferredServer):
+                server.start()
 
     def ready(self) -> None:
         """Return once every replica answers /health; a failed start raises naming the replica."""

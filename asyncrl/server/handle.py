@@ -58,10 +58,19 @@ class DeferredServer:
     def log_path(self) -> Path | None:
         return None if self.server is None else self.server.log_path
 
-    def ready(self) -> None:
+    @property
+    def launched(self) -> bool:
+        return self.server is not None
+
+    def start(self) -> None:
+        """Launch it without waiting for its health (at most once): the trainer compiles while it boots."""
         if self.server is None:
             self.server = self.launch()
             self.server.__enter__()
+
+    def ready(self) -> None:
+        self.start()
+        assert self.server is not None
         self.server.ready()
 
     def is_alive(self) -> bool:

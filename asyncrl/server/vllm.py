@@ -367,19 +367,17 @@ def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: in
 
 
 def measured_split_pending(config: Config) -> bool:
-    """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU, its share is not set,
-    and no earlier run measured this shape."""
+    """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU and its share is not
+    set. Every run measures (an earlier run's figure is stale after a change of code or library, and a vLLM booting
+    beside the warm-up would count the trainer's allocations as its own while it profiles its memory)."""
     from asyncrl.plan.run_plan import world_size
-    from asyncrl.trainer.memory import cached_memory
 
     sv = config.server
     if not sv.launch or sv.gpu_memory_utilization is not None or resolve_backend(config) != "vllm":
         return False
     if world_size(config) > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
         return False
-    if not split_gpus(config, visible_gpus()).shared:
-        return False
-    return cached_memory(config, warm_up_token_budget(config, required_model_len(config))) is None
+    return split_gpus(config, visible_gpus()).shared
 
 
 def api_server_count(config: Config, version: str) -> int | None:

@@ -44,6 +44,7 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows, warm_up_step
+from asyncrl.trainer.forward import resolve_compile
 from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
@@ -134,7 +135,7 @@ class Trainer:
         self.loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
         self.loss.router_aux_coef = router_aux_coef(c, self.model.config)
         self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
-        self.memory = self._warm_up()  # before ready(): a vLLM waiting for the measured split starts after it
+        self.memory = self._warm_up()  # a vLLM waiting for the measured split starts in it
         self.server.ready()
         self.startup["perf/startup_server_healthy_s"] = time.time() - self.started_at
         self.max_model_len = self.control.max_model_len()
@@ -216,11 +217,11 @@ class Trainer:
         self.startup = {}
 
     def _warm_up(self) -> TrainerMemory | None:
-        """On CUDA, one step on synthetic rows of the token budget whose update is thrown away, by every rank: the
-        compiled layers compile now (while a launched server boots), and its measured footprint decides the memory
-        a vLLM on the same GPU gets (trainer/memory.py)."""
+        """On CUDA, one step on synthetic rows of the token budget whose update is thrown away, by every rank: its
+        measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and the compiled
+        layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
         from asyncrl.server.vllm import warm_up_token_budget
-        from asyncrl.trainer.memory import cached_memory, record_memory, synthetic_rows
+        from asyncrl.trainer.memory import cached_memory, synthetic_rows
 
         c = self.config
         if not (c.trainer.warm_up and torch.cuda.is_available()):
@@ -231,18 +232,50 @@ class Trainer:
         row_factory, budget = self.prepared.components.packer.rows(max_model_len)
         rows = synthetic_rows(row_factory, budget, max_model_len, text.vocab_size, self.top_k)
         mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], self.loss.norm(rows)))
-        known = cached_memory(c, warm_up_token_budget(c, max_model_len))
-        memory = measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c), self.model,
-                         self.optimizer, alone=known is None, known=known)  # fmt: skip
-        record_memory(c, warm_up_token_budget(c, max_model_len), memory)
+        shape = warm_up_token_budget(c, max_model_len)
+        known = cached_memory(c, shape)
+
+        def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
+            return measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c), self.model,
+                           self.optimizer, alone=alone, known=known)  # fmt: skip
+
+        if self.server.waits_for_warm_up and self._compiles():
+            memory = self._measure_eagerly_then_compile(step, shape, started)
+        else:
+            memory = step(alone=self.server.waits_for_warm_up or known is None, known=known)
+            self._launch_with(memory, shape)
         self.startup["perf/startup_warm_up_s"] = time.time() - started
         log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
                  time.time() - started, memory.describe())  # fmt: skip
         if known is not None and memory.need_bytes > known.need_bytes * 1.05:
-            log.warning("the trainer now needs %.1f GiB, not the %.1f GiB measured before, which set vLLM's share: "
-                        "the next run of this shape uses the new figure", memory.need_bytes / GIB,
-                        known.need_bytes / GIB)  # fmt: skip
+            log.warning("the trainer now needs %.1f GiB, not the %.1f GiB measured before: the next run of this shape "
+                        "uses the new figure", memory.need_bytes / GIB, known.need_bytes / GIB)  # fmt: skip
         return memory
+
+    def _compiles(self) -> bool:
+        return resolve_compile(self.config.trainer.compile_layers, next(self.model.parameters()).device) is not None
+
+    def _launch_with(self, memory: TrainerMemory, shape: int) -> None:
+        """Record the figure (a waiting vLLM's launch command reads it), then launch the servers that waited."""
+        from asyncrl.trainer.memory import record_memory
+
+        record_memory(self.config, shape, memory)
+        self.server.start()
+
+    def _measure_eagerly_then_compile(self, step: Any, shape: int, started: float) -> TrainerMemory:
+        """The footprint from an eager step (seconds; compiling the layers takes minutes at 2B), vLLM's launch with
+        the share it leaves, then the compiling step while vLLM boots. Its footprint is said where it needs more
+        than the eager one's (then the margin is all that covers it)."""
+        with torch.compiler.set_stance("force_eager"):
+            memory = step(alone=True, known=None)
+        log.info("eager warm-up step in %.1f s: %s; vLLM starts now, the layers compile while it boots",
+                 time.time() - started, memory.describe())  # fmt: skip
+        self._launch_with(memory, shape)
+        compiled = step(alone=False, known=memory)
+        if compiled.need_bytes > memory.need_bytes:
+            log.warning("the compiled warm-up step needs %.1f GiB, more than the eager one's %.1f GiB that set "
+                        "vLLM's share", compiled.need_bytes / GIB, memory.need_bytes / GIB)  # fmt: skip
+        return compiled
 
     def _finished(self) -> bool:
         t = self.config.trainer

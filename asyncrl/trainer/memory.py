@@ -8,9 +8,11 @@ parameter counts missed the activations of a full row, the logit chunks, compile
 allocator's slack, and the spec's quick start ran out of memory at its first step. The warm-up is also the first
 call of the compiled layers, so the compiling is done before the first real step.
 
-vLLM's share of a shared GPU is a launch flag, so the figure is kept per shape in a small cache
-(``$ASYNCRL_CACHE_DIR``, else ``~/.cache/asyncrl``, ``trainer_memory.json``): the first run of a shape warms up
-before vLLM starts; a later one starts vLLM at once and warms up while it boots, and records the new figure.
+vLLM's share of a shared GPU is a launch flag: a vLLM beside the trainer launches after the warm-up measured (an
+eager step when the layers compile, then the compiling step while vLLM boots: trainer/loop.py). It must not boot
+beside the warm-up: while vLLM profiles its memory it counts every other allocation on the GPU as its own. The figure
+is kept per shape in a small cache (``$ASYNCRL_CACHE_DIR``, else ``~/.cache/asyncrl``, ``trainer_memory.json``),
+which the launch command and ``asyncrl config --server-command`` read.
 """
 
 from __future__ import annotations

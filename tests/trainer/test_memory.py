@@ -77,3 +77,45 @@ def test_the_out_of_memory_line_names_the_measurement_the_split_and_the_keys():
     assert "vLLM was given --gpu-memory-utilization 0.7" in line
     for key in ("packing.token_budget", "trainer.gradient_checkpointing", "server.gpu_memory_utilization"):
         assert key in line
+
+
+def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_compiling_one(tmp_path, monkeypatch):
+    """The figure vLLM's share comes from is an eager step's, recorded before the launch (whose command reads it);
+    the layers compile in a second step while vLLM boots, and that step's figure is the run's."""
+    from asyncrl.server.group import ServerGroup
+    from asyncrl.server.handle import DeferredServer
+    from asyncrl.trainer.loop import Trainer
+
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    events: list[object] = []
+    compiles: list[int] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: object) -> object:
+        compiles.append(1)
+        return graph.forward
+
+    layer = torch.compile(lambda x: x * 2, backend=backend)
+
+    class Booting:
+        """What launch() returns: entering starts the server without waiting for it (LaunchedServer, wait=False)."""
+
+        def __enter__(self) -> Booting:
+            events.append(("launch", cached_memory(config, 512)))
+            return self
+
+    eager, compiled = TrainerMemory(4 * GIB, GIB, 80 * GIB), TrainerMemory(5 * GIB, GIB, 80 * GIB)
+    figures = iter([eager, compiled])
+
+    def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
+        before = len(compiles)
+        layer(torch.ones(2))
+        events.append(("step", "compiled" if len(compiles) > before else "eager", alone, known))
+        return next(figures)
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.config, trainer.server = config, ServerGroup([DeferredServer(Booting, "http://127.0.0.1:1")], wait=False)
+    assert trainer.server.waits_for_warm_up
+    assert trainer._measure_eagerly_then_compile(step, 512, 0.0) == compiled
+    assert events == [("step", "eager", True, None), ("launch", eager), ("step", "compiled", False, eager)]
+    assert not trainer.server.waits_for_warm_up
