@@ -6,15 +6,16 @@ rank the trainer is the launcher) or the launcher (the CLI); a hung server (SIGS
 a full disk (the run directory is a small tmpfs, filled to the last byte for a few seconds); the newest
 checkpoint corrupted (its weights cut in half) just before the worker dies; a network stall between the run and
 its server (``net_stall``: the proxy below accepts but forwards nothing until the run restarts, then drops every
-connection it held). Where the run restarts itself
-(trainer.max_restarts) the driver only waits; where the launcher died it runs the printed resume command (for a
-kill -9, which prints nothing, the same command built from the run's overrides).
+connection it held). Where the run restarts itself (trainer.max_restarts) the driver only waits; where the
+launcher died it runs the printed resume command (for a kill -9, which prints nothing, the same command built from
+the run's overrides).
 
 The proxy: the run launches its own server as before (server.port = --port + 1), and its clients (rollout
 worker, weight syncs, health watchdog) reach it through ``StallProxy`` at --port (server.base_url). A server the
 driver started and the run attached to (server.launch=false) would take the run's own server start, stop and
 restart out of every server fault; a proxy in front of the launched one keeps them all as they were. The proxy is
 a thread of the driver, so it outlives every launch, and it is on the path of every fault, not only the stall.
+(A launched server checks the port it listens on, not server.base_url's: asyncrl/server/process.py.)
 
 After the last fault the run is stopped (SIGTERM) and resumed with trainer.max_steps a few steps on, so that it
 ends as every run does. The checks, from the run's files:
@@ -35,7 +36,7 @@ ends as every run does. The checks, from the run's files:
 - weights: ``--baseline`` trains an uninterrupted run of the same number of steps; asynchronous sampling is not
   bit-deterministic, so the comparison is the distance between the two final updates relative to their size.
 
-    python benchmarks/chaos.py --faults 100 --minutes 70            # the RESULTS.md run
+    python benchmarks/chaos.py --faults 100 --minutes 85 --seed 21  # the RESULTS.md run
     python benchmarks/chaos.py --faults 5 --kinds worker_kill,server_kill,launcher_kill
 """
 
