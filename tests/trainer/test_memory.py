@@ -35,7 +35,15 @@ def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were
     random_state = torch.random.get_rng_state()
     resumed = {"step": torch.tensor(7.0)}  # a resumed run's moments are put back as they were
     optimizer.state[next(model.parameters())] = resumed
-    warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
+    model.eval()  # as from_pretrained leaves it
+    modes: list[bool] = []
+
+    def step() -> None:
+        modes.append(model.training)  # checkpointing and dropout run in training mode only
+        warm_up_step(model, loss, work, one_rank, config)
+
+    warm_up(step, model, optimizer)
+    assert modes == [True] and not model.training
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert dict(optimizer.state) == {next(model.parameters()): resumed}
     assert all(p.grad is None for p in model.parameters())
