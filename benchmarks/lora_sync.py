@@ -1,7 +1,7 @@
 """LoRA weight sync, merged vs adapter-only: bytes and seconds per sync through the built-in server's path.
 
 A Qwen3-0.6B-shaped model with random weights built from its config (nothing downloaded) is saved, served by
-``python -m asyncrl.server --enable-lora`` and trained (here: perturbed) as a peft LoRA model (r=32,
+``python -m asyncrl.engine --enable-lora`` and trained (here: perturbed) as a peft LoRA model (r=32,
 all-linear). Each mode runs ``--syncs`` syncs with the trainer's own code: merged = ``WeightSync`` with the
 file transport (pause, full merged weights, resume), adapter = ``AdapterSync`` (write the adapter, load it
 under a new name, unload the oldest). After the syncs each mode decodes a few concurrent requests on the
@@ -121,7 +121,7 @@ def main() -> None:
     model = get_peft_model(base.to(device), lora.peft_config(config)).eval()
     rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= args.rank)
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(work / "model"), "--port", str(port),
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(work / "model"), "--port", str(port),
             "--device", device, "--dtype", serve_dtype, "--max-model-len", "1024", "--enable-lora",
             "--max-loras", "3", "--max-lora-rank", str(rank), "--weights-dir", str(work)]  # fmt: skip
     ensure_token()  # the server and this process's clients share it through the environment

@@ -46,7 +46,7 @@ MODEL = REPO / "asyncrl" / "assets" / "tiny-arith"
 
 
 def start_server(args: argparse.Namespace, weights_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "asyncrl.server", "--model", str(MODEL), "--host", "127.0.0.1", "--port",
+    command = [sys.executable, "-m", "asyncrl.engine", "--model", str(MODEL), "--host", "127.0.0.1", "--port",
                str(port), "--max-num-seqs", str(args.max_num_seqs), "--weights-dir", str(weights_dir)]  # fmt: skip
     with log.open("wb") as out:
         return subprocess.Popen(

@@ -102,7 +102,7 @@ def served_name(name_or_path: str) -> str:
 def builtin_command(config: Config, replica: int = 0) -> ServerCommand:
     sv = config.server
     argv = [
-        sys.executable, "-m", "asyncrl.server",
+        sys.executable, "-m", "asyncrl.engine",
         "--model", config.model.name_or_path,
         "--served-model-name", served_model_name(config),
         "--host", sv.host,

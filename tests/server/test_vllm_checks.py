@@ -62,8 +62,8 @@ def test_launched_server_mismatch_names_the_config_key(live_server):
 
 
 def test_builtin_server_without_dev_endpoints_names_dev_mode(serve_app):
-    from asyncrl.server.builtin import BuiltinServer, build_app
-    from asyncrl.server.engine import Engine, EngineConfig
+    from asyncrl.engine.api import BuiltinServer, build_app
+    from asyncrl.engine.core import Engine, EngineConfig
 
     engine = Engine(build_tiny_model(), EngineConfig(512, 4, 2048, frozenset({1})))
     server = BuiltinServer(engine, build_tokenizer(), served_model_name=SERVED_NAME, model_path="tiny",

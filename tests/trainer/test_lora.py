@@ -173,7 +173,7 @@ def test_an_adapter_checkpoint_needs_lora_enabled(random_tiny_model_dir, peft_mo
 def lora_server(random_tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory):
     """The built-in server with runtime LoRA, as asyncrl launches it for lora.sync=adapter and max_staleness=1."""
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(random_tiny_model_dir), "--port", str(port),
             "--served-model-name", served_name(str(random_tiny_model_dir)), "--device", "cpu", "--enable-lora",
             "--max-lora-rank", "8", "--max-loras", "3", "--weights-dir", str(weights_root)]  # fmt: skip
     log = tmp_path_factory.mktemp("lora-server") / "server.log"

@@ -12,7 +12,7 @@ their linear-attention layers (``StateLayer``). Left padding is exact for them t
 linear-attention layer's input by the prefill's attention mask, and its input projections and convolution have
 no bias, so a padded position feeds exact zeros to the short convolution (which then reads what a fresh state
 holds: zeros) and a zero key and value to the delta rule (which leaves the zero initial state at zero whatever
-the decay). Only rounding differs (the chunked delta rule's 64-token chunks fall elsewhere): tests/server/
+the decay). Only rounding differs (the chunked delta rule's 64-token chunks fall elsewhere): tests/engine/
 test_hybrid_batch.py finds the states within 1e-6 and logprobs within 1e-4 of an unpadded forward. A free slot's
 dummy decodes into its states, but a row taking the slot overwrites them whole.
 """
@@ -25,9 +25,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
-from asyncrl.server.cache import build_slack_cache
-from asyncrl.server.lora import AdapterSet
-from asyncrl.server.rows import DecodeRow
+from asyncrl.engine.cache import build_slack_cache
+from asyncrl.engine.lora import AdapterSet
+from asyncrl.engine.rows import DecodeRow
 
 # Every SDPA backend but cuDNN: cuDNN builds an execution plan per input shape, and the cache grows a column every
 # decoding step, so each step rebuilt one per layer (1.7 ms of host time each: 80 ms steps for Qwen3-0.6B on an H200).

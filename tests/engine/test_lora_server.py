@@ -21,7 +21,7 @@ from tiny import SERVED_NAME, build_tiny_model
 
 from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, auth_headers, policy_model
 from asyncrl.config.compose import compose, to_config
-from asyncrl.server.__main__ import parse_args
+from asyncrl.engine.__main__ import parse_args
 from asyncrl.server.command import builtin_command
 from asyncrl.server.process import ServerProcess, free_port
 
@@ -52,7 +52,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(tiny_model_dir), "--served-model-name",
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(tiny_model_dir), "--served-model-name",
             SERVED_NAME, "--port", str(port), "--device", "cpu", "--enable-lora", "--max-loras", str(MAX_LORAS),
             "--max-lora-rank", "8", "--weights-dir", str(weights_root)]  # fmt: skip
     log_path = tmp_path_factory.mktemp("lora-server-log") / "server.log"

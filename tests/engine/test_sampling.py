@@ -10,7 +10,7 @@ import torch
 from tiny import VOCAB_SIZE
 
 from asyncrl.sampling import SamplingParams
-from asyncrl.server.sampling import RowInput, process_logits, sample_step
+from asyncrl.engine.sampling import RowInput, process_logits, sample_step
 
 ROWS = [
     (SamplingParams(), set(), ()),

@@ -1,4 +1,4 @@
-"""`python -m asyncrl.server` on a tiny Qwen3.5 vision-language checkpoint (gated-DeltaNet hybrid): it loads the
+"""`python -m asyncrl.engine` on a tiny Qwen3.5 vision-language checkpoint (gated-DeltaNet hybrid): it loads the
 whole model, serves text with a plain forward's logprobs, and a weight update of some text tensors changes them."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncrl.sampling import SamplingParams
-from asyncrl.server.sampling import Draw, RowInput, top_logprobs
+from asyncrl.engine.sampling import Draw, RowInput, top_logprobs
 
 
 @dataclass(frozen=True, slots=True)

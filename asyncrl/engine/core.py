@@ -27,13 +27,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from asyncrl.server.attention import use_grouped_decode_attention
-from asyncrl.server.batch import RunningBatch
-from asyncrl.server.cache import check_cache_supported
-from asyncrl.server.lora import AdapterSet
-from asyncrl.server.protocol import ModelNotFound
-from asyncrl.server.rows import DecodeRow, GenerationRequest, GenerationResult
-from asyncrl.server.sampling import sample_step
+from asyncrl.engine.attention import use_grouped_decode_attention
+from asyncrl.engine.batch import RunningBatch
+from asyncrl.engine.cache import check_cache_supported
+from asyncrl.engine.lora import AdapterSet
+from asyncrl.engine.protocol import ModelNotFound
+from asyncrl.engine.rows import DecodeRow, GenerationRequest, GenerationResult
+from asyncrl.engine.sampling import sample_step
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    """`python -m asyncrl.server` as a real subprocess on a free port, stopped when the module ends."""
+    """`python -m asyncrl.engine` as a real subprocess on a free port, stopped when the module ends."""
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(tiny_model_dir), "--served-model-name",
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(tiny_model_dir), "--served-model-name",
             SERVED_NAME, "--port", str(port), "--device", "cpu", "--max-num-seqs", "32",
             "--weights-dir", str(weights_root)]  # fmt: skip
     log_path = tmp_path_factory.mktemp("server-log") / "server.log"

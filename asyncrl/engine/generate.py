@@ -14,8 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.server.protocol import CompletionRequest, TokenId
-from asyncrl.server.rows import GenerationResult
+from asyncrl.engine.protocol import CompletionRequest, TokenId
+from asyncrl.engine.rows import GenerationResult
 
 
 class GenerateRequest(BaseModel):

@@ -9,8 +9,8 @@ import torch
 from tiny import EOS_ID, VOCAB_SIZE
 
 from asyncrl.sampling import SamplingParams
-from asyncrl.server.engine import Engine, EngineConfig
-from asyncrl.server.rows import GenerationRequest, GenerationResult
+from asyncrl.engine.core import Engine, EngineConfig
+from asyncrl.engine.rows import GenerationRequest, GenerationResult
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 from tiny import VOCAB_SIZE
 from transformers import DynamicCache
 
-from asyncrl.server.cache import MIN_SLACK_COLUMNS, SlackLayer, build_slack_cache
+from asyncrl.engine.cache import MIN_SLACK_COLUMNS, SlackLayer, build_slack_cache
 
 
 def states(rows: int, length: int, seed: int) -> torch.Tensor:

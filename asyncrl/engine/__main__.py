@@ -1,4 +1,4 @@
-"""``python -m asyncrl.server --model PATH``: start the built-in generation server (vLLM's HTTP subset)."""
+"""``python -m asyncrl.engine --model PATH``: start the built-in generation server (vLLM's HTTP subset)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from asyncrl.client import TOKEN_ENV
 from asyncrl.dtypes import DTYPES, torch_dtype
 from asyncrl.model_kind import auto_model_class
-from asyncrl.server.builtin import BuiltinServer, build_app, prepare_serving_process
+from asyncrl.engine.api import BuiltinServer, build_app, prepare_serving_process
 from asyncrl.server.command import VLLM_LORA_RANKS
-from asyncrl.server.engine import Engine, EngineConfig
-from asyncrl.server.lora import AdapterSet, LoraLimits
+from asyncrl.engine.core import Engine, EngineConfig
+from asyncrl.engine.lora import AdapterSet, LoraLimits
 
-logger = logging.getLogger("asyncrl.server")
+logger = logging.getLogger("asyncrl.engine")
 
 
 def positive_int(text: str) -> int:
@@ -34,7 +34,7 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m asyncrl.server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.engine", description=__doc__)
     parser.add_argument("--model", required=True, help="local path or Hub id of a causal LM (or a VLM: text only)")
     parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")

@@ -9,8 +9,8 @@ from tiny import build_tiny_model
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from asyncrl.server import attention
-from asyncrl.server.attention import use_grouped_decode_attention
+from asyncrl.engine import attention
+from asyncrl.engine.attention import use_grouped_decode_attention
 
 
 def decode_logits(model: torch.nn.Module, steps: int = 6) -> torch.Tensor:

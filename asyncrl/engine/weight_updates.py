@@ -19,8 +19,8 @@ from typing import Any
 
 from safetensors import safe_open
 
-from asyncrl.server.engine import Engine
-from asyncrl.server.lora import AdapterNotFound, base_state_dict
+from asyncrl.engine.core import Engine
+from asyncrl.engine.lora import AdapterNotFound, base_state_dict
 
 
 class WeightsDir:

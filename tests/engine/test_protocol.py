@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tiny import build_tokenizer
 
-from asyncrl.server.protocol import CompletionRequest, TokenTexts, completion_response
-from asyncrl.server.rows import GenerationResult
+from asyncrl.engine.protocol import CompletionRequest, TokenTexts, completion_response
+from asyncrl.engine.rows import GenerationResult
 
 TOKENS = [40, 7, 40, 12]
 RESULT = GenerationResult(

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.sampling import SamplingParams
-from asyncrl.server.rows import GenerationRequest, GenerationResult
+from asyncrl.engine.rows import GenerationRequest, GenerationResult
 
 TokenId = Annotated[int, Field(ge=0)]
 

@@ -1,7 +1,7 @@
 """The built-in server's HTTP API: vLLM's paths, bodies, error shape and metric names over the ``Engine``.
 
 Weight updates use the built-in transport: ``update_info = {"path": "/abs/file.safetensors"}`` names a file
-of state_dict tensors written by the trainer (see ``weights.py``). Batch-size evidence in /metrics is the
+of state_dict tensors written by the trainer (see ``weight_updates.py``). Batch-size evidence in /metrics is the
 histogram ``asyncrl:batch_size`` (rows per model forward) and the gauge ``asyncrl:batch_rows_max``. With
 ``--enable-lora`` it also serves vLLM's runtime LoRA endpoints (``lora.py``) and a ``/server_info`` that
 reports the LoRA limits where vLLM's does.
@@ -14,7 +14,7 @@ it from the same variable); a missing or wrong one is a 401 before the body is r
 /metrics, ...) and generation (/v1/completions, /inference/v1/generate) stay open: they change no state, they
 are what monitoring and evaluation tools probe without the run's secret, the weights they expose are the
 model's the user served, and the server binds to loopback unless told otherwise (``__main__`` warns when not).
-Weights and adapters load only from ``--weights-dir`` (``weights.py``).
+Weights and adapters load only from ``--weights-dir`` (``weight_updates.py``).
 """
 
 from __future__ import annotations
@@ -40,18 +40,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl import __version__
-from asyncrl.server.engine import Engine, EngineStats, EngineUnavailable
-from asyncrl.server.generate import GenerateRequest, as_completion_request, generate_response
-from asyncrl.server.lora import AdapterNotFound
-from asyncrl.server.protocol import (
+from asyncrl.engine.core import Engine, EngineStats, EngineUnavailable
+from asyncrl.engine.generate import GenerateRequest, as_completion_request, generate_response
+from asyncrl.engine.lora import AdapterNotFound
+from asyncrl.engine.protocol import (
     CompletionRequest,
     ModelNotFound,
     TokenTexts,
     build_generation_request,
     completion_response,
 )
-from asyncrl.server.rows import GenerationResult
-from asyncrl.server.weights import WeightsDir, WeightUpdater
+from asyncrl.engine.rows import GenerationResult
+from asyncrl.engine.weight_updates import WeightsDir, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
