@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from asyncrl.assets.tiny_model import build_tokenizer  # noqa: E402
 from asyncrl.client import ControlClient, ensure_token  # noqa: E402
 from asyncrl.config.schema import Config, LoraConfig, ModelConfig, ServerConfig, StalenessConfig  # noqa: E402
-from asyncrl.server.process import ServerProcess, free_port  # noqa: E402
+from asyncrl.serving.process import ServerProcess, free_port  # noqa: E402
 from asyncrl.trainer import lora  # noqa: E402
 from asyncrl.trainer.sync.adapter import AdapterSync  # noqa: E402
 from asyncrl.trainer.sync.builtin import FileTransport  # noqa: E402

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.client import TOKEN_ENV, ControlClient  # noqa: E402
-from asyncrl.server.process import free_port  # noqa: E402
+from asyncrl.serving.process import free_port  # noqa: E402
 
 MODEL = REPO / "asyncrl" / "assets" / "tiny-arith"
 

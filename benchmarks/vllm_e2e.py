@@ -147,7 +147,7 @@ def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.config.compose import compose
     from asyncrl.launch import start_server
     from asyncrl.plan.assemble import plan_run
-    from asyncrl.server.command import served_model_name
+    from asyncrl.serving.command import served_model_name
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
     from asyncrl.trainer.sync.vllm_transports import ipc_transport

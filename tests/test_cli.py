@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from asyncrl import __version__
 from asyncrl.cli import app
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 runner = CliRunner()
 without_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

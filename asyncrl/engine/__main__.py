@@ -17,11 +17,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncrl.client import TOKEN_ENV
 from asyncrl.dtypes import DTYPES, torch_dtype
-from asyncrl.model_kind import auto_model_class
 from asyncrl.engine.api import BuiltinServer, build_app, prepare_serving_process
-from asyncrl.server.command import VLLM_LORA_RANKS
 from asyncrl.engine.core import Engine, EngineConfig
 from asyncrl.engine.lora import AdapterSet, LoraLimits
+from asyncrl.model_kind import auto_model_class
+from asyncrl.serving.command import VLLM_LORA_RANKS
 
 logger = logging.getLogger("asyncrl.engine")
 

@@ -18,8 +18,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.sampling import SamplingParams
 from asyncrl.engine.rows import GenerationRequest, GenerationResult
+from asyncrl.sampling import SamplingParams
 
 TokenId = Annotated[int, Field(ge=0)]
 

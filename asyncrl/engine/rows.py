@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.sampling import SamplingParams
 from asyncrl.engine.sampling import Draw, RowInput, top_logprobs
+from asyncrl.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

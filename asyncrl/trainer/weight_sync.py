@@ -16,7 +16,7 @@ With several servers (server.replicas, server.base_urls) the control client is a
 (asyncrl/control_group.py): each call of the round reaches every server concurrently, so one round is pause all
 -> start all -> each server's data plane -> finish all -> resume all. The built-in file and the adapter are
 written once (the replicas share one weights directory) and every server loads them; NCCL spans all servers in
-one group; ipc reaches one co-located server only (server/checks.py::check_servers refuses more).
+one group; ipc reaches one co-located server only (serving/checks.py::check_servers refuses more).
 
 The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
 aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the
@@ -42,7 +42,7 @@ from asyncrl.client import Control, ControlClient
 from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.registry import Registry
-from asyncrl.server.checks import ServerFacts, check_servers
+from asyncrl.serving.checks import ServerFacts, check_servers
 from asyncrl.trainer.sync.adapter import AdapterSync
 from asyncrl.trainer.sync.base import Background, Transport, WeightSyncError, run_step
 from asyncrl.trainer.sync.builtin import FileTransport

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny import EOS_ID, VOCAB_SIZE
 
-from asyncrl.sampling import SamplingParams
 from asyncrl.engine.core import Engine, EngineConfig
 from asyncrl.engine.rows import GenerationRequest, GenerationResult
+from asyncrl.sampling import SamplingParams
 
 
 @pytest.fixture

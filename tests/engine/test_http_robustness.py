@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from asyncrl.server.process import ServerProcess
+from asyncrl.serving.process import ServerProcess
 
 PROMPT = [5, 9, 14, 20, 33]
 STATE_CHANGING = {

@@ -9,12 +9,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncrl.assets.model_families import build_model, hybrid_text_config, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
-from asyncrl.sampling import SamplingParams
 from asyncrl.engine.batch import RunningBatch
 from asyncrl.engine.cache import StateLayer, build_slack_cache
 from asyncrl.engine.core import Engine, EngineConfig
 from asyncrl.engine.lora import AdapterSet, LoraLimits
 from asyncrl.engine.rows import DecodeRow, GenerationRequest
+from asyncrl.sampling import SamplingParams
 
 TOLERANCE = 1e-4
 

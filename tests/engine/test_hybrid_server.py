@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForImageTextToText
 
 from asyncrl.client import Completion, ControlClient, GenerationClient, SamplingParams
-from asyncrl.server.process import ServerProcess
+from asyncrl.serving.process import ServerProcess
 
 PROMPTS = [[9, 30, 41, 52, 17], [12, 60, 33]]
 UPDATED = ["model.language_model.layers.0.linear_attn.out_proj.weight",

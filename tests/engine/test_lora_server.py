@@ -22,8 +22,8 @@ from tiny import SERVED_NAME, build_tiny_model
 from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, auth_headers, policy_model
 from asyncrl.config.compose import compose, to_config
 from asyncrl.engine.__main__ import parse_args
-from asyncrl.server.command import builtin_command
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.serving.command import builtin_command
+from asyncrl.serving.process import ServerProcess, free_port
 
 PROMPT = [5, 9, 14, 20, 33]
 MAX_LORAS = 3

@@ -9,8 +9,8 @@ import pytest
 import torch
 from tiny import VOCAB_SIZE
 
-from asyncrl.sampling import SamplingParams
 from asyncrl.engine.sampling import RowInput, process_logits, sample_step
+from asyncrl.sampling import SamplingParams
 
 ROWS = [
     (SamplingParams(), set(), ()),

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.client import GenerationClient, SamplingParams, ServerLoad
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller, LoadSample, initial_cap, read_load
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.serving.process import ServerProcess, free_port
 
 
 def load(usage: float, waiting: float = 0.0) -> LoadSample:

@@ -30,8 +30,8 @@ from asyncrl.config.schema import Config
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss, StepNorm
 from asyncrl.packing import TreeRow, plan_micro_batches
-from asyncrl.server.command import served_model_name
-from asyncrl.server.process import free_port
+from asyncrl.serving.command import served_model_name
+from asyncrl.serving.process import free_port
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.forward import packed_forward

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 from asyncrl.trainer.distributed import leave
 from asyncrl.trainer.fsdp import buckets, gather_bucket
 

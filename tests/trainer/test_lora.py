@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
-from asyncrl.server.checks import ServerCheckError
-from asyncrl.server.command import served_name
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.serving.checks import ServerCheckError
+from asyncrl.serving.command import served_name
+from asyncrl.serving.process import ServerProcess, free_port
 from asyncrl.trainer import lora
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint
 from asyncrl.trainer.distributed import build_sharded

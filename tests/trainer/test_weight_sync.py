@@ -27,10 +27,10 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.server.checks import ServerFacts
-from asyncrl.server.command import served_name
-from asyncrl.server.vllm import WORKER_EXTENSION
 from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
+from asyncrl.serving.checks import ServerFacts
+from asyncrl.serving.command import served_name
+from asyncrl.serving.vllm import WORKER_EXTENSION
 from asyncrl.trainer.fsdp import GatheredModel
 from asyncrl.trainer.model import load_model
 from asyncrl.trainer.sync.base import Background
@@ -253,7 +253,7 @@ def test_the_watchdog_turns_a_hang_into_an_error():
     ("0.28.0", "FactoryTransport", "FactoryTransport"),
 ])  # fmt: skip
 def test_the_trainer_api_follows_the_installed_vllm(installed, ipc, nccl, monkeypatch, tmp_path):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: installed)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: installed)
     config = to_config(compose(["server.dtype=bfloat16"]))
     assert type(ipc_transport(config=config, run_dir=tmp_path)).__name__ == ipc
     transport = nccl_transport(config=config, run_dir=tmp_path)
@@ -261,7 +261,7 @@ def test_the_trainer_api_follows_the_installed_vllm(installed, ipc, nccl, monkey
 
 
 def test_without_vllm_the_vllm_transports_say_so(monkeypatch, tmp_path):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: None)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
     with pytest.raises(WeightSyncError, match="needs vllm on the trainer side"):
         ipc_transport(config=to_config(compose([])), run_dir=tmp_path)
 
@@ -522,7 +522,7 @@ def test_the_worker_extension_refuses_what_it_cannot_load(monkeypatch, model):
     ({"gpus": 2}, "true", "StaticIpcTransport", "spans 2 GPUs"),
 ])  # fmt: skip
 def test_ipc_loads_in_place_where_the_extension_can(facts, direct_load, expected, why, monkeypatch, caplog, tmp_path):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.26.0")
     config = to_config(compose([f"server.ipc_direct_load={direct_load}"]))
     server = ServerFacts("vllm", "0.26.0", 4096, "ipc", False, **{"worker_extension": WORKER_EXTENSION, **facts})
     with caplog.at_level(logging.INFO, logger="asyncrl.trainer.sync.vllm_transports"):

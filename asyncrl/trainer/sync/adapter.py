@@ -29,7 +29,7 @@ from asyncrl.client import Control, policy_model
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.flow import FlowControl
-from asyncrl.server.command import served_model_name, serving_dtype
+from asyncrl.serving.command import served_model_name, serving_dtype
 from asyncrl.trainer import lora
 from asyncrl.trainer.fsdp import whole_tensors
 from asyncrl.trainer.sync.base import WeightSyncError, run_step

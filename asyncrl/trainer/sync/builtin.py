@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from asyncrl.client import Control
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
-from asyncrl.server.checks import ServerFacts
-from asyncrl.server.command import serving_dtype
+from asyncrl.serving.checks import ServerFacts
+from asyncrl.serving.command import serving_dtype
 from asyncrl.trainer.sync.base import Transport
 from asyncrl.trainer.sync.tensors import unique_state_dict
 

@@ -5,7 +5,7 @@ to restart it with. auto: adapters when the server can load them at runtime and 
 merged otherwise (logged). A server can when its /server_info reports a ``lora_config``: vLLM started with
 ``--enable-lora`` (and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), or the built-in server started with
 ``--enable-lora``, which asyncrl passes to the built-in server it launches unless lora.sync=merged
-(server/command.py), so auto means adapters there. asyncrl launches vLLM without LoRA under auto, because
+(serving/command.py), so auto means adapters there. asyncrl launches vLLM without LoRA under auto, because
 vLLM generates 1.33-1.39x slower per token with an adapter: auto picks adapters only on a vLLM the user
 started with ``--enable-lora``.
 """
@@ -16,7 +16,7 @@ import logging
 
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, LoraSync
-from asyncrl.server.checks import ServerCheckError, lora_problem
+from asyncrl.serving.checks import ServerCheckError, lora_problem
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def use_adapter_sync(config: Config, control: ControlClient, backend: str) -> bo
 
 
 def adapter_problem(config: Config, control: ControlClient, backend: str) -> str | None:
-    """Why the server cannot serve this run's adapter versions (server/checks.py's ``lora_problem``), or None
+    """Why the server cannot serve this run's adapter versions (serving/checks.py's ``lora_problem``), or None
     when it can."""
     try:
         info = control.server_info()

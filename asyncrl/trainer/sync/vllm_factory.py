@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from asyncrl.client import Control, ServerError
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 from asyncrl.trainer.sync.base import Transport
 from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
 from asyncrl.trainer.sync.vllm_common import ipc_buffer_bytes, ipc_json, rendezvous_address, run_watched

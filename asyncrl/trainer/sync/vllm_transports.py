@@ -8,9 +8,9 @@ from pathlib import Path
 
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
-from asyncrl.server import vllm
-from asyncrl.server.checks import ServerFacts
-from asyncrl.server.command import serving_dtype
+from asyncrl.serving import vllm
+from asyncrl.serving.checks import ServerFacts
+from asyncrl.serving.command import serving_dtype
 from asyncrl.trainer.sync.base import Transport, WeightSyncError
 from asyncrl.trainer.sync.vllm_common import IPC_BUFFER_LIMIT
 from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport

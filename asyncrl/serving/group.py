@@ -15,8 +15,8 @@ from contextlib import ExitStack
 from types import TracebackType
 from typing import Any
 
-from asyncrl.server.handle import DeferredServer
-from asyncrl.server.process import ServerStartError
+from asyncrl.serving.handle import DeferredServer
+from asyncrl.serving.process import ServerStartError
 
 
 class ServerGroup:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.server.process import (
+from asyncrl.serving.process import (
     PROBE_TIMEOUT_S,
     ServerProcess,
     ServerStartError,

@@ -12,8 +12,9 @@ from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config,
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.server.choice import server_command
-from asyncrl.server.vllm import (
+from asyncrl.server.vllm_extension import WeightBufferExtension
+from asyncrl.serving.choice import server_command
+from asyncrl.serving.vllm import (
     WORKER_EXTENSION,
     CheckpointKind,
     api_server_count,
@@ -26,7 +27,6 @@ from asyncrl.server.vllm import (
     vllm_command,
     warm_up_token_budget,
 )
-from asyncrl.server.vllm_extension import WeightBufferExtension
 
 BASE = ["server=vllm", "model.name_or_path=Qwen/Qwen3-4B", "sampling.max_completion_length=1024"]
 SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-4B",
@@ -266,7 +266,7 @@ def test_max_model_len_is_the_longest_prompt_plus_one_turn(arithmetic_data_dir, 
 
 
 def test_server_command_dispatches_and_needs_a_version(monkeypatch):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: None)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
     with pytest.raises(ConfigError, match="server.vllm_version"):
         server_command(to_config(compose([*BASE, "server.max_model_len=2048"])))
     with pytest.raises(ConfigError, match="too old"):
@@ -276,16 +276,16 @@ def test_server_command_dispatches_and_needs_a_version(monkeypatch):
 
 def test_a_launch_needs_vllm_and_a_gpu_on_this_machine(monkeypatch):
     """Checked before anything loads; on a CPU machine the GPU check is the one that fails once vLLM is there."""
-    from asyncrl.server.vllm import check_launchable
+    from asyncrl.serving.vllm import check_launchable
 
     config = to_config(compose(BASE))
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: None)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
     with pytest.raises(ConfigError, match=r"vllm is not installed here: .* \(server=builtin\)$"):
         check_launchable(config)
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.25.1")
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.25.1")
     with pytest.raises(ConfigError, match="too old"):
         check_launchable(config)
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.33.0")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"torch sees no CUDA GPU here: .* \(server=builtin\)$"):
         check_launchable(config)
@@ -303,7 +303,7 @@ def test_vllm_server_settings_are_validated(override, key):
 
 
 def test_the_trainer_gets_the_gpus_after_the_servers():
-    from asyncrl.server.vllm import trainer_gpus
+    from asyncrl.serving.vllm import trainer_gpus
 
     config = to_config(compose([*BASE, "server.tensor_parallel_size=2"]))
     assert trainer_gpus(config, ["0", "1", "2", "3"]) == ["2", "3"]
@@ -311,7 +311,7 @@ def test_the_trainer_gets_the_gpus_after_the_servers():
 
 
 def test_each_replica_gets_its_own_gpus_and_port_and_the_trainer_the_next():
-    from asyncrl.server.vllm import trainer_gpus
+    from asyncrl.serving.vllm import trainer_gpus
 
     replicas = ["server.replicas=2", "server.tensor_parallel_size=2"]
     config = to_config(compose([*BASE, *replicas]))
@@ -359,12 +359,12 @@ TRITON_GDN = ["--gdn-prefill-backend", "triton"]
     (CheckpointKind(vision_language=True, gated_deltanet=True), False, TEXT_ONLY + TRITON_GDN),
 ])  # fmt: skip
 def test_vision_language_and_gated_deltanet_checkpoints_get_their_flags(kind, flashinfer, expected, monkeypatch):
-    monkeypatch.setattr("asyncrl.server.vllm.flashinfer_importable", lambda: flashinfer)
+    monkeypatch.setattr("asyncrl.serving.vllm.flashinfer_importable", lambda: flashinfer)
     assert command([], checkpoint=kind).argv == command([]).argv + expected
 
 
 def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("asyncrl.server.vllm.flashinfer_importable", lambda: False)
+    monkeypatch.setattr("asyncrl.serving.vllm.flashinfer_importable", lambda: False)
     vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}"]))
     assert checkpoint_kind(vlm) == CheckpointKind(vision_language=True, gated_deltanet=True)
     argv = vllm_command(vlm, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
@@ -432,7 +432,7 @@ def test_utilization_follows_the_split_unless_set(caplog):
         return argv[argv.index("--gpu-memory-utilization") + 1]
 
     assert utilization([], ("0", "1")) == "0.9"  # own GPUs
-    with caplog.at_level("INFO", logger="asyncrl.server.vllm"):
+    with caplog.at_level("INFO", logger="asyncrl.serving.vllm"):
         assert utilization(["model.name_or_path=/no/model"], ("0",)) == "0.3"  # shared, nothing to measure
     assert (
         "vLLM shares GPU 0 with the trainer: --gpu-memory-utilization 0.3 (the trainer's footprint is not "

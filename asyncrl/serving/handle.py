@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from asyncrl.server.command import ServerCommand
-from asyncrl.server.process import ServerProcess, ServerStartError, wait_for_health
+from asyncrl.serving.command import ServerCommand
+from asyncrl.serving.process import ServerProcess, ServerStartError, wait_for_health
 
 
 class LaunchedServer(ServerProcess):

@@ -18,8 +18,8 @@ from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, WeightTransfer
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import world_size
-from asyncrl.server import vllm
-from asyncrl.server.command import resolve_backend, served_model_name
+from asyncrl.serving import vllm
+from asyncrl.serving.command import resolve_backend, served_model_name
 
 log = logging.getLogger(__name__)
 

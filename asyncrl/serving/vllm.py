@@ -34,7 +34,7 @@ import httpx
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, WeightTransfer
 from asyncrl.model_kind import is_vision_language
-from asyncrl.server.command import (
+from asyncrl.serving.command import (
     ServerCommand,
     max_lora_rank,
     max_loras,

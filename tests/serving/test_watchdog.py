@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncrl.server.process import ServerProcess, ServerStartError
-from asyncrl.server.watchdog import HealthWatchdog
+from asyncrl.serving.process import ServerProcess, ServerStartError
+from asyncrl.serving.watchdog import HealthWatchdog
 
 
 class Probes:

@@ -9,8 +9,8 @@ import time
 import pytest
 from fastapi import FastAPI, Response
 
-from asyncrl.server.handle import AttachedServer
-from asyncrl.server.process import ServerStartError, free_port
+from asyncrl.serving.handle import AttachedServer
+from asyncrl.serving.process import ServerStartError, free_port
 
 
 def health_app(delay_s: float, status: int = 200) -> FastAPI:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.server.command import served_name
+from asyncrl.serving.command import served_name
 
 
 def test_a_local_model_is_served_by_its_name_not_its_path(tmp_path):

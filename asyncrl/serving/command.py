@@ -1,5 +1,5 @@
 """What every server command shares, derived from the config alone: the backend, the served name and address,
-the LoRA slots, and the built-in server's command line (server/vllm.py builds vLLM's; server/choice.py picks)."""
+the LoRA slots, and the built-in server's command line (serving/vllm.py builds vLLM's; serving/choice.py picks)."""
 
 from __future__ import annotations
 

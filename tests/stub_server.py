@@ -15,7 +15,7 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 
     import uvicorn
 
-    from asyncrl.server.process import free_port
+    from asyncrl.serving.process import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

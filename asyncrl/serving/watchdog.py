@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from asyncrl.server.process import ServerStartError
+from asyncrl.serving.process import ServerStartError
 
 PROBE_INTERVAL_S = 5.0
 

@@ -11,8 +11,8 @@ from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 
 from asyncrl.client import ControlClient
 from asyncrl.config.compose import compose, to_config
-from asyncrl.server.checks import ServerCheckError, check_server, lora_problem
-from asyncrl.server.vllm import WORKER_EXTENSION
+from asyncrl.serving.checks import ServerCheckError, check_server, lora_problem
+from asyncrl.serving.vllm import WORKER_EXTENSION
 
 
 def attached(url: str, *overrides: str) -> Any:
@@ -128,7 +128,7 @@ VLLM_CASES = {
 @pytest.mark.parametrize("case", VLLM_CASES)
 def test_vllm_config_disagreements_name_the_flag_and_the_restart_command(case, monkeypatch, serve_app):
     info, overrides, message = VLLM_CASES[case]
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.26.0")
     with serve_app(fake_vllm("0.26.0", info)) as url, pytest.raises(ServerCheckError) as raised:
         run_checks(attached_vllm(url, "server.vllm_version=0.26.0", *overrides))
     assert raised.match(message)
@@ -137,7 +137,7 @@ def test_vllm_config_disagreements_name_the_flag_and_the_restart_command(case, m
 
 
 def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog, serve_app):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.26.0")
     with serve_app(fake_vllm("0.26.0", vllm_info())) as url:
         facts = run_checks(attached_vllm(url, "sampling.top_k=20"))
     assert (facts.backend, facts.weight_transfer, facts.candidate_sets) == ("vllm", "ipc", False)
@@ -157,7 +157,7 @@ def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog, serv
     ("0.26.0", None, "the trainer has no vLLM"),
 ])  # fmt: skip
 def test_version_rules(server, trainer, message, monkeypatch, serve_app):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: trainer)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: trainer)
     with serve_app(fake_vllm(server, vllm_info())) as url, pytest.raises(ServerCheckError, match=message):
         run_checks(attached_vllm(url, "server.vllm_version=0.33.0"))
 
@@ -167,7 +167,7 @@ def test_version_rules(server, trainer, message, monkeypatch, serve_app):
 )
 def test_a_release_not_run_here_gets_one_warning_naming_the_verified_ones(version, warned, monkeypatch, caplog,
                                                                           serve_app):  # fmt: skip
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: version)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: version)
     with serve_app(fake_vllm(version, vllm_info())) as url:
         run_checks(attached_vllm(url))
     lines = [r.getMessage() for r in caplog.records if "has not been run with asyncrl" in r.getMessage()]
@@ -182,7 +182,7 @@ def test_a_release_not_run_here_gets_one_warning_naming_the_verified_ones(versio
     ({"choices": [{"token_ids": [3], "sampling_mask": None}]}, "no sampling_mask.*--return-sampling-mask"),
 ])  # fmt: skip
 def test_candidate_set_flags_on_a_recent_vllm(generate, message, monkeypatch, serve_app):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.33.0")
     app = fake_vllm("0.33.0", vllm_info(), generate if generate is not None else None)
     with serve_app(app) as url, pytest.raises(ServerCheckError, match=message):
         run_checks(attached_vllm(url, "sampling.top_k=20"))

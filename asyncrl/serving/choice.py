@@ -1,4 +1,4 @@
-"""Which server a run starts: the built-in server's command (server/command.py) or vLLM's (server/vllm.py)."""
+"""Which server a run starts: the built-in server's command (serving/command.py) or vLLM's (serving/vllm.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
-from asyncrl.server.command import ServerCommand, builtin_command, resolve_backend
+from asyncrl.serving.command import ServerCommand, builtin_command, resolve_backend
 
 if TYPE_CHECKING:
-    from asyncrl.server.vllm import CheckpointKind
+    from asyncrl.serving.vllm import CheckpointKind
 
 
 DEFAULT_PROMPT_TOKENS = 512
@@ -25,9 +25,9 @@ def printable_server_commands(config: Config) -> tuple[list[ServerCommand], list
     replicas = range(config.server.replicas)
     if resolve_backend(config) != "vllm":
         return [builtin_command(config, replica) for replica in replicas], []
-    # server/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
+    # serving/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
     from asyncrl.hub import unreachable_for
-    from asyncrl.server.vllm import (
+    from asyncrl.serving.vllm import (
         installed_vllm_version,
         needed_gpus,
         newest_verified_release,
@@ -63,7 +63,7 @@ def printable_server_commands(config: Config) -> tuple[list[ServerCommand], list
 
 def _checkpoint_kind(config: Config, offline: str | None, warnings: list[str]) -> CheckpointKind:
     """The checkpoint's kind, or a plain one and a warning naming the flags it would have decided."""
-    from asyncrl.server.vllm import CheckpointKind, checkpoint_kind, flashinfer_importable, lora_adapters
+    from asyncrl.serving.vllm import CheckpointKind, checkpoint_kind, flashinfer_importable, lora_adapters
 
     try:
         return checkpoint_kind(config)
@@ -86,7 +86,7 @@ def _prompt_tokens(config: Config, warnings: list[str]) -> int | None:
     or the tokenizer cannot be read here) DEFAULT_PROMPT_TOKENS and a warning. None when server.max_model_len
     decides."""
     from asyncrl.data import DatasetError
-    from asyncrl.server.vllm import longest_prompt_tokens
+    from asyncrl.serving.vllm import longest_prompt_tokens
 
     if config.server.max_model_len is not None:
         return None
@@ -109,7 +109,7 @@ def server_command(config: Config, replica: int = 0, gpus: list[str] | None = No
     visible)."""
     backend = resolve_backend(config)
     if backend == "vllm":
-        from asyncrl.server.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
+        from asyncrl.serving.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
 
         return vllm_command(config, gpus=gpus, replica=replica)
     return builtin_command(config, replica)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.server.group import ServerGroup
-from asyncrl.server.process import ServerStartError
+from asyncrl.serving.group import ServerGroup
+from asyncrl.serving.process import ServerStartError
 
 
 class FakeServer:
@@ -55,7 +55,7 @@ def test_a_replica_that_fails_to_start_is_named_and_every_replica_stops():
 
 
 def test_a_dead_replica_is_named_with_its_log():
-    """What check_alive (server/handle.py) raises with: the run stops rather than shrink to the live replicas."""
+    """What check_alive (serving/handle.py) raises with: the run stops rather than shrink to the live replicas."""
     events: list[str] = []
     group = ServerGroup([FakeServer("http://a", events), FakeServer("http://b", events, alive=False)])
     assert not group.is_alive()
