@@ -47,7 +47,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.trainer.group_watch import TrainingStalledError
     from asyncrl.trainer.launcher import TrainerRankError
     from asyncrl.trainer.memory import TrainerOutOfMemoryError
-    from asyncrl.trainer.sync.base import WeightSyncError
+    from asyncrl.weights.transport import WeightSyncError
 
     return (
         DatasetError,

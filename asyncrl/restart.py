@@ -36,7 +36,7 @@ def restartable_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.trainer.assembler import RolloutWorkerError
     from asyncrl.trainer.group_watch import GenerationFailingError
     from asyncrl.trainer.launcher import TrainerRankError
-    from asyncrl.trainer.sync.base import WeightSyncError
+    from asyncrl.weights.transport import WeightSyncError
 
     return RolloutWorkerError, TrainerRankError, ServerStartError, WeightSyncError, GenerationFailingError
 

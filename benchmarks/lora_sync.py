@@ -39,9 +39,9 @@ from asyncrl.client import ControlClient, ensure_token  # noqa: E402
 from asyncrl.config.schema import Config, LoraConfig, ModelConfig, ServerConfig, StalenessConfig  # noqa: E402
 from asyncrl.serving.process import ServerProcess, free_port  # noqa: E402
 from asyncrl.trainer import lora  # noqa: E402
-from asyncrl.trainer.sync.adapter import AdapterSync  # noqa: E402
-from asyncrl.trainer.sync.builtin import FileTransport  # noqa: E402
 from asyncrl.trainer.weight_sync import WeightSync  # noqa: E402
+from asyncrl.weights.adapter import AdapterSync  # noqa: E402
+from asyncrl.weights.file_transport import FileTransport  # noqa: E402
 
 
 def model_config(tiny: bool) -> Qwen3Config:

@@ -94,7 +94,7 @@ def test_one_server_is_called_directly_and_its_errors_are_unchanged():
 def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(random_tiny_model_dir, tmp_path):
     from asyncrl.config.compose import compose, to_config
     from asyncrl.trainer.model import load_model
-    from asyncrl.trainer.sync.adapter import AdapterSync
+    from asyncrl.weights.adapter import AdapterSync
 
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8",
                                 "staleness.max_staleness=0", "lora.sync=adapter"]))  # fmt: skip

@@ -42,7 +42,7 @@ class ServerFacts:
     candidate_sets: bool
     """Whether /inference/v1/generate returns each token's candidate set."""
     worker_extension: str = ""
-    """vLLM's --worker-extension-cls (asyncrl's loads ipc weights in place: server/vllm_extension.py)."""
+    """vLLM's --worker-extension-cls (asyncrl's loads ipc weights in place: weights/vllm_extension.py)."""
     quantization: str = ""
     """vLLM's --quantization: weights it re-processes after loading, which an in-place load would not redo."""
     gpus: int = 1
@@ -235,7 +235,7 @@ def lora_problem(
 ) -> tuple[str, str] | None:
     """Why a server whose /server_info reports ``lora`` (its lora_config) and ``env`` cannot serve this run's
     adapter versions, and the flag that fixes it; None when it can. The one rule: the startup checks above and
-    lora.sync's choice (trainer/sync/choice.py) both ask it."""
+    lora.sync's choice (weights/adapter_choice.py) both ask it."""
     rank, loras = vllm.max_lora_rank(config), vllm.max_loras(config)
     needed = FlowControl.from_config(config).adapter_slots
     if lora is None:

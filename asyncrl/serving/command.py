@@ -119,7 +119,7 @@ def builtin_command(config: Config, replica: int = 0) -> ServerCommand:
         argv += ["--weights-dir", sv.weights_dir]
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
-    if config.lora.enabled and config.lora.sync != LoraSync.merged:  # auto means adapters here (sync/choice.py)
+    if config.lora.enabled and config.lora.sync != LoraSync.merged:  # auto: adapters here (weights/adapter_choice.py)
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
     return ServerCommand("builtin", argv + list(sv.extra_args), env={"OMP_NUM_THREADS": str(sv.cpu_threads)})
 

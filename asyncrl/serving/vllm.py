@@ -54,7 +54,7 @@ SAMPLING_MASK_SINCE = (0, 28)  # --return-sampling-mask
 SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generate
 MANY_API_SERVERS_SINCE = (0, 32)  # top log-probabilities stop costing throughput with 8 API servers
 MANY_API_SERVERS = 8
-WORKER_EXTENSION = "asyncrl.server.vllm_extension.WeightBufferExtension"  # in-place ipc loads (not imported here)
+WORKER_EXTENSION = "asyncrl.weights.vllm_extension.WeightBufferExtension"  # in-place ipc loads (not imported here)
 TEXT_ONLY_LIMITS = json.dumps({"image": 0, "video": 0})
 """--limit-mm-per-prompt for a vision-language checkpoint trained text-only: vLLM skips multimodal profiling."""
 

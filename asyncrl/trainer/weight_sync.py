@@ -4,12 +4,12 @@ Every backend runs vLLM's dev-mode round, and the round's control calls are made
 path is the same for every server: stage (outside the pause) -> POST /pause -> /start_weight_update ->
 the backend's data plane (its /update_weights calls and the tensors) -> /finish_weight_update -> /resume.
 A backend (a ``Transport`` in ``WEIGHT_SYNC``) supplies only the data plane: a safetensors file for the
-built-in server (asyncrl/trainer/sync/builtin.py), CUDA IPC handles or an NCCL broadcast for vLLM, through
-vLLM's static trainer API on 0.26-0.27 (sync/vllm_static.py) or its trainer engines from 0.28
-(sync/vllm_factory.py), chosen by the installed vLLM. On a vLLM running asyncrl's worker extension, ipc loads in
-place instead (sync/vllm_direct.py): one /collective_rpc per chunk of a buffer shared once, and no
+built-in server (asyncrl/weights/file_transport.py), CUDA IPC handles or an NCCL broadcast for vLLM, through
+vLLM's static trainer API on 0.26-0.27 (weights/vllm_static.py) or its trainer engines from 0.28
+(weights/vllm_factory.py), chosen by the installed vLLM. On a vLLM running asyncrl's worker extension, ipc loads in
+place instead (weights/vllm_direct.py): one /collective_rpc per chunk of a buffer shared once, and no
 start/finish session (``Transport.session``), which is where vLLM re-materialises every layer. LoRA runs
-whose lora.sync resolves to adapters (sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no
+whose lora.sync resolves to adapters (weights/adapter_choice.py) use ``AdapterSync`` instead (weights/adapter.py): no
 pause, only the adapter is sent.
 
 With several servers (server.replicas, server.base_urls) the control client is a ``ControlGroup``
@@ -43,12 +43,12 @@ from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.registry import Registry
 from asyncrl.serving.checks import ServerFacts, check_servers
-from asyncrl.trainer.sync.adapter import AdapterSync
-from asyncrl.trainer.sync.base import Background, Transport, WeightSyncError, run_step
-from asyncrl.trainer.sync.builtin import FileTransport
-from asyncrl.trainer.sync.choice import use_adapter_sync
-from asyncrl.trainer.sync.tensors import serving_bytes
-from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
+from asyncrl.weights.adapter import AdapterSync
+from asyncrl.weights.adapter_choice import use_adapter_sync
+from asyncrl.weights.file_transport import FileTransport
+from asyncrl.weights.tensors import serving_bytes
+from asyncrl.weights.transport import Background, Transport, WeightSyncError, run_step
+from asyncrl.weights.vllm_transports import ipc_transport, nccl_transport
 
 log = logging.getLogger(__name__)
 

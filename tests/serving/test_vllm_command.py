@@ -12,7 +12,6 @@ from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config,
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.server.vllm_extension import WeightBufferExtension
 from asyncrl.serving.choice import server_command
 from asyncrl.serving.vllm import (
     WORKER_EXTENSION,
@@ -27,6 +26,7 @@ from asyncrl.serving.vllm import (
     vllm_command,
     warm_up_token_budget,
 )
+from asyncrl.weights.vllm_extension import WeightBufferExtension
 
 BASE = ["server=vllm", "model.name_or_path=Qwen/Qwen3-4B", "sampling.max_completion_length=1024"]
 SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-4B",
@@ -144,7 +144,7 @@ GOLDEN = {
             "--gpu-memory-utilization",
             "0.3",
             "--worker-extension-cls",
-            "asyncrl.server.vllm_extension.WeightBufferExtension",
+            "asyncrl.weights.vllm_extension.WeightBufferExtension",
         ),
         {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "3", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
     ),

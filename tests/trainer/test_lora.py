@@ -24,10 +24,10 @@ from asyncrl.trainer import lora
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint
 from asyncrl.trainer.distributed import build_sharded
 from asyncrl.trainer.model import load_model
-from asyncrl.trainer.sync.adapter import AdapterSync
-from asyncrl.trainer.sync.builtin import FileTransport
-from asyncrl.trainer.sync.tensors import parameter_metadata, serving_parameters, unique_state_dict
 from asyncrl.trainer.weight_sync import WeightSync, WeightSyncError, build_weight_sync
+from asyncrl.weights.adapter import AdapterSync
+from asyncrl.weights.file_transport import FileTransport
+from asyncrl.weights.tensors import parameter_metadata, serving_parameters, unique_state_dict
 
 from .test_weight_sync import served_vs_local
 

@@ -11,11 +11,11 @@ from asyncrl.dtypes import torch_dtype
 from asyncrl.serving import vllm
 from asyncrl.serving.checks import ServerFacts
 from asyncrl.serving.command import serving_dtype
-from asyncrl.trainer.sync.base import Transport, WeightSyncError
-from asyncrl.trainer.sync.vllm_common import IPC_BUFFER_LIMIT
-from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
-from asyncrl.trainer.sync.vllm_factory import FactoryTransport
-from asyncrl.trainer.sync.vllm_static import StaticIpcTransport, StaticNcclTransport
+from asyncrl.weights.transport import Transport, WeightSyncError
+from asyncrl.weights.vllm_common import IPC_BUFFER_LIMIT
+from asyncrl.weights.vllm_direct import DirectIpcTransport
+from asyncrl.weights.vllm_factory import FactoryTransport
+from asyncrl.weights.vllm_static import StaticIpcTransport, StaticNcclTransport
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The trainer allocates it once and shares it (a CUDA IPC handle the server opens once). A weight sync then
 only copies the parameters into it and asks the server to load from it: no buffer, handle or clone per round.
 The layout (name, dtype, shape, offset of every tensor) travels as JSON, because vLLM's /collective_rpc passes
-string arguments. Imported inside vLLM's worker process too (server/vllm_extension.py): torch and the
+string arguments. Imported inside vLLM's worker process too (weights/vllm_extension.py): torch and the
 standard library only.
 """
 

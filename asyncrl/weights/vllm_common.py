@@ -1,5 +1,5 @@
 """What the vLLM transports share: IPC handles as JSON, the NCCL rendezvous address, and the watchdog that turns
-a silent peer into an error instead of a hang (trainer/sync/vllm_transports.py picks the transport)."""
+a silent peer into an error instead of a hang (weights/vllm_transports.py picks the transport)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from asyncrl.trainer.sync.base import Background, WeightSyncError
+from asyncrl.weights.transport import Background, WeightSyncError
 
 R = TypeVar("R")
 IPC_BUFFER_LIMIT = 2 << 30  # bytes: a model up to ~1B parameters in bf16 goes over as one packed buffer

@@ -15,9 +15,9 @@ import torch
 
 from asyncrl.client import Control, ServerError
 from asyncrl.serving.process import free_port
-from asyncrl.trainer.sync.base import Background, Transport
-from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
-from asyncrl.trainer.sync.vllm_common import fields_of, ipc_buffer_bytes, ipc_json, rendezvous_address, run_watched
+from asyncrl.weights.tensors import parameter_metadata, serving_bytes, serving_parameters
+from asyncrl.weights.transport import Background, Transport
+from asyncrl.weights.vllm_common import fields_of, ipc_buffer_bytes, ipc_json, rendezvous_address, run_watched
 
 
 class StaticIpcTransport(Transport):

@@ -1,7 +1,7 @@
 """``ipc`` sync through asyncrl's vLLM worker extension: one shared buffer, weights loaded in place.
 
 The first round allocates a buffer on the trainer's GPU sized for the model (or for its largest chunk, past
-IPC_BUFFER_LIMIT) and shares its CUDA IPC handle with the server once (server/vllm_extension.py). Each round
+IPC_BUFFER_LIMIT) and shares its CUDA IPC handle with the server once (weights/vllm_extension.py). Each round
 copies the parameters into it in ``stage``, before the server pauses, so the pause covers one
 ``/collective_rpc`` per chunk, in which the server's ``load_weights`` copies from the buffer into its
 parameters. No vLLM weight-update session is opened: vLLM's would re-materialise every layer (layerwise
@@ -15,10 +15,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from asyncrl.client import Control
-from asyncrl.server import weight_buffer
-from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, encode_handle
-from asyncrl.trainer.sync.base import Transport, WeightSyncError
-from asyncrl.trainer.sync.tensors import parameter_device, parameter_metadata, serving_parameters
+from asyncrl.weights import weight_buffer
+from asyncrl.weights.tensors import parameter_device, parameter_metadata, serving_parameters
+from asyncrl.weights.transport import Transport, WeightSyncError
+from asyncrl.weights.vllm_extension import LOAD, MAP, UNMAP, encode_handle
 
 
 class DirectIpcTransport(Transport):

@@ -1,8 +1,8 @@
 """asyncrl's vLLM worker extension: weights loaded in place from one CUDA buffer the trainer shares once.
 
 vLLM mixes ``WeightBufferExtension`` into its GPU worker when started with ``--worker-extension-cls
-asyncrl.server.vllm_extension.WeightBufferExtension`` (asyncrl adds it to the vLLM it launches for ``ipc``
-sync); the trainer calls the methods through the dev-mode ``/collective_rpc`` (trainer/sync/vllm_direct.py).
+asyncrl.weights.vllm_extension.WeightBufferExtension`` (asyncrl adds it to the vLLM it launches for ``ipc``
+sync); the trainer calls the methods through the dev-mode ``/collective_rpc`` (weights/vllm_direct.py).
 
 Why not vLLM's own ``ipc`` engine: per round it allocates, shares and opens a fresh buffer, clones every tensor
 out of it, and re-materialises each layer from the meta device (layerwise reload): 0.14-0.19 s for
@@ -11,7 +11,7 @@ copying from views of it into the parameters, in place, so CUDA graphs stay vali
 unquantized serving; a quantized server re-processes weights after loading and needs vLLM's path
 (server.ipc_direct_load=false).
 
-Runs inside vLLM's worker process: torch, the standard library and server/weight_buffer.py only.
+Runs inside vLLM's worker process: torch, the standard library and weights/weight_buffer.py only.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.server import weight_buffer
+from asyncrl.weights import weight_buffer
 
 EXTENSION = f"{__name__}.WeightBufferExtension"
 MAP, LOAD, UNMAP = "asyncrl_map_weight_buffer", "asyncrl_load_weights", "asyncrl_unmap_weight_buffer"

@@ -19,8 +19,8 @@ from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.serving.checks import ServerFacts
 from asyncrl.serving.command import serving_dtype
-from asyncrl.trainer.sync.base import Transport
-from asyncrl.trainer.sync.tensors import unique_state_dict
+from asyncrl.weights.tensors import unique_state_dict
+from asyncrl.weights.transport import Transport
 
 
 class FileTransport(Transport):
@@ -32,7 +32,7 @@ class FileTransport(Transport):
 
     @classmethod
     def from_config(cls, *, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> FileTransport:
-        """The serving dtype's file transport (merged or full weights; adapter-only sync is sync/adapter.py)."""
+        """The serving dtype's file transport (merged or full weights; adapter-only sync is weights/adapter.py)."""
         return cls(Path(config.server.weights_dir or run_dir), torch_dtype(serving_dtype(config)))
 
     def init(self, control: Control, model: torch.nn.Module) -> None:

@@ -32,7 +32,7 @@ from asyncrl.flow import FlowControl
 from asyncrl.serving.command import served_model_name, serving_dtype
 from asyncrl.trainer import lora
 from asyncrl.trainer.fsdp import whole_tensors
-from asyncrl.trainer.sync.base import WeightSyncError, run_step
+from asyncrl.weights.transport import WeightSyncError, run_step
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.server import weight_buffer
-from asyncrl.server.weight_buffer import ALIGN, chunk_bytes, decode, encode, plan_chunks, views
+from asyncrl.weights import weight_buffer
+from asyncrl.weights.weight_buffer import ALIGN, chunk_bytes, decode, encode, plan_chunks, views
 
 ENTRIES = [("a", torch.bfloat16, [3, 5]), ("b", torch.float32, [7]), ("c", torch.int64, [2, 2]),
            ("d", torch.bfloat16, [1000])]  # fmt: skip
