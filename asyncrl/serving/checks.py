@@ -49,8 +49,11 @@ class ServerFacts:
     """The GPUs one server spans (tensor x pipeline x data parallel)."""
 
 
-def check_server(config: Config, control: ControlClient, *, dataset: Any = None, tokenizer: Any = None) -> ServerFacts:
-    """Run every check; ``dataset`` and ``tokenizer`` (already loaded by the caller) measure the longest prompt."""
+def check_server(
+    config: Config, control: ControlClient, *, flow: FlowControl, dataset: Any = None, tokenizer: Any = None
+) -> ServerFacts:
+    """Run every check; ``flow``: the run plan's; ``dataset`` and ``tokenizer`` (already loaded by the caller) measure
+    the longest prompt."""
     version = control.version()
     backend = "builtin" if version.startswith(BUILTIN_VERSION_PREFIX) else "vllm"
     fix = _Fix(config, backend)
@@ -63,7 +66,7 @@ def check_server(config: Config, control: ControlClient, *, dataset: Any = None,
         return ServerFacts(backend, version, max_model_len, "builtin", _candidate_sets(config, control, fix, True))
     _check_version(version, fix)
     info = control.server_info()
-    transfer = _check_vllm_config(config, info, fix)
+    transfer = _check_vllm_config(config, info, fix, flow)
     can_mask = vllm.parse_version(version)[:2] >= vllm.SAMPLING_MASK_SINCE
     engine = info.get("vllm_config") or {}
     parallel = engine.get("parallel_config") or {}
@@ -81,11 +84,11 @@ def check_server(config: Config, control: ControlClient, *, dataset: Any = None,
 
 
 def check_servers(
-    config: Config, controls: list[ControlClient], *, dataset: Any = None, tokenizer: Any = None
+    config: Config, controls: list[ControlClient], *, flow: FlowControl, dataset: Any = None, tokenizer: Any = None
 ) -> ServerFacts:
     """``check_server`` on every replica; they must speak the same weight transfer (one round reaches them all),
     and the run's context is the shortest of theirs. CUDA IPC reaches only one server, on the trainer's GPU."""
-    facts = [check_server(config, control, dataset=dataset, tokenizer=tokenizer) for control in controls]
+    facts = [check_server(config, control, flow=flow, dataset=dataset, tokenizer=tokenizer) for control in controls]
     first = facts[0]
     for index, other in enumerate(facts[1:], start=1):
         if (other.backend, other.weight_transfer) != (first.backend, first.weight_transfer):
@@ -182,7 +185,7 @@ def _check_version(version: str, fix: _Fix) -> None:
                     "version-switched code paths follow vLLM's source only", version, verified)  # fmt: skip
 
 
-def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
+def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix, flow: FlowControl) -> str:
     """Check /server_info's engine config and environment; return the weight-transfer backend."""
     engine = info.get("vllm_config") or {}
     model = engine.get("model_config") or {}
@@ -220,24 +223,24 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix) -> str:
             NCCL_FLAG,
         )
     if vllm.lora_adapters(config):
-        _check_lora(config, engine.get("lora_config"), env, fix)
+        _check_lora(config, engine.get("lora_config"), env, fix, flow)
     return str(transfer)
 
 
-def _check_lora(config: Config, lora: dict[str, Any] | None, env: dict[str, Any], fix: _Fix) -> None:
-    problem = lora_problem(config, lora, env, "vllm")
+def _check_lora(config: Config, lora: dict[str, Any] | None, env: dict[str, Any], fix: _Fix, flow: FlowControl) -> None:
+    problem = lora_problem(config, lora, env, "vllm", flow)
     if problem is not None:
         raise fix(*problem)
 
 
 def lora_problem(
-    config: Config, lora: dict[str, Any] | None, env: dict[str, Any], backend: str
+    config: Config, lora: dict[str, Any] | None, env: dict[str, Any], backend: str, flow: FlowControl
 ) -> tuple[str, str] | None:
     """Why a server whose /server_info reports ``lora`` (its lora_config) and ``env`` cannot serve this run's
     adapter versions, and the flag that fixes it; None when it can. The one rule: the startup checks above and
     lora.sync's choice (weights/adapter_choice.py) both ask it."""
     rank, loras = vllm.max_lora_rank(config), vllm.max_loras(config)
-    needed = FlowControl.from_config(config).adapter_slots
+    needed = flow.adapter_slots
     if lora is None:
         return "the server has LoRA off", f"--enable-lora --max-lora-rank {rank} --max-loras {loras}"
     if int(lora.get("max_lora_rank", 0)) < config.lora.r:

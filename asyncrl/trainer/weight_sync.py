@@ -41,6 +41,7 @@ import torch
 from asyncrl.client import Control, ControlClient
 from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
+from asyncrl.flow import FlowControl
 from asyncrl.registry import Registry
 from asyncrl.serving.checks import ServerFacts, check_servers
 from asyncrl.weights.adapter import AdapterSync
@@ -194,10 +195,12 @@ def build_weight_sync(
 ) -> WeightSync | AdapterSync:
     """Check the running servers against the config, then build the sync backend they speak (not yet init'ed),
     reaching every one of them: adapter-only sync when lora.sync resolves to it on each (``use_adapter_sync``),
-    else a merged/full weight round."""
+    else a merged/full weight round. ``prepared``: the trainer's, whose run plan's flow rules the adapter versions
+    (a caller without one, a test or a benchmark, gets the config's)."""
     group = control if isinstance(control, ControlGroup) else ControlGroup([control])
     dataset, tokenizer = getattr(prepared, "dataset", None), getattr(prepared, "tokenizer", None)
-    facts = check_servers(config, group.controls, dataset=dataset, tokenizer=tokenizer)
+    flow = prepared.plan.flow if prepared is not None else FlowControl.from_config(config)
+    facts = check_servers(config, group.controls, flow=flow, dataset=dataset, tokenizer=tokenizer)
     log.info(
         "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
         facts.backend,
@@ -206,10 +209,10 @@ def build_weight_sync(
         facts.weight_transfer,
         facts.candidate_sets,
     )
-    if all([use_adapter_sync(config, replica, facts.backend) for replica in group.controls]):
+    if all([use_adapter_sync(config, replica, facts.backend, flow) for replica in group.controls]):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
-        return AdapterSync(group, config, output_dir, facts)
+        return AdapterSync(group, config, output_dir, facts, flow=flow)
     transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)
     return WeightSync(group, transport, facts)
 

@@ -62,13 +62,15 @@ class AdapterSync:
 
     adapter_only = True
 
-    def __init__(self, control: Control, config: Config, output_dir: Path, facts: Any = None) -> None:
+    def __init__(
+        self, control: Control, config: Config, output_dir: Path, facts: Any = None, *, flow: FlowControl
+    ) -> None:
         self.control, self.facts = control, facts
         self.base_name = served_model_name(config)
         self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers
         self.root = output_dir / CACHE_DIR
         self.dtype = torch_dtype(serving_dtype(config))
-        self.keep = FlowControl.from_config(config).live_versions
+        self.keep = flow.live_versions
         self.registered: deque[int] = deque()
         self.unloaded: list[int] = []
 

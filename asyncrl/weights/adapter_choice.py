@@ -16,16 +16,17 @@ import logging
 
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, LoraSync
+from asyncrl.flow import FlowControl
 from asyncrl.serving.checks import ServerCheckError, lora_problem
 
 log = logging.getLogger(__name__)
 
 
-def use_adapter_sync(config: Config, control: ControlClient, backend: str) -> bool:
+def use_adapter_sync(config: Config, control: ControlClient, backend: str, flow: FlowControl) -> bool:
     """Whether this run syncs adapters only; lora.sync=adapter on a server that cannot is an error."""
     if not config.lora.enabled or config.lora.sync == LoraSync.merged:
         return False
-    problem = adapter_problem(config, control, backend)
+    problem = adapter_problem(config, control, backend, flow)
     if problem is None:
         return True
     if config.lora.sync == LoraSync.adapter:
@@ -34,7 +35,7 @@ def use_adapter_sync(config: Config, control: ControlClient, backend: str) -> bo
     return False
 
 
-def adapter_problem(config: Config, control: ControlClient, backend: str) -> str | None:
+def adapter_problem(config: Config, control: ControlClient, backend: str, flow: FlowControl) -> str | None:
     """Why the server cannot serve this run's adapter versions (serving/checks.py's ``lora_problem``), or None
     when it can."""
     try:
@@ -42,5 +43,5 @@ def adapter_problem(config: Config, control: ControlClient, backend: str) -> str
     except ServerError as error:
         return f"the server has no /server_info to report its LoRA limits ({error.message})"
     lora = (info.get("vllm_config") or {}).get("lora_config")
-    problem = lora_problem(config, lora, info.get("vllm_env") or {}, backend)
+    problem = lora_problem(config, lora, info.get("vllm_env") or {}, backend, flow)
     return None if problem is None else f"{problem[0]}: restart it with {problem[1]}"

@@ -11,6 +11,7 @@ from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 
 from asyncrl.client import ControlClient
 from asyncrl.config.compose import compose, to_config
+from asyncrl.flow import FlowControl
 from asyncrl.serving.checks import ServerCheckError, check_server, lora_problem
 from asyncrl.serving.vllm import WORKER_EXTENSION
 
@@ -27,7 +28,7 @@ def attached_vllm(url: str, *overrides: str) -> Any:
 
 def run_checks(config: Any) -> Any:
     with ControlClient(config.server.base_url, timeout_s=30) as control:
-        return check_server(config, control)
+        return check_server(config, control, flow=FlowControl.from_config(config))
 
 
 # ---- the built-in server -------------------------------------------------------------------------------------
@@ -203,12 +204,13 @@ def test_one_lora_rule_answers_the_startup_checks_and_the_sync_choice():
     with; vLLM's runtime-loading switch reads as the other switches do ("yes" included)."""
     config = to_config(compose(["lora=default", "lora.sync=adapter", "server.max_loras=8"]))
     enough, env = {"max_lora_rank": 32, "max_loras": 6}, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "yes"}
-    assert lora_problem(config, enough, env, "vllm") is None
-    assert lora_problem(config, {"max_lora_rank": 32, "max_loras": 5}, {}, "builtin") == (
+    flow = FlowControl.from_config(config)
+    assert lora_problem(config, enough, env, "vllm", flow) is None
+    assert lora_problem(config, {"max_lora_rank": 32, "max_loras": 5}, {}, "builtin", flow) == (
         "the server holds 5 adapters; 6 versions are alive at once (staleness.max_staleness + 2)",
         "--max-loras 8",
     )
-    assert lora_problem(config, enough, {}, "vllm") == (
+    assert lora_problem(config, enough, {}, "vllm", flow) == (
         "the server refuses runtime adapter loading",
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
     )

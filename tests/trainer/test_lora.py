@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
+from asyncrl.flow import FlowControl
 from asyncrl.serving.checks import ServerCheckError
 from asyncrl.serving.command import served_name
 from asyncrl.serving.process import ServerProcess, free_port
@@ -226,7 +227,7 @@ def test_the_window_keeps_max_staleness_plus_one_versions(lora_server, peft_mode
     config = adapter_config(random_tiny_model_dir, tmp_path)
     with RecordingControl(lora_server.base_url, timeout_s=60) as control:
         control.calls = []
-        sync = AdapterSync(control, config, tmp_path)
+        sync = AdapterSync(control, config, tmp_path, flow=FlowControl.from_config(config))
         sync.init(peft_model)
         for version in (1, 2, 3):
             train_adapters(peft_model, seed=version)
@@ -266,7 +267,7 @@ def test_lora_sync_auto_and_adapter_follow_what_the_server_can(lora_server, tiny
 def test_a_refused_load_fails_the_sync_naming_the_step(lora_server, peft_model, random_tiny_model_dir, tmp_path):
     config = lora_config(random_tiny_model_dir, "lora.sync=adapter", "staleness.max_staleness=3")  # keeps 4 of 3
     with ControlClient(lora_server.base_url, timeout_s=60) as control:
-        sync = AdapterSync(control, config, tmp_path)
+        sync = AdapterSync(control, config, tmp_path, flow=FlowControl.from_config(config))
         sync.init(peft_model)
         try:
             for version in (1, 2, 3):
