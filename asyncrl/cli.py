@@ -111,10 +111,10 @@ def _check_before_loading(config: Config) -> str | None:
     slowly (a load waiting through the Hub's retries, then a traceback). Returns a note when the Hub does not answer
     and the cache serves."""
     from asyncrl.hub import check_hub_sources
-    from asyncrl.server.command import resolve_backend
+    from asyncrl.serving.command import resolve_backend
 
     if config.server.launch and resolve_backend(config) == "vllm":
-        from asyncrl.server.vllm import check_launchable
+        from asyncrl.serving.vllm import check_launchable
 
         check_launchable(config)
     return check_hub_sources(config)
@@ -157,7 +157,7 @@ def config(
     composed = _checked(lambda: plan_run(compose(list(ctx.args))).config)
     if server_command:
         from asyncrl.launch import shell_line
-        from asyncrl.server.choice import printable_server_commands
+        from asyncrl.serving.choice import printable_server_commands
 
         commands, warnings = _checked(lambda: printable_server_commands(composed))
         for warning in warnings:

@@ -30,8 +30,8 @@ from asyncrl.plan.assemble import plan_run
 
 if TYPE_CHECKING:
     from asyncrl.plan.run_plan import RunPlan
-    from asyncrl.server.command import ServerCommand
-    from asyncrl.server.group import ServerGroup
+    from asyncrl.serving.command import ServerCommand
+    from asyncrl.serving.group import ServerGroup
 
 log = logging.getLogger("asyncrl")
 
@@ -41,13 +41,13 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.data import DatasetError
     from asyncrl.registry import RegistryError
     from asyncrl.rollout.spawn import UnpicklableError
-    from asyncrl.server.process import ServerStartError
+    from asyncrl.serving.process import ServerStartError
     from asyncrl.trainer.assembler import RolloutWorkerError
     from asyncrl.trainer.checkpoint import ResumeError
     from asyncrl.trainer.group_watch import TrainingStalledError
     from asyncrl.trainer.launcher import TrainerRankError
     from asyncrl.trainer.memory import TrainerOutOfMemoryError
-    from asyncrl.trainer.sync.base import WeightSyncError
+    from asyncrl.weights.transport import WeightSyncError
 
     return (
         DatasetError,
@@ -274,7 +274,7 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
 def dtype_line(config: Config) -> str:
     """Which dtype each side uses, for the startup log: a gap between the sampler's and the trainer's
     log-probabilities starts there."""
-    from asyncrl.server.command import resolve_backend, serving_dtype
+    from asyncrl.serving.command import resolve_backend, serving_dtype
     from asyncrl.trainer.model import use_bf16
 
     mixed = ", computes in bfloat16 mixed precision" if use_bf16(config) else ""
@@ -325,8 +325,8 @@ def warn_cpu_oversubscribed(plan: RunPlan) -> None:
 def check_port(config: Config) -> None:
     """The port of a server to launch is free: otherwise the new server fails to bind, and the run would talk to
     whatever listens there."""
-    from asyncrl.server.command import replica_port
-    from asyncrl.server.process import port_is_free
+    from asyncrl.serving.command import replica_port
+    from asyncrl.serving.process import port_is_free
 
     sv = config.server
     for replica in range(sv.replicas if sv.launch else 0):
@@ -426,7 +426,7 @@ def launch_command(config: Config, run_dir: Path, replica: int = 0, gpus: list[s
     weights directory are claimed (one directory for every replica: a weight file is written once and each loads
     it). vLLM reads the token as its --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
-    from asyncrl.server.choice import server_command
+    from asyncrl.serving.choice import server_command
 
     claim_server_access(config, run_dir)
     command = server_command(config, replica, gpus)
@@ -441,16 +441,16 @@ def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGrou
     A vLLM that shares the trainer's GPU before the trainer's footprint was ever measured for this shape starts
     at ``ready()`` instead, which the trainer calls after its warm-up (trainer/memory.py): its share is a launch
     flag."""
-    from asyncrl.server.command import base_url, base_urls, resolve_backend
-    from asyncrl.server.group import ServerGroup
-    from asyncrl.server.handle import AttachedServer, DeferredServer, LaunchedServer
+    from asyncrl.serving.command import base_url, base_urls, resolve_backend
+    from asyncrl.serving.group import ServerGroup
+    from asyncrl.serving.handle import AttachedServer, DeferredServer, LaunchedServer
 
     timeout_s = config.server.timeout
     if not config.server.launch:
         return ServerGroup([AttachedServer(url, timeout_s=timeout_s) for url in base_urls(config)], wait)
     visible, deferred = None, False
     if resolve_backend(config) == "vllm":
-        from asyncrl.server.vllm import measured_split_pending, trainer_gpus, visible_gpus
+        from asyncrl.serving.vllm import measured_split_pending, trainer_gpus, visible_gpus
 
         visible, deferred = visible_gpus(), measured_split_pending(config)
         cache = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
@@ -518,8 +518,8 @@ def check_serve(config: Config) -> None:
 def serve_forever(config: Config) -> None:
     """`asyncrl serve`: the server in the foreground until Ctrl-C."""
     from asyncrl.client import TOKEN_ENV
-    from asyncrl.server.command import base_url, served_model_name
-    from asyncrl.server.handle import LaunchedServer
+    from asyncrl.serving.command import base_url, served_model_name
+    from asyncrl.serving.handle import LaunchedServer
 
     run_dir = Path(config.trainer.output_dir or "runs/serve")
     command = launch_command(config, run_dir)

@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO))
 
 from asyncrl.metrics import read_jsonl  # noqa: E402
 from asyncrl.parent import die_with_parent  # noqa: E402
-from asyncrl.server.process import free_port  # noqa: E402
+from asyncrl.serving.process import free_port  # noqa: E402
 
 POLL_S = 0.5
 GPU_POLL_S = 2.0

@@ -149,7 +149,7 @@ def processes(marker: str) -> list[tuple[int, str]]:
 
 
 def _role(cmdline: bytes, environ: bytes) -> str:
-    if b"asyncrl.server" in cmdline:
+    if b"asyncrl.engine" in cmdline:
         return "server"
     if b"asyncrl.trainer.rank_main" in cmdline:
         rank = [e for e in environ.split(b"\0") if e.startswith(b"LOCAL_RANK=")]

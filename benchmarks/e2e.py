@@ -286,7 +286,7 @@ def main() -> None:
 
 
 def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
-    from asyncrl.server.handle import AttachedServer
+    from asyncrl.serving.handle import AttachedServer
 
     server, deadline = AttachedServer(url, timeout_s), time.monotonic() + timeout_s
     while not server.is_alive():
@@ -300,7 +300,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
     """Start the server (or attach to ``url``), time it alone, then run the training variants against it."""
     from asyncrl.config.compose import compose, to_config
     from asyncrl.launch import start_server
-    from asyncrl.server.command import served_model_name
+    from asyncrl.serving.command import served_model_name
 
     server_dir = args.work / f"server-{backend}"
     where = ["server.launch=false", f"server.base_url={url}"] if url else [f"server.port={port or args.port}"]

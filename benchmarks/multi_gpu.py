@@ -39,7 +39,7 @@ from asyncrl.config.compose import compose  # noqa: E402
 from asyncrl.packing.trie import TreeRow  # noqa: E402
 from asyncrl.plan.assemble import plan_run  # noqa: E402
 from asyncrl.rollout.types import RolloutSample, TrainingSequence  # noqa: E402
-from asyncrl.server.process import free_port  # noqa: E402
+from asyncrl.serving.process import free_port  # noqa: E402
 
 
 def model_config(tiny: bool) -> Qwen3Config:

@@ -147,11 +147,11 @@ def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.config.compose import compose
     from asyncrl.launch import start_server
     from asyncrl.plan.assemble import plan_run
-    from asyncrl.server.command import served_model_name
+    from asyncrl.serving.command import served_model_name
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
-    from asyncrl.trainer.sync.vllm_transports import ipc_transport
     from asyncrl.trainer.weight_sync import WeightSync, build_weight_sync
+    from asyncrl.weights.vllm_transports import ipc_transport
 
     out.mkdir(parents=True, exist_ok=True)
     plan = plan_run(compose([*overrides(backend), f"trainer.output_dir={out}"]))
@@ -230,8 +230,8 @@ def phase_lora(backend: str, out: Path, steps: int, modes: list[str]) -> None:
     from asyncrl.plan.assemble import plan_run
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
-    from asyncrl.trainer.sync.adapter import AdapterSync
     from asyncrl.trainer.weight_sync import build_weight_sync
+    from asyncrl.weights.adapter import AdapterSync
 
     adapter = ["lora=default", "lora.sync=adapter", "staleness.max_staleness=1"]
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import pytest
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.launch import _check_resume, check_port, serve_overrides
-from asyncrl.server.process import free_port, port_is_free
+from asyncrl.serving.process import free_port, port_is_free
 from asyncrl.trainer.checkpoint import ResumeError
 
 

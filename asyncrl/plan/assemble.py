@@ -19,7 +19,7 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
-from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
+from asyncrl.serving.command import VLLM_LORA_RANKS, resolve_backend
 
 
 def check_synchronous_sync(config: Config, flow: FlowControl) -> None:

@@ -2,7 +2,7 @@
 
 The launcher, the trainer's ranks and the rollout worker read these decisions instead of deriving them again.
 The rank count's rule lives here, below the trainer and the servers, so that a server check that holds only the
-config (server/checks.py) asks the same rule the plan froze.
+config (serving/checks.py) asks the same rule the plan froze.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from asyncrl.dtypes import torch_dtype
 from asyncrl.losses.step import StepLoss, StepNorm, StepTotals
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
-from asyncrl.server.command import serving_dtype
+from asyncrl.serving.command import serving_dtype
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.model import use_cpu_threads

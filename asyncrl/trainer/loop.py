@@ -29,9 +29,9 @@ from asyncrl.restart import restart_count
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
-from asyncrl.server.command import served_model_name, serving_dtype
-from asyncrl.server.handle import check_alive
-from asyncrl.server.watchdog import HealthWatchdog
+from asyncrl.serving.command import served_model_name, serving_dtype
+from asyncrl.serving.handle import check_alive
+from asyncrl.serving.watchdog import HealthWatchdog
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
 from asyncrl.trainer.checkpoint import (
@@ -44,8 +44,8 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows, warm_up_step
-from asyncrl.trainer.forward import resolve_compile
 from asyncrl.trainer.flops import mfu_meter
+from asyncrl.trainer.forward import resolve_compile
 from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.lora import is_peft
@@ -93,12 +93,12 @@ def _server_share(server: Any) -> str | None:
 def expected_max_model_len(config: Config, model_config: Any) -> int:
     """The server's max_model_len before it answers (the warm-up's row size): server.max_model_len, else vLLM's
     from the config, else the built-in server's (the model's max_position_embeddings)."""
-    from asyncrl.server.command import resolve_backend
+    from asyncrl.serving.command import resolve_backend
 
     if config.server.max_model_len is not None:
         return config.server.max_model_len
     if resolve_backend(config) == "vllm":
-        from asyncrl.server.vllm import required_model_len
+        from asyncrl.serving.vllm import required_model_len
 
         return required_model_len(config)
     return int(model_config.get_text_config().max_position_embeddings)
@@ -220,7 +220,7 @@ class Trainer:
         """On CUDA, one step on synthetic rows of the token budget whose update is thrown away, by every rank: its
         measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and the compiled
         layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
-        from asyncrl.server.vllm import warm_up_token_budget
+        from asyncrl.serving.vllm import warm_up_token_budget
         from asyncrl.trainer.memory import cached_memory, synthetic_rows
 
         c = self.config

@@ -11,7 +11,7 @@ import torch
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
-from asyncrl.server.command import resolve_backend
+from asyncrl.serving.command import resolve_backend
 from asyncrl.trainer import lora
 
 log = logging.getLogger(__name__)

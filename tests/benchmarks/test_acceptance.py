@@ -70,10 +70,10 @@ def test_a_row_fails_on_exit_code_short_runs_and_leftovers(acceptance: ModuleTyp
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     result = acceptance.Result("default", rc=0, runs=[run])
-    result.outcomes.append(acceptance.Outcome(0, 3.0, ["123 python -m asyncrl.server"]))
+    result.outcomes.append(acceptance.Outcome(0, 3.0, ["123 python -m asyncrl.engine"]))
     acceptance.judge(result, steps=4, expected_runs=2)
     assert result.problems == [
-        "1 of 2 runs wrote metrics", "fewer steps than 4: a: 2", "left behind (killed): 123 python -m asyncrl.server"
+        "1 of 2 runs wrote metrics", "fewer steps than 4: a: 2", "left behind (killed): 123 python -m asyncrl.engine"
     ]  # fmt: skip
     passed = acceptance.Result("default", rc=0, runs=[run])
     acceptance.judge(passed, steps=2, expected_runs=1)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 from .helpers import REPO, cli_env
 

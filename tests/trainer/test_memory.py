@@ -90,8 +90,8 @@ def test_the_out_of_memory_line_names_the_measurement_the_split_and_the_keys():
 def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_compiling_one(tmp_path, monkeypatch):
     """The figure vLLM's share comes from is an eager step's, recorded before the launch (whose command reads it);
     the layers compile in a second step while vLLM boots, and that step's figure is the run's."""
-    from asyncrl.server.group import ServerGroup
-    from asyncrl.server.handle import DeferredServer
+    from asyncrl.serving.group import ServerGroup
+    from asyncrl.serving.handle import DeferredServer
     from asyncrl.trainer.loop import Trainer
 
     monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))

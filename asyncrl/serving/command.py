@@ -1,0 +1,136 @@
+"""What every server command shares, derived from the config alone: the backend, the served name and address,
+the LoRA slots, and the built-in server's command line (serving/vllm.py builds vLLM's; serving/choice.py picks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend
+from asyncrl.flow import FlowControl
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM's --max-lora-rank accepts (the built-in server takes the same)."""
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    backend: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_backend(config: Config) -> str:
+    """auto -> vLLM when it is importable and a GPU is present, else the built-in server."""
+    if config.server.backend != ServerBackend.auto:
+        return config.server.backend.value
+    if importlib.util.find_spec("vllm") is None:
+        return "builtin"
+    import torch  # seconds to import: `asyncrl config` and `--help` never need it
+
+    return "vllm" if torch.cuda.is_available() else "builtin"
+
+
+def base_url(config: Config, replica: int = 0) -> str:
+    """The address of one server: server.base_url, else replica ``replica`` of those asyncrl launches."""
+    return (config.server.base_url or f"http://{config.server.host}:{replica_port(config, replica)}").rstrip("/")
+
+
+def base_urls(config: Config) -> list[str]:
+    """Every server the run uses: server.base_urls when attaching to several, else one per launched replica."""
+    if config.server.base_urls is not None:
+        return [url.rstrip("/") for url in config.server.base_urls]
+    return [base_url(config, replica) for replica in range(config.server.replicas if config.server.launch else 1)]
+
+
+def replica_port(config: Config, replica: int) -> int:
+    """Launched replicas listen on consecutive ports from server.port."""
+    return config.server.port + replica
+
+
+def serving_dtype(config: Config) -> ModelDtype:
+    """The dtype the server computes in and the trainer sends weights in: server.dtype when set; else, for a server
+    on a GPU (vLLM, or the built-in server on cuda), 16 bits whatever the trainer's master weights are (float16 for a
+    float16 checkpoint, else bfloat16): float32 serving halves the KV cache and the throughput, and vLLM's
+    gated-DeltaNet kernels refuse it; on the CPU, model.dtype (16 bits buys a CPU nothing)."""
+    if config.server.dtype is not None:
+        return config.server.dtype
+    if not serves_on_gpu(config):
+        return config.model.dtype
+    return ModelDtype.float16 if checkpoint_dtype(config) == "float16" else ModelDtype.bfloat16
+
+
+def serves_on_gpu(config: Config) -> bool:
+    """vLLM always does; the built-in server with server.device=cuda, or auto on a machine with CUDA."""
+    if resolve_backend(config) == "vllm":
+        return True
+    if config.server.device != "auto":
+        return config.server.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def checkpoint_dtype(config: Config) -> str | None:
+    """The dtype model.name_or_path's config.json stores its weights in, read from a local directory or the Hub
+    cache only (never the network): None when neither has it."""
+    from asyncrl.model_kind import config_field, local_config_json
+
+    found = local_config_json(config.model.name_or_path, config.model.revision)
+    return None if found is None else config_field(found, ("dtype", "torch_dtype"), str)
+
+
+def served_model_name(config: Config) -> str:
+    """The name clients send as ``model``: see ``served_name``."""
+    return served_name(config.model.name_or_path)
+
+
+def served_name(name_or_path: str) -> str:
+    """A Hub id as it is; a local directory by its name, not its absolute path (which says where the files lie,
+    not what they are): a run's final model or checkpoint as ``RUN/model`` or ``RUN/step_N``."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        return name_or_path
+    path = path.resolve()
+    if path.parent.name == "checkpoints":
+        return f"{path.parent.parent.name}/{path.name}"
+    return f"{path.parent.name}/{path.name}" if path.name == "model" else path.name
+
+
+def builtin_command(config: Config, replica: int = 0) -> ServerCommand:
+    sv = config.server
+    argv = [
+        sys.executable, "-m", "asyncrl.engine",
+        "--model", config.model.name_or_path,
+        "--served-model-name", served_model_name(config),
+        "--host", sv.host,
+        "--port", str(replica_port(config, replica)),
+        "--dtype", serving_dtype(config),
+        "--device", sv.device,
+        "--max-num-seqs", str(sv.max_num_seqs),
+        "--max-logprobs", str(sv.max_logprobs),
+        "--seed", str(config.trainer.seed),
+    ]  # fmt: skip
+    if sv.max_model_len is not None:
+        argv += ["--max-model-len", str(sv.max_model_len)]
+    if sv.weights_dir is not None:  # the launcher sets it; the server loads weights and adapters from no other
+        argv += ["--weights-dir", sv.weights_dir]
+    if config.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if config.lora.enabled and config.lora.sync != LoraSync.merged:  # auto: adapters here (weights/adapter_choice.py)
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
+    return ServerCommand("builtin", argv + list(sv.extra_args), env={"OMP_NUM_THREADS": str(sv.cpu_threads)})
+
+
+def max_lora_rank(config: Config) -> int:
+    """server.max_lora_rank, else the smallest rank vLLM accepts that holds lora.r."""
+    if config.server.max_lora_rank is not None:
+        return config.server.max_lora_rank
+    return next(rank for rank in VLLM_LORA_RANKS if rank >= config.lora.r)
+
+
+def max_loras(config: Config) -> int:
+    """Adapter versions alive at once: max_staleness + 1 in use, plus the next one loaded before the oldest goes."""
+    return config.server.max_loras or FlowControl.from_config(config).adapter_slots
