@@ -424,7 +424,7 @@ def _process_exists(pid: int) -> bool:
 def launch_command(config: Config, run_dir: Path, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
     """The command of server ``replica`` this run launches (on ``gpus``, else the visible ones), once its token and
     weights directory are claimed (one directory for every replica: a weight file is written once and each loads
-    it). vLLM reads the token as its --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
+    it). vLLM reads the token as its --api-key from VLLM_API_KEY (serving/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
     from asyncrl.serving.choice import server_command
 

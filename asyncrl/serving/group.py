@@ -20,7 +20,7 @@ from asyncrl.serving.process import ServerStartError
 
 
 class ServerGroup:
-    """``servers``: LaunchedServer or AttachedServer handles (server/handle.py), replica 0 first. ``wait=False``:
+    """``servers``: LaunchedServer or AttachedServer handles (serving/handle.py), replica 0 first. ``wait=False``:
     entering only starts the launched ones, and ``ready()`` waits for them all."""
 
     def __init__(self, servers: list[Any], wait: bool = True) -> None:

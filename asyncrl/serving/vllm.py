@@ -158,7 +158,7 @@ def checkpoint_kind(config: Config) -> CheckpointKind:
 
 
 def checked_dtype(config: Config, kind: CheckpointKind) -> str:
-    """The serving dtype (server/command.py), refused when vLLM cannot run it: its gated-DeltaNet kernels
+    """The serving dtype (serving/command.py), refused when vLLM cannot run it: its gated-DeltaNet kernels
     (ChunkGatedDeltaRuleFunction) assert 16-bit inputs, so a float32 server of such a model dies at startup."""
     dtype = serving_dtype(config)
     if kind.gated_deltanet and dtype == "float32":
@@ -197,7 +197,7 @@ def truncating(config: Config) -> bool:
 def lora_adapters(config: Config) -> bool:
     """Adapters are loaded into the server at runtime (not merged into full weights). Under ``auto`` vLLM is
     launched without LoRA (it generates slower with an adapter); auto syncs adapters only to a vLLM started with
-    --enable-lora (trainer/sync/choice.py)."""
+    --enable-lora (weights/adapter_choice.py)."""
     return config.lora.enabled and config.lora.sync == LoraSync.adapter
 
 
