@@ -188,17 +188,16 @@ def serve(ctx: typer.Context) -> None:
     """Run the generation server alone in the foreground. Arguments: a run directory (its final model, else its
     newest checkpoint, with the run's overrides) or a model directory, if any, then Hydra overrides as for train:
     [bold]asyncrl serve runs/2026-01-31_12-00-00 server.port=8001[/bold]"""
-    from asyncrl.config.compose import compose
-    from asyncrl.launch import EXPECTED_ERRORS, check_serve, serve_forever, serve_overrides
-    from asyncrl.plan.assemble import plan_run
+    from asyncrl.launch import EXPECTED_ERRORS, check_serve, serve_forever, serve_plan
 
-    config = _checked(lambda: plan_run(compose(serve_overrides(list(ctx.args)))).config)
+    plan = _checked(lambda: serve_plan(list(ctx.args)))
+    config = plan.config
     note = _checked(lambda: _check_before_loading(config))
     if note:
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
     _checked(lambda: check_serve(config))
     try:
-        serve_forever(config)
+        serve_forever(plan)
     except EXPECTED_ERRORS as exc:
         typer.secho(f"error ({type(exc).__name__}): {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from exc

@@ -9,7 +9,10 @@ before the server is launched).
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Callable
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -168,7 +171,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
 COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (check_loss_requirements, check_loss_options)
 
 
-def build_plan(config: Config) -> RunPlan:
+def build_plan(config: Config, private_weights_dir: Path | None = None) -> RunPlan:
     """Run every check above on a config that passed its own (``to_config``), and decide what the run reads:
     its components (built here once), its flow rules and its rank count."""
     flow = FlowControl.from_config(config)
@@ -179,9 +182,30 @@ def build_plan(config: Config) -> RunPlan:
     components = build_components(config)
     for component_check in COMPONENT_CHECKS:
         component_check(config, components)
-    return RunPlan(config, components, flow, ranks_per_node(config), world_size(config))
+    return RunPlan(config, components, flow, ranks_per_node(config), world_size(config), private_weights_dir)
 
 
-def plan_run(cfg: DictConfig) -> RunPlan:
-    """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned."""
-    return build_plan(to_config(cfg))
+TRANSFER_PREFIX = "asyncrl-transfer-"
+"""The private weights directories' names: the prefix, the launcher's pid, a random part."""
+
+
+def job_dirs(config: Config, run_dir: Path) -> Path | None:
+    """A job's directories, decided before its plan is frozen: trainer.output_dir, else the run directory; and for
+    the servers it launches without server.weights_dir, a private weights directory (in /dev/shm when writable,
+    else under the run directory), which it returns for the launcher to create and remove."""
+    if config.trainer.output_dir is None:
+        config.trainer.output_dir = str(run_dir)
+    if not config.server.launch or config.server.weights_dir is not None:
+        return None
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
+    private = base / f"{TRANSFER_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    config.server.weights_dir = str(private)
+    return private
+
+
+def plan_run(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
+    """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned; with ``run_dir``, a
+    job's plan, its directories decided (``job_dirs``)."""
+    config = to_config(cfg)
+    return build_plan(config, job_dirs(config, run_dir) if run_dir is not None else None)

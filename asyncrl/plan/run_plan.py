@@ -8,6 +8,7 @@ config (serving/checks.py) asks the same rule the plan froze.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,3 +43,6 @@ class RunPlan:
     """The staleness and flow rules both sides of the rollout queue follow."""
     ranks_per_node: int
     world_size: int
+    private_weights_dir: Path | None = None
+    """The weights directory this job chose for the servers it launches (server.weights_dir unset): the launcher
+    creates it and removes it at exit. None where the user named one, or the plan is not a launching job's."""

@@ -53,3 +53,31 @@ def test_the_rank_count_is_decided_once_and_ipc_is_checked_against_it():
     assert plan.flow.max_staleness == plan.config.staleness.max_staleness
     nodes = to_config(compose(["trainer.num_processes=2", "trainer.nnodes=2", "trainer.rdzv_endpoint=node001:29400"]))
     assert build_plan(nodes).world_size == 4
+
+
+def test_a_jobs_plan_decides_its_output_and_private_weights_directories_and_the_launcher_only_creates_them(tmp_path):
+    """launch.py changes nothing of a plan's config: the plan of a job names its output directory and, for a server
+    it launches without server.weights_dir, a private weights directory that the launcher creates (this user's
+    only) and removes at exit."""
+    import shutil
+
+    from asyncrl.launch import claim_server_access
+
+    plan = plan_run(compose([]), tmp_path)
+    private = plan.private_weights_dir
+    assert plan.config.trainer.output_dir == str(tmp_path)
+    assert private is not None and plan.config.server.weights_dir == str(private)
+    assert private.name.startswith("asyncrl-transfer-") and not private.exists()
+    claim_server_access(plan)
+    try:
+        assert private.is_dir() and private.stat().st_mode & 0o777 == 0o700
+        claim_server_access(plan)  # every replica's command claims: the same directory
+        assert plan.config.server.weights_dir == str(private)
+    finally:
+        shutil.rmtree(private)  # its exit handler then finds nothing
+
+    named = plan_run(compose([f"server.weights_dir={tmp_path / 'w'}", "trainer.output_dir=elsewhere"]), tmp_path)
+    assert named.private_weights_dir is None and named.config.trainer.output_dir == "elsewhere"
+    attached = plan_run(compose(["server.launch=false", "server.base_url=http://127.0.0.1:9"]), tmp_path)
+    assert attached.private_weights_dir is None and attached.config.server.weights_dir is None
+    assert plan_run(compose([])).private_weights_dir is None  # not a job's plan: `asyncrl config`, the ranks
