@@ -588,10 +588,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="acceptance.md and failures.log (default: --work)")
     parser.add_argument("--rehearse", action="store_true", help="the CPU rehearsal (see above)")
     parser.add_argument("--row-timeout", type=float, default=540.0, help="seconds a row may take (default 540)")
-    parser.add_argument("--budget", type=float, help="seconds for every row together: a row starts only with "
-                        "--row-timeout left (the device call's limit; the table is written either way)")
-    parser.add_argument("--skip-passed", action="store_true", help="rows that passed in --work before keep their "
-                        "line and are not run again (each call of a device session continues the table)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for every row together: a row starts only with "
+        "--row-timeout left (the device call's limit; the table is written either way)",
+    )
+    parser.add_argument(
+        "--skip-passed",
+        action="store_true",
+        help="rows that passed in --work before keep their "
+        "line and are not run again (each call of a device session continues the table)",
+    )
     args = parser.parse_args()
     rows = select(args.rows)
     vllm = importlib.util.find_spec("vllm") is not None and bool(_smi("--query-gpu=name"))
