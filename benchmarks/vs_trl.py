@@ -280,8 +280,13 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+def failure(rc: int | None, rows: list[dict[str, Any]], stderr: Path, lines: int = 30) -> str | None:
+    """None for a run that ended well, else why (the time limit, or the tail of its stderr)."""
+    if rc == 0 and rows:
+        return None
+    if rc is None:
+        return f"stopped at --run-timeout after {len(rows)} steps (its steps so far are in the table)"
+    return "\n".join(stderr.read_text(errors="replace").splitlines()[-lines:]) if stderr.is_file() else "no stderr"
 
 
 def run_trl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -310,11 +315,12 @@ def run_trl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -
     ]  # fmt: skip
     for row in rows:
         row["generated_tokens"] = row["trained_tokens"]  # on-policy, one generation per step, nothing dropped
-    syncs = [dt for step, dt in result.get("syncs", []) if step >= 1]  # step 0's is the cold first sync
+    # step 0's sync precedes the first generation (TRL copies the weights vLLM loaded): cold, and left out
+    syncs = [dt for step, dt in result.get("syncs", []) if step >= 1]
     return {
         "tool": "trl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
         "versions": result.get("versions", {}), "command": "see --trl-child; spec.json",
-        "failure": None if rc == 0 and rows else tail(run_dir / "console.err"),
+        "failure": failure(rc, rows, run_dir / "console.err"),
     }  # fmt: skip
 
 
@@ -353,7 +359,7 @@ def run_asyncrl(shape: str, model: Path, work: Workload, args: argparse.Namespac
     return {
         "tool": "asyncrl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
         "command": "asyncrl " + shlex.join(typed),
-        "failure": None if rc == 0 and rows else tail(cwd / f"{shape}-asyncrl.err"),
+        "failure": failure(rc, rows, cwd / f"{shape}-asyncrl.err"),
     }  # fmt: skip
 
 
@@ -401,18 +407,29 @@ def trl_child(spec_path: Path) -> None:
     )  # fmt: skip
     dataset = datasets.load_dataset("json", data_files=config.data.path, split="train")
     step_ends: list[tuple[int, float]] = []
+    syncs: list[tuple[int, float]] = []
+    versions = {m.__name__: getattr(m, "__version__", "?") for m in (trl, transformers, torch, datasets)}
 
     class StepEnds(transformers.TrainerCallback):
+        """Each step's end, and after each step's log the results so far (a run stopped at its time limit keeps
+        its steps)."""
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             step_ends.append((state.global_step, time.time()))
+
+        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            out = {"log_history": state.log_history, "step_ends": step_ends, "syncs": syncs, "versions": versions}
+            (Path(spec["output_dir"]) / "trl.json").write_text(json.dumps(out, indent=1))
 
     # the tokenizer, as TRL's AutoProcessor would load it for a text model: for the Qwen3.5 vision-language
     # checkpoint AutoProcessor builds image and video processors (torchvision) that text prompts never use
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"], truncation_side="left", padding_side="left")
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=[reward_fn(e) for e in config.reward_funcs], args=grpo,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepEnds()])  # fmt: skip
-    syncs: list[tuple[int, float]] = []
     if spec["use_vllm"]:
+        import vllm
+
+        versions["vllm"] = vllm.__version__
         generation = trainer.vllm_generation
         sync = generation.sync_weights
 
@@ -427,13 +444,6 @@ def trl_child(spec_path: Path) -> None:
         generation.sync_weights = timed_sync
     print(f"[trl] ready {time.time() - spec['launched']:.1f} s after launch", flush=True)
     trainer.train()
-    versions = {m.__name__: getattr(m, "__version__", "?") for m in (trl, transformers, torch, datasets)}
-    if spec["use_vllm"]:
-        import vllm
-
-        versions["vllm"] = vllm.__version__
-    out = {"log_history": trainer.state.log_history, "step_ends": step_ends, "syncs": syncs, "versions": versions}
-    (Path(spec["output_dir"]) / "trl.json").write_text(json.dumps(out, indent=1))
 
 
 # ---- the table ------------------------------------------------------------------------------------------------
