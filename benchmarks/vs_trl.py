@@ -75,7 +75,8 @@ generated ahead while step 1 ran), per second of wall clock, each tool's own clo
 asyncrl: ``time_s``). Tokens are completion tokens (TRL: ``completions/mean_length`` x samples, generated = trained,
 nothing is dropped; asyncrl: ``batch/trained_tokens_per_step``, and ``rollout/generated_tokens_per_s`` weighted by
 ``perf/step_s``). First step and time to N samples: seconds from the tool's process start to the end of that step
-(asyncrl: polled from metrics.jsonl every 0.5 s). Peak GPU GiB: the GPU's largest ``memory.used`` from nvidia-smi
+(asyncrl: polled from metrics.jsonl every 0.5 s); each tool compiles into caches of its own (vLLM's, Inductor's,
+Triton's), so neither starts warmer for running second. Peak GPU GiB: the GPU's largest ``memory.used`` from nvidia-smi
 (every second) minus its use before the tool started: trainer and vLLM together. Sync s: mean over the steps after
 the first of TRL's ``sync_weights`` and asyncrl's ``perf/weight_sync_s``. The last column, asyncrl's advantage, is
 asyncrl / TRL for rates and TRL / asyncrl for times, memory and sync: above 1, asyncrl is ahead.
@@ -241,17 +242,24 @@ class GpuPeak:
         return (self.peak - self.before) / 1024
 
 
-def env() -> dict[str, str]:
+def env(caches: Path) -> dict[str, str]:
+    """The tool's environment: the repository importable, no Hub, and compile caches of its own under ``caches``
+    (vLLM's, Inductor's, Triton's, ~/.cache's), so the tool run second starts as cold as the first."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    dirs = {"XDG_CACHE_HOME": "xdg", "VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+            "TRITON_CACHE_DIR": "triton"}  # fmt: skip
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            **{key: str(caches / name) for key, name in dirs.items()}}  # fmt: skip
 
 
 def execute(argv: list[str], cwd: Path, stem: str, timeout_s: float, poll: Any = None) -> int | None:
-    """``argv`` in its own session (console in ``cwd/stem.out|err``), SIGTERM then SIGKILL to its group at
-    ``timeout_s``; None when it was stopped there."""
+    """``argv`` in its own session (console in ``cwd/stem.out|err``, caches in ``cwd/stem.caches``), SIGTERM then
+    SIGKILL to its group at ``timeout_s``; None when it was stopped there."""
     print(f"[vs_trl] $ {shlex.join(argv)}", flush=True)
+    caches = cwd / f"{stem}.caches"
+    subprocess.run(["rm", "-rf", str(caches)], check=True)
     with (cwd / f"{stem}.out").open("wb") as out, (cwd / f"{stem}.err").open("wb") as err:
-        proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=err, env=env(), start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=err, env=env(caches), start_new_session=True)
     deadline = time.monotonic() + timeout_s
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -613,6 +621,10 @@ def main() -> None:
             continue
         everything[shape] = results
         text = table(shape, results, Workload.from_json(next(iter(results.values()))["workload"]))
+        if len({json.dumps(r["workload"], sort_keys=True) for r in results.values()}) > 1:
+            text += "\n**Not comparable: the two runs had different workloads** " + "; ".join(
+                f"{tool}: {r['workload']}" for tool, r in results.items()
+            ) + "\n"  # fmt: skip
         print("\n" + text, flush=True)
         (args.out / f"vs_trl_{shape}.md").write_text(text)
     (args.out / "vs_trl.json").write_text(json.dumps(everything, indent=1))
