@@ -22,7 +22,7 @@ function asyncrl builds from its registry, ``REWARDS.build``, so both score iden
 with betas (0.9, 0.999), eps 1e-8, no weight decay, gradient clipping at 1.0, a constant schedule (TRL's default is
 linear decay: set to constant), the seed, float32 master weights with bf16 autocast on the GPU (TRL would load a
 bf16 checkpoint in bf16: ``model_init_kwargs={"dtype": "float32"}`` matches asyncrl's), gradient checkpointing (both
-default on), and the samples trained: ``--samples-per-step`` (256 = 32 prompts x 8) for ``--steps`` (10) steps.
+default on), and the samples trained: 256 a step (32 prompts x 8; ``--trl-batch`` 32x8) for ``--steps`` (10) steps.
 
 TRL, as its docs recommend for one GPU (TRL 1.16.0, ``trl/trainer/grpo_config.py``)
 -------------------------------------------------------------------------------------
@@ -40,6 +40,12 @@ logprobs_mode="processed_logprobs")``; weights synced by ``load_weights`` of eve
 - ``optim``: TRL's default ``adamw_torch_fused`` (the same AdamW as asyncrl's ``torch.optim.AdamW``, fused kernel).
 - ``logging_steps=1`` (reward and lengths per step in ``trainer.state.log_history``), ``save_strategy="no"``,
   ``report_to="none"``; the rest TRL's defaults.
+- ``processing_class``: the checkpoint's tokenizer (``padding_side="left"``, as TRL loads it). Left to itself TRL
+  loads ``AutoProcessor``, which for the Qwen3.5 vision-language checkpoint builds image and video processors that
+  text prompts never use (and that need torchvision, missing on the CPU machine).
+- Where flashinfer is not importable (the GPU machine's vLLM kit does not carry it; ``pip install vllm`` would),
+  TRL's ``LLM`` gets ``gdn_prefill_backend="triton"``, as asyncrl's vLLM launch gets ``--gdn-prefill-backend
+  triton`` there: on Hopper vLLM's default gated-DeltaNet prefill imports flashinfer (``without_flashinfer``).
 TRL's sync is timed by wrapping ``trainer.vllm_generation.sync_weights``; its step ends by a ``TrainerCallback``.
 
 asyncrl, as its README recommends for one GPU
@@ -88,15 +94,30 @@ into the git-ignored ``.whl-trl/``:
     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
         --platform any -d .whl-trl trl==1.16.0
 
-then, after the vLLM kit's piece runs (``tools/vllm-kit/README.md``), each call (carry ``.vllm-kit-0.33/extra``,
-``.whl``, ``.whl-trl``):
+On the H200 (30 minutes of device time: the machine must stay warm between calls, /tmp/vt keeps the
+checkpoints and each call's results, and each call prints the tables of everything --work holds): the vLLM 0.33 kit's
+nine piece runs (``tools/vllm-kit/README.md``), then four calls, each ``timeout_s=600`` with carry
+``[".vllm-kit-0.33/extra", ".whl", ".whl-trl"]`` (41 + 1.4 + 0.9 MB beside the 17 MB tree) and starting with
 
-    source .vllm-kit-0.33/extra/install.sh || exit 1; python3 -m pip install -q --no-index --no-deps --no-compile \
-        --target /tmp/site .whl/*.whl .whl-trl/*.whl && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH || exit 1;
-    python benchmarks/vs_trl.py --shapes qwen3-0.6b --tools trl --work /tmp/vt --out $OUT
+    source .vllm-kit-0.33/extra/install.sh || exit 1; [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index \
+        --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-trl/*.whl || exit 1;
+    export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH;
 
-TRL 1.16 declares vLLM 0.22-0.31 and only warns on 0.33; its colocate path
-(``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``) exists in vLLM 0.33's source.
+followed by ``python benchmarks/vs_trl.py --work /tmp/vt --out $OUT`` with, in this order (the first call of a
+shape builds it: seconds for 0.6B, about a minute for 2B; the 2B runs take fewer steps, as its steps and both tools'
+start-ups are slower; each limit leaves the call a minute for the rest):
+
+    --shapes qwen3-0.6b --tools trl --run-timeout 520
+    --shapes qwen3-0.6b --tools asyncrl --run-timeout 540
+    --shapes qwen3.5-2b --tools trl --steps 6 --run-timeout 460
+    --shapes qwen3.5-2b --tools asyncrl --steps 6 --run-timeout 540
+
+A run stopped at ``--run-timeout``, or by SIGTERM to this script, keeps the steps it logged (the table says so).
+TRL 1.16 declares vLLM 0.22-0.31 and only warns on 0.33; its colocate calls exist in vLLM 0.33's source
+(``LLM(...)``'s arguments, ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`` with the
+external launcher's in-process engine, ``reset_prefix_cache``, dict-shaped per-position log-probs). Should it fail
+there, ``tools/vllm-kit/build.sh 0.28.0`` makes the 0.28 kit (9 pieces, asyncrl verified on it too; carry
+``.vllm-kit/extra`` instead).
 
 ``--rehearse`` (CPU): tiny Qwen3 and Qwen3.5 checkpoints, 3 steps of 16 samples (2 prompts x 8), 16-token
 completions, TRL with ``use_vllm=False`` (its transformers generation), asyncrl with ``server=builtin``. Install
@@ -130,6 +151,8 @@ from asyncrl.metrics import read_jsonl  # noqa: E402
 TOOLS = ("trl", "asyncrl")
 SHAPES = ("qwen3-0.6b", "qwen3.5-2b")
 POLL_S = 0.5
+TERMINATED = threading.Event()
+"""Set by SIGTERM (a call cut at its limit): the running tool is stopped as at its time limit, its steps kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +285,7 @@ def execute(argv: list[str], cwd: Path, stem: str, timeout_s: float, poll: Any =
         proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=err, env=env(caches), start_new_session=True)
     deadline = time.monotonic() + timeout_s
     try:
-        while proc.poll() is None and time.monotonic() < deadline:
+        while proc.poll() is None and time.monotonic() < deadline and not TERMINATED.is_set():
             if poll is not None:
                 poll()
             time.sleep(POLL_S)
@@ -293,7 +316,7 @@ def failure(rc: int | None, rows: list[dict[str, Any]], stderr: Path, lines: int
     if rc == 0 and rows:
         return None
     if rc is None:
-        return f"stopped at --run-timeout after {len(rows)} steps (its steps so far are in the table)"
+        return f"stopped (--run-timeout or SIGTERM) after {len(rows)} steps (its steps so far are in the table)"
     return "\n".join(stderr.read_text(errors="replace").splitlines()[-lines:]) if stderr.is_file() else "no stderr"
 
 
@@ -384,6 +407,7 @@ def trl_child(spec_path: Path) -> None:
 
     from asyncrl.config.compose import compose, to_config
     from asyncrl.rewards import REWARDS
+    from asyncrl.serving.vllm import flashinfer_importable
 
     spec = json.loads(spec_path.read_text())
     config = to_config(compose(spec["asyncrl_args"]))
@@ -429,15 +453,18 @@ def trl_child(spec_path: Path) -> None:
             out = {"log_history": state.log_history, "step_ends": step_ends, "syncs": syncs, "versions": versions}
             (Path(spec["output_dir"]) / "trl.json").write_text(json.dumps(out, indent=1))
 
+    if spec["use_vllm"]:
+        import vllm
+
+        versions["vllm"] = vllm.__version__
+        if not flashinfer_importable():
+            without_flashinfer()
     # the tokenizer, as TRL's AutoProcessor would load it for a text model: for the Qwen3.5 vision-language
     # checkpoint AutoProcessor builds image and video processors (torchvision) that text prompts never use
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"], truncation_side="left", padding_side="left")
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=[reward_fn(e) for e in config.reward_funcs], args=grpo,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepEnds()])  # fmt: skip
     if spec["use_vllm"]:
-        import vllm
-
-        versions["vllm"] = vllm.__version__
         generation = trainer.vllm_generation
         sync = generation.sync_weights
 
@@ -452,6 +479,21 @@ def trl_child(spec_path: Path) -> None:
         generation.sync_weights = timed_sync
     print(f"[trl] ready {time.time() - spec['launched']:.1f} s after launch", flush=True)
     trainer.train()
+
+
+def without_flashinfer() -> None:
+    """Where flashinfer is missing (the offline GPU machine's vLLM kit; ``pip install vllm`` brings it), the
+    colocated vLLM prefills gated-DeltaNet layers with its Triton kernels, as asyncrl's launch does
+    (``--gdn-prefill-backend triton``): on Hopper vLLM's default imports flashinfer. TRL exposes no such option, so
+    its ``LLM`` gets the argument here (vLLM ignores it for a model without those layers)."""
+    from trl.generation import vllm_generation
+
+    engine = vllm_generation.LLM
+
+    def llm(*args: Any, **kwargs: Any) -> Any:
+        return engine(*args, gdn_prefill_backend="triton", **kwargs)
+
+    vllm_generation.LLM = llm
 
 
 # ---- the table ------------------------------------------------------------------------------------------------
@@ -598,12 +640,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.work / "results").mkdir(parents=True, exist_ok=True)
     work = workload(args)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a cut call still stops the tool's processes
+    signal.signal(signal.SIGTERM, lambda *_: TERMINATED.set())
     for shape in shapes:
-        if args.table:
+        if args.table or TERMINATED.is_set():
             break
         model = shape_path(shape, args.work, args.rehearse)
         for tool in tools:
+            if TERMINATED.is_set():
+                break
             started = time.monotonic()
             result = (run_trl if tool == "trl" else run_asyncrl)(shape, model, work, args)
             result["workload"] = dataclasses.asdict(work)
@@ -628,6 +672,8 @@ def main() -> None:
         print("\n" + text, flush=True)
         (args.out / f"vs_trl_{shape}.md").write_text(text)
     (args.out / "vs_trl.json").write_text(json.dumps(everything, indent=1))
+    if TERMINATED.is_set():
+        raise SystemExit(143)
 
 
 if __name__ == "__main__":
