@@ -20,9 +20,10 @@ function asyncrl builds from its registry, ``REWARDS.build``, so both score iden
 ``max_completion_length`` (``--max-tokens``, 256), temperature 1 with no top-k/top-p, the learning rate
 (``--lr``, 1e-5: ten times both tools' default 1e-6, so that ten steps move the reward of a random model), AdamW
 with betas (0.9, 0.999), eps 1e-8, no weight decay, gradient clipping at 1.0, a constant schedule (TRL's default is
-linear decay: set to constant), the seed, float32 master weights with bf16 autocast on the GPU (TRL would load a
-bf16 checkpoint in bf16: ``model_init_kwargs={"dtype": "float32"}`` matches asyncrl's), gradient checkpointing (both
-default on), and the samples trained: 256 a step (32 prompts x 8; ``--trl-batch`` 32x8) for ``--steps`` (10) steps.
+linear decay: set to constant), the seed, float32 master weights with bf16 autocast on the GPU (both defaults:
+TRL's ``create_model_from_path`` loads float32 unless told otherwise, passed here from asyncrl's ``model.dtype``),
+gradient checkpointing (both default on), and the samples trained: 256 a step (32 prompts x 8; ``--trl-batch``
+32x8) for ``--steps`` (10) steps.
 
 TRL, as its docs recommend for one GPU (TRL 1.16.0, ``trl/trainer/grpo_config.py``)
 -------------------------------------------------------------------------------------
@@ -40,6 +41,9 @@ logprobs_mode="processed_logprobs")``; weights synced by ``load_weights`` of eve
 - ``optim``: TRL's default ``adamw_torch_fused`` (the same AdamW as asyncrl's ``torch.optim.AdamW``, fused kernel).
 - ``logging_steps=1`` (reward and lengths per step in ``trainer.state.log_history``), ``save_strategy="no"``,
   ``report_to="none"``; the rest TRL's defaults.
+- The Qwen3.5 checkpoint loads whole (``Qwen3_5ForConditionalGeneration``, from its config) on both sides; TRL
+  leaves its vision tower trainable (no gradient reaches it from text, so AdamW skips it) and syncs it every step,
+  asyncrl freezes it and never syncs it.
 - ``processing_class``: the checkpoint's tokenizer (``padding_side="left"``, as TRL loads it). Left to itself TRL
   loads ``AutoProcessor``, which for the Qwen3.5 vision-language checkpoint builds image and video processors that
   text prompts never use (and that need torchvision, missing on the CPU machine).
