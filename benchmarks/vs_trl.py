@@ -615,7 +615,7 @@ def workload(args: argparse.Namespace) -> Workload:
     )  # fmt: skip
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)}")
     parser.add_argument("--tools", default=",".join(TOOLS), help="which to run this call (default: trl,asyncrl)")
@@ -631,7 +631,11 @@ def main() -> None:
     parser.add_argument("--rehearse", action="store_true", help="CPU: tiny checkpoints, TRL without vLLM")
     parser.add_argument("--table", action="store_true", help="only print the tables of --work's results")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.trl_child is not None:
         trl_child(args.trl_child)
         return

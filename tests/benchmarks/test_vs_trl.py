@@ -74,3 +74,13 @@ def test_table_ratios_favour_asyncrl_above_one_and_lists_both_curves(vs_trl: Mod
     assert "- asyncrl: `asyncrl train x=1`" in text and "trl 1.16.0" in text
     results["asyncrl"].update(rc=1, rows=[], failure="Traceback: boom")
     assert "asyncrl failed (exit 1)" in vs_trl.table("qwen3-0.6b", results, work)
+
+
+def test_the_documented_gpu_calls_parse(vs_trl: ModuleType) -> None:
+    """Each call of the docstring's H200 plan is a valid command line (the GPU session has no time to find out)."""
+    calls = [line.split() for line in vs_trl.__doc__.splitlines() if line.strip().startswith("--shapes")]
+    assert len(calls) == 4
+    for call in calls:
+        args = vs_trl.build_parser().parse_args(["--work", "/tmp/vt", "--out", "/tmp/o", *call])
+        assert set(args.shapes.split(",")) <= set(vs_trl.SHAPES) and set(args.tools.split(",")) <= set(vs_trl.TOOLS)
+        assert args.run_timeout <= 540  # a minute of the call's 600 s left for the build and the table
