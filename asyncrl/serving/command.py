@@ -50,21 +50,22 @@ def replica_port(config: Config, replica: int) -> int:
     return config.server.port + replica
 
 
-def serving_dtype(config: Config) -> ModelDtype:
+def serving_dtype(config: Config, backend: str | None = None) -> ModelDtype:
     """The dtype the server computes in and the trainer sends weights in: server.dtype when set; else, for a server
     on a GPU (vLLM, or the built-in server on cuda), 16 bits whatever the trainer's master weights are (float16 for a
     float16 checkpoint, else bfloat16): float32 serving halves the KV cache and the throughput, and vLLM's
-    gated-DeltaNet kernels refuse it; on the CPU, model.dtype (16 bits buys a CPU nothing)."""
+    gated-DeltaNet kernels refuse it; on the CPU, model.dtype (16 bits buys a CPU nothing). ``backend``: the plan's
+    (``resolve_backend`` when not given). A run reads its plan's (plan/assemble.py decides it once)."""
     if config.server.dtype is not None:
         return config.server.dtype
-    if not serves_on_gpu(config):
+    if not serves_on_gpu(config, backend):
         return config.model.dtype
     return ModelDtype.float16 if checkpoint_dtype(config) == "float16" else ModelDtype.bfloat16
 
 
-def serves_on_gpu(config: Config) -> bool:
+def serves_on_gpu(config: Config, backend: str | None = None) -> bool:
     """vLLM always does; the built-in server with server.device=cuda, or auto on a machine with CUDA."""
-    if resolve_backend(config) == "vllm":
+    if (backend or resolve_backend(config)) == "vllm":
         return True
     if config.server.device != "auto":
         return config.server.device == "cuda"

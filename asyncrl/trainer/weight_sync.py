@@ -45,7 +45,7 @@ from asyncrl.flow import FlowControl
 from asyncrl.registry import Registry
 from asyncrl.serving.checks import ServerFacts, check_servers
 from asyncrl.weights.adapter import AdapterSync
-from asyncrl.weights.adapter_choice import use_adapter_sync
+from asyncrl.weights.adapter_choice import adapter_sync_by_config, use_adapter_sync
 from asyncrl.weights.file_transport import FileTransport
 from asyncrl.weights.tensors import serving_bytes
 from asyncrl.weights.transport import Background, Transport, WeightSyncError, run_step
@@ -209,12 +209,20 @@ def build_weight_sync(
         facts.weight_transfer,
         facts.candidate_sets,
     )
-    if all([use_adapter_sync(config, replica, facts.backend, flow) for replica in group.controls]):
+    decided = prepared.plan.adapter_sync if prepared is not None else adapter_sync_by_config(config)
+    if syncs_adapters(config, group, facts.backend, flow, decided):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
         return AdapterSync(group, config, output_dir, facts, flow=flow)
     transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)
     return WeightSync(group, transport, facts)
+
+
+def syncs_adapters(config: Config, group: ControlGroup, backend: str, flow: FlowControl, decided: bool | None) -> bool:
+    """The plan's answer (RunPlan.adapter_sync) where the config alone decides, else every server's."""
+    if decided is not None:
+        return decided
+    return all([use_adapter_sync(config, replica, backend, flow) for replica in group.controls])
 
 
 WEIGHT_SYNC.register("builtin")(FileTransport.from_config)
