@@ -23,7 +23,13 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
-from asyncrl.serving.command import VLLM_LORA_RANKS, resolve_backend, serves_on_gpu, serving_dtype
+from asyncrl.serving.command import (
+    VLLM_LORA_RANKS,
+    adapter_sync_by_config,
+    resolve_backend,
+    serves_on_gpu,
+    serving_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +204,9 @@ def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: 
         world_size(config),
         backend,
         serving_dtype(config, backend),
-        adapter_sync_before_server(config),
+        adapter_sync_by_config(config),
         private_weights_dir,
     )
-
-
-def adapter_sync_before_server(config: Config) -> bool | None:
-    """weights/adapter_choice.py's rule, asked once: imported here only, as it imports the server checks."""
-    from asyncrl.weights.adapter_choice import adapter_sync_by_config
-
-    return adapter_sync_by_config(config)
 
 
 def fetch_checkpoint_config(config: Config, backend: str) -> None:

@@ -19,7 +19,7 @@ from asyncrl.config.schema import Config, WeightTransfer
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import world_size
 from asyncrl.serving import vllm
-from asyncrl.serving.command import resolve_backend, served_model_name
+from asyncrl.serving.command import max_lora_rank, max_loras, resolve_backend, served_model_name
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def lora_problem(
     """Why a server whose /server_info reports ``lora`` (its lora_config) and ``env`` cannot serve this run's
     adapter versions, and the flag that fixes it; None when it can. The one rule: the startup checks above and
     lora.sync's choice (weights/adapter_choice.py) both ask it."""
-    rank, loras = vllm.max_lora_rank(config), vllm.max_loras(config)
+    rank, loras = max_lora_rank(config), max_loras(config, flow)
     needed = flow.adapter_slots
     if lora is None:
         return "the server has LoRA off", f"--enable-lora --max-lora-rank {rank} --max-loras {loras}"

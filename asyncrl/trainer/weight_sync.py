@@ -44,8 +44,9 @@ from asyncrl.control_group import ControlGroup
 from asyncrl.flow import FlowControl
 from asyncrl.registry import Registry
 from asyncrl.serving.checks import ServerFacts, check_servers
+from asyncrl.serving.command import adapter_sync_by_config
 from asyncrl.weights.adapter import AdapterSync
-from asyncrl.weights.adapter_choice import adapter_sync_by_config, use_adapter_sync
+from asyncrl.weights.adapter_choice import use_adapter_sync
 from asyncrl.weights.file_transport import FileTransport
 from asyncrl.weights.tensors import serving_bytes
 from asyncrl.weights.transport import Background, Transport, WeightSyncError, run_step

@@ -22,17 +22,9 @@ from asyncrl.serving.checks import ServerCheckError, lora_problem
 log = logging.getLogger(__name__)
 
 
-def adapter_sync_by_config(config: Config) -> bool | None:
-    """False when the config alone rules adapters out (lora off, or lora.sync=merged); None when the running server's
-    LoRA limits decide (``use_adapter_sync``). The plan asks once (RunPlan.adapter_sync)."""
-    if not config.lora.enabled or config.lora.sync == LoraSync.merged:
-        return False
-    return None
-
-
 def use_adapter_sync(config: Config, control: ControlClient, backend: str, flow: FlowControl) -> bool:
-    """Whether this run syncs adapters only, for a run whose config leaves it to the server (``adapter_sync_by_config``
-    is None); lora.sync=adapter on a server that cannot is an error."""
+    """Whether this run syncs adapters only, for a run whose config leaves it to the server
+    (serving/command.py::adapter_sync_by_config is None); lora.sync=adapter on a server that cannot is an error."""
     problem = adapter_problem(config, control, backend, flow)
     if problem is None:
         return True
