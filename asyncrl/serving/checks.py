@@ -54,16 +54,16 @@ def check_server(
     control: ControlClient,
     *,
     flow: FlowControl,
-    backend: str | None = None,
+    planned: str | None = None,
     dataset: Any = None,
     tokenizer: Any = None,
 ) -> ServerFacts:
-    """Run every check; ``flow`` and ``backend``: the run plan's (the backend resolved from the config when not
-    given); ``dataset`` and ``tokenizer`` (already loaded by the caller) measure the longest prompt."""
+    """Run every check; ``flow`` and ``planned`` (the backend): the run plan's (the backend resolved from the config
+    when not given); ``dataset`` and ``tokenizer`` (already loaded by the caller) measure the longest prompt."""
     version = control.version()
     backend = "builtin" if version.startswith(BUILTIN_VERSION_PREFIX) else "vllm"
     fix = _Fix(config, backend)
-    expected = backend or resolve_backend(config)
+    expected = planned or resolve_backend(config)
     if config.server.launch and expected != backend:
         raise ServerCheckError(f"server.backend={expected} but the server at {control.base_url} reports {version}")
     max_model_len = _check_model(config, control, fix, _needed_model_len(config, backend, dataset, tokenizer))
@@ -94,14 +94,14 @@ def check_servers(
     controls: list[ControlClient],
     *,
     flow: FlowControl,
-    backend: str | None = None,
+    planned: str | None = None,
     dataset: Any = None,
     tokenizer: Any = None,
 ) -> ServerFacts:
     """``check_server`` on every replica; they must speak the same weight transfer (one round reaches them all),
     and the run's context is the shortest of theirs. CUDA IPC reaches only one server, on the trainer's GPU."""
     facts = [
-        check_server(config, control, flow=flow, backend=backend, dataset=dataset, tokenizer=tokenizer)
+        check_server(config, control, flow=flow, planned=planned, dataset=dataset, tokenizer=tokenizer)
         for control in controls
     ]
     first = facts[0]

@@ -203,7 +203,7 @@ def build_weight_sync(
     plan = getattr(prepared, "plan", None)
     flow = plan.flow if plan is not None else FlowControl.from_config(config)
     backend = plan.server_backend if plan is not None else None
-    facts = check_servers(config, group.controls, flow=flow, backend=backend, dataset=dataset, tokenizer=tokenizer)
+    facts = check_servers(config, group.controls, flow=flow, planned=backend, dataset=dataset, tokenizer=tokenizer)
     log.info(
         "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
         facts.backend,
