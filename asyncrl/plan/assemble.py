@@ -211,9 +211,9 @@ def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: 
 
 def fetch_checkpoint_config(config: Config, backend: str) -> None:
     """The checkpoint's config.json into the Hub cache, for a job whose serving dtype reads it (server.dtype unset, a
-    GPU server) when only the Hub has it: the job downloads the checkpoint anyway, and vLLM's command fetched this file
-    before reading the dtype. Fetched before the plan, the dtype this job freezes is the one its ranks' plans, built
-    later from the same cache, decide. A failed fetch leaves the dtype to what is here (the loads report the Hub)."""
+    GPU server) when only the Hub has it: the job downloads the checkpoint anyway (a launched vLLM's command fetches
+    this file first). Fetched before the plan, the dtype this job freezes is the one its ranks' plans, built later
+    from the same cache, decide. A failed fetch leaves the dtype to what is here (the loads report the Hub)."""
     from asyncrl.hub import is_hub_id
     from asyncrl.model_kind import local_config_json
 

@@ -36,7 +36,8 @@ def world_size(config: Config) -> int:
 @dataclass(frozen=True)
 class RunPlan:
     """Not here, because they are not known at plan time: the memory split (the trainer's warm-up measures it on the
-    GPU), the server commands (they take that split) and the token budget (it takes the server's max_model_len)."""
+    GPU), the server commands (they take that split, and their weight transfer the launching machine's GPUs) and the
+    token budget (it takes the server's max_model_len)."""
 
     config: Config
     components: Components
