@@ -192,7 +192,7 @@ def serve(ctx: typer.Context) -> None:
 
     plan = _checked(lambda: serve_plan(list(ctx.args)))
     config = plan.config
-    note = _checked(lambda: _check_before_loading(config))
+    note = _checked(lambda: _check_before_loading(plan))
     if note:
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
     _checked(lambda: check_serve(config))

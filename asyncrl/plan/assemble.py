@@ -213,14 +213,17 @@ def fetch_checkpoint_config(config: Config, backend: str) -> None:
     """The checkpoint's config.json into the Hub cache, for a job whose serving dtype reads it (server.dtype unset, a
     GPU server) when only the Hub has it: the job downloads the checkpoint anyway (a launched vLLM's command fetches
     this file first). Fetched before the plan, the dtype this job freezes is the one its ranks' plans, built later
-    from the same cache, decide. A failed fetch leaves the dtype to what is here (the loads report the Hub)."""
-    from asyncrl.hub import is_hub_id
+    from the same cache, decide. A Hub that does not answer (asked once: hub.py) or a failed fetch leaves the dtype to
+    what is here (the loads report the Hub)."""
+    from asyncrl.hub import is_hub_id, unreachable
     from asyncrl.model_kind import local_config_json
 
     m = config.model
     if config.server.dtype is not None or not is_hub_id(m.name_or_path):
         return
     if local_config_json(m.name_or_path, m.revision) is not None or not serves_on_gpu(config, backend):
+        return
+    if unreachable() is not None:
         return
     from huggingface_hub import hf_hub_download
 
