@@ -249,7 +249,7 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
     terminate_on_sigterm()
     prepared = prepare(plan)  # data, picklability: fail before the server starts
     write_provenance(config, cfg, run_dir)  # a run refused until here leaves the directory as it was
-    log.info(dtype_line(config))
+    log.info(dtype_line(plan))
     warn_cpu_oversubscribed(plan)
     with start_server(plan, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if plan.world_size > 1:
@@ -268,17 +268,17 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
         print(f"report: {write_report(run_dir)}", flush=True)
 
 
-def dtype_line(config: Config) -> str:
+def dtype_line(plan: RunPlan) -> str:
     """Which dtype each side uses, for the startup log: a gap between the sampler's and the trainer's
     log-probabilities starts there."""
-    from asyncrl.serving.command import resolve_backend, serving_dtype
     from asyncrl.trainer.model import use_bf16
 
+    config = plan.config
     mixed = ", computes in bfloat16 mixed precision" if use_bf16(config) else ""
     why = "server.dtype" if config.server.dtype is not None else "default: 16 bits on a GPU, model.dtype on a CPU"
     return (
-        f"dtypes: the trainer keeps {config.model.dtype} weights (model.dtype){mixed}; the {resolve_backend(config)} "
-        f"server computes in {serving_dtype(config)} ({why}) and weight syncs send that"
+        f"dtypes: the trainer keeps {config.model.dtype} weights (model.dtype){mixed}; the {plan.server_backend} "
+        f"server computes in {plan.serving_dtype} ({why}) and weight syncs send that"
     )
 
 
@@ -422,7 +422,7 @@ def launch_command(plan: RunPlan, replica: int = 0, gpus: list[str] | None = Non
     from asyncrl.serving.choice import server_command
 
     claim_server_access(plan)
-    command = server_command(plan.config, replica, gpus)
+    command = server_command(plan, replica, gpus)
     if command.backend == "vllm":
         os.environ["VLLM_API_KEY"] = os.environ[TOKEN_ENV]
     return command
@@ -433,7 +433,7 @@ def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup
     server.launch=false. ``wait=False``: launched servers are only started on entry; ``ready()`` waits for them.
     A vLLM that shares the trainer's GPU starts when the trainer has measured its footprint in a warm-up step
     (trainer/memory.py): its share is a launch flag."""
-    from asyncrl.serving.command import base_url, base_urls, resolve_backend
+    from asyncrl.serving.command import base_url, base_urls
     from asyncrl.serving.group import ServerGroup
     from asyncrl.serving.handle import AttachedServer, DeferredServer, LaunchedServer
 
@@ -442,10 +442,10 @@ def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup
     if not config.server.launch:
         return ServerGroup([AttachedServer(url, timeout_s=timeout_s) for url in base_urls(config)], wait)
     visible, deferred = None, False
-    if resolve_backend(config) == "vllm":
+    if plan.server_backend == "vllm":
         from asyncrl.serving.vllm import measured_split_pending, trainer_gpus, visible_gpus
 
-        visible, deferred = visible_gpus(), measured_split_pending(config)
+        visible, deferred = visible_gpus(), measured_split_pending(config, plan.server_backend)
         cache = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
         log.info("vLLM keeps its compile cache in %s across runs (VLLM_CACHE_ROOT): the first start of a shape "
                  "compiles, later ones load it", cache)  # fmt: skip

@@ -19,7 +19,7 @@ from asyncrl.config.schema import Config, WeightTransfer
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import world_size
 from asyncrl.serving import vllm
-from asyncrl.serving.command import resolve_backend, served_model_name
+from asyncrl.serving.command import max_lora_rank, max_loras, resolve_backend, served_model_name
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,20 @@ class ServerFacts:
 
 
 def check_server(
-    config: Config, control: ControlClient, *, flow: FlowControl, dataset: Any = None, tokenizer: Any = None
+    config: Config,
+    control: ControlClient,
+    *,
+    flow: FlowControl,
+    planned: str | None = None,
+    dataset: Any = None,
+    tokenizer: Any = None,
 ) -> ServerFacts:
-    """Run every check; ``flow``: the run plan's; ``dataset`` and ``tokenizer`` (already loaded by the caller) measure
-    the longest prompt."""
+    """Run every check; ``flow`` and ``planned`` (the backend): the run plan's (the backend resolved from the config
+    when not given); ``dataset`` and ``tokenizer`` (already loaded by the caller) measure the longest prompt."""
     version = control.version()
     backend = "builtin" if version.startswith(BUILTIN_VERSION_PREFIX) else "vllm"
     fix = _Fix(config, backend)
-    expected = resolve_backend(config)
+    expected = planned or resolve_backend(config)
     if config.server.launch and expected != backend:
         raise ServerCheckError(f"server.backend={expected} but the server at {control.base_url} reports {version}")
     max_model_len = _check_model(config, control, fix, _needed_model_len(config, backend, dataset, tokenizer))
@@ -84,11 +90,20 @@ def check_server(
 
 
 def check_servers(
-    config: Config, controls: list[ControlClient], *, flow: FlowControl, dataset: Any = None, tokenizer: Any = None
+    config: Config,
+    controls: list[ControlClient],
+    *,
+    flow: FlowControl,
+    planned: str | None = None,
+    dataset: Any = None,
+    tokenizer: Any = None,
 ) -> ServerFacts:
     """``check_server`` on every replica; they must speak the same weight transfer (one round reaches them all),
     and the run's context is the shortest of theirs. CUDA IPC reaches only one server, on the trainer's GPU."""
-    facts = [check_server(config, control, flow=flow, dataset=dataset, tokenizer=tokenizer) for control in controls]
+    facts = [
+        check_server(config, control, flow=flow, planned=planned, dataset=dataset, tokenizer=tokenizer)
+        for control in controls
+    ]
     first = facts[0]
     for index, other in enumerate(facts[1:], start=1):
         if (other.backend, other.weight_transfer) != (first.backend, first.weight_transfer):
@@ -239,7 +254,7 @@ def lora_problem(
     """Why a server whose /server_info reports ``lora`` (its lora_config) and ``env`` cannot serve this run's
     adapter versions, and the flag that fixes it; None when it can. The one rule: the startup checks above and
     lora.sync's choice (weights/adapter_choice.py) both ask it."""
-    rank, loras = vllm.max_lora_rank(config), vllm.max_loras(config)
+    rank, loras = max_lora_rank(config), max_loras(config, flow)
     needed = flow.adapter_slots
     if lora is None:
         return "the server has LoRA off", f"--enable-lora --max-lora-rank {rank} --max-loras {loras}"

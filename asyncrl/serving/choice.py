@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
-from asyncrl.serving.command import ServerCommand, builtin_command, resolve_backend
+from asyncrl.serving.command import ServerCommand, builtin_command
 
 if TYPE_CHECKING:
+    from asyncrl.plan.run_plan import RunPlan
     from asyncrl.serving.vllm import CheckpointKind
 
 
@@ -17,14 +18,17 @@ DEFAULT_PROMPT_TOKENS = 512
 read here (TRL's max_prompt_length default)."""
 
 
-def printable_server_commands(config: Config) -> tuple[list[ServerCommand], list[str]]:
+def printable_server_commands(plan: RunPlan) -> tuple[list[ServerCommand], list[str]]:
     """What `asyncrl config --server-command` prints (a command per server.replicas), and a warning. It is printed
     wherever asked, a login node preparing a cluster job included: without the GPUs the run needs, the commands are
     for the GPUs the job will have; without vLLM, for the newest verified release; what cannot be read here (the
-    checkpoint's config.json, the prompts) is left at a default, and a warning says so."""
+    checkpoint's config.json, the prompts) is left at a default, and a warning says so. vLLM's serving dtype is
+    decided once the checkpoint's config.json was read (``vllm_command`` without the plan), as a job's plan does
+    after fetching it (plan/assemble.py::fetch_checkpoint_config)."""
+    config = plan.config
     replicas = range(config.server.replicas)
-    if resolve_backend(config) != "vllm":
-        return [builtin_command(config, replica) for replica in replicas], []
+    if plan.server_backend != "vllm":
+        return [builtin_command(config, replica, plan=plan) for replica in replicas], []
     # serving/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
     from asyncrl.hub import unreachable_for
     from asyncrl.serving.vllm import (
@@ -104,12 +108,11 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
 
-def server_command(config: Config, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
+def server_command(plan: RunPlan, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
     """The command of launched server ``replica`` (its own port, and GPUs under vLLM: of ``gpus``, else those
-    visible)."""
-    backend = resolve_backend(config)
-    if backend == "vllm":
+    visible), as the plan decided its backend, serving dtype and flow."""
+    if plan.server_backend == "vllm":
         from asyncrl.serving.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
 
-        return vllm_command(config, gpus=gpus, replica=replica)
-    return builtin_command(config, replica)
+        return vllm_command(plan.config, gpus=gpus, replica=replica, plan=plan)
+    return builtin_command(plan.config, replica, plan=plan)

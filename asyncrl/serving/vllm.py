@@ -27,7 +27,7 @@ import re
 import sys
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -36,14 +36,15 @@ from asyncrl.config.schema import Config, LoraSync, WeightTransfer
 from asyncrl.model_kind import is_vision_language
 from asyncrl.serving.command import (
     ServerCommand,
-    max_lora_rank,
-    max_loras,
+    lora_flags,
     replica_port,
-    resolve_backend,
     served_model_name,
     serving_dtype,
 )
 from asyncrl.trainer.lora import adapter_modules
+
+if TYPE_CHECKING:
+    from asyncrl.plan.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,10 @@ def checkpoint_kind(config: Config) -> CheckpointKind:
     return CheckpointKind.of(model_config, modules)
 
 
-def checked_dtype(config: Config, kind: CheckpointKind) -> str:
-    """The serving dtype (serving/command.py), refused when vLLM cannot run it: its gated-DeltaNet kernels
-    (ChunkGatedDeltaRuleFunction) assert 16-bit inputs, so a float32 server of such a model dies at startup."""
-    dtype = serving_dtype(config)
+def checked_dtype(config: Config, kind: CheckpointKind, dtype: str) -> str:
+    """The serving dtype (the plan's, or serving/command.py's for a printed command), refused when vLLM cannot run
+    it: its gated-DeltaNet kernels (ChunkGatedDeltaRuleFunction) assert 16-bit inputs, so a float32 server of such a
+    model dies at startup."""
     if kind.gated_deltanet and dtype == "float32":
         raise ConfigError(
             f"server.dtype=float32: vLLM's gated-DeltaNet kernels run {config.model.name_or_path} in 16 bits only; "
@@ -366,14 +367,15 @@ def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: in
     return share
 
 
-def measured_split_pending(config: Config) -> bool:
+def measured_split_pending(config: Config, backend: str) -> bool:
     """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU and its share is not
     set. Every run measures (an earlier run's figure is stale after a change of code or library, and a vLLM booting
-    beside the warm-up would count the trainer's allocations as its own while it profiles its memory)."""
+    beside the warm-up would count the trainer's allocations as its own while it profiles its memory). ``backend``:
+    the plan's."""
     from asyncrl.plan.run_plan import world_size
 
     sv = config.server
-    if not sv.launch or sv.gpu_memory_utilization is not None or resolve_backend(config) != "vllm":
+    if not sv.launch or sv.gpu_memory_utilization is not None or backend != "vllm":
         return False
     if world_size(config) > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
         return False
@@ -452,10 +454,12 @@ def vllm_command(
     prompt_tokens: int | None = None,
     checkpoint: CheckpointKind | None = None,
     replica: int = 0,
+    plan: RunPlan | None = None,
 ) -> ServerCommand:
     """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment;
     ``checkpoint`` defaults to what model.name_or_path's config.json says (checkpoint_kind). ``replica``: which
-    of server.replicas, on its own port and GPUs."""
+    of server.replicas, on its own port and GPUs. ``plan``: the run's, whose serving dtype and flow it takes (None,
+    for a printed or expected command or a test: decided from the config here, after the checkpoint was read)."""
     sv, s = config.server, config.sampling
     version = target_version(config, version)
     release = parse_version(version)[:2]
@@ -464,7 +468,7 @@ def vllm_command(
     transfer = weight_transfer_backend(config, split)
     host, port = _listen_address(config, replica)
     kind = checkpoint_kind(config) if checkpoint is None else checkpoint
-    dtype = checked_dtype(config, kind)
+    dtype = checked_dtype(config, kind, plan.serving_dtype if plan is not None else serving_dtype(config))
     model_len = required_model_len(config, prompt_tokens)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     argv = [
@@ -499,7 +503,7 @@ def vllm_command(
         if release >= SCALE_OUT_FLAG_SINCE:
             argv.append("--enable-scale-out")
     if lora_adapters(config):
-        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config)), "--max-loras", str(max_loras(config))]
+        argv += lora_flags(config, plan.flow if plan is not None else None)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     argv += checkpoint_flags(kind)
     if config.model.revision:

@@ -42,7 +42,7 @@ def main(run_dir: Path) -> int:
         if ranks.rank == 0:
             run_rank_zero(plan, run_dir, ranks)
         else:
-            Follower(plan.config, plan.components, run_dir, ranks).serve()
+            Follower(plan, run_dir, ranks).serve()
         # Tear the process group down together: a rank that destroys it while another still talks to the
         # store can abort in gloo's threads ("terminate called without an active exception").
         dist.barrier()

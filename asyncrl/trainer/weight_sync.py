@@ -44,6 +44,7 @@ from asyncrl.control_group import ControlGroup
 from asyncrl.flow import FlowControl
 from asyncrl.registry import Registry
 from asyncrl.serving.checks import ServerFacts, check_servers
+from asyncrl.serving.command import adapter_sync_by_config
 from asyncrl.weights.adapter import AdapterSync
 from asyncrl.weights.adapter_choice import use_adapter_sync
 from asyncrl.weights.file_transport import FileTransport
@@ -199,8 +200,10 @@ def build_weight_sync(
     (a caller without one, a test or a benchmark, gets the config's)."""
     group = control if isinstance(control, ControlGroup) else ControlGroup([control])
     dataset, tokenizer = getattr(prepared, "dataset", None), getattr(prepared, "tokenizer", None)
-    flow = prepared.plan.flow if prepared is not None else FlowControl.from_config(config)
-    facts = check_servers(config, group.controls, flow=flow, dataset=dataset, tokenizer=tokenizer)
+    plan = getattr(prepared, "plan", None)
+    flow = plan.flow if plan is not None else FlowControl.from_config(config)
+    backend = plan.server_backend if plan is not None else None
+    facts = check_servers(config, group.controls, flow=flow, planned=backend, dataset=dataset, tokenizer=tokenizer)
     log.info(
         "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
         facts.backend,
@@ -209,12 +212,21 @@ def build_weight_sync(
         facts.weight_transfer,
         facts.candidate_sets,
     )
-    if all([use_adapter_sync(config, replica, facts.backend, flow) for replica in group.controls]):
+    decided = plan.adapter_sync if plan is not None else adapter_sync_by_config(config)
+    if syncs_adapters(config, group, facts.backend, flow, decided):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
-        return AdapterSync(group, config, output_dir, facts, flow=flow)
+        dtype = plan.serving_dtype if plan is not None else None
+        return AdapterSync(group, config, output_dir, facts, flow=flow, dtype=dtype)
     transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)
     return WeightSync(group, transport, facts)
+
+
+def syncs_adapters(config: Config, group: ControlGroup, backend: str, flow: FlowControl, decided: bool | None) -> bool:
+    """The plan's answer (RunPlan.adapter_sync) where the config alone decides, else every server's."""
+    if decided is not None:
+        return decided
+    return all([use_adapter_sync(config, replica, backend, flow) for replica in group.controls])
 
 
 WEIGHT_SYNC.register("builtin")(FileTransport.from_config)

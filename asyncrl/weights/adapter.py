@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from asyncrl.client import Control, policy_model
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.dtypes import torch_dtype
 from asyncrl.flow import FlowControl
 from asyncrl.serving.command import served_model_name, serving_dtype
@@ -63,13 +63,22 @@ class AdapterSync:
     adapter_only = True
 
     def __init__(
-        self, control: Control, config: Config, output_dir: Path, facts: Any = None, *, flow: FlowControl
+        self,
+        control: Control,
+        config: Config,
+        output_dir: Path,
+        facts: Any = None,
+        *,
+        flow: FlowControl,
+        dtype: ModelDtype | None = None,
     ) -> None:
+        """``flow`` and ``dtype``: the run plan's (the serving dtype from the config when not given: tests,
+        benchmarks)."""
         self.control, self.facts = control, facts
         self.base_name = served_model_name(config)
         self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers
         self.root = output_dir / CACHE_DIR
-        self.dtype = torch_dtype(serving_dtype(config))
+        self.dtype = torch_dtype(dtype or serving_dtype(config))
         self.keep = flow.live_versions
         self.registered: deque[int] = deque()
         self.unloaded: list[int] = []

@@ -23,9 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def use_adapter_sync(config: Config, control: ControlClient, backend: str, flow: FlowControl) -> bool:
-    """Whether this run syncs adapters only; lora.sync=adapter on a server that cannot is an error."""
-    if not config.lora.enabled or config.lora.sync == LoraSync.merged:
-        return False
+    """Whether this run syncs adapters only, for a run whose config leaves it to the server
+    (serving/command.py::adapter_sync_by_config is None); lora.sync=adapter on a server that cannot is an error."""
     problem = adapter_problem(config, control, backend, flow)
     if problem is None:
         return True

@@ -12,6 +12,7 @@ from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config,
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
+from asyncrl.plan.assemble import plan_run
 from asyncrl.serving.choice import server_command
 from asyncrl.serving.vllm import (
     WORKER_EXTENSION,
@@ -268,7 +269,7 @@ def test_max_model_len_is_the_longest_prompt_plus_one_turn(arithmetic_data_dir, 
 def test_server_command_dispatches_and_needs_a_version(monkeypatch):
     monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
     with pytest.raises(ConfigError, match="server.vllm_version"):
-        server_command(to_config(compose([*BASE, "server.max_model_len=2048"])))
+        server_command(plan_run(compose([*BASE, "server.max_model_len=2048"])))
     with pytest.raises(ConfigError, match="too old"):
         command([], version="0.25.1")
     assert parse_version("v0.27.1.dev3+cu130") == (0, 27, 1)

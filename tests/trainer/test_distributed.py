@@ -107,7 +107,7 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
     import torch.distributed as dist
 
     from asyncrl.client import ControlClient
-    from asyncrl.components import build_components
+    from asyncrl.plan.assemble import build_plan
     from asyncrl.trainer import fsdp
     from asyncrl.trainer.distributed import Follower, build_sharded, leave, split_rows, train_rows
     from asyncrl.trainer.ranks import Ranks
@@ -117,7 +117,7 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
     ranks = Ranks.from_env()
     try:
         if ranks.rank != 0:
-            Follower(config, build_components(config), out, ranks).serve()
+            Follower(build_plan(config), out, ranks).serve()
             dist.barrier()  # leave together (see asyncrl.trainer.rank_main.main)
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
