@@ -15,7 +15,7 @@ from typer.core import TyperCommand, TyperGroup
 from asyncrl import __version__
 
 if TYPE_CHECKING:
-    from asyncrl.config.schema import Config
+    from asyncrl.plan.run_plan import RunPlan
 
 
 class _UntypedFlags:
@@ -96,25 +96,25 @@ def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:
         run_dir = str(hydra.sweep.dir if multirun else hydra.run.dir)
         check_run_dir(run_dir, key)
         if validate:
-            jobs.append((plan_run(composed).config, _job_dirs(Path(run_dir), multirun)))
+            jobs.append((plan_run(composed), _job_dirs(Path(run_dir), multirun)))
     notes = set()
-    for config, job_dirs in jobs:  # once every value is valid: these look at the machine and the directories
-        notes.add(_check_before_loading(config))
-        check_startup(config, job_dirs)
+    for plan, job_dirs in jobs:  # once every value is valid: these look at the machine and the directories
+        notes.add(_check_before_loading(plan))
+        check_startup(plan.config, job_dirs)
     for note in notes - {None}:
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
 
 
-def _check_before_loading(config: Config) -> str | None:
+def _check_before_loading(plan: RunPlan) -> str | None:
     """This machine can run the server asked for and has, or can download, every Hub id the run reads: checked
     before the job loads anything, which would otherwise fail late (vLLM's launch, after the data and tokenizer) or
     slowly (a load waiting through the Hub's retries, then a traceback). Returns a note when the Hub does not answer
     and the cache serves."""
     from asyncrl.hub import check_hub_sources
-    from asyncrl.server.command import resolve_backend
 
-    if config.server.launch and resolve_backend(config) == "vllm":
-        from asyncrl.server.vllm import check_launchable
+    config = plan.config
+    if config.server.launch and plan.server_backend == "vllm":
+        from asyncrl.serving.vllm import check_launchable
 
         check_launchable(config)
     return check_hub_sources(config)
@@ -154,17 +154,17 @@ def config(
     from asyncrl.config.compose import compose, to_yaml
     from asyncrl.plan.assemble import plan_run
 
-    composed = _checked(lambda: plan_run(compose(list(ctx.args))).config)
+    plan = _checked(lambda: plan_run(compose(list(ctx.args))))
     if server_command:
         from asyncrl.launch import shell_line
-        from asyncrl.server.choice import printable_server_commands
+        from asyncrl.serving.choice import printable_server_commands
 
-        commands, warnings = _checked(lambda: printable_server_commands(composed))
+        commands, warnings = _checked(lambda: printable_server_commands(plan))
         for warning in warnings:
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
         typer.echo("".join(shell_line(command.argv, command.env) for command in commands), nl=False)
         return
-    typer.echo(to_yaml(composed), nl=False)
+    typer.echo(to_yaml(plan.config), nl=False)
 
 
 @app.command(cls=_Command)
@@ -188,17 +188,16 @@ def serve(ctx: typer.Context) -> None:
     """Run the generation server alone in the foreground. Arguments: a run directory (its final model, else its
     newest checkpoint, with the run's overrides) or a model directory, if any, then Hydra overrides as for train:
     [bold]asyncrl serve runs/2026-01-31_12-00-00 server.port=8001[/bold]"""
-    from asyncrl.config.compose import compose
-    from asyncrl.launch import EXPECTED_ERRORS, check_serve, serve_forever, serve_overrides
-    from asyncrl.plan.assemble import plan_run
+    from asyncrl.launch import EXPECTED_ERRORS, check_serve, serve_forever, serve_plan
 
-    config = _checked(lambda: plan_run(compose(serve_overrides(list(ctx.args)))).config)
-    note = _checked(lambda: _check_before_loading(config))
+    plan = _checked(lambda: serve_plan(list(ctx.args)))
+    config = plan.config
+    note = _checked(lambda: _check_before_loading(plan))
     if note:
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
     _checked(lambda: check_serve(config))
     try:
-        serve_forever(config)
+        serve_forever(plan)
     except EXPECTED_ERRORS as exc:
         typer.secho(f"error ({type(exc).__name__}): {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from exc

@@ -32,7 +32,7 @@ _TOKEN_KEY = "token_id:"
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "ASYNCRL_SERVER_TOKEN"
-"""The environment variable holding the token a server's state-changing requests need (server/builtin.py)."""
+"""The environment variable holding the token a server's state-changing requests need (engine/api.py)."""
 
 
 def ensure_token() -> str:

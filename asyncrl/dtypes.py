@@ -1,5 +1,5 @@
 """The torch dtypes that the config's and command lines' dtype names (``ModelDtype``) stand for; which one a
-server runs in is server/command.py's ``serving_dtype``."""
+server runs in is serving/command.py's ``serving_dtype``."""
 
 from __future__ import annotations
 

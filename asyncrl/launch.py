@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,12 +25,12 @@ from omegaconf import DictConfig
 from asyncrl.config.compose import conf_dir, register_schema, to_yaml
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
-from asyncrl.plan.assemble import plan_run
+from asyncrl.plan.assemble import TRANSFER_PREFIX, plan_run
 
 if TYPE_CHECKING:
     from asyncrl.plan.run_plan import RunPlan
-    from asyncrl.server.command import ServerCommand
-    from asyncrl.server.group import ServerGroup
+    from asyncrl.serving.command import ServerCommand
+    from asyncrl.serving.group import ServerGroup
 
 log = logging.getLogger("asyncrl")
 
@@ -41,13 +40,13 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.data import DatasetError
     from asyncrl.registry import RegistryError
     from asyncrl.rollout.spawn import UnpicklableError
-    from asyncrl.server.process import ServerStartError
+    from asyncrl.serving.process import ServerStartError
     from asyncrl.trainer.assembler import RolloutWorkerError
     from asyncrl.trainer.checkpoint import ResumeError
     from asyncrl.trainer.group_watch import TrainingStalledError
     from asyncrl.trainer.launcher import TrainerRankError
     from asyncrl.trainer.memory import TrainerOutOfMemoryError
-    from asyncrl.trainer.sync.base import WeightSyncError
+    from asyncrl.weights.transport import WeightSyncError
 
     return (
         DatasetError,
@@ -102,7 +101,7 @@ def _hydra_job(cfg: DictConfig) -> None:
     os.environ["ASYNCRL_STARTED_AT"] = str(time.time())  # trainer/loop.py's STARTED_ENV: perf/startup_* count from here
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        plan = plan_run(cfg)
+        plan = plan_run(cfg, run_dir)
     except ConfigError as exc:
         _refuse(exc, run_dir)
     config = plan.config
@@ -165,14 +164,14 @@ def _run_restarting(cfg: DictConfig, plan: RunPlan, run_dir: Path) -> None:
     first = iter([plan])  # the first attempt runs as composed
 
     def attempt(resume: str | None) -> None:
-        run_job(next(first, None) or _recomposed(cfg, resume, config.server.weights_dir), run_dir, cfg)
+        run_job(next(first, None) or _recomposed(cfg, resume, config.server.weights_dir, run_dir), run_dir, cfg)
 
     output_dir = Path(config.trainer.output_dir or run_dir)
     run_restarting(attempt, run_dir, output_dir, config.trainer.max_restarts,
                    resume=config.trainer.resume_from_checkpoint, report=_report_restart)  # fmt: skip
 
 
-def _recomposed(cfg: DictConfig, resume: str | None, weights_dir: str | None) -> RunPlan:
+def _recomposed(cfg: DictConfig, resume: str | None, weights_dir: str | None, run_dir: Path) -> RunPlan:
     """The job's plan, with fresh components, for a restart: resuming from ``resume`` (None: from the start), with
     the server weights directory the first attempt claimed (removed at exit)."""
     import copy
@@ -183,7 +182,7 @@ def _recomposed(cfg: DictConfig, resume: str | None, weights_dir: str | None) ->
     with open_dict(again):
         again.trainer.resume_from_checkpoint = resume
         again.server.weights_dir = weights_dir
-    return plan_run(again)
+    return plan_run(again, run_dir)
 
 
 def _report_restart(line: str, exc: BaseException) -> None:
@@ -241,20 +240,18 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
     """One training job in ``run_dir`` as ``plan`` (composed from ``cfg``) says: the server is stopped however the
     job ends."""
     config = plan.config
-    if config.trainer.output_dir is None:
-        config.trainer.output_dir = str(run_dir)
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
     check_startup(config, [run_dir])
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
-        claim_server_access(config, run_dir)
+        claim_server_access(plan)
     terminate_on_sigterm()
     prepared = prepare(plan)  # data, picklability: fail before the server starts
     write_provenance(config, cfg, run_dir)  # a run refused until here leaves the directory as it was
-    log.info(dtype_line(config))
+    log.info(dtype_line(plan))
     warn_cpu_oversubscribed(plan)
-    with start_server(config, run_dir, wait=False) as server:  # it boots while the trainer builds its model
+    with start_server(plan, run_dir, wait=False) as server:  # it boots while the trainer builds its model
         if plan.world_size > 1:
             from asyncrl.trainer.launcher import run_ranks
 
@@ -271,17 +268,17 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
         print(f"report: {write_report(run_dir)}", flush=True)
 
 
-def dtype_line(config: Config) -> str:
+def dtype_line(plan: RunPlan) -> str:
     """Which dtype each side uses, for the startup log: a gap between the sampler's and the trainer's
     log-probabilities starts there."""
-    from asyncrl.server.command import resolve_backend, serving_dtype
     from asyncrl.trainer.model import use_bf16
 
+    config = plan.config
     mixed = ", computes in bfloat16 mixed precision" if use_bf16(config) else ""
     why = "server.dtype" if config.server.dtype is not None else "default: 16 bits on a GPU, model.dtype on a CPU"
     return (
-        f"dtypes: the trainer keeps {config.model.dtype} weights (model.dtype){mixed}; the {resolve_backend(config)} "
-        f"server computes in {serving_dtype(config)} ({why}) and weight syncs send that"
+        f"dtypes: the trainer keeps {config.model.dtype} weights (model.dtype){mixed}; the {plan.server_backend} "
+        f"server computes in {plan.serving_dtype} ({why}) and weight syncs send that"
     )
 
 
@@ -325,8 +322,8 @@ def warn_cpu_oversubscribed(plan: RunPlan) -> None:
 def check_port(config: Config) -> None:
     """The port of a server to launch is free: otherwise the new server fails to bind, and the run would talk to
     whatever listens there."""
-    from asyncrl.server.command import replica_port
-    from asyncrl.server.process import port_is_free
+    from asyncrl.serving.command import replica_port
+    from asyncrl.serving.process import port_is_free
 
     sv = config.server
     for replica in range(sv.replicas if sv.launch else 0):
@@ -382,25 +379,21 @@ def load_run_plan(run_dir: Path) -> RunPlan:
     return plan_run(cfg)  # type: ignore[arg-type]
 
 
-def claim_server_access(config: Config, run_dir: Path) -> None:
+def claim_server_access(plan: RunPlan) -> None:
     """The token and weights directory of a server this run launches. The token is $ASYNCRL_SERVER_TOKEN, else a
     fresh one put there: the environment (not argv, which ``ps`` shows every user) carries it to the server and to
-    every process of the run, whose clients send it. Without server.weights_dir the server gets a fresh private
-    directory (in /dev/shm when writable, else under the run directory), removed at exit; one left by a launcher
-    killed outright (no exit handler ran) is removed by the next."""
+    every process of the run, whose clients send it. The private weights directory the plan chose (server.weights_dir
+    unset: plan/assemble.py::job_dirs) is created here, readable by this user only, and removed at exit; one left by
+    a launcher killed outright (no exit handler ran) is removed by the next."""
     from asyncrl.client import ensure_token
 
     ensure_token()
-    if config.server.weights_dir is None:
-        shm = Path("/dev/shm")
-        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
-        base.mkdir(parents=True, exist_ok=True)
-        remove_orphaned_transfer_dirs(base)
-        config.server.weights_dir = tempfile.mkdtemp(prefix=f"{TRANSFER_PREFIX}{os.getpid()}-", dir=base)
-        atexit.register(shutil.rmtree, config.server.weights_dir, ignore_errors=True)
-
-
-TRANSFER_PREFIX = "asyncrl-transfer-"
+    private = plan.private_weights_dir
+    if private is not None and not private.is_dir():
+        private.parent.mkdir(parents=True, exist_ok=True)
+        remove_orphaned_transfer_dirs(private.parent)
+        private.mkdir(mode=0o700)
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
 
 
 def remove_orphaned_transfer_dirs(base: Path) -> None:
@@ -421,38 +414,38 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def launch_command(config: Config, run_dir: Path, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
+def launch_command(plan: RunPlan, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
     """The command of server ``replica`` this run launches (on ``gpus``, else the visible ones), once its token and
     weights directory are claimed (one directory for every replica: a weight file is written once and each loads
-    it). vLLM reads the token as its --api-key from VLLM_API_KEY (server/vllm.py says what that guards)."""
+    it). vLLM reads the token as its --api-key from VLLM_API_KEY (serving/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
-    from asyncrl.server.choice import server_command
+    from asyncrl.serving.choice import server_command
 
-    claim_server_access(config, run_dir)
-    command = server_command(config, replica, gpus)
+    claim_server_access(plan)
+    command = server_command(plan, replica, gpus)
     if command.backend == "vllm":
         os.environ["VLLM_API_KEY"] = os.environ[TOKEN_ENV]
     return command
 
 
-def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGroup:
+def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup:
     """A context manager: the supervised servers (server.replicas of them), or handles on running ones when
     server.launch=false. ``wait=False``: launched servers are only started on entry; ``ready()`` waits for them.
-    A vLLM that shares the trainer's GPU before the trainer's footprint was ever measured for this shape starts
-    at ``ready()`` instead, which the trainer calls after its warm-up (trainer/memory.py): its share is a launch
-    flag."""
-    from asyncrl.server.command import base_url, base_urls, resolve_backend
-    from asyncrl.server.group import ServerGroup
-    from asyncrl.server.handle import AttachedServer, DeferredServer, LaunchedServer
+    A vLLM that shares the trainer's GPU starts when the trainer has measured its footprint in a warm-up step
+    (trainer/memory.py): its share is a launch flag."""
+    from asyncrl.serving.command import base_url, base_urls
+    from asyncrl.serving.group import ServerGroup
+    from asyncrl.serving.handle import AttachedServer, DeferredServer, LaunchedServer
 
+    config = plan.config
     timeout_s = config.server.timeout
     if not config.server.launch:
         return ServerGroup([AttachedServer(url, timeout_s=timeout_s) for url in base_urls(config)], wait)
     visible, deferred = None, False
-    if resolve_backend(config) == "vllm":
-        from asyncrl.server.vllm import measured_split_pending, trainer_gpus, visible_gpus
+    if plan.server_backend == "vllm":
+        from asyncrl.serving.vllm import measured_split_pending, trainer_gpus, visible_gpus
 
-        visible, deferred = visible_gpus(), measured_split_pending(config)
+        visible, deferred = visible_gpus(), measured_split_pending(config, plan.server_backend)
         cache = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
         log.info("vLLM keeps its compile cache in %s across runs (VLLM_CACHE_ROOT): the first start of a shape "
                  "compiles, later ones load it", cache)  # fmt: skip
@@ -465,7 +458,7 @@ def start_server(config: Config, run_dir: Path, wait: bool = True) -> ServerGrou
         name = "server" if config.server.replicas == 1 else f"server_{replica}"
 
         def launched(replica: int = replica, name: str = name) -> LaunchedServer:
-            command = launch_command(config, run_dir, replica, visible)
+            command = launch_command(plan, replica, visible)
             (run_dir / "commands" / f"{name}.sh").write_text(shell_line(command.argv, command.env))
             log_path = run_dir / "logs" / f"{name}.log"
             return LaunchedServer(command, base_url(config, replica), log_path, timeout_s, wait=False)
@@ -515,14 +508,27 @@ def check_serve(config: Config) -> None:
     check_port(config)
 
 
-def serve_forever(config: Config) -> None:
+SERVE_DIR = "runs/serve"
+"""`asyncrl serve`'s directory (its server log, its private weights directory's fallback) without trainer.output_dir."""
+
+
+def serve_plan(args: list[str]) -> RunPlan:
+    """`asyncrl serve ARGS`'s plan (``serve_overrides``), its directories decided as a training job's are."""
+    from asyncrl.config.compose import compose
+
+    composed = compose(serve_overrides(args))
+    return plan_run(composed, Path(composed.trainer.output_dir or SERVE_DIR))
+
+
+def serve_forever(plan: RunPlan) -> None:
     """`asyncrl serve`: the server in the foreground until Ctrl-C."""
     from asyncrl.client import TOKEN_ENV
-    from asyncrl.server.command import base_url, served_model_name
-    from asyncrl.server.handle import LaunchedServer
+    from asyncrl.serving.command import base_url, served_model_name
+    from asyncrl.serving.handle import LaunchedServer
 
-    run_dir = Path(config.trainer.output_dir or "runs/serve")
-    command = launch_command(config, run_dir)
+    config = plan.config
+    run_dir = Path(config.trainer.output_dir or SERVE_DIR)
+    command = launch_command(plan)
     print(shell_line(command.argv, command.env), flush=True)
     terminate_on_sigterm()
     log_path = run_dir / "logs" / "server.log"

@@ -32,11 +32,11 @@ RESTARTS_FILE = "restarts.jsonl"
 def restartable_errors() -> tuple[type[BaseException], ...]:
     """A process of the run died or stopped answering: what a fresh start of the job's processes can fix (not a
     bad config, bad data or a stalled reward, which would fail again)."""
-    from asyncrl.server.process import ServerStartError
+    from asyncrl.serving.process import ServerStartError
     from asyncrl.trainer.assembler import RolloutWorkerError
     from asyncrl.trainer.group_watch import GenerationFailingError
     from asyncrl.trainer.launcher import TrainerRankError
-    from asyncrl.trainer.sync.base import WeightSyncError
+    from asyncrl.weights.transport import WeightSyncError
 
     return RolloutWorkerError, TrainerRankError, ServerStartError, WeightSyncError, GenerationFailingError
 

@@ -2,8 +2,8 @@
 
 ``Decoding`` holds the knobs a run sets once (``config.sampling`` extends it with the run's other sampling keys);
 ``SamplingParams`` adds what one request sets: its token budget, logprobs, seed and stop ids. The client sends a
-``SamplingParams`` field by field, the built-in server validates the HTTP body (server/protocol.py, pydantic only
-there) and turns it back into one for its sampler (server/sampling.py).
+``SamplingParams`` field by field, the built-in server validates the HTTP body (engine/protocol.py, pydantic only
+there) and turns it back into one for its sampler (engine/sampling.py).
 """
 
 from __future__ import annotations

@@ -10,13 +10,15 @@ embedded default saves every 30 steps: a 10-step run has nothing to resume from 
     python benchmarks/acceptance.py --rows builtin,default,lora --out $OUT --work /tmp/acc
     python benchmarks/acceptance.py --rehearse --out /tmp/acc-out     # the CPU rehearsal of every row
 
-On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then each call starts with
-``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --rows ... --out $OUT
---work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints while the machine stays warm). Cheap rows first, each
-vLLM launch ~1-2 min: ``builtin,default,lora`` | ``lora-adapter,lora-merged,counter-agent`` | ``export`` (train,
-export, serve) | ``sigint`` (two launches) | ``sweep`` (two) | ``deepmath`` | ``deepmath-4b``. A recipe row first
-builds its shape into --work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished
-build): give it ``--row-timeout 480`` so that build and row fit one call.
+On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then every call the same
+``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --skip-passed --budget 560
+--row-timeout 240 --out $OUT --work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints, the passed rows and
+vLLM's compile cache while the machine stays warm: each call goes on where the last stopped, and prints the whole
+table). A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context
+length and each shape are other configurations), later ones take ~1 min. A recipe row first builds its shape into
+--work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished build), and its first
+run compiles fla's kernels and vLLM's graphs for minutes: give the recipe rows a call of their own with
+``--row-timeout 540``.
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
@@ -74,7 +76,7 @@ sys.path.insert(0, str(REPO))
 
 from asyncrl.metrics import read_jsonl  # noqa: E402
 from asyncrl.parent import die_with_parent  # noqa: E402
-from asyncrl.server.process import free_port  # noqa: E402
+from asyncrl.serving.process import free_port  # noqa: E402
 
 POLL_S = 0.5
 GPU_POLL_S = 2.0
@@ -83,6 +85,8 @@ STOP_GRACE_S = 30.0
 LEFTOVER_GRACE_S = 15.0
 """Seconds a row's processes have to end after its command did."""
 TRAIN = "trainer.max_steps={steps}"
+PASSED = "passed.md"
+"""A passed row's table line, in its directory (``--skip-passed``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -584,6 +588,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="acceptance.md and failures.log (default: --work)")
     parser.add_argument("--rehearse", action="store_true", help="the CPU rehearsal (see above)")
     parser.add_argument("--row-timeout", type=float, default=540.0, help="seconds a row may take (default 540)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for every row together: a row starts only with "
+        "--row-timeout left (the device call's limit; the table is written either way)",
+    )
+    parser.add_argument(
+        "--skip-passed",
+        action="store_true",
+        help="rows that passed in --work before keep their "
+        "line and are not run again (each call of a device session continues the table)",
+    )
     args = parser.parse_args()
     rows = select(args.rows)
     vllm = importlib.util.find_spec("vllm") is not None and bool(_smi("--query-gpu=name"))
@@ -599,17 +615,26 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a cut call still stops the row's processes
     commands = [(r.name, typed(r, ctx, Path(f"<{r.shape} shape>") if r.shape else None)) for r in rows]
     (out / "acceptance.md").write_text(header(ctx, commands))
-    failed = []
+    failed, until = [], time.monotonic() + (args.budget or float("inf"))
     for row in rows:
-        result = run_row(row, ctx)
-        line = table_line(result, ctx.gpu)
+        passed = work / "rows" / row.name / PASSED
+        if args.skip_passed and passed.is_file():
+            line = passed.read_text().strip()
+        elif time.monotonic() + ctx.row_timeout > until:
+            line = f"| {row.name} | - | - | - | - | - | - | - | - | - | - | - | not run: --budget spent |"
+            failed.append(row.name)
+        else:
+            result = run_row(row, ctx)
+            line = table_line(result, ctx.gpu)
+            if not result.problems:
+                passed.write_text(line + "\n")
+            else:
+                failed.append(row.name)
+                with (out / "failures.log").open("a") as log:
+                    log.write(failure_log(result, ctx.work / "rows" / row.name))
         print(line, flush=True)
         with (out / "acceptance.md").open("a") as table:
             table.write(line + "\n")
-        if result.problems:
-            failed.append(row.name)
-            with (out / "failures.log").open("a") as log:
-                log.write(failure_log(result, ctx.work / "rows" / row.name))
     print(f"[acceptance] {len(rows) - len(failed)}/{len(rows)} rows passed; table: {out / 'acceptance.md'}")
     raise SystemExit(1 if failed else 0)
 

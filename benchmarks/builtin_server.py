@@ -43,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import word_tokenizer  # noqa: E402  (benchmarks/, the script's folder, is on sys.path)
 
 from asyncrl.client import GenerationClient  # noqa: E402
+from asyncrl.engine.api import BuiltinServer, build_app, prepare_serving_process  # noqa: E402
+from asyncrl.engine.cache import SlackLayer  # noqa: E402
+from asyncrl.engine.core import Engine, EngineConfig  # noqa: E402
+from asyncrl.engine.rows import GenerationRequest  # noqa: E402
 from asyncrl.sampling import SamplingParams  # noqa: E402
-from asyncrl.server.builtin import BuiltinServer, build_app, prepare_serving_process  # noqa: E402
-from asyncrl.server.cache import SlackLayer  # noqa: E402
-from asyncrl.server.engine import Engine, EngineConfig  # noqa: E402
-from asyncrl.server.process import free_port  # noqa: E402
-from asyncrl.server.rows import GenerationRequest  # noqa: E402
+from asyncrl.serving.process import free_port  # noqa: E402
 
 MODELS = {
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -251,7 +251,7 @@ def main() -> None:
     config = EngineConfig(max_model_len=max_len, max_num_seqs=max(args.requests, 1),
                           kv_cache_tokens=max(args.requests, 1) * max_len, eos_token_ids=frozenset({0}))  # fmt: skip
     engine = TimedEngine(model, config)
-    prepare_serving_process()  # as asyncrl.server's main does before serving
+    prepare_serving_process()  # as asyncrl.engine's main does before serving
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval / 1000)
     engine.start()

@@ -15,7 +15,7 @@ worker, weight syncs, health watchdog) reach it through ``StallProxy`` at --port
 driver started and the run attached to (server.launch=false) would take the run's own server start, stop and
 restart out of every server fault; a proxy in front of the launched one keeps them all as they were. The proxy is
 a thread of the driver, so it outlives every launch, and it is on the path of every fault, not only the stall.
-(A launched server checks the port it listens on, not server.base_url's: asyncrl/server/process.py.)
+(A launched server checks the port it listens on, not server.base_url's: asyncrl/serving/process.py.)
 
 After the last fault the run is stopped (SIGTERM) and resumed with trainer.max_steps a few steps on, so that it
 ends as every run does. The checks, from the run's files:
@@ -244,7 +244,7 @@ def processes(marker: str) -> list[tuple[int, str]]:
 
 
 def _role(cmdline: bytes, environ: bytes) -> str:
-    if b"asyncrl.server" in cmdline:
+    if b"asyncrl.engine" in cmdline:
         return "server"
     if b"asyncrl.trainer.rank_main" in cmdline:
         rank = [e for e in environ.split(b"\0") if e.startswith(b"LOCAL_RANK=")]

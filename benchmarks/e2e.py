@@ -286,7 +286,7 @@ def main() -> None:
 
 
 def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
-    from asyncrl.server.handle import AttachedServer
+    from asyncrl.serving.handle import AttachedServer
 
     server, deadline = AttachedServer(url, timeout_s), time.monotonic() + timeout_s
     while not server.is_alive():
@@ -298,17 +298,19 @@ def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
 def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, train_runs: bool = True,
                       url: str | None = None, port: int | None = None) -> dict:  # fmt: skip
     """Start the server (or attach to ``url``), time it alone, then run the training variants against it."""
-    from asyncrl.config.compose import compose, to_config
+    from asyncrl.config.compose import compose
     from asyncrl.launch import start_server
-    from asyncrl.server.command import served_model_name
+    from asyncrl.plan.assemble import plan_run
+    from asyncrl.serving.command import served_model_name
 
     server_dir = args.work / f"server-{backend}"
     where = ["server.launch=false", f"server.base_url={url}"] if url else [f"server.port={port or args.port}"]
-    config = to_config(compose([*base, *where, f"trainer.output_dir={server_dir}"]))
+    plan = plan_run(compose([*base, *where, f"trainer.output_dir={server_dir}"]), server_dir)
+    config = plan.config
     out: dict[str, Any] = {"backend": backend}
     server_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with start_server(config, server_dir) as server:
+    with start_server(plan, server_dir) as server:
         out["startup_s"] = time.perf_counter() - started
         name = served_model_name(config)
         print(f"[{backend}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)

@@ -1,7 +1,7 @@
 """LoRA weight sync, merged vs adapter-only: bytes and seconds per sync through the built-in server's path.
 
 A Qwen3-0.6B-shaped model with random weights built from its config (nothing downloaded) is saved, served by
-``python -m asyncrl.server --enable-lora`` and trained (here: perturbed) as a peft LoRA model (r=32,
+``python -m asyncrl.engine --enable-lora`` and trained (here: perturbed) as a peft LoRA model (r=32,
 all-linear). Each mode runs ``--syncs`` syncs with the trainer's own code: merged = ``WeightSync`` with the
 file transport (pause, full merged weights, resume), adapter = ``AdapterSync`` (write the adapter, load it
 under a new name, unload the oldest). After the syncs each mode decodes a few concurrent requests on the
@@ -37,11 +37,12 @@ sys.path.insert(0, str(REPO))
 from asyncrl.assets.tiny_model import build_tokenizer  # noqa: E402
 from asyncrl.client import ControlClient, ensure_token  # noqa: E402
 from asyncrl.config.schema import Config, LoraConfig, ModelConfig, ServerConfig, StalenessConfig  # noqa: E402
-from asyncrl.server.process import ServerProcess, free_port  # noqa: E402
+from asyncrl.flow import FlowControl  # noqa: E402
+from asyncrl.serving.process import ServerProcess, free_port  # noqa: E402
 from asyncrl.trainer import lora  # noqa: E402
-from asyncrl.trainer.sync.adapter import AdapterSync  # noqa: E402
-from asyncrl.trainer.sync.builtin import FileTransport  # noqa: E402
 from asyncrl.trainer.weight_sync import WeightSync  # noqa: E402
+from asyncrl.weights.adapter import AdapterSync  # noqa: E402
+from asyncrl.weights.file_transport import FileTransport  # noqa: E402
 
 
 def model_config(tiny: bool) -> Qwen3Config:
@@ -121,7 +122,7 @@ def main() -> None:
     model = get_peft_model(base.to(device), lora.peft_config(config)).eval()
     rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= args.rank)
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(work / "model"), "--port", str(port),
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(work / "model"), "--port", str(port),
             "--device", device, "--dtype", serve_dtype, "--max-model-len", "1024", "--enable-lora",
             "--max-loras", "3", "--max-lora-rank", str(rank), "--weights-dir", str(work)]  # fmt: skip
     ensure_token()  # the server and this process's clients share it through the environment
@@ -131,8 +132,9 @@ def main() -> None:
                        startup_timeout_s=600) as server,\
             ControlClient(server.base_url, timeout_s=600) as control:  # fmt: skip
         merged = WeightSync(control, FileTransport(work, torch_dtype(serve_dtype)))
+        adapter = AdapterSync(control, config, work, flow=FlowControl.from_config(config))
         results = [run_mode("merged", merged, model, args, server.base_url),
-                   run_mode("adapter", AdapterSync(control, config, work), model, args, server.base_url)]  # fmt: skip
+                   run_mode("adapter", adapter, model, args, server.base_url)]  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
     report(results, device, serve_dtype, args)
 

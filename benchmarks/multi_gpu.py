@@ -39,7 +39,7 @@ from asyncrl.config.compose import compose  # noqa: E402
 from asyncrl.packing.trie import TreeRow  # noqa: E402
 from asyncrl.plan.assemble import plan_run  # noqa: E402
 from asyncrl.rollout.types import RolloutSample, TrainingSequence  # noqa: E402
-from asyncrl.server.process import free_port  # noqa: E402
+from asyncrl.serving.process import free_port  # noqa: E402
 
 
 def model_config(tiny: bool) -> Qwen3Config:
@@ -74,7 +74,7 @@ def grpo_rows(args: argparse.Namespace, vocab: int) -> list[Any]:
     return [row.pack(0) for row in rows[: args.rows]]
 
 
-def config_for(model_dir: Path, args: argparse.Namespace, world: int) -> tuple[Any, Any]:
+def plan_for(model_dir: Path, args: argparse.Namespace, world: int) -> Any:
     # cispo: no ratio clipping of the gradient, so random sampler log-probabilities still give every token one
     plan = plan_run(compose([
         f"model.name_or_path={model_dir}", "data.path=unused.jsonl", f"trainer.num_processes={world}",
@@ -82,7 +82,7 @@ def config_for(model_dir: Path, args: argparse.Namespace, world: int) -> tuple[A
         "trainer.gradient_checkpointing=true", "loss=cispo", f"trainer.bf16={'false' if args.tiny else 'true'}",
         "trainer.attention=auto", "trainer.compile_layers=false",
     ]))  # fmt: skip
-    return plan.config, plan.components
+    return plan
 
 
 def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any], args: argparse.Namespace,
@@ -96,11 +96,12 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
     from asyncrl.trainer.distributed import Follower, build_sharded, split_rows, train_rows
     from asyncrl.trainer.ranks import Ranks
 
-    config, components = config_for(model_dir, args, world)
+    plan = plan_for(model_dir, args, world)
+    config, components = plan.config, plan.components
     ranks = Ranks.from_env()
     try:
         if rank != 0:
-            Follower(config, components, out, ranks).serve()
+            Follower(plan, out, ranks).serve()
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
         loss = StepLoss(components.loss)

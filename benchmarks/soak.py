@@ -40,13 +40,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.client import TOKEN_ENV, ControlClient  # noqa: E402
-from asyncrl.server.process import free_port  # noqa: E402
+from asyncrl.serving.process import free_port  # noqa: E402
 
 MODEL = REPO / "asyncrl" / "assets" / "tiny-arith"
 
 
 def start_server(args: argparse.Namespace, weights_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "asyncrl.server", "--model", str(MODEL), "--host", "127.0.0.1", "--port",
+    command = [sys.executable, "-m", "asyncrl.engine", "--model", str(MODEL), "--host", "127.0.0.1", "--port",
                str(port), "--max-num-seqs", str(args.max_num_seqs), "--weights-dir", str(weights_dir)]  # fmt: skip
     with log.open("wb") as out:
         return subprocess.Popen(

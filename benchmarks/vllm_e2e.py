@@ -147,18 +147,18 @@ def phase_sync(backend: str, out: Path) -> None:
     from asyncrl.config.compose import compose
     from asyncrl.launch import start_server
     from asyncrl.plan.assemble import plan_run
-    from asyncrl.server.command import served_model_name
+    from asyncrl.serving.command import served_model_name
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
-    from asyncrl.trainer.sync.vllm_transports import ipc_transport
     from asyncrl.trainer.weight_sync import WeightSync, build_weight_sync
+    from asyncrl.weights.vllm_transports import ipc_transport
 
     out.mkdir(parents=True, exist_ok=True)
-    plan = plan_run(compose([*overrides(backend), f"trainer.output_dir={out}"]))
+    plan = plan_run(compose([*overrides(backend), f"trainer.output_dir={out}"]), out)
     config, prepared = plan.config, prepare(plan)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
-    with start_server(config, out) as server, ControlClient(server.base_url, timeout_s=600) as control:
+    with start_server(plan, out) as server, ControlClient(server.base_url, timeout_s=600) as control:
         print(f"[sync] server {server.backend} healthy after {time.perf_counter() - started:.1f} s; command:")
         print("      ", (out / "commands" / "server.sh").read_text().strip())
         if backend == "vllm":
@@ -230,16 +230,16 @@ def phase_lora(backend: str, out: Path, steps: int, modes: list[str]) -> None:
     from asyncrl.plan.assemble import plan_run
     from asyncrl.trainer.model import load_model
     from asyncrl.trainer.setup import prepare
-    from asyncrl.trainer.sync.adapter import AdapterSync
     from asyncrl.trainer.weight_sync import build_weight_sync
+    from asyncrl.weights.adapter import AdapterSync
 
     adapter = ["lora=default", "lora.sync=adapter", "staleness.max_staleness=1"]
     out.mkdir(parents=True, exist_ok=True)
-    plan = plan_run(compose([*overrides(backend), *adapter, f"trainer.output_dir={out}"]))
+    plan = plan_run(compose([*overrides(backend), *adapter, f"trainer.output_dir={out}"]), out)
     config, prepared = plan.config, prepare(plan)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
-    with start_server(config, out) as server:
+    with start_server(plan, out) as server:
         from asyncrl.client import ControlClient
 
         print(f"[lora] server {server.backend} healthy after {time.perf_counter() - started:.1f} s; command:")

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from serving import serve_in_thread
+from stub_server import serve_in_thread
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
 from asyncrl.client import TOKEN_ENV, ensure_token
-from asyncrl.server.process import ServerProcess
+from asyncrl.serving.process import ServerProcess
 from asyncrl.trainer.ranks import Ranks
 
 # Two xdist workers share CI's two cores: torch's default of a thread per core in each worker (and in the processes
@@ -97,13 +97,13 @@ def arithmetic_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def serve_session(model_dir: Path, weights_root: Path, log_dir: Path) -> Iterator[ServerProcess]:
-    """`python -m asyncrl.server` on ``model_dir`` (served under the name a run's config gives it), with the
+    """`python -m asyncrl.engine` on ``model_dir`` (served under the name a run's config gives it), with the
     settings the CLI launches it with, until the session ends."""
-    from asyncrl.server.command import served_name
-    from asyncrl.server.process import free_port
+    from asyncrl.serving.command import served_name
+    from asyncrl.serving.process import free_port
 
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(model_dir), "--port", str(port),
             "--device", "cpu", "--weights-dir", str(weights_root),
             "--served-model-name", served_name(str(model_dir))]  # fmt: skip
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log_dir / "server.log",

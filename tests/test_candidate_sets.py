@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import Completion, GenerationClient, SamplingParams
-from asyncrl.server.command import served_name
+from asyncrl.serving.command import served_name
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from asyncrl import __version__
 from asyncrl.cli import app
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 runner = CliRunner()
 without_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
@@ -92,7 +92,7 @@ def test_train_rejects_a_dataset_without_prompts_before_the_server_starts(invoke
 def test_config_shows_the_server_command_without_running_it():
     result = runner.invoke(app, ["config", "--server-command", "server.port=8123"])
     assert result.exit_code == 0, result.output
-    assert "-m asyncrl.server" in result.output and "--port 8123" in result.output
+    assert "-m asyncrl.engine" in result.output and "--port 8123" in result.output
 
 
 def test_config_shows_a_command_per_replica():

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from serving import serve_in_thread
+from stub_server import serve_in_thread
 
 from asyncrl.client import (
     Completion,
@@ -22,7 +22,7 @@ from asyncrl.client import (
     metric_labels,
     parse_metrics,
 )
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 CHOICE = {
     "index": 0,

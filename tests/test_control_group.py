@@ -93,13 +93,14 @@ def test_one_server_is_called_directly_and_its_errors_are_unchanged():
 
 def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(random_tiny_model_dir, tmp_path):
     from asyncrl.config.compose import compose, to_config
+    from asyncrl.flow import FlowControl
     from asyncrl.trainer.model import load_model
-    from asyncrl.trainer.sync.adapter import AdapterSync
+    from asyncrl.weights.adapter import AdapterSync
 
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8",
                                 "staleness.max_staleness=0", "lora.sync=adapter"]))  # fmt: skip
     a, b = FakeControl("http://a"), FakeControl("http://b")
-    sync = AdapterSync(group(a, b), config, tmp_path)  # type: ignore[arg-type]
+    sync = AdapterSync(group(a, b), config, tmp_path, flow=FlowControl.from_config(config))  # type: ignore[arg-type]
     model = load_model(config, str(random_tiny_model_dir))
     sync.init(model)
     for version in (1, 2):

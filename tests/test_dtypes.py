@@ -7,7 +7,7 @@ import torch
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import ModelDtype
 from asyncrl.dtypes import DTYPES, torch_dtype
-from asyncrl.server.command import serving_dtype
+from asyncrl.serving.command import serving_dtype
 
 
 def test_every_config_dtype_name_has_its_torch_dtype():

@@ -9,7 +9,7 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
 from asyncrl.flow import FlowControl
 from asyncrl.plan.assemble import check_adapter_slots
-from asyncrl.server.vllm import max_loras
+from asyncrl.serving.command import max_loras
 from tests.fakes import FakeClock
 
 

@@ -14,7 +14,7 @@ from huggingface_hub import constants
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.hub import check_hub_sources, hub_sources, is_hub_id, unreachable
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 
 @pytest.fixture

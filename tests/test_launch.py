@@ -11,7 +11,7 @@ import pytest
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.launch import _check_resume, check_port, serve_overrides
-from asyncrl.server.process import free_port, port_is_free
+from asyncrl.serving.process import free_port, port_is_free
 from asyncrl.trainer.checkpoint import ResumeError
 
 
@@ -85,14 +85,14 @@ def test_a_restart_composes_the_job_again_resuming_from_the_checkpoint_with_the_
         config = plan.config
         attempts.append((config.trainer.resume_from_checkpoint, config.server.weights_dir, config.trainer.max_steps))
         if len(attempts) == 1:
-            config.server.weights_dir = "/dev/shm/asyncrl-transfer-claimed"  # what claim_server_access does
             checkpoint(run_dir, 2)
             raise RolloutWorkerError("the rollout worker exited with code -9 without an error")
 
     monkeypatch.setattr(launch, "run_job", job)
     launch.run_hydra([f"hydra.run.dir={tmp_path}", "trainer.max_restarts=1", "trainer.max_steps=3"])
-    assert attempts == [(None, None, 3), (str(tmp_path / "checkpoints" / "step_000002"),
-                                          "/dev/shm/asyncrl-transfer-claimed", 3)]  # fmt: skip
+    claimed = attempts[0][1]  # the private weights directory the first attempt's plan chose (plan/assemble.py)
+    assert Path(claimed).name.startswith("asyncrl-transfer-")
+    assert attempts == [(None, claimed, 3), (str(tmp_path / "checkpoints" / "step_000002"), claimed, 3)]
     assert capsys.readouterr().err.splitlines() == [
         "restart 1/1 (RolloutWorkerError): the rollout worker exited with code -9 without an error; resuming from "
         "step_000002 (step 2)"

@@ -167,7 +167,7 @@ class ServerConfig:
     ipc_direct_load: bool = True
     """ipc sync loads weights in place from one buffer shared once, through asyncrl's vLLM worker extension
     (added to the vLLM asyncrl launches; an attached server needs --worker-extension-cls
-    asyncrl.server.vllm_extension.WeightBufferExtension). A quantized server, or one spanning several GPUs, gets
+    asyncrl.weights.vllm_extension.WeightBufferExtension). A quantized server, or one spanning several GPUs, gets
     vLLM's own ipc engine whatever this says (the startup log says why); false: always vLLM's engine."""
     vllm_version: str | None = None
     """The vLLM release `vllm serve` runs, for its version-dependent flags; default: the installed vllm."""

@@ -9,7 +9,11 @@ before the server is launched).
 
 from __future__ import annotations
 
+import logging
+import os
+import secrets
 from collections.abc import Callable
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -19,7 +23,15 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
-from asyncrl.server.command import VLLM_LORA_RANKS, resolve_backend
+from asyncrl.serving.command import (
+    VLLM_LORA_RANKS,
+    adapter_sync_by_config,
+    resolve_backend,
+    serves_on_gpu,
+    serving_dtype,
+)
+
+log = logging.getLogger(__name__)
 
 
 def check_synchronous_sync(config: Config, flow: FlowControl) -> None:
@@ -124,10 +136,10 @@ def check_agent_config(config: Config) -> None:
             )
 
 
-def check_vllm_context_without_data(config: Config) -> None:
+def check_vllm_context_without_data(config: Config, backend: str) -> None:
     """No dataset: vLLM's context cannot be sized from the longest prompt."""
     unsized = config.server.max_model_len is None and config.data.max_prompt_length is None
-    if config.data.path is None and unsized and resolve_backend(config) == "vllm":
+    if config.data.path is None and unsized and backend == "vllm":
         raise ConfigError(
             "data.path is not set, so vLLM's context cannot be sized from the longest prompt: set "
             "server.max_model_len (or data.max_prompt_length)"
@@ -163,25 +175,88 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_rollout_loop,
     check_trainer_forward,
     check_agent_config,
-    check_vllm_context_without_data,
 )
 COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (check_loss_requirements, check_loss_options)
 
 
-def build_plan(config: Config) -> RunPlan:
+def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: bool = False) -> RunPlan:
     """Run every check above on a config that passed its own (``to_config``), and decide what the run reads:
-    its components (built here once), its flow rules and its rank count."""
+    its components (built here once), its flow rules, its rank count, its server backend and serving dtype, and
+    whether its syncs are merged before any server answers. ``job``: a training or serving job's plan, which
+    fetches what its serving dtype reads (``fetch_checkpoint_config``)."""
     flow = FlowControl.from_config(config)
     for flow_check in FLOW_CHECKS:
         flow_check(config, flow)
     for check in CHECKS:
         check(config)
+    backend = resolve_backend(config)
+    check_vllm_context_without_data(config, backend)
+    if job:
+        fetch_checkpoint_config(config, backend)
     components = build_components(config)
     for component_check in COMPONENT_CHECKS:
         component_check(config, components)
-    return RunPlan(config, components, flow, ranks_per_node(config), world_size(config))
+    return RunPlan(
+        config,
+        components,
+        flow,
+        ranks_per_node(config),
+        world_size(config),
+        backend,
+        serving_dtype(config, backend),
+        adapter_sync_by_config(config),
+        private_weights_dir,
+    )
 
 
-def plan_run(cfg: DictConfig) -> RunPlan:
-    """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned."""
-    return build_plan(to_config(cfg))
+def fetch_checkpoint_config(config: Config, backend: str) -> None:
+    """The checkpoint's config.json into the Hub cache, for a job whose serving dtype reads it (server.dtype unset, a
+    GPU server) when only the Hub has it: the job downloads the checkpoint anyway (a launched vLLM's command fetches
+    this file first). Fetched before the plan, the dtype this job freezes is the one its ranks' plans, built later
+    from the same cache, decide. A Hub that does not answer (asked once: hub.py) or a failed fetch leaves the dtype to
+    what is here (the loads report the Hub)."""
+    from asyncrl.hub import is_hub_id, unreachable
+    from asyncrl.model_kind import local_config_json
+
+    m = config.model
+    if config.server.dtype is not None or not is_hub_id(m.name_or_path):
+        return
+    if local_config_json(m.name_or_path, m.revision) is not None or not serves_on_gpu(config, backend):
+        return
+    if unreachable() is not None:
+        return
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(m.name_or_path, "config.json", revision=m.revision)
+    except Exception as error:  # noqa: BLE001 - offline, gated, missing: the model's own load says which
+        log.debug("config.json of %s not fetched: %s", m.name_or_path, error)
+
+
+TRANSFER_PREFIX = "asyncrl-transfer-"
+"""The private weights directories' names: the prefix, the launcher's pid, a random part."""
+
+
+def job_dirs(config: Config, run_dir: Path) -> Path | None:
+    """A job's directories, decided before its plan is frozen: trainer.output_dir, else the run directory; and for
+    the servers it launches without server.weights_dir, a private weights directory (in /dev/shm when writable,
+    else under the run directory), which it returns for the launcher to create and remove."""
+    if config.trainer.output_dir is None:
+        config.trainer.output_dir = str(run_dir)
+    if not config.server.launch or config.server.weights_dir is not None:
+        return None
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
+    private = base / f"{TRANSFER_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    config.server.weights_dir = str(private)
+    return private
+
+
+def plan_run(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
+    """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned; with ``run_dir``, a
+    job's plan, its directories decided (``job_dirs``) and its checkpoint's config.json here
+    (``fetch_checkpoint_config``)."""
+    config = to_config(cfg)
+    if run_dir is None:
+        return build_plan(config)
+    return build_plan(config, job_dirs(config, run_dir), job=True)

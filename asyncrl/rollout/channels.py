@@ -115,6 +115,9 @@ class WorkerChannels:
             self.trainer_counters[_CONSUMED] += tokens
 
     def send_spec(self, spec: object) -> None:
+        """Give the worker its work; its silence counts from now (the trainer's warm-up and the server's boot
+        before it can take many minutes, all of it waiting on neither the worker nor its server)."""
+        self.heartbeat = time.time()
         self.control_queue.put(spec)
 
     def stop(self) -> None:

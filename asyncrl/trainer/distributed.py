@@ -31,7 +31,6 @@ from asyncrl.dtypes import torch_dtype
 from asyncrl.losses.step import StepLoss, StepNorm, StepTotals
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
-from asyncrl.server.command import serving_dtype
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.model import use_cpu_threads
@@ -40,7 +39,7 @@ from asyncrl.trainer.profiler import phase, wait_for_device
 from asyncrl.trainer.ranks import Ranks
 
 if TYPE_CHECKING:
-    from asyncrl.components import Components
+    from asyncrl.plan.run_plan import RunPlan
 
 ORPHAN_GRACE_S = 10.0
 """How long a rank whose CLI died may take to end by itself before ``exit_with_parent`` ends it."""
@@ -112,17 +111,18 @@ def warm_up_step(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: 
 class Follower:
     """A rank other than 0: the same sharded model and optimizer, driven by rank 0's commands."""
 
-    def __init__(self, config: Config, components: Components, run_dir: Path, ranks: Ranks) -> None:
+    def __init__(self, plan: RunPlan, run_dir: Path, ranks: Ranks) -> None:
         from asyncrl.trainer.checkpoint import load_checkpoint
 
+        config, components = plan.config, plan.components
         self.config, self.ranks = config, ranks
-        use_cpu_threads(config, ranks.world)
+        use_cpu_threads(config, ranks.world, plan.server_backend)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
         self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
         if resume is not None:
             load_checkpoint(resume, self.scheduler)  # the loss's state is rank 0's: it comes in each StepNorm
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
-        self.dtype = torch_dtype(serving_dtype(config))
+        self.dtype = torch_dtype(plan.serving_dtype)
 
     def serve(self) -> None:
         while True:

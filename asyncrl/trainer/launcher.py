@@ -81,7 +81,7 @@ class Agent:
 
     def wait(self, server: Any) -> None:
         """Until the agent exited 0; its failure (or the server's death) raises."""
-        from asyncrl.server.handle import check_alive  # here: the agent's process imports the config first
+        from asyncrl.serving.handle import check_alive  # here: the agent's process imports the config first
 
         while (code := self.proc.poll()) is None:
             check_alive(server)
@@ -188,7 +188,7 @@ def main(run_dir: Path) -> int:
 
     from asyncrl.config.schema import Config
     from asyncrl.plan.run_plan import ranks_per_node
-    from asyncrl.server.process import free_port
+    from asyncrl.serving.process import free_port
 
     # the trainer's keys only: the ranks validate the whole config (and the CLI did before writing it)
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))

@@ -29,9 +29,9 @@ from asyncrl.restart import restart_count
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
-from asyncrl.server.command import served_model_name, serving_dtype
-from asyncrl.server.handle import check_alive
-from asyncrl.server.watchdog import HealthWatchdog
+from asyncrl.serving.command import served_model_name
+from asyncrl.serving.handle import check_alive
+from asyncrl.serving.watchdog import HealthWatchdog
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
 from asyncrl.trainer.checkpoint import (
@@ -44,8 +44,8 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows, warm_up_step
-from asyncrl.trainer.forward import resolve_compile
 from asyncrl.trainer.flops import mfu_meter
+from asyncrl.trainer.forward import resolve_compile
 from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.lora import is_peft
@@ -90,15 +90,13 @@ def _server_share(server: Any) -> str | None:
     return None
 
 
-def expected_max_model_len(config: Config, model_config: Any) -> int:
+def expected_max_model_len(config: Config, backend: str, model_config: Any) -> int:
     """The server's max_model_len before it answers (the warm-up's row size): server.max_model_len, else vLLM's
-    from the config, else the built-in server's (the model's max_position_embeddings)."""
-    from asyncrl.server.command import resolve_backend
-
+    from the config, else the built-in server's (the model's max_position_embeddings). ``backend``: the plan's."""
     if config.server.max_model_len is not None:
         return config.server.max_model_len
-    if resolve_backend(config) == "vllm":
-        from asyncrl.server.vllm import required_model_len
+    if backend == "vllm":
+        from asyncrl.serving.vllm import required_model_len
 
         return required_model_len(config)
     return int(model_config.get_text_config().max_position_embeddings)
@@ -110,7 +108,7 @@ class Trainer:
         self.ranks, self.world = ranks, ranks.world
         self.started_at = float(os.environ.get(STARTED_ENV) or time.time())
         self.memory: TrainerMemory | None = None
-        use_cpu_threads(config, self.world)
+        use_cpu_threads(config, self.world, prepared.plan.server_backend)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
         self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout)  # every replica
         health_timeout = config.server.health_timeout  # a hung server accepts connections: its silence tells
@@ -220,7 +218,7 @@ class Trainer:
         """On CUDA, one step on synthetic rows of the token budget whose update is thrown away, by every rank: its
         measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and the compiled
         layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
-        from asyncrl.server.vllm import warm_up_token_budget
+        from asyncrl.serving.vllm import warm_up_token_budget
         from asyncrl.trainer.memory import cached_memory, synthetic_rows
 
         c = self.config
@@ -228,7 +226,7 @@ class Trainer:
             return None
         started = time.time()
         text = unwrap_model(self.model).config.get_text_config()
-        max_model_len = expected_max_model_len(c, unwrap_model(self.model).config)
+        max_model_len = expected_max_model_len(c, self.prepared.plan.server_backend, unwrap_model(self.model).config)
         row_factory, budget = self.prepared.components.packer.rows(max_model_len)
         rows = synthetic_rows(row_factory, budget, max_model_len, text.vocab_size, self.top_k)
         mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], self.loss.norm(rows)))
@@ -359,7 +357,7 @@ class Trainer:
         """What a sync sends: the adapter alone for an adapter sync; else every weight, gathered in the serving
         dtype (in float32 under LoRA, which casts after merging). Building it gathers nothing."""
         adapter_only = self.sync.adapter_only
-        dtype = None if is_peft(self.model) and not adapter_only else torch_dtype(serving_dtype(self.config))
+        dtype = None if is_peft(self.model) and not adapter_only else torch_dtype(self.prepared.plan.serving_dtype)
         return GatheredModel(self.model, self.ranks, dtype, trainable_only=adapter_only)
 
     def _push_weights(self, version: int) -> dict[str, float]:
@@ -538,7 +536,7 @@ class Trainer:
     def _write_sharded(self, directory: Path, command: str) -> None:
         """With every rank: ``save`` the resume shards and the consolidated model, or the ``final`` model only."""
         self.ranks.command(command, [str(directory)] * self.world)
-        save_weights(directory, self.model, self.optimizer, self.ranks, torch_dtype(serving_dtype(self.config)),
+        save_weights(directory, self.model, self.optimizer, self.ranks, torch_dtype(self.prepared.plan.serving_dtype),
                      resumable=command == "save")  # fmt: skip
 
     def _stop_worker(self) -> None:

@@ -144,10 +144,14 @@ def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimi
     """``run_step()`` (forward and backward of the synthetic rows, gradient clipping) then an optimizer step whose
     update is thrown away: gradients zeroed, learning rate 0, on a state of its own (a resumed run's moments are
     set aside and put back), the RNG states restored. What the step allocates (the AdamW moments included) stays in
-    the caching allocator for the run."""
+    the caching allocator for the run. The model is in training mode for it, as in a real step: from_pretrained
+    leaves it in eval mode, where transformers skips gradient checkpointing (a footprint without it, and compiled
+    graphs that the first real step compiles again)."""
     rng = torch.random.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     rates = [group["lr"] for group in optimizer.param_groups]
     kept, optimizer.state = optimizer.state, defaultdict(dict)
+    mode = model.training
+    model.train()
     try:
         run_step()
         for param in model.parameters():
@@ -159,6 +163,7 @@ def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimi
     finally:
         optimizer.zero_grad(set_to_none=True)
         optimizer.state = kept
+        model.train(mode)
         for group, rate in zip(optimizer.param_groups, rates, strict=True):
             group["lr"] = rate
         torch.random.set_rng_state(rng[0])

@@ -11,7 +11,7 @@ import torch
 from asyncrl.config.schema import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
-from asyncrl.server.command import resolve_backend
+from asyncrl.serving.command import resolve_backend
 from asyncrl.trainer import lora
 
 log = logging.getLogger(__name__)
@@ -21,14 +21,15 @@ def use_bf16(config: Config) -> bool:
     return bool(config.trainer.bf16) if config.trainer.bf16 is not None else torch.cuda.is_available()
 
 
-def trainer_cpu_threads(config: Config, world: int, cores: int) -> int:
+def trainer_cpu_threads(config: Config, world: int, cores: int, backend: str | None = None) -> int:
     """trainer.cpu_threads, else the ``cores`` that a launched built-in server on the CPU leaves, split over the
     ``world`` ranks (at least one each). The embedded default on 2 cores, trainer at 2 threads beside the server's
-    one: 2.35 s of fwd+bwd a step; at 1 thread: 0.75 s, and the server generated 1.8x faster."""
+    one: 2.35 s of fwd+bwd a step; at 1 thread: 0.75 s, and the server generated 1.8x faster. ``backend``: the
+    plan's (RunPlan.server_backend); resolved from the config when not given."""
     if config.trainer.cpu_threads is not None:
         return config.trainer.cpu_threads
     sv = config.server
-    server_here = sv.launch and sv.device != "cuda" and resolve_backend(config) == "builtin"
+    server_here = sv.launch and sv.device != "cuda" and (backend or resolve_backend(config)) == "builtin"
     return max(1, (cores - (sv.cpu_threads if server_here else 0)) // world)
 
 
@@ -48,12 +49,12 @@ def oversubscribed_cores(ranks: int, cores: int) -> str | None:
     )
 
 
-def use_cpu_threads(config: Config, world: int) -> None:
+def use_cpu_threads(config: Config, world: int, backend: str | None = None) -> None:
     """Set this rank's torch threads when it trains on the CPU (see trainer_cpu_threads)."""
     if torch.cuda.is_available():
         return
     cores = available_cores()
-    threads = trainer_cpu_threads(config, world, cores)
+    threads = trainer_cpu_threads(config, world, cores, backend)
     torch.set_num_threads(threads)
     log.info("trainer on the CPU: %d torch thread(s) per rank (%d cores, trainer.cpu_threads)", threads, cores)
 

@@ -18,8 +18,8 @@ from asyncrl.launch import EXPECTED_ERRORS, load_run_plan, terminate_on_sigterm
 from asyncrl.logs import console_handler
 from asyncrl.parent import exit_with_parent
 from asyncrl.plan.run_plan import RunPlan
-from asyncrl.server.group import ServerGroup
-from asyncrl.server.handle import AttachedServer
+from asyncrl.serving.group import ServerGroup
+from asyncrl.serving.handle import AttachedServer
 from asyncrl.trainer.distributed import ORPHAN_GRACE_S, Follower, leave
 from asyncrl.trainer.loop import run_training
 from asyncrl.trainer.ranks import SERVER_URL_ENV, Ranks
@@ -42,7 +42,7 @@ def main(run_dir: Path) -> int:
         if ranks.rank == 0:
             run_rank_zero(plan, run_dir, ranks)
         else:
-            Follower(plan.config, plan.components, run_dir, ranks).serve()
+            Follower(plan, run_dir, ranks).serve()
         # Tear the process group down together: a rank that destroys it while another still talks to the
         # store can abort in gloo's threads ("terminate called without an active exception").
         dist.barrier()

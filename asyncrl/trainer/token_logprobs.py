@@ -94,8 +94,16 @@ def chunk_grad_logits(
 
 @functools.cache
 def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
-    """One compiled kernel set per epilogue: the float32 passes over [chunk x vocabulary] fuse into a few."""
-    return torch.compile(fn, dynamic=True, backend=backend)
+    """One compiled kernel set per epilogue: the float32 passes over [chunk x vocabulary] fuse into a few. The
+    chunk's slices of the row's tensors (targets, top ids, gradients) go in as tensors of their own: as views they
+    carry the row's length as their base's, which torch.compile's duck sizing equated with the chunk's when the first
+    row was one chunk, so the first row of two compiled both epilogues again mid-run (10-30 s on the GPU)."""
+    compiled = torch.compile(fn, dynamic=True, backend=backend)
+
+    def call(*args: Any) -> Any:
+        return compiled(*(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args))
+
+    return call
 
 
 @dataclass

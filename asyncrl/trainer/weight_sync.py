@@ -4,19 +4,19 @@ Every backend runs vLLM's dev-mode round, and the round's control calls are made
 path is the same for every server: stage (outside the pause) -> POST /pause -> /start_weight_update ->
 the backend's data plane (its /update_weights calls and the tensors) -> /finish_weight_update -> /resume.
 A backend (a ``Transport`` in ``WEIGHT_SYNC``) supplies only the data plane: a safetensors file for the
-built-in server (asyncrl/trainer/sync/builtin.py), CUDA IPC handles or an NCCL broadcast for vLLM, through
-vLLM's static trainer API on 0.26-0.27 (sync/vllm_static.py) or its trainer engines from 0.28
-(sync/vllm_factory.py), chosen by the installed vLLM. On a vLLM running asyncrl's worker extension, ipc loads in
-place instead (sync/vllm_direct.py): one /collective_rpc per chunk of a buffer shared once, and no
+built-in server (asyncrl/weights/file_transport.py), CUDA IPC handles or an NCCL broadcast for vLLM, through
+vLLM's static trainer API on 0.26-0.27 (weights/vllm_static.py) or its trainer engines from 0.28
+(weights/vllm_factory.py), chosen by the installed vLLM. On a vLLM running asyncrl's worker extension, ipc loads in
+place instead (weights/vllm_direct.py): one /collective_rpc per chunk of a buffer shared once, and no
 start/finish session (``Transport.session``), which is where vLLM re-materialises every layer. LoRA runs
-whose lora.sync resolves to adapters (sync/choice.py) use ``AdapterSync`` instead (sync/adapter.py): no
+whose lora.sync resolves to adapters (weights/adapter_choice.py) use ``AdapterSync`` instead (weights/adapter.py): no
 pause, only the adapter is sent.
 
 With several servers (server.replicas, server.base_urls) the control client is a ``ControlGroup``
 (asyncrl/control_group.py): each call of the round reaches every server concurrently, so one round is pause all
 -> start all -> each server's data plane -> finish all -> resume all. The built-in file and the adapter are
 written once (the replicas share one weights directory) and every server loads them; NCCL spans all servers in
-one group; ipc reaches one co-located server only (server/checks.py::check_servers refuses more).
+one group; ipc reaches one co-located server only (serving/checks.py::check_servers refuses more).
 
 The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
 aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the
@@ -41,14 +41,16 @@ import torch
 from asyncrl.client import Control, ControlClient
 from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
+from asyncrl.flow import FlowControl
 from asyncrl.registry import Registry
-from asyncrl.server.checks import ServerFacts, check_servers
-from asyncrl.trainer.sync.adapter import AdapterSync
-from asyncrl.trainer.sync.base import Background, Transport, WeightSyncError, run_step
-from asyncrl.trainer.sync.builtin import FileTransport
-from asyncrl.trainer.sync.choice import use_adapter_sync
-from asyncrl.trainer.sync.tensors import serving_bytes
-from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
+from asyncrl.serving.checks import ServerFacts, check_servers
+from asyncrl.serving.command import adapter_sync_by_config
+from asyncrl.weights.adapter import AdapterSync
+from asyncrl.weights.adapter_choice import use_adapter_sync
+from asyncrl.weights.file_transport import FileTransport
+from asyncrl.weights.tensors import serving_bytes
+from asyncrl.weights.transport import Background, Transport, WeightSyncError, run_step
+from asyncrl.weights.vllm_transports import ipc_transport, nccl_transport
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +196,14 @@ def build_weight_sync(
 ) -> WeightSync | AdapterSync:
     """Check the running servers against the config, then build the sync backend they speak (not yet init'ed),
     reaching every one of them: adapter-only sync when lora.sync resolves to it on each (``use_adapter_sync``),
-    else a merged/full weight round."""
+    else a merged/full weight round. ``prepared``: the trainer's, whose run plan's flow rules the adapter versions
+    (a caller without one, a test or a benchmark, gets the config's)."""
     group = control if isinstance(control, ControlGroup) else ControlGroup([control])
     dataset, tokenizer = getattr(prepared, "dataset", None), getattr(prepared, "tokenizer", None)
-    facts = check_servers(config, group.controls, dataset=dataset, tokenizer=tokenizer)
+    plan = getattr(prepared, "plan", None)
+    flow = plan.flow if plan is not None else FlowControl.from_config(config)
+    backend = plan.server_backend if plan is not None else None
+    facts = check_servers(config, group.controls, flow=flow, planned=backend, dataset=dataset, tokenizer=tokenizer)
     log.info(
         "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
         facts.backend,
@@ -206,12 +212,21 @@ def build_weight_sync(
         facts.weight_transfer,
         facts.candidate_sets,
     )
-    if all([use_adapter_sync(config, replica, facts.backend) for replica in group.controls]):
+    decided = plan.adapter_sync if plan is not None else adapter_sync_by_config(config)
+    if syncs_adapters(config, group, facts.backend, flow, decided):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
-        return AdapterSync(group, config, output_dir, facts)
+        dtype = plan.serving_dtype if plan is not None else None
+        return AdapterSync(group, config, output_dir, facts, flow=flow, dtype=dtype)
     transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)
     return WeightSync(group, transport, facts)
+
+
+def syncs_adapters(config: Config, group: ControlGroup, backend: str, flow: FlowControl, decided: bool | None) -> bool:
+    """The plan's answer (RunPlan.adapter_sync) where the config alone decides, else every server's."""
+    if decided is not None:
+        return decided
+    return all([use_adapter_sync(config, replica, backend, flow) for replica in group.controls])
 
 
 WEIGHT_SYNC.register("builtin")(FileTransport.from_config)

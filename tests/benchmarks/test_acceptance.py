@@ -70,10 +70,10 @@ def test_a_row_fails_on_exit_code_short_runs_and_leftovers(acceptance: ModuleTyp
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     result = acceptance.Result("default", rc=0, runs=[run])
-    result.outcomes.append(acceptance.Outcome(0, 3.0, ["123 python -m asyncrl.server"]))
+    result.outcomes.append(acceptance.Outcome(0, 3.0, ["123 python -m asyncrl.engine"]))
     acceptance.judge(result, steps=4, expected_runs=2)
     assert result.problems == [
-        "1 of 2 runs wrote metrics", "fewer steps than 4: a: 2", "left behind (killed): 123 python -m asyncrl.server"
+        "1 of 2 runs wrote metrics", "fewer steps than 4: a: 2", "left behind (killed): 123 python -m asyncrl.engine"
     ]  # fmt: skip
     passed = acceptance.Result("default", rc=0, runs=[run])
     acceptance.judge(passed, steps=2, expected_runs=1)
@@ -105,3 +105,33 @@ def test_vllm_memory_sums_the_rows_other_processes_else_total_minus_trainer(
     other = acceptance.GpuMemory()
     other.sample(tree={100, 101}, trainer=100)
     assert other.server_gib(trainer_peak_gib=25.0) == "35.0t" and other.server_gib(trainer_peak_gib=None) == "-"
+
+
+def test_a_passed_row_is_kept_and_rows_past_the_budget_are_not_run(
+    acceptance: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call of a device session runs what is left: rows passed in --work keep their line, and a row starts only
+    with its --row-timeout left of --budget (a call cut by the device's limit writes no table)."""
+    ran: list[str] = []
+    clock = [0.0]
+
+    def run_row(row, ctx):  # type: ignore[no-untyped-def]
+        ran.append(row.name)
+        clock[0] += 50.0  # the row's seconds, on the injected clock
+        (ctx.work / "rows" / row.name).mkdir(parents=True)
+        return acceptance.Result(row.name, rc=0, seconds=1.0)
+
+    monkeypatch.setattr(acceptance, "run_row", run_row)
+    monkeypatch.setattr(acceptance.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(acceptance, "table_line", lambda result, gpu: f"| {result.row} | 0 | ok |")
+    (tmp_path / "rows" / "builtin").mkdir(parents=True)
+    (tmp_path / "rows" / "builtin" / acceptance.PASSED).write_text("| builtin | 0 | earlier |\n")
+    argv = ["acceptance.py", "--rehearse", "--work", str(tmp_path), "--rows", "builtin,default,lora", "--skip-passed"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--budget", "100", "--row-timeout", "60"])
+    with pytest.raises(SystemExit) as exited:
+        acceptance.main()
+    table = (tmp_path / "acceptance.md").read_text()
+    assert ran == ["default"] and exited.value.code == 1  # then 50 s + lora's 60 s would overrun the 100 s
+    assert "| builtin | 0 | earlier |" in table and "| default | 0 | ok |" in table
+    assert "| lora |" in table and "not run: --budget spent" in table
+    assert (tmp_path / "rows" / "default" / acceptance.PASSED).is_file()

@@ -19,7 +19,7 @@ import httpx
 import torch
 
 from asyncrl.client import ControlClient
-from asyncrl.server.process import port_is_free
+from asyncrl.serving.process import port_is_free
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 from .helpers import run_cli, wait_no_marked
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.serving.process import ServerProcess, free_port
 
 from .helpers import cli_env, kill_marked, marked_pids, run_cli, start_cli, wait_no_marked
 

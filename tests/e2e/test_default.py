@@ -13,7 +13,7 @@ import json
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 from .helpers import run_cli, wait_no_marked
 

@@ -13,7 +13,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient
-from asyncrl.server.process import ServerProcess
+from asyncrl.serving.process import ServerProcess
 
 from .helpers import run_cli, served_vs_trained, wait_no_marked
 from .test_train import common_args, steps_of

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.serving.process import ServerProcess, free_port
 
 from .helpers import REPO, cli_env, free_port_pair, kill_marked, run_cli, wait_no_marked
 from .test_train import attach

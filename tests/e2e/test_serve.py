@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from asyncrl.client import auth_headers
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 
 from .helpers import kill_marked, start_cli, wait_no_marked
 

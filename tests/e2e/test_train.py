@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient
 from asyncrl.metrics import read_jsonl
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.serving.process import ServerProcess, free_port
 
 from .helpers import CliRun, run_cli, served_vs_trained, wait_no_marked
 

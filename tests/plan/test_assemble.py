@@ -53,3 +53,65 @@ def test_the_rank_count_is_decided_once_and_ipc_is_checked_against_it():
     assert plan.flow.max_staleness == plan.config.staleness.max_staleness
     nodes = to_config(compose(["trainer.num_processes=2", "trainer.nnodes=2", "trainer.rdzv_endpoint=node001:29400"]))
     assert build_plan(nodes).world_size == 4
+
+
+def test_a_jobs_plan_decides_its_output_and_private_weights_directories_and_the_launcher_only_creates_them(tmp_path):
+    """launch.py changes nothing of a plan's config: the plan of a job names its output directory and, for a server
+    it launches without server.weights_dir, a private weights directory that the launcher creates (this user's
+    only) and removes at exit."""
+    import shutil
+
+    from asyncrl.launch import claim_server_access
+
+    plan = plan_run(compose([]), tmp_path)
+    private = plan.private_weights_dir
+    assert plan.config.trainer.output_dir == str(tmp_path)
+    assert private is not None and plan.config.server.weights_dir == str(private)
+    assert private.name.startswith("asyncrl-transfer-") and not private.exists()
+    claim_server_access(plan)
+    try:
+        assert private.is_dir() and private.stat().st_mode & 0o777 == 0o700
+        claim_server_access(plan)  # every replica's command claims: the same directory
+        assert plan.config.server.weights_dir == str(private)
+    finally:
+        shutil.rmtree(private)  # its exit handler then finds nothing
+
+    named = plan_run(compose([f"server.weights_dir={tmp_path / 'w'}", "trainer.output_dir=elsewhere"]), tmp_path)
+    assert named.private_weights_dir is None and named.config.trainer.output_dir == "elsewhere"
+    attached = plan_run(compose(["server.launch=false", "server.base_url=http://127.0.0.1:9"]), tmp_path)
+    assert attached.private_weights_dir is None and attached.config.server.weights_dir is None
+    assert plan_run(compose([])).private_weights_dir is None  # not a job's plan: `asyncrl config`, the ranks
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the built-in server on a machine without CUDA")
+def test_the_plan_decides_the_backend_serving_dtype_and_merged_syncs_once():
+    plan = plan_run(compose(["model.dtype=float32"]))
+    assert (plan.server_backend, plan.serving_dtype, plan.adapter_sync) == ("builtin", "float32", False)
+    assert plan_run(compose(["lora=default", "lora.sync=auto"])).adapter_sync is None  # the server's limits decide
+    assert plan_run(compose(["lora=default", "lora.sync=merged"])).adapter_sync is False
+    assert plan_run(compose(["server=vllm", "server.max_model_len=512"])).server_backend == "vllm"
+
+
+def test_a_jobs_plan_fetches_the_config_json_its_serving_dtype_reads(tmp_path, monkeypatch):
+    """A GPU server's dtype reads the checkpoint's config.json: a job fetches it before deciding when only the Hub
+    has it, so its ranks' plans, built later from the cache, decide the same; a plan that is no job's fetches
+    nothing, and neither does one whose dtype is set or whose Hub does not answer."""
+    fetched: list[str] = []
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda repo, name, **_: fetched.append(f"{repo}/{name}"))
+    monkeypatch.setattr("asyncrl.hub.unreachable", lambda: None)  # the tests run offline (conftest.py)
+    vllm = [
+        "server=vllm",
+        "server.max_model_len=512",
+        "server.launch=false",
+        "server.base_url=http://127.0.0.1:9",
+        "model.name_or_path=nobody/uncached",
+    ]
+    plan_run(compose(vllm))
+    assert fetched == []
+    plan_run(compose([*vllm, "server.dtype=bfloat16"]), tmp_path / "set")
+    assert fetched == []
+    plan_run(compose(vllm), tmp_path / "job")
+    assert fetched == ["nobody/uncached/config.json"]
+    monkeypatch.setattr("asyncrl.hub.unreachable", lambda: "no answer")  # no wait through the Hub's retries
+    plan_run(compose(vllm), tmp_path / "offline")
+    assert fetched == ["nobody/uncached/config.json"]

@@ -1,4 +1,5 @@
-"""The trainer's reads of the worker's shared counters survive a worker killed while it held their lock."""
+"""The worker's shared counters: the trainer's reads survive a worker killed while it held their lock, and its silence
+counts from its spec."""
 
 from __future__ import annotations
 
@@ -45,3 +46,13 @@ def test_a_worker_killed_holding_the_counters_lock_does_not_block_the_trainers_r
     finally:
         if holder.is_alive():
             holder.kill()
+
+
+def test_the_workers_silence_counts_from_its_spec_not_its_spawn():
+    """The worker is spawned before the trainer's warm-up and the server's boot (minutes on a GPU): the no-progress
+    timeout must not have run out by the time it is given its work."""
+    channels = WorkerChannels.create(1)
+    channels.heartbeat = time.time() - 400  # spawned long ago, silent since: waiting for its spec
+    channels.send_spec({"spec": 1})
+    assert time.time() - channels.heartbeat < 5
+    assert channels.control_queue.get(timeout=5) == {"spec": 1}

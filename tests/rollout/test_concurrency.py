@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.client import GenerationClient, SamplingParams, ServerLoad
 from asyncrl.rollout.concurrency import ConcurrencyController, LoadPoller, LoadSample, initial_cap, read_load
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.serving.process import ServerProcess, free_port
 
 
 def load(usage: float, waiting: float = 0.0) -> LoadSample:
@@ -86,7 +86,7 @@ def test_metrics_parsing_takes_the_fullest_engine_and_sums_counts():
 def small_server(random_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The built-in server with 4 rows x 64 tokens of KV cache: an initial cap of 4."""
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(random_tiny_model_dir), "--port", str(port),
             "--device", "cpu", "--max-num-seqs", "4", "--max-model-len", "64", "--served-model-name", "m"]  # fmt: skip
     log = tmp_path_factory.mktemp("concurrency-server") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log, env={"OMP_NUM_THREADS": "1"},

@@ -23,7 +23,7 @@ from asyncrl.rollout.scoring import RewardSource
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.types import EndOfBatch, RolloutSample, TurnRecord
 from asyncrl.rollout.worker import WorkerDriver, WorkerSpec, run_worker
-from asyncrl.server.command import served_model_name
+from asyncrl.serving.command import served_model_name
 from asyncrl.trainer.setup import prepare
 
 

@@ -30,14 +30,14 @@ from asyncrl.config.schema import Config
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss, StepNorm
 from asyncrl.packing import TreeRow, plan_micro_batches
-from asyncrl.server.command import served_model_name
-from asyncrl.server.process import free_port
+from asyncrl.serving.command import served_model_name
+from asyncrl.serving.process import free_port
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_optimizer, load_model
 from asyncrl.trainer.ranks import SERVER_URL_ENV
-from asyncrl.trainer.sync.tensors import unique_state_dict
+from asyncrl.weights.tensors import unique_state_dict
 
 from .test_weight_sync import served_vs_local
 
@@ -107,17 +107,17 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
     import torch.distributed as dist
 
     from asyncrl.client import ControlClient
-    from asyncrl.components import build_components
+    from asyncrl.plan.assemble import build_plan
     from asyncrl.trainer import fsdp
     from asyncrl.trainer.distributed import Follower, build_sharded, leave, split_rows, train_rows
     from asyncrl.trainer.ranks import Ranks
-    from asyncrl.trainer.sync.builtin import FileTransport
     from asyncrl.trainer.weight_sync import WeightSync
+    from asyncrl.weights.file_transport import FileTransport
 
     ranks = Ranks.from_env()
     try:
         if ranks.rank != 0:
-            Follower(config, build_components(config), out, ranks).serve()
+            Follower(build_plan(config), out, ranks).serve()
             dist.barrier()  # leave together (see asyncrl.trainer.rank_main.main)
             return
         model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
@@ -155,7 +155,7 @@ def rank_main(config: Config, rows: list, placement: list, out: Path, server_url
 
 def write_lora(model: torch.nn.Module, ranks, out: Path) -> None:
     """Rank 0: the merged weights a merged sync sends, and the adapter an adapter sync writes, from the shards."""
-    from asyncrl.trainer.sync.adapter import write_adapter
+    from asyncrl.weights.adapter import write_adapter
 
     ranks.command("sync", [(None, False)] * WORLD)
     view = fsdp.GatheredModel(model, ranks, None)

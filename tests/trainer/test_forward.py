@@ -288,6 +288,28 @@ def test_compiled_epilogues_do_not_recompile_for_a_one_token_chunk():
     torch._dynamo.reset()
 
 
+def test_compiled_epilogues_do_not_recompile_when_rows_grow_past_one_chunk():
+    """A first row of one chunk hands the epilogues slices whose base (the row's targets) has the chunk's length:
+    torch.compile's duck sizing made them one size (guard ``targets._base.size()[0] == logits.size()[0]``), and the
+    first row of two chunks compiled both epilogues again mid-run (the H200's acceptance rows showed the guard)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    chunk = 4
+    for index, slots in enumerate((chunk, 3 * chunk + 2, chunk - 1)):
+        hidden, head, targets, top_ids, sets = random_problem(seed=slots, slots=slots)
+        kwargs = {"top_ids": top_ids, "sampling_masks": sets, "chunk_tokens": chunk}
+        with torch._dynamo.config.patch(error_on_recompile=index > 0):
+            out = compute_token_logprobs(hidden, head, targets, TEMPERATURE, compile_backend="aot_eager", **kwargs)
+            got = grads(loss_of(out.logprobs, out.top_logprobs, slots), [hidden, head.weight, head.bias])
+        eager = compute_token_logprobs(hidden, head, targets, TEMPERATURE, **kwargs)
+        want = grads(loss_of(eager.logprobs, eager.top_logprobs, slots), [hidden, head.weight, head.bias])
+        torch.testing.assert_close(out.logprobs, eager.logprobs, atol=1e-12, rtol=0)
+        for got_grad, want_grad in zip(got, want, strict=True):
+            torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=0)
+    torch._dynamo.reset()
+
+
 def test_compile_watch_logs_recompiles_and_compiles_after_the_first_row(caplog):
     from torch._dynamo.callback import callback_handler
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.server.process import free_port
+from asyncrl.serving.process import free_port
 from asyncrl.trainer.distributed import leave
 from asyncrl.trainer.fsdp import buckets, gather_bucket
 
@@ -88,7 +88,7 @@ def test_a_world_of_one_gathers_every_parameter_as_it_is(random_tiny_model_dir, 
 
     from asyncrl.config.compose import compose, to_config
     from asyncrl.trainer.fsdp import GatheredModel, shard
-    from asyncrl.trainer.sync.tensors import serving_parameters
+    from asyncrl.weights.tensors import serving_parameters
 
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))
     plain = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32)

@@ -15,7 +15,7 @@ import pytest
 from e2e.helpers import wait_no_marked  # tests/e2e
 
 from asyncrl.config.compose import compose, to_config, to_yaml
-from asyncrl.server.process import ServerStartError
+from asyncrl.serving.process import ServerStartError
 from asyncrl.trainer.launcher import ERROR_FILE_ENV, Agent, RankLogs, TrainerRankError, run_ranks
 
 

@@ -17,17 +17,18 @@ from transformers import AutoTokenizer
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
-from asyncrl.server.checks import ServerCheckError
-from asyncrl.server.command import served_name
-from asyncrl.server.process import ServerProcess, free_port
+from asyncrl.flow import FlowControl
+from asyncrl.serving.checks import ServerCheckError
+from asyncrl.serving.command import served_name
+from asyncrl.serving.process import ServerProcess, free_port
 from asyncrl.trainer import lora
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint
 from asyncrl.trainer.distributed import build_sharded
 from asyncrl.trainer.model import load_model
-from asyncrl.trainer.sync.adapter import AdapterSync
-from asyncrl.trainer.sync.builtin import FileTransport
-from asyncrl.trainer.sync.tensors import parameter_metadata, serving_parameters, unique_state_dict
 from asyncrl.trainer.weight_sync import WeightSync, WeightSyncError, build_weight_sync
+from asyncrl.weights.adapter import AdapterSync
+from asyncrl.weights.file_transport import FileTransport
+from asyncrl.weights.tensors import parameter_metadata, serving_parameters, unique_state_dict
 
 from .test_weight_sync import served_vs_local
 
@@ -173,7 +174,7 @@ def test_an_adapter_checkpoint_needs_lora_enabled(random_tiny_model_dir, peft_mo
 def lora_server(random_tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory):
     """The built-in server with runtime LoRA, as asyncrl launches it for lora.sync=adapter and max_staleness=1."""
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.server", "--model", str(random_tiny_model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(random_tiny_model_dir), "--port", str(port),
             "--served-model-name", served_name(str(random_tiny_model_dir)), "--device", "cpu", "--enable-lora",
             "--max-lora-rank", "8", "--max-loras", "3", "--weights-dir", str(weights_root)]  # fmt: skip
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
@@ -226,7 +227,7 @@ def test_the_window_keeps_max_staleness_plus_one_versions(lora_server, peft_mode
     config = adapter_config(random_tiny_model_dir, tmp_path)
     with RecordingControl(lora_server.base_url, timeout_s=60) as control:
         control.calls = []
-        sync = AdapterSync(control, config, tmp_path)
+        sync = AdapterSync(control, config, tmp_path, flow=FlowControl.from_config(config))
         sync.init(peft_model)
         for version in (1, 2, 3):
             train_adapters(peft_model, seed=version)
@@ -266,7 +267,7 @@ def test_lora_sync_auto_and_adapter_follow_what_the_server_can(lora_server, tiny
 def test_a_refused_load_fails_the_sync_naming_the_step(lora_server, peft_model, random_tiny_model_dir, tmp_path):
     config = lora_config(random_tiny_model_dir, "lora.sync=adapter", "staleness.max_staleness=3")  # keeps 4 of 3
     with ControlClient(lora_server.base_url, timeout_s=60) as control:
-        sync = AdapterSync(control, config, tmp_path)
+        sync = AdapterSync(control, config, tmp_path, flow=FlowControl.from_config(config))
         sync.init(peft_model)
         try:
             for version in (1, 2, 3):

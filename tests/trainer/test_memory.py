@@ -35,7 +35,15 @@ def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were
     random_state = torch.random.get_rng_state()
     resumed = {"step": torch.tensor(7.0)}  # a resumed run's moments are put back as they were
     optimizer.state[next(model.parameters())] = resumed
-    warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
+    model.eval()  # as from_pretrained leaves it
+    modes: list[bool] = []
+
+    def step() -> None:
+        modes.append(model.training)  # checkpointing and dropout run in training mode only
+        warm_up_step(model, loss, work, one_rank, config)
+
+    warm_up(step, model, optimizer)
+    assert modes == [True] and not model.training
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert dict(optimizer.state) == {next(model.parameters()): resumed}
     assert all(p.grad is None for p in model.parameters())
@@ -82,8 +90,8 @@ def test_the_out_of_memory_line_names_the_measurement_the_split_and_the_keys():
 def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_compiling_one(tmp_path, monkeypatch):
     """The figure vLLM's share comes from is an eager step's, recorded before the launch (whose command reads it);
     the layers compile in a second step while vLLM boots, and that step's figure is the run's."""
-    from asyncrl.server.group import ServerGroup
-    from asyncrl.server.handle import DeferredServer
+    from asyncrl.serving.group import ServerGroup
+    from asyncrl.serving.handle import DeferredServer
     from asyncrl.trainer.loop import Trainer
 
     monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))

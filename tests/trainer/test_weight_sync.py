@@ -27,20 +27,20 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.server.checks import ServerFacts
-from asyncrl.server.command import served_name
-from asyncrl.server.vllm import WORKER_EXTENSION
-from asyncrl.server.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
+from asyncrl.serving.checks import ServerFacts
+from asyncrl.serving.command import served_name
+from asyncrl.serving.vllm import WORKER_EXTENSION
 from asyncrl.trainer.fsdp import GatheredModel
 from asyncrl.trainer.model import load_model
-from asyncrl.trainer.sync.base import Background
-from asyncrl.trainer.sync.builtin import FileTransport
-from asyncrl.trainer.sync.tensors import parameter_metadata, serving_bytes, serving_parameters
-from asyncrl.trainer.sync.vllm_common import IPC_BUFFER_LIMIT, ipc_buffer_bytes, ipc_json, run_watched
-from asyncrl.trainer.sync.vllm_direct import DirectIpcTransport
-from asyncrl.trainer.sync.vllm_factory import FactoryTransport, RoundClient, serving_source
-from asyncrl.trainer.sync.vllm_transports import ipc_transport, nccl_transport
 from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
+from asyncrl.weights.file_transport import FileTransport
+from asyncrl.weights.tensors import parameter_metadata, serving_bytes, serving_parameters
+from asyncrl.weights.transport import Background
+from asyncrl.weights.vllm_common import IPC_BUFFER_LIMIT, ipc_buffer_bytes, ipc_json, run_watched
+from asyncrl.weights.vllm_direct import DirectIpcTransport
+from asyncrl.weights.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
+from asyncrl.weights.vllm_factory import FactoryTransport, RoundClient, serving_source
+from asyncrl.weights.vllm_transports import ipc_transport, nccl_transport
 from tests.sharded import sharded
 
 STEPS = ("stage", "pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
@@ -253,7 +253,7 @@ def test_the_watchdog_turns_a_hang_into_an_error():
     ("0.28.0", "FactoryTransport", "FactoryTransport"),
 ])  # fmt: skip
 def test_the_trainer_api_follows_the_installed_vllm(installed, ipc, nccl, monkeypatch, tmp_path):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: installed)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: installed)
     config = to_config(compose(["server.dtype=bfloat16"]))
     assert type(ipc_transport(config=config, run_dir=tmp_path)).__name__ == ipc
     transport = nccl_transport(config=config, run_dir=tmp_path)
@@ -261,7 +261,7 @@ def test_the_trainer_api_follows_the_installed_vllm(installed, ipc, nccl, monkey
 
 
 def test_without_vllm_the_vllm_transports_say_so(monkeypatch, tmp_path):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: None)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
     with pytest.raises(WeightSyncError, match="needs vllm on the trainer side"):
         ipc_transport(config=to_config(compose([])), run_dir=tmp_path)
 
@@ -522,10 +522,10 @@ def test_the_worker_extension_refuses_what_it_cannot_load(monkeypatch, model):
     ({"gpus": 2}, "true", "StaticIpcTransport", "spans 2 GPUs"),
 ])  # fmt: skip
 def test_ipc_loads_in_place_where_the_extension_can(facts, direct_load, expected, why, monkeypatch, caplog, tmp_path):
-    monkeypatch.setattr("asyncrl.server.vllm.installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.26.0")
     config = to_config(compose([f"server.ipc_direct_load={direct_load}"]))
     server = ServerFacts("vllm", "0.26.0", 4096, "ipc", False, **{"worker_extension": WORKER_EXTENSION, **facts})
-    with caplog.at_level(logging.INFO, logger="asyncrl.trainer.sync.vllm_transports"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.weights.vllm_transports"):
         assert type(ipc_transport(config=config, run_dir=tmp_path, facts=server)).__name__ == expected
     if why is not None:
         assert re.search(f"through vLLM's engine.*{why}", caplog.text)

@@ -1,0 +1,222 @@
+"""vLLM's /v1/completions request and response shapes, as far as the built-in server implements them.
+
+Requests are validated strictly (a string where a number belongs is a 400, as in vLLM's pydantic models, and so
+is an infinite or NaN sampling value);
+unknown fields are accepted and ignored, as vLLM does. Features the built-in server does not implement
+(stop strings, n > 1, streaming, echo, prompt logprobs, presence/frequency penalties) are a 400 rather
+than silently ignored. Omitted sampling fields take neutral defaults (vLLM's ``--generation-config vllm``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Collection
+from itertools import accumulate
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.engine.rows import GenerationRequest, GenerationResult
+from asyncrl.sampling import SamplingParams
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class ModelNotFound(LookupError):
+    """The request names a model this server does not serve (HTTP 404, like vLLM)."""
+
+
+class _Memo(dict[int, str]):
+    """``make(key)`` for each key, computed once (indexing a dict subclass stays on the C fast path)."""
+
+    def __init__(self, make: Callable[[int], str]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key: int) -> str:
+        value = self[key] = self._make(key)
+        return value
+
+
+class TokenTexts:
+    """A tokenizer and its per-token strings, memoised (at most two per vocabulary id): a response with logprobs
+    names every generated and top token, and one ``decode`` call per token cost more than the rest of the response.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.texts = _Memo(lambda token_id: tokenizer.decode([token_id]))
+        self.id_labels = _Memo(lambda token_id: f"token_id:{token_id}")
+
+
+class CompletionRequest(BaseModel):
+    """The fields of vLLM's CompletionRequest that the built-in server reads."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    prompt: Annotated[list[TokenId], Field(min_length=1)] | Annotated[str, Field(min_length=1)]
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool | None = False
+    echo: bool | None = False
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_sampling_mask: bool = False
+
+
+def _check_supported(body: CompletionRequest) -> None:
+    unsupported = {
+        "n > 1": body.n > 1,
+        "stream": bool(body.stream),
+        "echo": bool(body.echo),
+        "stop strings (use stop_token_ids)": bool(body.stop),
+        "prompt_logprobs": body.prompt_logprobs is not None,
+        "presence_penalty": bool(body.presence_penalty),
+        "frequency_penalty": bool(body.frequency_penalty),
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ValueError(f"the built-in server does not support {', '.join(named)}")
+
+
+def _prompt_ids(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+    prompt = list(body.prompt) if isinstance(body.prompt, list) else tokenizer(body.prompt).input_ids
+    if not prompt:
+        raise ValueError("prompt is empty after tokenisation")
+    for field, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or [])):
+        unknown = [token for token in ids if token >= vocab_size]
+        if unknown:
+            raise ValueError(f"{field} contains token ids outside the vocabulary (size {vocab_size}): {unknown[:8]}")
+    return prompt
+
+
+def _sampling_params(body: CompletionRequest, max_tokens: int) -> SamplingParams:
+    """The validated body as the one sampling type. Omitted fields take vLLM's neutral defaults; top_k -1 and 0
+    both mean no top-k."""
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=0 if body.top_k is None else max(body.top_k, 0),
+        top_p=1.0 if body.top_p is None else body.top_p,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        logprobs=body.logprobs,
+        seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        return_sampling_mask=body.return_sampling_mask,
+    )
+
+
+def build_generation_request(
+    body: CompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    served_model_name: str,
+    max_model_len: int,
+    max_logprobs: int,
+    vocab_size: int,
+    adapters: Collection[str] = (),
+) -> GenerationRequest:
+    """Validate a request against this server and turn it into the engine's request; a ``model`` naming a
+    loaded LoRA adapter runs under it."""
+    if body.model is not None and body.model != served_model_name and body.model not in adapters:
+        raise ModelNotFound(f"The model `{body.model}` does not exist.")
+    _check_supported(body)
+    prompt = _prompt_ids(body, tokenizer, vocab_size)
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{len(prompt)} input tokens, which leaves no room for completion tokens."
+        )
+    if body.logprobs is not None and 0 <= max_logprobs < body.logprobs:
+        raise ValueError(
+            f"Requested sample logprobs of {body.logprobs}, which is greater than max allowed: {max_logprobs}"
+        )
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if body.min_tokens > max_tokens:
+        raise ValueError(f"min_tokens={body.min_tokens} must be at most max_tokens={max_tokens}")
+    return GenerationRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_ids=prompt,
+        params=_sampling_params(body, max_tokens=min(max_tokens, max_model_len - len(prompt))),
+        adapter=body.model if body.model in adapters else None,
+    )
+
+
+def completion_response(
+    result: GenerationResult, body: CompletionRequest, texts: TokenTexts, served_model_name: str
+) -> dict[str, Any]:
+    """vLLM's CompletionResponse for one finished (or aborted) request."""
+    text_ids = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = _logprobs(result, texts, as_ids=bool(body.return_tokens_as_token_ids))
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": texts.tokenizer.decode(text_ids, skip_special_tokens=True),
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
+        "token_ids": result.token_ids if body.return_token_ids else None,
+        "prompt_token_ids": result.prompt_ids if body.return_token_ids else None,
+        "prompt_logprobs": None,
+        "routed_experts": None,  # vLLM: a MoE's expert choices when asked (--enable-return-routed-experts)
+    }
+    if body.return_sampling_mask:
+        choice["sampling_masks"] = result.sampling_masks
+    completion_tokens = len(result.token_ids)
+    return {
+        "id": f"cmpl-{result.request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model or served_model_name,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": len(result.prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(result.prompt_ids) + completion_tokens,
+            "prompt_tokens_details": None,
+        },
+        "kv_transfer_params": None,  # vLLM: disaggregated prefill's hand-over; none here
+        "metrics": None,
+    }
+
+
+def _logprobs(result: GenerationResult, texts: TokenTexts, *, as_ids: bool) -> dict[str, Any]:
+    """vLLM's legacy logprobs object; each top_logprobs dict starts with the sampled token."""
+    labels = texts.id_labels if as_ids else texts.texts
+    strings = [texts.texts[token_id] for token_id in result.token_ids]
+    tops = result.top_logprobs or [[] for _ in result.token_ids]
+    top_logprobs = []
+    for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True):
+        entry = {labels[token_id]: logprob}
+        for candidate, value in top:
+            entry.setdefault(labels[candidate], value)
+        top_logprobs.append(entry)
+    return {
+        "text_offset": [0, *accumulate(len(text) for text in strings)][: len(strings)],
+        "token_logprobs": result.logprobs,
+        "tokens": [labels[token_id] for token_id in result.token_ids],
+        "top_logprobs": top_logprobs,
+    }

@@ -1,0 +1,118 @@
+"""Which server a run starts: the built-in server's command (serving/command.py) or vLLM's (serving/vllm.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asyncrl.config.errors import ConfigError
+from asyncrl.config.schema import Config
+from asyncrl.serving.command import ServerCommand, builtin_command
+
+if TYPE_CHECKING:
+    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.serving.vllm import CheckpointKind
+
+
+DEFAULT_PROMPT_TOKENS = 512
+"""The prompt length a printed vLLM command assumes when data.max_prompt_length is unset and the prompts cannot be
+read here (TRL's max_prompt_length default)."""
+
+
+def printable_server_commands(plan: RunPlan) -> tuple[list[ServerCommand], list[str]]:
+    """What `asyncrl config --server-command` prints (a command per server.replicas), and a warning. It is printed
+    wherever asked, a login node preparing a cluster job included: without the GPUs the run needs, the commands are
+    for the GPUs the job will have; without vLLM, for the newest verified release; what cannot be read here (the
+    checkpoint's config.json, the prompts) is left at a default, and a warning says so. vLLM's serving dtype is
+    decided once the checkpoint's config.json was read (``vllm_command`` without the plan), as a job's plan does
+    after fetching it (plan/assemble.py::fetch_checkpoint_config)."""
+    config = plan.config
+    replicas = range(config.server.replicas)
+    if plan.server_backend != "vllm":
+        return [builtin_command(config, replica, plan=plan) for replica in replicas], []
+    # serving/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
+    from asyncrl.hub import unreachable_for
+    from asyncrl.serving.vllm import (
+        installed_vllm_version,
+        needed_gpus,
+        newest_verified_release,
+        visible_gpus,
+        vllm_command,
+    )
+
+    warnings = []
+    offline = unreachable_for(config)  # first: a Hub id that is not cached then fails at once, not after retries
+    version = None
+    if config.server.vllm_version is None and installed_vllm_version() is None:
+        version = newest_verified_release()
+        warnings.append(
+            f"vllm is not installed here: the command is for vLLM {version}, the newest release asyncrl has verified "
+            "(server.vllm_version=X.Y.Z to choose)"
+        )
+    kind = _checkpoint_kind(config, offline, warnings)
+    visible, needed = visible_gpus(), needed_gpus(config)
+    gpus = visible
+    if config.server.launch and len(visible) < needed:
+        gpus = [str(index) for index in range(needed)]
+        warnings.append(
+            f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
+            f"CUDA_VISIBLE_DEVICES={','.join(gpus)}"
+        )
+    prompt_tokens = _prompt_tokens(config, warnings)
+    commands = [
+        vllm_command(config, version=version, gpus=gpus, checkpoint=kind, prompt_tokens=prompt_tokens, replica=replica)
+        for replica in replicas
+    ]
+    return commands, warnings
+
+
+def _checkpoint_kind(config: Config, offline: str | None, warnings: list[str]) -> CheckpointKind:
+    """The checkpoint's kind, or a plain one and a warning naming the flags it would have decided."""
+    from asyncrl.serving.vllm import CheckpointKind, checkpoint_kind, flashinfer_importable, lora_adapters
+
+    try:
+        return checkpoint_kind(config)
+    except ConfigError as error:
+        undecided = ["--limit-mm-per-prompt (a vision-language checkpoint)"]
+        if not flashinfer_importable():
+            undecided.append("--gdn-prefill-backend triton (gated-DeltaNet layers)")
+        if lora_adapters(config):
+            undecided.append("--lora-target-modules (the adapter's modules)")
+        why = offline or _first_line(error.__cause__ or error)
+        warnings.append(
+            f"model.name_or_path={config.model.name_or_path}: its config.json cannot be read here ({why}), so the "
+            f"command lacks what the checkpoint would decide: {', '.join(undecided)}"
+        )
+        return CheckpointKind()
+
+
+def _prompt_tokens(config: Config, warnings: list[str]) -> int | None:
+    """The longest prompt, for --max-model-len: data.max_prompt_length, else measured on the data, else (the data
+    or the tokenizer cannot be read here) DEFAULT_PROMPT_TOKENS and a warning. None when server.max_model_len
+    decides."""
+    from asyncrl.data import DatasetError
+    from asyncrl.serving.vllm import longest_prompt_tokens
+
+    if config.server.max_model_len is not None:
+        return None
+    try:
+        return longest_prompt_tokens(config)
+    except (DatasetError, ConfigError, OSError) as error:
+        warnings.append(
+            f"--max-model-len assumes prompts of up to {DEFAULT_PROMPT_TOKENS} tokens, a default (set "
+            f"data.max_prompt_length=N to choose): the prompts cannot be measured here ({_first_line(error)})"
+        )
+        return DEFAULT_PROMPT_TOKENS
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
+
+def server_command(plan: RunPlan, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
+    """The command of launched server ``replica`` (its own port, and GPUs under vLLM: of ``gpus``, else those
+    visible), as the plan decided its backend, serving dtype and flow."""
+    if plan.server_backend == "vllm":
+        from asyncrl.serving.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
+
+        return vllm_command(plan.config, gpus=gpus, replica=replica, plan=plan)
+    return builtin_command(plan.config, replica, plan=plan)

@@ -1,0 +1,520 @@
+"""The `vllm serve` command line and environment for a config, and the vLLM facts that decide them.
+
+Everything comes from the config plus two facts of the machine, the vLLM release that will serve (flags
+appear and change between releases) and the visible GPUs (split between server and trainer); both can be
+passed in, so tests and `asyncrl config` print the exact command without vLLM or a GPU. With
+``server.launch=false`` the same function gives the command the attached server should have been started
+with, which is what the startup checks quote when the server disagrees with the config.
+
+Access. A launched vLLM gets the run's token as its API key through the environment (``VLLM_API_KEY``, set by
+``launch.launch_command``; never on the command line or in commands/server.sh), and asyncrl's clients send it on
+every request. vLLM checks it only on paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``: completions,
+generation, /v1/models and the runtime LoRA endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter, which
+read any path the vLLM process can). The dev-mode routes (VLLM_SERVER_DEV_MODE=1) that the weight sync needs
+stay open to whoever reaches the port: /pause, /resume, /init_weight_transfer_engine, /start_weight_update,
+/update_weights (whose ipc payload vLLM unpickles, VLLM_ALLOW_INSECURE_SERIALIZATION=1), /finish_weight_update,
+/collective_rpc, /server_info (it lists the VLLM_* environment), /sleep, /wake_up. So keep vLLM on loopback
+(server.host, the default) or behind a firewall; /health and /metrics are open as well.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from asyncrl.config.errors import ConfigError
+from asyncrl.config.schema import Config, LoraSync, WeightTransfer
+from asyncrl.model_kind import is_vision_language
+from asyncrl.serving.command import (
+    ServerCommand,
+    lora_flags,
+    replica_port,
+    served_model_name,
+    serving_dtype,
+)
+from asyncrl.trainer.lora import adapter_modules
+
+if TYPE_CHECKING:
+    from asyncrl.plan.run_plan import RunPlan
+
+log = logging.getLogger(__name__)
+
+MIN_VERSION = (0, 26)
+VERIFIED_RELEASES = ((0, 26), (0, 28), (0, 33))
+"""Releases that have run asyncrl end to end on a GPU (README, "vLLM versions"); others get one warning."""
+SAMPLING_MASK_SINCE = (0, 28)  # --return-sampling-mask
+SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generate
+MANY_API_SERVERS_SINCE = (0, 32)  # top log-probabilities stop costing throughput with 8 API servers
+MANY_API_SERVERS = 8
+WORKER_EXTENSION = "asyncrl.weights.vllm_extension.WeightBufferExtension"  # in-place ipc loads (not imported here)
+TEXT_ONLY_LIMITS = json.dumps({"image": 0, "video": 0})
+"""--limit-mm-per-prompt for a vision-language checkpoint trained text-only: vLLM skips multimodal profiling."""
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """(0, 26, 0) for "0.26.0", "v0.26.0+cu130" or "0.27.1.dev3"; the leading numeric fields only."""
+    match = re.match(r"v?(\d+(?:\.\d+)*)", text.strip())
+    if match is None:
+        raise ValueError(f"not a vLLM version: {text!r}")
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def installed_vllm_version() -> str | None:
+    """The importable vLLM's release (package metadata, else the module's own, for unpacked copies)."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        if importlib.util.find_spec("vllm") is None:
+            return None
+        from vllm import __version__
+
+        return str(__version__)
+
+
+def target_version(config: Config, version: str | None = None) -> str:
+    """The release the command is written for: ``version``, server.vllm_version, else the installed vllm."""
+    version = version or config.server.vllm_version or installed_vllm_version()
+    if version is None:
+        raise ConfigError(
+            "server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26') or set "
+            "server.vllm_version=X.Y.Z to only build the command"
+        )
+    if parse_version(version)[:2] < MIN_VERSION:
+        raise ConfigError(f"vLLM {version} is too old: asyncrl needs vLLM >= 0.26 (pip install -U 'vllm>=0.26')")
+    return version
+
+
+def newest_verified_release() -> str:
+    """The command's release on a machine without vLLM when server.vllm_version is not given."""
+    major, minor = VERIFIED_RELEASES[-1]
+    return f"{major}.{minor}.0"
+
+
+def check_launchable(config: Config) -> None:
+    """This machine can start the vLLM server asyncrl is to launch: vLLM installed, a GPU, as many as the split
+    needs. Checked before anything loads, rather than found after the data and tokenizer, when the server fails."""
+    installed = installed_vllm_version()
+    if installed is None:
+        raise ConfigError(
+            "server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26'), or serve "
+            "with the built-in server (server=builtin)"
+        )
+    target_version(config, installed)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "server.backend=vllm but torch sees no CUDA GPU here: run on a GPU machine, or serve with the built-in "
+            "server (server=builtin)"
+        )
+    split_gpus(config, visible_gpus())
+
+
+@dataclass(frozen=True)
+class CheckpointKind:
+    """What the launch flags need to know of the checkpoint, read from its config.json (no weights)."""
+
+    vision_language: bool = False
+    gated_deltanet: bool = False
+    """Has gated-DeltaNet (linear attention) layers: Qwen3.5/3.6, Qwen3-Next."""
+    lora_modules: tuple[str, ...] = ()
+    """The module names the run's LoRA adapter targets when adapters are served (vLLM's --lora-target-modules)."""
+
+    @classmethod
+    def of(cls, model_config: Any, lora_modules: tuple[str, ...] = ()) -> CheckpointKind:
+        layer_types = getattr(model_config.get_text_config(), "layer_types", None) or []
+        return cls(is_vision_language(model_config), "linear_attention" in layer_types, lora_modules)
+
+
+def checkpoint_kind(config: Config) -> CheckpointKind:
+    """model.name_or_path's kind from its config.json: a directory, the Hub cache, else (for a server asyncrl
+    launches, which downloads the checkpoint anyway) the Hub. For an attached server's expected command a config
+    that is not on this machine gives a plain kind rather than a network wait."""
+    from transformers import AutoConfig
+
+    m, launch = config.model, config.server.launch
+    try:
+        model_config = AutoConfig.from_pretrained(
+            m.name_or_path, revision=m.revision, local_files_only=not launch, trust_remote_code=m.trust_remote_code
+        )
+    except (OSError, ValueError) as error:
+        if not launch:
+            return CheckpointKind()
+        raise ConfigError(
+            f"model.name_or_path={m.name_or_path}: cannot read its config.json to launch vLLM "
+            f"({type(error).__name__}: {error}); give a local checkpoint directory or a Hub id "
+            "reachable from here"
+        ) from error
+    modules = tuple(adapter_modules(config, model_config)) if lora_adapters(config) else ()
+    return CheckpointKind.of(model_config, modules)
+
+
+def checked_dtype(config: Config, kind: CheckpointKind, dtype: str) -> str:
+    """The serving dtype (the plan's, or serving/command.py's for a printed command), refused when vLLM cannot run
+    it: its gated-DeltaNet kernels (ChunkGatedDeltaRuleFunction) assert 16-bit inputs, so a float32 server of such a
+    model dies at startup."""
+    if kind.gated_deltanet and dtype == "float32":
+        raise ConfigError(
+            f"server.dtype=float32: vLLM's gated-DeltaNet kernels run {config.model.name_or_path} in 16 bits only; "
+            "leave server.dtype unset (bfloat16; the trainer keeps its float32 weights) or set server.dtype=bfloat16"
+        )
+    return dtype
+
+
+def flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def checkpoint_flags(kind: CheckpointKind) -> list[str]:
+    """A vision-language checkpoint serves text only (asyncrl never sends images); a gated-DeltaNet hybrid
+    prefills with vLLM's Triton kernels when flashinfer (its default GDN prefill imports it) is missing here.
+    Served adapters get LoRA slots only in the modules they target: left to itself vLLM also wraps the embeddings
+    and the LM head, which costs memory and, for a checkpoint with tied embeddings and a vocabulary smaller than
+    its hidden size, fails its own LoRA warm-up (vLLM 0.26: ``set_lora`` copies a hidden-sized dummy into the
+    vocabulary-sized LM-head slot)."""
+    flags = ["--limit-mm-per-prompt", TEXT_ONLY_LIMITS] if kind.vision_language else []
+    if kind.gated_deltanet and not flashinfer_importable():
+        flags += ["--gdn-prefill-backend", "triton"]
+    if kind.lora_modules:
+        flags += ["--lora-target-modules", *kind.lora_modules]
+    return flags
+
+
+def truncating(config: Config) -> bool:
+    """Whether the sampler draws from a candidate set smaller than the vocabulary."""
+    s = config.sampling
+    return s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0
+
+
+def lora_adapters(config: Config) -> bool:
+    """Adapters are loaded into the server at runtime (not merged into full weights). Under ``auto`` vLLM is
+    launched without LoRA (it generates slower with an adapter); auto syncs adapters only to a vLLM started with
+    --enable-lora (weights/adapter_choice.py)."""
+    return config.lora.enabled and config.lora.sync == LoraSync.adapter
+
+
+@dataclass(frozen=True)
+class GpuSplit:
+    server: list[str]
+    """Every server replica's GPUs, replica after replica."""
+    trainer: list[str]
+    replicas: int = 1
+
+    def replica(self, index: int) -> list[str]:
+        """The GPUs of server replica ``index``: its equal share of ``server``, in order."""
+        each = len(self.server) // self.replicas
+        return self.server[index * each : (index + 1) * each]
+
+    @property
+    def shared(self) -> bool:
+        return bool(set(self.server) & set(self.trainer))
+
+
+def visible_gpus() -> list[str]:
+    """CUDA_VISIBLE_DEVICES when set, else every GPU torch sees."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def server_gpus(config: Config) -> int:
+    """GPUs of every launched server together: server.gpus (or tensor x data parallel size) per replica."""
+    sv = config.server
+    return (sv.gpus or sv.tensor_parallel_size * sv.data_parallel_size) * sv.replicas
+
+
+def split_gpus(config: Config, visible: list[str]) -> GpuSplit:
+    """First GPUs to the servers (replica after replica), the next ones to the trainer; a trainer with none left
+    shares the first server's first."""
+    sv = config.server
+    n_server = server_gpus(config)
+    if n_server > len(visible):
+        raise ConfigError(
+            f"the vLLM server needs {n_server} GPU(s) (server.gpus, or tensor x data parallel size, x "
+            f"server.replicas={sv.replicas}) but {len(visible)} are visible ({','.join(visible) or 'none'}; "
+            "CUDA_VISIBLE_DEVICES)"
+        )
+    rest = visible[n_server:]
+    n_trainer = config.trainer.gpus or max(1, len(rest))
+    if not rest and n_trainer == 1:
+        return GpuSplit(visible[:n_server], visible[:1], sv.replicas)
+    if n_trainer > len(rest):
+        raise ConfigError(
+            f"trainer.gpus={n_trainer} but only {len(rest)} GPU(s) are left after the server's {n_server} "
+            f"(visible: {','.join(visible)}): lower trainer.gpus or server.gpus"
+        )
+    return GpuSplit(visible[:n_server], rest[:n_trainer], sv.replicas)
+
+
+def needed_gpus(config: Config) -> int:
+    """GPUs a launched vLLM run needs: the server's, plus the trainer's unless ipc puts it on the server's GPU."""
+    n_server = server_gpus(config)
+    return n_server if config.server.weight_transfer == WeightTransfer.ipc else n_server + (config.trainer.gpus or 1)
+
+
+def trainer_gpus(config: Config, visible: list[str] | None = None) -> list[str]:
+    """The GPUs the trainer should see (its CUDA_VISIBLE_DEVICES) when asyncrl launches the vLLM server."""
+    return split_gpus(config, visible_gpus() if visible is None else visible).trainer
+
+
+def weight_transfer_backend(config: Config, split: GpuSplit | None) -> str:
+    """nccl when server and trainer have their own GPUs, ipc when they share one (NCCL cannot pair them)."""
+    chosen = config.server.weight_transfer
+    if split is None:  # an attached server: its own flag decides at startup; nccl is the usual setup
+        return "nccl" if chosen == WeightTransfer.auto else chosen.value
+    if chosen == WeightTransfer.auto:
+        chosen = WeightTransfer.ipc if split.shared else WeightTransfer.nccl
+    if chosen == WeightTransfer.nccl and split.shared:
+        raise ConfigError(
+            f"server.weight_transfer=nccl but server and trainer share GPU {split.trainer[0]}: NCCL cannot pair "
+            "two ranks on one device; use server.weight_transfer=ipc or give the trainer its own GPU"
+        )
+    if chosen == WeightTransfer.ipc and (not split.shared or len(split.server) > 1):
+        raise ConfigError(
+            f"server.weight_transfer=ipc needs the trainer on the server's only GPU (server GPUs "
+            f"{','.join(split.server)}, trainer GPUs {','.join(split.trainer)}); use server.weight_transfer=nccl"
+        )
+    return chosen.value
+
+
+OWN_GPU_SHARE = 0.9
+"""--gpu-memory-utilization on GPUs the server has to itself (vLLM's default)."""
+SHARED_GPU_SHARE = 0.3
+"""On a GPU shared with the trainer before the trainer's footprint was measured (only printed commands: a run
+measures it before launching vLLM)."""
+VLLM_OVERHEAD_BYTES = 2 * 2**30
+"""vLLM's own activations, CUDA graphs and CUDA context beside its weights and KV cache."""
+
+
+def warm_up_token_budget(config: Config, model_len: int) -> int:
+    """The tokens of a trainer row beside a launched vLLM of ``model_len``: packing's token_budget, else that."""
+    from asyncrl.components import build_packer
+
+    return build_packer(config).rows(model_len)[1]
+
+
+def shared_gpu_share(config: Config, model_len: int) -> tuple[float, str]:
+    """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
+    (trainer/memory.py) leaves, at most OWN_GPU_SHARE; SHARED_GPU_SHARE before it was measured. Refused before
+    launch when the rest cannot hold vLLM's weights and one longest sequence's KV cache."""
+    from asyncrl.trainer.memory import GIB, cached_memory
+
+    memory = cached_memory(config, warm_up_token_budget(config, model_len))
+    if memory is None:
+        return SHARED_GPU_SHARE, "the trainer's footprint is not measured yet: a run measures it before launching vLLM"
+    rest = memory.gpu_bytes - memory.need_bytes
+    floor = vllm_floor_bytes(config, model_len)
+    if rest < floor:
+        raise ConfigError(
+            f"one GPU cannot hold both: {memory.describe()} leaves {rest / GIB:.1f} GiB, and vLLM needs "
+            f"{floor / GIB:.1f} (its weights, one {model_len}-token sequence's KV cache, 2 GiB of its "
+            "own); lower packing.token_budget, use lora=default, or give vLLM a GPU of its own"
+        )
+    share = min(int(rest / memory.gpu_bytes * 100) / 100, OWN_GPU_SHARE)
+    return share, memory.describe()
+
+
+def vllm_floor_bytes(config: Config, model_len: int) -> int:
+    """The least vLLM runs in: its weights in the serving dtype, the KV cache of one sequence of max_model_len
+    tokens in every attention layer, and VLLM_OVERHEAD_BYTES."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.dtypes import torch_dtype
+
+    m = config.model
+    model_config = AutoConfig.from_pretrained(
+        m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=m.trust_remote_code)
+    width = torch.finfo(torch_dtype(serving_dtype(config)) or torch.bfloat16).bits // 8
+    weights = sum(p.numel() for p in model.parameters()) * width
+    text = model_config.get_text_config()
+    layers = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * sum(t != "linear_attention" for t in layers) * text.num_key_value_heads * head_dim * width
+    return int(weights + per_token * model_len + VLLM_OVERHEAD_BYTES)
+
+
+def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: int) -> float:
+    """server.gpu_memory_utilization; else 0.9 on the server's own GPUs, and on a GPU shared with the trainer what
+    the trainer's measured footprint leaves (logged: the choice decides whether the trainer runs out of memory)."""
+    if config.server.gpu_memory_utilization is not None:
+        return config.server.gpu_memory_utilization
+    if split is None or not split.shared:
+        return OWN_GPU_SHARE
+    share, why = shared_gpu_share(config, model_len)
+    log.info(
+        "vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set server.gpu_memory_utilization to "
+        "choose)",
+        split.server[0],
+        share,
+        why,
+    )
+    return share
+
+
+def measured_split_pending(config: Config, backend: str) -> bool:
+    """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU and its share is not
+    set. Every run measures (an earlier run's figure is stale after a change of code or library, and a vLLM booting
+    beside the warm-up would count the trainer's allocations as its own while it profiles its memory). ``backend``:
+    the plan's."""
+    from asyncrl.plan.run_plan import world_size
+
+    sv = config.server
+    if not sv.launch or sv.gpu_memory_utilization is not None or backend != "vllm":
+        return False
+    if world_size(config) > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
+        return False
+    return split_gpus(config, visible_gpus()).shared
+
+
+def api_server_count(config: Config, version: str) -> int | None:
+    """server.api_server_count; else 1 for runtime LoRA (vLLM refuses more), 8 on vLLM >= 0.32, else vLLM's default."""
+    if config.server.api_server_count is not None:
+        return config.server.api_server_count
+    if lora_adapters(config):
+        return 1
+    return MANY_API_SERVERS if parse_version(version)[:2] >= MANY_API_SERVERS_SINCE else None
+
+
+_PROMPT_LENGTHS: dict[tuple[object, ...], int] = {}
+
+
+def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: object = None) -> int:
+    """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model)."""
+    if config.data.max_prompt_length is not None:
+        return config.data.max_prompt_length
+    key = (
+        config.data.path,
+        config.data.name,
+        config.data.split,
+        config.model.name_or_path,
+        json.dumps(config.sampling.chat_template_kwargs, sort_keys=True),
+    )
+    if key not in _PROMPT_LENGTHS:
+        if dataset is None:
+            from asyncrl.data import load_prompts
+
+            dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
+        if tokenizer is None:
+            from asyncrl.trainer.setup import load_tokenizer
+
+            tokenizer = load_tokenizer(config)
+        _PROMPT_LENGTHS[key] = max(_rendered_length(tokenizer, p, config) for p in dataset["prompt"])  # type: ignore[index]
+    return _PROMPT_LENGTHS[key]
+
+
+def _rendered_length(tokenizer: object, messages: list[dict[str, str]], config: Config) -> int:
+    from asyncrl.rollout.loop import render_prompt
+
+    return len(render_prompt(tokenizer, messages, config.sampling.chat_template_kwargs))
+
+
+def required_model_len(config: Config, prompt_tokens: int | None = None) -> int:
+    """server.max_model_len; else for multi-turn rollouts (tools or environments), whose later turns carry the
+    earlier ones and the tools' answers, the model's context (max_position_embeddings, as the built-in server takes);
+    else the longest prompt plus one turn's completion budget."""
+    if config.server.max_model_len is not None:
+        return config.server.max_model_len
+    context = model_context(config) if config.rollout.tools or config.rollout.environment_factory else None
+    if context is not None:
+        return context
+    prompt = longest_prompt_tokens(config) if prompt_tokens is None else prompt_tokens
+    return prompt + config.sampling.max_completion_length
+
+
+def model_context(config: Config) -> int | None:
+    """The checkpoint's max_position_embeddings from its config.json here (a vision-language one's text model's),
+    None when this machine does not have it."""
+    from asyncrl.model_kind import config_field, local_config_json
+
+    found = local_config_json(config.model.name_or_path, config.model.revision)
+    return None if found is None else config_field(found, ("max_position_embeddings",), int)
+
+
+def vllm_command(
+    config: Config,
+    *,
+    version: str | None = None,
+    gpus: list[str] | None = None,
+    prompt_tokens: int | None = None,
+    checkpoint: CheckpointKind | None = None,
+    replica: int = 0,
+    plan: RunPlan | None = None,
+) -> ServerCommand:
+    """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment;
+    ``checkpoint`` defaults to what model.name_or_path's config.json says (checkpoint_kind). ``replica``: which
+    of server.replicas, on its own port and GPUs. ``plan``: the run's, whose serving dtype and flow it takes (None,
+    for a printed or expected command or a test: decided from the config here, after the checkpoint was read)."""
+    sv, s = config.server, config.sampling
+    version = target_version(config, version)
+    release = parse_version(version)[:2]
+    visible = visible_gpus() if gpus is None else gpus
+    split = split_gpus(config, visible) if sv.launch else None
+    transfer = weight_transfer_backend(config, split)
+    host, port = _listen_address(config, replica)
+    kind = checkpoint_kind(config) if checkpoint is None else checkpoint
+    dtype = checked_dtype(config, kind, plan.serving_dtype if plan is not None else serving_dtype(config))
+    model_len = required_model_len(config, prompt_tokens)
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model.name_or_path,
+        "--served-model-name", served_model_name(config),
+        "--host", host, "--port", str(port),
+        "--seed", str(config.trainer.seed),
+        "--dtype", dtype,
+        "--max-model-len", str(model_len),
+        "--max-logprobs", str(max(sv.max_logprobs, s.num_sampler_logprobs)),
+        "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",
+        "--weight-transfer-config", json.dumps({"backend": transfer}),
+        "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, model_len)),
+    ]  # fmt: skip
+    if split is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))
+    if transfer == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled over HTTP
+        if sv.ipc_direct_load:
+            argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    if sv.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(sv.tensor_parallel_size)]
+    if sv.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(sv.data_parallel_size)]
+    servers = api_server_count(config, version)
+    if servers is not None:
+        argv += ["--api-server-count", str(servers)]
+    if truncating(config) and release >= SAMPLING_MASK_SINCE:
+        argv.append("--return-sampling-mask")
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the mask is recorded by the V2 model runner only
+        if release >= SCALE_OUT_FLAG_SINCE:
+            argv.append("--enable-scale-out")
+    if lora_adapters(config):
+        argv += lora_flags(config, plan.flow if plan is not None else None)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    argv += checkpoint_flags(kind)
+    if config.model.revision:
+        argv += ["--revision", config.model.revision]
+    if config.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return ServerCommand("vllm", argv + list(sv.extra_args), env)
+
+
+def _listen_address(config: Config, replica: int) -> tuple[str, int]:
+    if config.server.launch or not config.server.base_url:
+        return config.server.host, replica_port(config, replica)
+    url = httpx.URL(config.server.base_url)
+    return url.host or config.server.host, url.port or config.server.port

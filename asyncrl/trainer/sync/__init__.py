@@ -1,1 +1,0 @@
-"""Weight-sync transports (the data plane of each backend); asyncrl/trainer/weight_sync.py runs the rounds."""

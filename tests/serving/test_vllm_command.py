@@ -1,0 +1,461 @@
+"""Golden tests of the generated `vllm serve` command and environment, and the rules behind each flag (the
+checkpoint's kind, read from its config.json, included)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config, moe_config
+from asyncrl.assets.tiny_model import build_tokenizer
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config
+from asyncrl.plan.assemble import plan_run
+from asyncrl.serving.choice import server_command
+from asyncrl.serving.vllm import (
+    WORKER_EXTENSION,
+    CheckpointKind,
+    api_server_count,
+    checkpoint_kind,
+    longest_prompt_tokens,
+    parse_version,
+    required_model_len,
+    shared_gpu_share,
+    split_gpus,
+    vllm_command,
+    warm_up_token_budget,
+)
+from asyncrl.weights.vllm_extension import WeightBufferExtension
+
+BASE = ["server=vllm", "model.name_or_path=Qwen/Qwen3-4B", "sampling.max_completion_length=1024"]
+SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-4B",
+         "--served-model-name", "Qwen/Qwen3-4B", "--host", "127.0.0.1", "--port", "8000", "--seed", "42"]  # fmt: skip
+PLAIN = CheckpointKind()
+COMMON = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+
+
+def command(overrides: list[str], version: str = "0.33.0", gpus: tuple[str, ...] = ("0", "1"),
+            checkpoint: CheckpointKind = PLAIN):  # fmt: skip
+    config = to_config(compose([*BASE, *overrides]))
+    return vllm_command(config, version=version, gpus=list(gpus), prompt_tokens=200, checkpoint=checkpoint)
+
+
+def flags(*parts: str) -> list[str]:
+    return list(parts)
+
+
+GOLDEN = {
+    "plain": (
+        [],
+        "0.33.0",
+        ("0", "1"),
+        SERVE
+        + flags(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "8",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"},
+    ),
+    "top_p": (
+        ["sampling.top_p=0.95", "sampling.top_k=512", "server.dtype=bfloat16"],
+        "0.33.0",
+        ("0", "1"),
+        SERVE
+        + flags(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "8",
+            "--return-sampling-mask",
+            "--enable-scale-out",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"},
+    ),
+    "lora_adapter": (
+        ["lora=default", "lora.r=24", "lora.sync=adapter", "staleness.max_staleness=2"],
+        "0.33.0",
+        ("0", "1"),
+        SERVE
+        + flags(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "1",
+            "--enable-lora",
+            "--max-lora-rank",
+            "32",
+            "--max-loras",
+            "4",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    ),
+    "tp2": (
+        ["server.tensor_parallel_size=2", "sampling.num_sampler_logprobs=32"],
+        "0.31.0",
+        ("4", "5", "6", "7"),
+        None,
+        None,
+    ),
+    "shared_gpu": (
+        ["server.gpu_memory_utilization=0.3", "server.dtype=bfloat16", "sampling.top_k=20"],
+        "0.26.0",
+        ("3",),
+        SERVE
+        + flags(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1224",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "ipc"}',
+            "--gpu-memory-utilization",
+            "0.3",
+            "--worker-extension-cls",
+            "asyncrl.weights.vllm_extension.WeightBufferExtension",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "3", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+    ),
+    "external": (
+        ["server.launch=false", "server.base_url=http://10.0.0.5:9000", "server.max_model_len=4096"],
+        "0.33.0",
+        (),
+        [*SERVE[:7], "--host", "10.0.0.5", "--port", "9000", "--seed", "42"]
+        + flags(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "4096",
+            "--max-logprobs",
+            "20",
+            *COMMON,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+            "--gpu-memory-utilization",
+            "0.9",
+            "--api-server-count",
+            "8",
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", [n for n in GOLDEN if GOLDEN[n][3] is not None])
+def test_golden_command(name):
+    overrides, version, gpus, argv, env = GOLDEN[name]
+    cmd = command(overrides, version, gpus)
+    assert cmd.backend == "vllm"
+    assert cmd.argv == argv
+    assert cmd.env == env
+
+
+def test_golden_tensor_parallel():
+    """TP=2 takes the first two visible GPUs; 0.31 keeps vLLM's API-server default; logprobs cap follows sampling."""
+    overrides, version, gpus, _, _ = GOLDEN["tp2"]
+    with pytest.raises(ConfigError, match="server.max_logprobs"):
+        command(overrides, version, gpus)  # 32 top logprobs exceed the server's 20: validation names the key
+    cmd = command([*overrides, "server.max_logprobs=32"], version, gpus)
+    assert cmd.argv == SERVE + flags(
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "1224",
+        "--max-logprobs",
+        "32",
+        *COMMON,
+        "--weight-transfer-config",
+        '{"backend": "nccl"}',
+        "--gpu-memory-utilization",
+        "0.9",
+        "--tensor-parallel-size",
+        "2",
+    )
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
+
+
+def test_extra_args_come_last_and_data_parallel_is_passed():
+    cmd = command(["server.data_parallel_size=2", "server.extra_args=[--enforce-eager]"], gpus=("0", "1", "2"))
+    assert cmd.argv[-5:] == ["--data-parallel-size", "2", "--api-server-count", "8", "--enforce-eager"]
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ("0.26.0", []), ("0.28.0", ["--return-sampling-mask"]), ("0.29.0", ["--return-sampling-mask"]),
+    ("0.30.0", ["--return-sampling-mask", "--enable-scale-out"]),
+])  # fmt: skip
+def test_candidate_set_flags_follow_the_release(version, expected):
+    argv = command(["sampling.top_k=50"], version).argv
+    assert [a for a in argv if a in ("--return-sampling-mask", "--enable-scale-out")] == expected
+
+
+def test_api_server_count_rules():
+    lora = to_config(compose([*BASE, "lora=default", "lora.sync=adapter"]))
+    assert api_server_count(lora, "0.33.0") == 1  # runtime LoRA loading refuses more than one
+    merged = to_config(compose([*BASE, "lora=default"]))  # auto = merged until adapter sync exists
+    assert api_server_count(merged, "0.33.0") == 8
+    plain = to_config(compose(BASE))
+    assert api_server_count(plain, "0.32.0") == 8 and api_server_count(plain, "0.31.0") is None
+    explicit = to_config(compose([*BASE, "server.api_server_count=3"]))
+    assert api_server_count(explicit, "0.26.0") == 3
+    with pytest.raises(ConfigError, match="server.api_server_count=4"):
+        to_config(compose([*BASE, "lora=default", "server.api_server_count=4"]))
+
+
+def test_gpu_split_and_transfer_choice_errors():
+    config = to_config(compose([*BASE, "server.tensor_parallel_size=2"]))
+    with pytest.raises(ConfigError, match="needs 2 GPU"):
+        split_gpus(config, ["0"])
+    assert split_gpus(config, ["0", "1"]).shared  # the trainer shares GPU 0 with the server
+    with pytest.raises(ConfigError, match="ipc needs the trainer on the server's only GPU"):
+        command(["server.tensor_parallel_size=2"], gpus=("0", "1"))
+    with pytest.raises(ConfigError, match="NCCL cannot pair"):
+        command(["server.weight_transfer=nccl"], gpus=("0",))
+    with pytest.raises(ConfigError, match="trainer.gpus=2"):
+        split_gpus(to_config(compose([*BASE, "trainer.gpus=2"])), ["0", "1"])
+
+
+def test_max_model_len_is_the_longest_prompt_plus_one_turn(arithmetic_data_dir, random_tiny_model_dir):
+    config = to_config(compose(["server=vllm", f"model.name_or_path={random_tiny_model_dir}",
+                                f"data.path={arithmetic_data_dir / 'train.jsonl'}"]))  # fmt: skip
+    from asyncrl.data import load_prompts
+    from asyncrl.trainer.setup import load_tokenizer
+
+    tokenizer = load_tokenizer(config)
+    rendered = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True)
+                for p in load_prompts(str(arithmetic_data_dir / "train.jsonl"))["prompt"]]  # fmt: skip
+    longest = max(len(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in rendered)
+    assert longest_prompt_tokens(config) == longest
+    assert required_model_len(config) == longest + config.sampling.max_completion_length
+    config.data.max_prompt_length = 7
+    assert required_model_len(config) == 7 + config.sampling.max_completion_length
+    config.server.max_model_len = 300
+    assert required_model_len(config) == 300
+
+
+def test_server_command_dispatches_and_needs_a_version(monkeypatch):
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
+    with pytest.raises(ConfigError, match="server.vllm_version"):
+        server_command(plan_run(compose([*BASE, "server.max_model_len=2048"])))
+    with pytest.raises(ConfigError, match="too old"):
+        command([], version="0.25.1")
+    assert parse_version("v0.27.1.dev3+cu130") == (0, 27, 1)
+
+
+def test_a_launch_needs_vllm_and_a_gpu_on_this_machine(monkeypatch):
+    """Checked before anything loads; on a CPU machine the GPU check is the one that fails once vLLM is there."""
+    from asyncrl.serving.vllm import check_launchable
+
+    config = to_config(compose(BASE))
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
+    with pytest.raises(ConfigError, match=r"vllm is not installed here: .* \(server=builtin\)$"):
+        check_launchable(config)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.25.1")
+    with pytest.raises(ConfigError, match="too old"):
+        check_launchable(config)
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"torch sees no CUDA GPU here: .* \(server=builtin\)$"):
+        check_launchable(config)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("server.gpu_memory_utilization=1.5", "server.gpu_memory_utilization"),
+    ("server.tensor_parallel_size=0", "server.tensor_parallel_size"),
+    ("server.gpus=1", "server.gpus=1"),
+    ("trainer.gpus=0", "trainer.gpus"),
+])  # fmt: skip
+def test_vllm_server_settings_are_validated(override, key):
+    with pytest.raises(ConfigError, match=key):
+        to_config(compose([*BASE, "server.data_parallel_size=2", override]))
+
+
+def test_the_trainer_gets_the_gpus_after_the_servers():
+    from asyncrl.serving.vllm import trainer_gpus
+
+    config = to_config(compose([*BASE, "server.tensor_parallel_size=2"]))
+    assert trainer_gpus(config, ["0", "1", "2", "3"]) == ["2", "3"]
+    assert trainer_gpus(to_config(compose(BASE)), ["5"]) == ["5"]  # one GPU: shared, so ipc
+
+
+def test_each_replica_gets_its_own_gpus_and_port_and_the_trainer_the_next():
+    from asyncrl.serving.vllm import trainer_gpus
+
+    replicas = ["server.replicas=2", "server.tensor_parallel_size=2"]
+    config = to_config(compose([*BASE, *replicas]))
+    gpus = ("0", "1", "2", "3", "4")
+    for replica, (port, visible) in enumerate([("8000", "0,1"), ("8001", "2,3")]):
+        made = vllm_command(config, version="0.33.0", gpus=list(gpus), prompt_tokens=200, checkpoint=PLAIN,
+                            replica=replica)  # fmt: skip
+        assert made.env["CUDA_VISIBLE_DEVICES"] == visible
+        assert made.argv[made.argv.index("--port") + 1] == port
+        assert "nccl" in made.argv[made.argv.index("--weight-transfer-config") + 1]
+    assert trainer_gpus(config, list(gpus)) == ["4"]
+    with pytest.raises(ConfigError, match=r"needs 4 GPU\(s\) .* x server.replicas=2\) but 3 are visible"):
+        split_gpus(config, ["0", "1", "2"])
+    with pytest.raises(ConfigError, match="ipc needs the trainer on the server's only GPU"):
+        command(["server.replicas=2"], gpus=("0", "1"))  # two servers leave the trainer no GPU of its own
+
+
+def test_ipc_launches_vllm_with_the_in_place_loader_unless_turned_off():
+    shared = ["server.dtype=bfloat16"]
+    assert "--worker-extension-cls" in command(shared, "0.26.0", ("0",)).argv
+    assert "--worker-extension-cls" not in command([*shared, "server.ipc_direct_load=false"], "0.26.0", ("0",)).argv
+    assert "--worker-extension-cls" not in command(shared, "0.26.0", ("0", "1")).argv  # nccl: own GPUs
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is WeightBufferExtension
+
+
+def test_the_checkpoint_kind_comes_from_its_config():
+    tokenizer = build_tokenizer()
+    assert CheckpointKind.of(hybrid_vlm_config(tokenizer)) == CheckpointKind(vision_language=True, gated_deltanet=True)
+    assert CheckpointKind.of(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4)) == CheckpointKind(
+        vision_language=True)  # fmt: skip
+    assert CheckpointKind.of(hybrid_text_config(tokenizer)) == CheckpointKind(gated_deltanet=True)
+    assert CheckpointKind.of(moe_config(tokenizer)) == CheckpointKind()
+
+
+TEXT_ONLY = ["--limit-mm-per-prompt", '{"image": 0, "video": 0}']
+TRITON_GDN = ["--gdn-prefill-backend", "triton"]
+
+
+@pytest.mark.parametrize(("kind", "flashinfer", "expected"), [
+    (CheckpointKind(), False, []),
+    (CheckpointKind(vision_language=True), True, TEXT_ONLY),
+    (CheckpointKind(gated_deltanet=True), False, TRITON_GDN),
+    (CheckpointKind(gated_deltanet=True), True, []),  # vLLM's default GDN prefill imports flashinfer
+    (CheckpointKind(vision_language=True, gated_deltanet=True), False, TEXT_ONLY + TRITON_GDN),
+])  # fmt: skip
+def test_vision_language_and_gated_deltanet_checkpoints_get_their_flags(kind, flashinfer, expected, monkeypatch):
+    monkeypatch.setattr("asyncrl.serving.vllm.flashinfer_importable", lambda: flashinfer)
+    assert command([], checkpoint=kind).argv == command([]).argv + expected
+
+
+def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("asyncrl.serving.vllm.flashinfer_importable", lambda: False)
+    vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}"]))
+    assert checkpoint_kind(vlm) == CheckpointKind(vision_language=True, gated_deltanet=True)
+    argv = vllm_command(vlm, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
+    assert " ".join(TEXT_ONLY + TRITON_GDN) in " ".join(argv)
+    assert checkpoint_kind(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))) == CheckpointKind()
+    attached = to_config(
+        compose(
+            [
+                *BASE,
+                "model.name_or_path=not-on-this-machine",
+                "server.launch=false",
+                "server.base_url=http://10.0.0.5:9000",
+            ]
+        )
+    )
+    assert checkpoint_kind(attached) == CheckpointKind()  # the expected-command hint never waits on the network
+    with pytest.raises(ConfigError, match=r"^model.name_or_path=.*empty: cannot read its config.json"):
+        checkpoint_kind(to_config(compose([*BASE, f"model.name_or_path={tmp_path / 'empty'}"])))
+
+
+def test_served_adapters_reserve_lora_slots_only_in_their_target_modules(random_tiny_model_dir, random_tiny_vlm_dir):
+    """vLLM left alone also wraps the tied embeddings and LM head (and fails its warm-up when the vocabulary is
+    smaller than the hidden size, as in the embedded model); the flag names exactly what peft adapts."""
+    linear = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    adapter = ["lora=default", "lora.sync=adapter"]
+    tiny = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter]))
+    assert checkpoint_kind(tiny).lora_modules == tuple(linear)
+    argv = vllm_command(tiny, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
+    assert argv[argv.index("--lora-target-modules") + 1 :][: len(linear)] == linear
+    listed = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter,
+                                "lora.target_modules=[q_proj,v_proj]"]))  # fmt: skip
+    assert checkpoint_kind(listed).lora_modules == ("q_proj", "v_proj")
+    merged = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "lora=default"]))
+    assert checkpoint_kind(merged).lora_modules == ()  # merged sync: vLLM runs without LoRA
+    vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}", *adapter]))
+    modules = checkpoint_kind(vlm).lora_modules
+    assert {"q_proj", "o_proj", "down_proj"} <= set(modules)  # the text model's attention and MLP
+    assert not {"qkv", "proj", "linear_fc1"} & set(modules)  # never the vision tower (frozen, not adapted)
+
+
+def test_a_shared_gpu_gives_vllm_what_the_trainers_measured_footprint_leaves(random_tiny_model_dir, tmp_path,
+                                                                              monkeypatch):  # fmt: skip
+    from asyncrl.trainer.memory import GIB, TrainerMemory, record_memory
+
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "packing=flat"]))
+    assert shared_gpu_share(config, 1224)[0] == 0.3  # not measured yet (a printed command)
+    budget = warm_up_token_budget(config, 1224)
+
+    def share(peak: float, context: float = 1.0) -> tuple[float, str]:
+        record_memory(config, budget, TrainerMemory(int(peak * GIB), int(context * GIB), 140 * GIB))
+        return shared_gpu_share(config, 1224)
+
+    assert share(50) == (0.59, "the trainer's measured peak 50.0 GiB + 1.0 GiB CUDA context + margin = 56.1 of the "
+                               "GPU's 140.0 GiB")  # fmt: skip
+    assert share(1)[0] == 0.9  # never more than on a GPU of its own
+    assert shared_gpu_share(config, 4096)[0] == 0.3  # another row size is another shape: measured again
+    with pytest.raises(ConfigError, match=r"one GPU cannot hold both: .* leaves 0\.3 GiB, and vLLM needs 2\.0"):
+        share(126)
+
+
+def test_utilization_follows_the_split_unless_set(caplog):
+    def utilization(overrides: list[str], gpus: tuple[str, ...]) -> str:
+        argv = command(overrides, "0.26.0", gpus).argv
+        return argv[argv.index("--gpu-memory-utilization") + 1]
+
+    assert utilization([], ("0", "1")) == "0.9"  # own GPUs
+    with caplog.at_level("INFO", logger="asyncrl.serving.vllm"):
+        assert utilization(["model.name_or_path=/no/model"], ("0",)) == "0.3"  # shared, nothing to measure
+    assert (
+        "vLLM shares GPU 0 with the trainer: --gpu-memory-utilization 0.3 (the trainer's footprint is not "
+        in caplog.text
+    )
+    assert utilization(["server.gpu_memory_utilization=0.5"], ("0",)) == "0.5"
+
+
+def test_a_float32_server_of_a_gated_deltanet_model_is_refused_before_launch():
+    with pytest.raises(ConfigError, match="server.dtype=float32: vLLM's gated-DeltaNet kernels"):
+        command(["server.dtype=float32"], checkpoint=CheckpointKind(gated_deltanet=True))
+    argv = command(["server.dtype=float32"]).argv  # an attention-only model may serve in float32 when asked
+    assert argv[argv.index("--dtype") + 1] == "float32"
+
+
+def test_a_multi_turn_run_gets_the_models_whole_context():
+    """The counter agent's later turns carry the earlier ones and the tool's answers: one turn's budget over the
+    longest prompt (56 tokens) truncated every rollout to reward 0 on an H200."""
+    agent = to_config(compose(["+recipe=counter_agent", "server=vllm"]))
+    assert required_model_len(agent, prompt_tokens=24) == 256  # tiny-counter's max_position_embeddings
+    assert (
+        required_model_len(to_config(compose(["+recipe=counter_agent", "server=vllm", "server.max_model_len=99"])))
+        == 99
+    )
+    assert required_model_len(to_config(compose(["server=vllm"])), prompt_tokens=24) == 24 + 24  # one turn
