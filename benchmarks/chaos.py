@@ -4,17 +4,29 @@ faults at random times and places, resumes after each, and checks the run's own 
 Faults (``--kinds``): kill -9 / SIGTERM of the rollout worker, the server, a trainer rank (``--ranks 2``; with one
 rank the trainer is the launcher) or the launcher (the CLI); a hung server (SIGSTOP until the run restarts it);
 a full disk (the run directory is a small tmpfs, filled to the last byte for a few seconds); the newest
-checkpoint corrupted (its weights cut in half) just before the worker dies. Where the run restarts itself
-(trainer.max_restarts) the driver only waits; where the launcher died it runs the printed resume command (for a
-kill -9, which prints nothing, the same command built from the run's overrides).
+checkpoint corrupted (its weights cut in half) just before the worker dies; a network stall between the run and
+its server (``net_stall``: the proxy below accepts but forwards nothing until the run restarts, then drops every
+connection it held). Where the run restarts itself (trainer.max_restarts) the driver only waits; where the
+launcher died it runs the printed resume command (for a kill -9, which prints nothing, the same command built from
+the run's overrides).
+
+The proxy: the run launches its own server as before (server.port = --port + 1), and its clients (rollout
+worker, weight syncs, health watchdog) reach it through ``StallProxy`` at --port (server.base_url). A server the
+driver started and the run attached to (server.launch=false) would take the run's own server start, stop and
+restart out of every server fault; a proxy in front of the launched one keeps them all as they were. The proxy is
+a thread of the driver, so it outlives every launch, and it is on the path of every fault, not only the stall.
+(A launched server checks the port it listens on, not server.base_url's: asyncrl/serving/process.py.)
 
 After the last fault the run is stopped (SIGTERM) and resumed with trainer.max_steps a few steps on, so that it
 ends as every run does. The checks, from the run's files:
 
-- prompts: the final checkpoint's rollout_state.json against the dataset. Each prompt counted as consumed is
-  counted once (trainer_state's prompts_consumed = the cursor + the prompts past it already trained): a prompt
-  trained again after a resume would be counted twice, one skipped would leave the cursor behind it for good.
-  Each completed epoch covers every dataset row once (the seeded order, asyncrl.rollout.worker.prompt_order).
+- prompts: the final checkpoint's rollout_state.json against the dataset (``--prompts`` rows of the arith set,
+  few enough that the run completes epochs). Each prompt counted as consumed is counted once (trainer_state's
+  prompts_consumed = the cursor + the prompts past it already consumed): one skipped would leave the cursor behind
+  it for good. For each completed epoch (cursor past its last position), its positions map through the epoch's
+  seeded order (asyncrl.rollout.worker.prompt_order) onto every dataset row exactly once; and the count of
+  prompts consumed that each step of the kept history logged (its ``epoch`` x rows) never goes back across a
+  resume and ends at the checkpoint's. Consumed = trained or dropped (a group with one reward for all is dropped).
 - steps: metrics.jsonl's kept history (a resume from step S supersedes the rows past S written before it) holds
   each step 1..N once; the raw file's rows of superseded histories are reported apart.
 - every checkpoint passes ``check_checkpoint`` and its weights, optimizer and RNG files load; the final model loads.
@@ -24,7 +36,7 @@ ends as every run does. The checks, from the run's files:
 - weights: ``--baseline`` trains an uninterrupted run of the same number of steps; asynchronous sampling is not
   bit-deterministic, so the comparison is the distance between the two final updates relative to their size.
 
-    python benchmarks/chaos.py --faults 100 --minutes 40            # the RESULTS.md run
+    python benchmarks/chaos.py --faults 100 --minutes 85 --seed 21  # the RESULTS.md run
     python benchmarks/chaos.py --faults 5 --kinds worker_kill,server_kill,launcher_kill
 """
 
@@ -37,11 +49,14 @@ import random
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,8 +69,88 @@ from asyncrl.trainer.checkpoint import check_checkpoint, list_checkpoints  # noq
 INSIDE = "ASYNCRL_CHAOS_INSIDE"
 MARKER = "ASYNCRL_CHAOS_MARKER"
 KINDS = ("worker_kill", "worker_term", "server_kill", "server_term", "server_hang", "rank_kill", "rank_term",
-         "launcher_kill", "launcher_term", "disk_full", "corrupt_checkpoint")  # fmt: skip
+         "launcher_kill", "launcher_term", "disk_full", "corrupt_checkpoint", "net_stall")  # fmt: skip
 RECOVERY_S = 300.0
+
+
+class StallProxy:
+    """A TCP proxy from 127.0.0.1:``port`` to 127.0.0.1:``target_port``, one thread per direction of each
+    connection. ``stall()``: it still accepts, but forwards nothing, as a network that drops packets;
+    ``release()``: every connection open during the stall is cut (TCP gives up on a long partition) and new ones
+    flow again."""
+
+    def __init__(self, port: int, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.open: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, name="proxy", daemon=True).start()
+
+    def stall(self) -> None:
+        self.flowing.clear()
+
+    def release(self) -> None:
+        with self.lock:
+            for sock in self.open:
+                _shut(sock)
+        self.flowing.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed at the end
+                return
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
+
+    def _connect(self, client: socket.socket) -> None:
+        """Connect upstream once the network flows; a connection made during a stall is cut with it."""
+        with self.lock:
+            self.open.add(client)
+        stalled = not self.flowing.is_set()
+        self.flowing.wait()
+        try:
+            if stalled:
+                return
+            upstream = socket.create_connection(self.target, timeout=10)
+            upstream.settimeout(None)
+            with self.lock:
+                self.open.add(upstream)
+            back = threading.Thread(target=self._pump, args=(upstream, client), daemon=True)
+            back.start()
+            self._pump(client, upstream)
+            back.join()
+            with self.lock:
+                self.open.discard(upstream)
+            upstream.close()
+        except OSError:
+            pass
+        finally:
+            with self.lock:
+                self.open.discard(client)
+            client.close()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        """Bytes one way; what arrives during a stall, an end of stream too, waits, then goes nowhere (release
+        cuts the socket)."""
+        try:
+            while data := source.recv(65536):
+                self.flowing.wait()
+                sink.sendall(data)
+        except OSError:
+            pass
+        self.flowing.wait()
+        _shut(sink)
+        _shut(source)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -187,8 +282,8 @@ def last_step(run_dir: Path) -> int:
 
 
 class Driver:
-    def __init__(self, run: Run, kinds: list[str], rng: random.Random, ranks: int) -> None:
-        self.run, self.kinds, self.rng, self.ranks = run, kinds, rng, ranks
+    def __init__(self, run: Run, kinds: list[str], rng: random.Random, ranks: int, proxy: StallProxy) -> None:
+        self.run, self.kinds, self.rng, self.ranks, self.proxy = run, kinds, rng, ranks, proxy
         self.faults: list[Fault] = []
         self.damaged_seen = 0
 
@@ -207,7 +302,7 @@ class Driver:
         fault = Fault(kind, time.monotonic(), last_step(self.run.run_dir))
         restarts_before = self._restart_lines()
         role, sig = _target(kind, self.ranks)
-        hung: list[int] = []
+        release: Callable[[], None] = lambda: None  # noqa: E731
         if kind == "disk_full":
             self._fill_disk_until_stopped()
         elif kind == "corrupt_checkpoint":
@@ -218,15 +313,19 @@ class Driver:
         elif kind == "server_hang":
             hung = self.run.pids("server")
             signal_pids(hung, signal.SIGSTOP)
+            release = lambda: signal_pids(hung, signal.SIGCONT)  # noqa: E731 (its pending SIGTERM then ends it)
+        elif kind == "net_stall":
+            self.proxy.stall()
+            release = self.proxy.release
         else:
             signal_pids(self.run.pids(role), sig)
-        fault.outcome = self._outcome(fault, restarts_before, hung)
+        fault.outcome = self._outcome(fault, restarts_before, release)
         self.faults.append(fault)
         return fault
 
-    def _outcome(self, fault: Fault, restarts_before: int, hung: list[int]) -> str:
-        """Wait for the run to restart itself, or relaunch a run whose launcher ended; then for it to train past
-        the step it had reached."""
+    def _outcome(self, fault: Fault, restarts_before: int, release: Callable[[], None]) -> str:
+        """Wait for the run to restart itself, or relaunch a run whose launcher ended (then ``release`` a hang or
+        a stall); then for it to train past the step it had reached."""
         deadline = time.monotonic() + RECOVERY_S
         outcome = ""
         while time.monotonic() < deadline and not outcome:
@@ -234,10 +333,10 @@ class Driver:
                 outcome = "restarted"
             elif self.run.exited() is not None:
                 outcome = "relaunched"
-            elif last_step(self.run.run_dir) > fault.step + 2 and fault.kind not in ("server_hang",):
+            elif last_step(self.run.run_dir) > fault.step + 2 and fault.kind not in ("server_hang", "net_stall"):
                 outcome = "absorbed"  # trained on without a stop
             time.sleep(0.2)
-        signal_pids(hung, signal.SIGCONT)  # its pending SIGTERM from the run's teardown then ends it
+        release()
         fault.step = max(fault.step, last_step(self.run.run_dir))  # what the stopped attempt had trained
         for _ in range(3):  # a launch that ends on the way (a fault that stops the restarted run) is relaunched
             if outcome and self.run.exited() is not None:
@@ -320,23 +419,38 @@ def check_steps(run_dir: Path) -> dict:
 
 
 def check_prompts(run_dir: Path) -> dict:
+    """The final checkpoint's prompt record against the dataset and the kept history (the module docstring)."""
     from omegaconf import OmegaConf
 
     from asyncrl.rollout.worker import prompt_order
 
     config = OmegaConf.load(run_dir / "config.yaml")
-    dataset_rows = sum(1 for line in Path(config.data.path).read_text().splitlines() if line.strip())
-    seed = config.trainer.seed
+    rows = sum(1 for line in Path(config.data.path).read_text().splitlines() if line.strip())
     last = list_checkpoints(run_dir)[-1]
-    trainer = json.loads((last / "trainer_state.json").read_text())
+    consumed = json.loads((last / "trainer_state.json").read_text())["prompts_consumed"]
     rollout = json.loads((last / "rollout_state.json").read_text())
     cursor, done = rollout["prompt_index"], rollout.get("done_after_index", [])
-    distinct = cursor + len(done)
-    epochs = cursor // dataset_rows
-    whole = all(sorted(prompt_order(dataset_rows, e, seed, True)) == list(range(dataset_rows)) for e in range(epochs))
-    return {"prompts_trained": distinct, "epochs_completed": epochs, "epochs_cover_dataset": whole,
-            "prompts_duplicated": trainer["prompts_consumed"] - distinct,
-            "prompts_lost": max(0, distinct - trainer["prompts_consumed"])}  # fmt: skip
+    distinct = cursor + len(set(done))
+    epochs = cursor // rows
+    once = [sorted(prompt_order(rows, e, config.trainer.seed, config.data.shuffle).tolist()) == list(range(rows))
+            for e in range(epochs)]  # fmt: skip
+    logged = consumed_per_step(read_jsonl(run_dir / "metrics.jsonl"), rows)
+    return {"dataset_rows": rows, "prompts_consumed": distinct, "epochs_completed": epochs,
+            "epochs_each_row_once": f"{sum(once)}/{epochs}", "done_past_cursor": all(i > cursor for i in done),
+            "consumed_goes_back": sum(b < a for a, b in zip(logged, logged[1:], strict=False)),
+            "consumed_logged_at_end": logged[-1] if logged else None,
+            "prompts_duplicated": consumed - distinct + len(done) - len(set(done)),
+            "prompts_lost": max(0, distinct - consumed)}  # fmt: skip
+
+
+def consumed_per_step(rows: list[dict], dataset_rows: int) -> list[int]:
+    """Prompts consumed so far at each step of the kept history, from the ``epoch`` each step logs."""
+    kept: list[dict] = []
+    for row in rows:
+        while kept and kept[-1]["step"] >= row["step"]:
+            kept.pop()
+        kept.append(row)
+    return [round(row["epoch"] * dataset_rows) for row in kept if "epoch" in row]
 
 
 def check_checkpoints(run_dir: Path) -> dict:
@@ -395,10 +509,24 @@ def mount_tmpfs(path: Path, size_mb: int) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], check=True)
 
 
-def overrides(run_dir: Path, port: int, ranks: int, steps: int) -> list[str]:
+def overrides(run_dir: Path, port: int, ranks: int, steps: int, data: Path) -> list[str]:
+    """The run's settings; its server listens on ``port`` + 1, its clients reach it through the proxy at ``port``.
+    A tenth of the tiny recipe's learning rate: at 1e-4 the model learns the 500 prompts by step 70 (reward 0.99),
+    then nearly every group has one reward for all and is dropped, and a step takes minutes."""
     return [f"trainer.max_steps={steps}", "trainer.save_steps=5", "trainer.max_restarts=100000",
+            "trainer.learning_rate=1e-5",
             "data.num_eval_prompts=0", "logging.report=false", "logging.console=plain", "server.timeout=30",
-            f"trainer.num_processes={ranks}", f"server.port={port}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+            "server.health_timeout=60", f"data.path={data}", f"trainer.num_processes={ranks}",
+            f"server.port={port + 1}", f"server.base_url=http://127.0.0.1:{port}",
+            f"hydra.run.dir={run_dir}"]  # fmt: skip
+
+
+def write_dataset(path: Path, rows: int) -> Path:
+    """The first ``rows`` rows of the arith training set (all of them for 0): few enough to finish epochs."""
+    lines = (REPO / "asyncrl" / "assets" / "arith" / "train.jsonl").read_text().splitlines(keepends=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines[:rows] if rows else lines))
+    return path
 
 
 def finish(run: Run, finish_steps: int) -> int:
@@ -412,8 +540,8 @@ def finish(run: Run, finish_steps: int) -> int:
     return end
 
 
-def baseline_run(work: Path, port: int, ranks: int, steps: int, console: Path) -> Path:
-    run = Run(work / "baseline", overrides(work / "baseline", port, ranks, steps), console)
+def baseline_run(work: Path, port: int, ranks: int, steps: int, console: Path, data: Path) -> Path:
+    run = Run(work / "baseline", overrides(work / "baseline", port, ranks, steps, data), console)
     run.start(run.overrides)
     if run.proc.wait(timeout=3600) != 0:
         raise SystemExit(f"the baseline run failed: see {console}")
@@ -448,7 +576,8 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(k for k in KINDS if not k.startswith("rank_")))
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--port", type=int, default=18650)
+    parser.add_argument("--port", type=int, default=18650, help="the proxy's; the server takes the next one")
+    parser.add_argument("--prompts", type=int, default=500, help="dataset rows (0: all 4,000): epochs must end")
     parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), help="seconds of training between faults")
     parser.add_argument("--disk-mb", type=int, default=400, help="the run directory's tmpfs")
     parser.add_argument("--finish-steps", type=int, default=5)
@@ -472,21 +601,25 @@ def main() -> int:
     console = args.out / "console.log"
     console.write_text("")
     rng = random.Random(args.seed)
-    run = Run(run_dir, overrides(run_dir, args.port, args.ranks, 100_000), console)
+    data = write_dataset(work / "train.jsonl", args.prompts)
+    run = Run(run_dir, overrides(run_dir, args.port, args.ranks, 100_000, data), console)
+    proxy = StallProxy(args.port, args.port + 1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cleanup below runs
     try:
-        return chaos(args, run, kinds, rng, isolated, work)
+        return chaos(args, run, kinds, rng, isolated, work, proxy)
     finally:
+        proxy.listener.close()
         pids = [pid for pid, _ in processes(run.marker)]
         signal_pids(pids, signal.SIGCONT)
         signal_pids(pids, signal.SIGKILL)
 
 
-def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Random, isolated: bool, work: Path) -> int:
+def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Random, isolated: bool, work: Path,
+          proxy: StallProxy) -> int:  # fmt: skip
     """Inject the faults, finish the run, check it and print the table."""
     run_dir, console, started = run.run_dir, run.console, time.monotonic()
     run.start(run.overrides)
-    driver = Driver(run, kinds, rng, args.ranks)
+    driver = Driver(run, kinds, rng, args.ranks, proxy)
     if not driver.wait_trained_past(5, RECOVERY_S):  # the first checkpoint exists before the first fault
         raise SystemExit(f"the run did not reach step 6: see {console}")
     while len(driver.faults) < args.faults and time.monotonic() - started < args.minutes * 60:
@@ -506,7 +639,7 @@ def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Rand
     for check in (check_steps, check_prompts, check_checkpoints):
         checks.update(checked(check, run_dir))
     if args.baseline:
-        baseline = baseline_run(work, args.port, args.ranks, end, console)
+        baseline = baseline_run(work, args.port, args.ranks, end, console, run_dir.parent / "train.jsonl")
         checks.update(checked(lambda _: compare_weights(run_dir / "model", baseline), run_dir))
     report = table(driver.faults, checks)
     print(report, flush=True)

@@ -119,7 +119,8 @@ class ServerConfig:
     launch: bool = True
     """false: attach to an already running server at base_url."""
     base_url: str | None = None
-    """Defaults to http://{host}:{port}."""
+    """Where the run's clients reach the server; defaults to http://{host}:{port}. With a launched server it may
+    differ (a proxy in front of it): the server still listens on host:port."""
     base_urls: list[str] | None = None
     """server.launch=false: attach to several running servers (e.g. on other nodes), e.g. [http://a:8000,
     http://b:8000]; rollouts are spread over them by load and every weight sync reaches them all. base_url is the

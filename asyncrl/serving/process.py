@@ -80,6 +80,19 @@ def wait_for_health(base_url: str, timeout_s: float, check: Callable[[], None] =
     return False
 
 
+def listen_address(argv: Sequence[str], base_url: str) -> tuple[str, int]:
+    """Where the server will listen: its command's last ``--host`` and ``--port`` (as argparse reads them), else
+    ``base_url``'s. They differ when server.base_url is a proxy in front of the launched server (the chaos run's)."""
+    url = httpx.URL(base_url)
+    host, port = url.host or "127.0.0.1", url.port or 80
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag == "--host":
+            host = value
+        elif flag == "--port":
+            port = int(value)
+    return host, port
+
+
 class ServerProcess:
     """A supervised server subprocess; use as a context manager so it is always stopped."""
 
@@ -100,8 +113,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        url = httpx.URL(self.base_url)
-        host, port = url.host or "127.0.0.1", url.port or 80
+        host, port = listen_address(self.argv, self.base_url)
         if not port_is_free(host, port):
             raise ServerStartError(
                 f"port {port} on {host} is busy: another server is running there. Stop it, choose another "

@@ -88,6 +88,20 @@ def test_busy_port_is_a_clear_error(tmp_path):
             _server(tmp_path / "second", port).start()
 
 
+def test_a_proxy_at_base_url_is_not_the_port_the_server_takes(tmp_path):
+    # server.base_url at a proxy that listens (the chaos run's), the server's own --port free: it starts
+    with socket.create_server(("127.0.0.1", 0)) as proxy:
+        base_url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        server = ServerProcess([sys.executable, "-c", "import time; time.sleep(60)", "--port", str(free_port())],
+                               base_url=base_url, log_path=tmp_path / "log")  # fmt: skip
+        server.start()
+        assert server.is_alive()
+        server.stop()
+        busy = ServerProcess([sys.executable, "-c", "pass"], base_url=base_url, log_path=tmp_path / "log")
+        with pytest.raises(ServerStartError, match="is busy"):  # without --port, base_url's port is the server's
+            busy.start()
+
+
 def test_early_exit_reports_the_log_tail(tmp_path):
     server = ServerProcess([sys.executable, "-c", "import sys; print('bad flag --nope'); sys.exit(3)"],
                            base_url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "log",
