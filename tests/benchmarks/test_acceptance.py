@@ -3,28 +3,12 @@ resume command read from Ctrl-C's output, the failure rules and the row selectio
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def acceptance() -> Iterator[ModuleType]:
-    """The script as a module (benchmarks/ is not a package on the tests' path)."""
-    spec = importlib.util.spec_from_file_location("acceptance", REPO / "benchmarks" / "acceptance.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["acceptance"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["acceptance"]
 
 
 def record(step: int, **metrics: float) -> dict[str, float]:

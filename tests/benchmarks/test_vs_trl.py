@@ -3,27 +3,8 @@ figures read from per-step rows and the table's ratios and reward curves."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def vs_trl() -> Iterator[ModuleType]:
-    """The script as a module (benchmarks/ is not a package on the tests' path)."""
-    spec = importlib.util.spec_from_file_location("vs_trl", REPO / "benchmarks" / "vs_trl.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vs_trl"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["vs_trl"]
 
 
 def test_asyncrl_gets_the_recipe_and_only_the_matched_settings(vs_trl: ModuleType) -> None:

@@ -265,17 +265,31 @@ def test_compiled_layers_stay_compiled_under_gradient_checkpointing():
     torch._dynamo.reset()
 
 
-def test_compiled_epilogues_do_not_recompile_for_a_one_token_chunk():
-    """A row of k x logit_chunk_tokens + 1 trained tokens (or of one) ends in a one-token chunk, a size that
-    torch.compile specialises even with dynamic=True: it compiled both epilogues again mid-run. Such a chunk runs
-    eagerly; every other row reuses the first compile, with the eager values and gradients."""
+CHUNK = 4
+
+
+@pytest.mark.parametrize(
+    "row_slots",
+    [
+        # A row of k x logit_chunk_tokens + 1 trained tokens (or of one) ends in a one-token chunk, a size that
+        # torch.compile specialises even with dynamic=True: it compiled both epilogues again mid-run. Such a chunk
+        # runs eagerly.
+        (2 * CHUNK + 3, 2 * CHUNK + 1, 1, CHUNK + 1, CHUNK),
+        # A first row of one chunk hands the epilogues slices whose base (the row's targets) has the chunk's length:
+        # duck sizing made them one size (guard ``targets._base.size()[0] == logits.size()[0]``, in the H200's
+        # acceptance logs), and the first row of two chunks compiled both epilogues again mid-run.
+        (CHUNK, 3 * CHUNK + 2, CHUNK - 1),
+    ],
+    ids=["one-token-chunk", "past-one-chunk"],
+)
+def test_compiled_epilogues_compile_once_for_every_row_size(row_slots):
+    """Every row after the first reuses the first compile, with the eager values and gradients."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    chunk = 4
-    for index, slots in enumerate((2 * chunk + 3, 2 * chunk + 1, 1, chunk + 1, chunk)):
+    for index, slots in enumerate(row_slots):
         hidden, head, targets, top_ids, sets = random_problem(seed=slots, slots=slots)
-        kwargs = {"top_ids": top_ids, "sampling_masks": sets, "chunk_tokens": chunk}
+        kwargs = {"top_ids": top_ids, "sampling_masks": sets, "chunk_tokens": CHUNK}
         with torch._dynamo.config.patch(error_on_recompile=index > 0):
             out = compute_token_logprobs(hidden, head, targets, TEMPERATURE, compile_backend="aot_eager", **kwargs)
             got = grads(loss_of(out.logprobs, out.top_logprobs, slots), [hidden, head.weight, head.bias])
@@ -283,28 +297,6 @@ def test_compiled_epilogues_do_not_recompile_for_a_one_token_chunk():
         want = grads(loss_of(eager.logprobs, eager.top_logprobs, slots), [hidden, head.weight, head.bias])
         torch.testing.assert_close(out.logprobs, eager.logprobs, atol=1e-12, rtol=0)
         torch.testing.assert_close(out.top_logprobs, eager.top_logprobs, atol=1e-12, rtol=0)
-        for got_grad, want_grad in zip(got, want, strict=True):
-            torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=0)
-    torch._dynamo.reset()
-
-
-def test_compiled_epilogues_do_not_recompile_when_rows_grow_past_one_chunk():
-    """A first row of one chunk hands the epilogues slices whose base (the row's targets) has the chunk's length:
-    torch.compile's duck sizing made them one size (guard ``targets._base.size()[0] == logits.size()[0]``), and the
-    first row of two chunks compiled both epilogues again mid-run (the H200's acceptance rows showed the guard)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    chunk = 4
-    for index, slots in enumerate((chunk, 3 * chunk + 2, chunk - 1)):
-        hidden, head, targets, top_ids, sets = random_problem(seed=slots, slots=slots)
-        kwargs = {"top_ids": top_ids, "sampling_masks": sets, "chunk_tokens": chunk}
-        with torch._dynamo.config.patch(error_on_recompile=index > 0):
-            out = compute_token_logprobs(hidden, head, targets, TEMPERATURE, compile_backend="aot_eager", **kwargs)
-            got = grads(loss_of(out.logprobs, out.top_logprobs, slots), [hidden, head.weight, head.bias])
-        eager = compute_token_logprobs(hidden, head, targets, TEMPERATURE, **kwargs)
-        want = grads(loss_of(eager.logprobs, eager.top_logprobs, slots), [hidden, head.weight, head.bias])
-        torch.testing.assert_close(out.logprobs, eager.logprobs, atol=1e-12, rtol=0)
         for got_grad, want_grad in zip(got, want, strict=True):
             torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=0)
     torch._dynamo.reset()

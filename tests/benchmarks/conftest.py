@@ -1,0 +1,35 @@
+"""The benchmark scripts as modules: benchmarks/ is not a package on the tests' path."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def script_module(name: str) -> Iterator[ModuleType]:
+    """benchmarks/NAME.py imported as module NAME for as long as the generator is suspended (its dataclasses look
+    their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def acceptance() -> Iterator[ModuleType]:
+    yield from script_module("acceptance")
+
+
+@pytest.fixture(scope="module")
+def vs_trl() -> Iterator[ModuleType]:
+    yield from script_module("vs_trl")
