@@ -245,9 +245,6 @@ class Trainer:
         self.startup["perf/startup_warm_up_s"] = time.time() - started
         log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
                  time.time() - started, memory.describe())  # fmt: skip
-        if known is not None and memory.need_bytes > known.need_bytes * 1.05:
-            log.warning("the trainer now needs %.1f GiB, not the %.1f GiB measured before: the next run of this shape "
-                        "uses the new figure", memory.need_bytes / GIB, known.need_bytes / GIB)  # fmt: skip
         return memory
 
     def _compiles(self) -> bool:
@@ -262,17 +259,18 @@ class Trainer:
 
     def _measure_eagerly_then_compile(self, step: Any, shape: int, started: float) -> TrainerMemory:
         """The footprint from an eager step (seconds; compiling the layers takes minutes at 2B), vLLM's launch with
-        the share it leaves, then the compiling step while vLLM boots. Its footprint is said where it needs more
-        than the eager one's (then the margin is all that covers it)."""
+        the share it leaves, then the compiling step while vLLM boots. Its footprint is said where it outgrows the
+        eager one's with its margin."""
         with torch.compiler.set_stance("force_eager"):
             memory = step(alone=True, known=None)
         log.info("eager warm-up step in %.1f s: %s; vLLM starts now, the layers compile while it boots",
                  time.time() - started, memory.describe())  # fmt: skip
         self._launch_with(memory, shape)
         compiled = step(alone=False, known=memory)
-        if compiled.need_bytes > memory.need_bytes:
-            log.warning("the compiled warm-up step needs %.1f GiB, more than the eager one's %.1f GiB that set "
-                        "vLLM's share", compiled.need_bytes / GIB, memory.need_bytes / GIB)  # fmt: skip
+        if compiled.footprint_bytes > memory.need_bytes:
+            log.warning("the compiled warm-up step takes %.1f GiB, more than the %.1f GiB (margin included) the eager "
+                        "one left the trainer beside vLLM", compiled.footprint_bytes / GIB,
+                        memory.need_bytes / GIB)  # fmt: skip
         return compiled
 
     def _finished(self) -> bool:

@@ -62,10 +62,13 @@ class TrainerMemory:
     gpu_bytes: int
 
     @property
+    def footprint_bytes(self) -> int:
+        return self.peak_bytes + self.context_bytes
+
+    @property
     def need_bytes(self) -> int:
         """The footprint with the margin: what vLLM must leave the trainer."""
-        footprint = self.peak_bytes + self.context_bytes
-        return footprint + max(int(footprint * MARGIN_FRACTION), MARGIN_MIN_BYTES)
+        return self.footprint_bytes + max(int(self.footprint_bytes * MARGIN_FRACTION), MARGIN_MIN_BYTES)
 
     def describe(self) -> str:
         return (
