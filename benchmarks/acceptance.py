@@ -14,7 +14,8 @@ On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece ru
 ``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --skip-passed --budget 560
 --row-timeout 240 --out $OUT --work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints, the passed rows and
 vLLM's compile cache while the machine stays warm: each call goes on where the last stopped, and prints the whole
-table). A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context
+table). A row is kept only if it passed at this code version (the header's ``code``: a hash of asyncrl/, conf/ and
+recipes/, since a device call's tree has no .git), so one table is one version of what it runs. A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context
 length and each shape are other configurations), later ones take ~1 min. A recipe row first builds its shape into
 --work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished build), and its first
 run compiles fla's kernels and vLLM's graphs for minutes: give the recipe rows a call of their own with
@@ -54,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import importlib.util
 import os
 import re
@@ -85,8 +87,8 @@ STOP_GRACE_S = 30.0
 LEFTOVER_GRACE_S = 15.0
 """Seconds a row's processes have to end after its command did."""
 TRAIN = "trainer.max_steps={steps}"
-PASSED = "passed.md"
-"""A passed row's table line, in its directory (``--skip-passed``)."""
+CODE_DIRS = ("asyncrl", "conf", "recipes")
+"""What the rows run, hashed into the table's header and each passed row's mark (``code_version``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,13 +537,30 @@ def table_line(result: Result, gpu: GpuMemory | None) -> str:
     return "| " + " | ".join(cells[c] for c in COLUMNS) + " |"
 
 
-def header(ctx: Context, commands: list[tuple[str, list[str]]]) -> str:
+def code_version() -> str:
+    """A hash of the files the rows run (CODE_DIRS): a device call gets the working tree without .git, and every
+    row of one table must have run one version, whichever call (or session) ran it."""
+    digest = hashlib.sha256()
+    for directory in CODE_DIRS:
+        for path in sorted((REPO / directory).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def passed_mark(work: Path, row: Row, version: str) -> Path:
+    """A passed row's table line, in its directory (``--skip-passed`` keeps it for this code version only)."""
+    return work / "rows" / row.name / f"passed-{version}.md"
+
+
+def header(ctx: Context, commands: list[tuple[str, list[str]]], version: str) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     gpus = [", ".join(g) for g in _smi("--query-gpu=name,memory.total")]
     lines = [
         f"# Acceptance run {datetime.datetime.now().isoformat(timespec='seconds')}",
         "",
-        f"commit {commit.stdout.strip() or '-'}; {'; '.join(gpus) or 'no GPU'}; "
+        f"commit {commit.stdout.strip() or '- (no .git)'}; code {version} ({', '.join(CODE_DIRS)}); "
+        f"{'; '.join(gpus) or 'no GPU'}; "
         f"{'CPU rehearsal' if ctx.rehearse else 'GPU run'}; {ctx.steps} steps; work {ctx.work}",
         "",
         *[f"- {name}: `asyncrl {shlex.join(args)}`" for name, args in commands],
@@ -597,8 +616,8 @@ def main() -> None:
     parser.add_argument(
         "--skip-passed",
         action="store_true",
-        help="rows that passed in --work before keep their "
-        "line and are not run again (each call of a device session continues the table)",
+        help="rows that passed in --work before at this code "
+        "version keep their line and are not run again (each call of a device session continues the table)",
     )
     args = parser.parse_args()
     rows = select(args.rows)
@@ -614,10 +633,11 @@ def main() -> None:
     ctx = Context(work, steps, args.rehearse, args.row_timeout, vllm)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a cut call still stops the row's processes
     commands = [(r.name, typed(r, ctx, Path(f"<{r.shape} shape>") if r.shape else None)) for r in rows]
-    (out / "acceptance.md").write_text(header(ctx, commands))
+    version = code_version()
+    (out / "acceptance.md").write_text(header(ctx, commands, version))
     failed, until = [], time.monotonic() + (args.budget or float("inf"))
     for row in rows:
-        passed = work / "rows" / row.name / PASSED
+        passed = passed_mark(work, row, version)
         if args.skip_passed and passed.is_file():
             line = passed.read_text().strip()
         elif time.monotonic() + ctx.row_timeout > until:

@@ -94,22 +94,26 @@ def test_vllm_memory_sums_the_rows_other_processes_else_total_minus_trainer(
 def test_a_passed_row_is_kept_and_rows_past_the_budget_are_not_run(
     acceptance: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each call of a device session runs what is left: rows passed in --work keep their line, and a row starts only
-    with its --row-timeout left of --budget (a call cut by the device's limit writes no table)."""
+    """Each call of a device session runs what is left: rows passed in --work at this code version keep their line
+    (one passed at another runs again), and a row starts only with its --row-timeout left of --budget (a call cut
+    by the device's limit writes no table)."""
     ran: list[str] = []
     clock = [0.0]
 
     def run_row(row, ctx):  # type: ignore[no-untyped-def]
         ran.append(row.name)
         clock[0] += 50.0  # the row's seconds, on the injected clock
-        (ctx.work / "rows" / row.name).mkdir(parents=True)
+        (ctx.work / "rows" / row.name).mkdir(parents=True, exist_ok=True)
         return acceptance.Result(row.name, rc=0, seconds=1.0)
 
     monkeypatch.setattr(acceptance, "run_row", run_row)
     monkeypatch.setattr(acceptance.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(acceptance, "table_line", lambda result, gpu: f"| {result.row} | 0 | ok |")
+    version, rows = acceptance.code_version(), {row.name: row for row in acceptance.ROWS}
     (tmp_path / "rows" / "builtin").mkdir(parents=True)
-    (tmp_path / "rows" / "builtin" / acceptance.PASSED).write_text("| builtin | 0 | earlier |\n")
+    acceptance.passed_mark(tmp_path, rows["builtin"], version).write_text("| builtin | 0 | earlier |\n")
+    (tmp_path / "rows" / "default").mkdir(parents=True)  # passed at another code version: run again
+    acceptance.passed_mark(tmp_path, rows["default"], "older").write_text("| default | 0 | older |\n")
     argv = ["acceptance.py", "--rehearse", "--work", str(tmp_path), "--rows", "builtin,default,lora", "--skip-passed"]
     monkeypatch.setattr(sys, "argv", [*argv, "--budget", "100", "--row-timeout", "60"])
     with pytest.raises(SystemExit) as exited:
@@ -118,4 +122,5 @@ def test_a_passed_row_is_kept_and_rows_past_the_budget_are_not_run(
     assert ran == ["default"] and exited.value.code == 1  # then 50 s + lora's 60 s would overrun the 100 s
     assert "| builtin | 0 | earlier |" in table and "| default | 0 | ok |" in table
     assert "| lora |" in table and "not run: --budget spent" in table
-    assert (tmp_path / "rows" / "default" / acceptance.PASSED).is_file()
+    assert acceptance.passed_mark(tmp_path, rows["default"], version).is_file()
+    assert f"code {version}" in table and "older" not in table
