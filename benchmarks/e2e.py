@@ -3,12 +3,28 @@
     python benchmarks/e2e.py                                   # H200: vLLM and the trainer share the GPU (ipc sync)
     python benchmarks/e2e.py --backend builtin --tiny --steps 3   # CPU rehearsal of the same phases
 
+FP8 rollouts (issue 36): ``--quantization fp8`` then starts a second server with ``server.quantization=fp8`` (vLLM
+quantizes the bf16 weights as it loads them, and again at each sync, which goes through vLLM's ipc engine) and
+measures it the same way; a last table compares it with the bf16 server: generated tokens/s (alone and in each
+run), samples/s, ``sampling/sampling_logp_difference`` and sync seconds, against the goal (>= 1.3x tokens/s, <= 2x
+logp difference). A run whose syncs fail is a failed row; the bf16 server's syncs load in place (asyncrl's worker
+extension), the fp8 server's through vLLM's engine, so the sync seconds compare the paths each must take. One
+device call per shape, two server starts and two
+runs (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md; not yet run, so whether a call's 600 s hold it is
+not known: each server's figures are in partial_LABEL.json as its runs end):
+
+    python benchmarks/e2e.py --quantization fp8 --staleness 2 --steps 6 --no-flat --profile= --run-timeout 150 \
+        --standalone-requests 256
+    python benchmarks/e2e.py --shape 3.5-2b --quantization fp8 --staleness 2 --steps 6 --no-flat --profile= \
+        --run-timeout 200 --standalone-requests 256
+
 One server is started (vLLM, or the built-in one) and every variant attaches to it with `asyncrl train
-server.launch=false`, so each variant pays the trainer's start-up only. The model is Qwen3-0.6B-shaped with random
-weights and a locally built word-level tokenizer; each rollout's length is drawn from a log-normal tail
-(`min_tokens = max_tokens`, through the rollout loop's `sampling_params` hook) so timing resembles reasoning RL
-whatever the random model samples. Reward: closeness of the length to the median (cheap, verifiable, varies within
-a group). Prints one table; writes e2e.json under --out (and $OUT when set).
+server.launch=false`, so each variant pays the trainer's start-up only. The model is Qwen3-0.6B-shaped (``--shape
+3.5-2b``: Qwen3.5-2B's text model) with random weights and a locally built word-level tokenizer; each rollout's
+length is drawn from a log-normal tail (`min_tokens = max_tokens`, through the rollout loop's `sampling_params`
+hook) so timing resembles reasoning RL whatever the random model samples. Reward: closeness of the length to the
+median (cheap, verifiable, varies within a group). Prints one table; writes e2e.json under --out (and $OUT when
+set).
 """
 
 from __future__ import annotations
@@ -36,12 +52,18 @@ SHAPES = {
     "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                  tie_word_embeddings=True),
+    # Qwen3.5-2B's text model (three gated-DeltaNet layers per attention layer), served text-only
+    "3.5-2b": dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                   linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, layer_types=None,
+                   max_position_embeddings=8192, tie_word_embeddings=True),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True),
 }  # fmt: skip
 # (prompt words lo, hi), median completion tokens, sigma of log length, max completion tokens, token budget
 GROUP_SIZE = 8  # rollouts per prompt
 WORKLOAD = {"0.6b": ((128, 512), 128, 0.9, 512, 16384), "tiny": ((8, 24), 12, 0.6, 48, 512)}
+WORKLOAD["3.5-2b"] = WORKLOAD["0.6b"]
 
 
 class LengthControlledLoop(AsyncRolloutLoop):
@@ -86,9 +108,14 @@ def build_assets(out: Path, shape: str, num_prompts: int = 512) -> tuple[Path, P
     tokenizer = word_tokenizer(cfg["vocab_size"])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     torch.manual_seed(0)
-    config = Qwen3Config(**cfg, eos_token_id=0, pad_token_id=0, bos_token_id=None)
-    Qwen3ForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    if "linear_num_key_heads" in cfg:
+        from asyncrl.assets.model_families import build_model, hybrid_text_config, save_checkpoint
+
+        save_checkpoint(build_model(hybrid_text_config(tokenizer, **cfg), tokenizer), tokenizer, model_dir)
+    else:
+        config = Qwen3Config(**cfg, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+        Qwen3ForCausalLM(config).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
     (lo, hi), *_ = WORKLOAD[shape]
     rng = random.Random(0)
     with data.open("w") as f:
@@ -218,6 +245,7 @@ def summarise(run: dict[str, Any], profiled: bool = False) -> dict[str, Any]:
         "sync_max_s": max(series("perf/weight_sync_s")[1:] or [math.nan]),
         "gen_paused_s": mean("perf/generation_paused_s", 1),
         "gen_tokens_per_s": mean("rollout/generated_tokens_per_s", 1), "concurrency": mean("rollout/concurrency", 1),
+        "logp_diff": mean("sampling/sampling_logp_difference/mean", 1),
         "samples_per_step": mean("batch/samples_per_step", 1), "backpressure_s": mean("rollout/backpressure_s", 1),
         "trained_tokens_per_s": sum(trained) / max(sum(fwd_bwd), 1e-9), "mfu": mfu_weighted,
         "packing_ratio": mean("batch/packing_ratio"),
@@ -237,6 +265,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["vllm", "builtin"], default="vllm")
     parser.add_argument("--tiny", action="store_true", help="tiny model and workload (CPU rehearsal)")
+    parser.add_argument("--shape", choices=["0.6b", "3.5-2b"], default="0.6b", help="the model's shape (not --tiny)")
+    parser.add_argument("--quantization", default=None, help="then serve with server.quantization=Q (e.g. fp8) and "
+                        "measure it the same way; the table compares it with the first server")  # fmt: skip
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", default="0,1,2,4", help="max_staleness values; 0 = synchronous mode")
     parser.add_argument("--concurrency", type=int, default=256)
@@ -258,9 +289,11 @@ def main() -> None:
     if args.table:
         print_table(merge([json.loads(path.read_text()) for path in args.table]))
         return
+    if args.quantization and (args.server_url or args.backend != "vllm"):
+        parser.error("--quantization starts a second vLLM server after the first: --backend vllm, no --server-url")
     import torch
 
-    args.shape = "tiny" if args.tiny else "0.6b"
+    args.shape = "tiny" if args.tiny else args.shape
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="e2e-"))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -277,6 +310,10 @@ def main() -> None:
                                   f"trainer.output_dir={args.work / 'serve'}"])  # fmt: skip
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     result["server"] = serve_and_measure(args, base, args.backend, train_runs=bool(args.staleness), url=args.server_url)
+    if args.quantization:
+        result["quantized_server"] = serve_and_measure(args, [*base, f"server.quantization={args.quantization}"],
+                                                       args.backend, train_runs=bool(args.staleness),
+                                                       label=args.quantization)  # fmt: skip
     if args.builtin_too and args.backend == "vllm":
         args.backend = "builtin"
         result["builtin_server"] = serve_and_measure(args, base_overrides(args, model_dir, data), "builtin",
@@ -296,31 +333,34 @@ def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
 
 
 def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, train_runs: bool = True,
-                      url: str | None = None, port: int | None = None) -> dict:  # fmt: skip
-    """Start the server (or attach to ``url``), time it alone, then run the training variants against it."""
+                      url: str | None = None, port: int | None = None, label: str | None = None) -> dict:  # fmt: skip
+    """Start the server (or attach to ``url``), time it alone, then run the training variants against it.
+    ``label``: a second server of the same backend (its directories and runs are named by it)."""
     from asyncrl.config.compose import compose
     from asyncrl.launch import start_server
     from asyncrl.plan.assemble import plan_run
     from asyncrl.serving.command import served_model_name
 
-    server_dir = args.work / f"server-{backend}"
+    label = label or backend
+    server_dir = args.work / f"server-{label}"
     where = ["server.launch=false", f"server.base_url={url}"] if url else [f"server.port={port or args.port}"]
     plan = plan_run(compose([*base, *where, f"trainer.output_dir={server_dir}"]), server_dir)
     config = plan.config
-    out: dict[str, Any] = {"backend": backend}
+    out: dict[str, Any] = {"backend": backend, "label": label}
     server_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with start_server(plan, server_dir) as server:
         out["startup_s"] = time.perf_counter() - started
         name = served_model_name(config)
-        print(f"[{backend}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)
+        print(f"[{label}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)
         standalone_tokens_per_s(server.base_url, name, args, requests=min(64, args.standalone_requests))  # warm-up
         out["standalone_tokens_per_s"] = standalone_tokens_per_s(server.base_url, name, args, args.standalone_requests)
-        print(f"[{backend}] standalone: {out['standalone_tokens_per_s']:,.0f} generated tokens/s", flush=True)
+        print(f"[{label}] standalone: {out['standalone_tokens_per_s']:,.0f} generated tokens/s", flush=True)
         if not train_runs:
             return out
-        variants = [(f"staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
-        variants += [] if args.no_flat else [("flat_staleness2", ["staleness.max_staleness=2", "packing=flat",
+        prefix = "" if label == backend else f"{label}_"
+        variants = [(f"{prefix}staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
+        variants += [] if args.no_flat else [(f"{prefix}flat_staleness2", ["staleness.max_staleness=2", "packing=flat",
                                              f"packing.token_budget={WORKLOAD[args.shape][4]}"])]  # fmt: skip
         out["runs"] = []
         for name_, extra in variants:
@@ -335,7 +375,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
                 (args.out / f"profile_{name_}.txt").write_text(table.read_text())
             summary = summarise(run, profiled)
             out["runs"].append(summary)
-            (args.out / f"partial_{backend}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
+            (args.out / f"partial_{label}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
             scalars = {k: v for k, v in summary.items() if not isinstance(v, list | dict)}
             print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
     return out
@@ -346,8 +386,9 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     merged = {"server": {**results[0]["server"], "runs": []}}
     for result in results:
         merged["server"]["runs"] += result["server"].get("runs", [])
-        if "builtin_server" in result:
-            merged["builtin_server"] = result["builtin_server"]
+        for key in ("builtin_server", "quantized_server"):
+            if key in result:
+                merged[key] = result[key]
     rates = [r["server"]["standalone_tokens_per_s"] for r in results]
     merged["server"]["standalone_tokens_per_s"] = sum(rates) / len(rates)
     merged["server"]["standalone_each"] = rates
@@ -362,16 +403,67 @@ def samples_per_s(run: dict[str, Any]) -> float:
     return run["samples_per_step"] / run["steady_step_s"]
 
 
+GOAL_TOKENS_X, GOAL_LOGP_X = 1.3, 2.0
+"""Issue 36's goal for a quantized server against the bf16 one: generated tokens/s at least 1.3x, with the
+sampler-trainer logp difference at most 2x."""
+
+
+def quantized_rows(plain: dict[str, Any], quantized: dict[str, Any]) -> list[dict[str, Any]]:
+    """The quantized server against the bf16 one: the servers alone, then each training run of the quantized one
+    against the bf16 run of its name: (bf16, quantized) pairs of generated tokens/s, samples/s, logp difference and
+    sync seconds, and whether the goal is met. A failed quantized run stays a row: a sync that did not land fails."""
+    rows: list[dict[str, Any]] = [
+        {"name": "server alone", "tokens": (plain["standalone_tokens_per_s"], quantized["standalone_tokens_per_s"])}
+    ]
+    bf16 = {r["name"]: r for r in plain.get("runs", []) if "failed" not in r}
+    for run in quantized.get("runs", []):
+        name = run["name"].removeprefix(f"{quantized['label']}_")
+        if "failed" in run or name not in bf16:
+            rows.append({"name": name, "failed": run.get("failed", "no bf16 run of that name")})
+            continue
+        base = bf16[name]
+        row = {"name": name, "tokens": (base["gen_tokens_per_s"], run["gen_tokens_per_s"]),
+               "samples": (samples_per_s(base), samples_per_s(run)), "logp": (base["logp_diff"], run["logp_diff"]),
+               "sync": (base["sync_s"], run["sync_s"])}  # fmt: skip
+        row["goal"] = ratio(row["tokens"]) >= GOAL_TOKENS_X and ratio(row["logp"]) <= GOAL_LOGP_X
+        rows.append(row)
+    return rows
+
+
+def ratio(pair: tuple[float, float]) -> float:
+    """The second of a (bf16, quantized) pair over the first."""
+    return pair[1] / pair[0] if pair[0] else math.nan
+
+
+def print_quantized(rows: list[dict[str, Any]], label: str) -> None:
+    print(f"\n{label} against bf16 (goal: >= {GOAL_TOKENS_X}x generated tokens/s, <= {GOAL_LOGP_X}x logp difference)")
+    print("| run | generated tok/s | samples/s | logp difference mean | sync s | goal met |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        if "failed" in row:
+            print(f"| {row['name']} | failed: {row['failed']} | | | | no |")
+            continue
+        cells = [f"{_figure(row[k][0])} -> {_figure(row[k][1])} ({ratio(row[k]):.2f}x)" if k in row else "-"
+                 for k in ("tokens", "samples", "logp", "sync")]  # fmt: skip
+        goal = {True: "yes", False: "no"}.get(row.get("goal"), "-")
+        print(f"| {row['name']} | " + " | ".join(cells) + f" | {goal} |")
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def print_table(result: dict[str, Any]) -> None:
-    runs = [r for r in result["server"].get("runs", []) if "failed" not in r]
+    servers = [result[key] for key in ("server", "quantized_server") if key in result]
+    runs = [r for server in servers for r in server.get("runs", []) if "failed" not in r]
     by_name = {r["name"]: r for r in runs}
     sync = by_name.get("staleness0")
     print(
         "\n| run | steps | samples/step | to last step s | steady s/step | samples/s | speedup vs sync "
         "| sync s mean/max (pause wait/transfer) | gen paused s | gen tok/s (concurrency) | trained tok/s | MFU "
-        "| pack ratio | stale mean/max | dropped | overlap |"
+        "| pack ratio | stale mean/max | dropped | overlap | logp diff |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         speedup = samples_per_s(r) / samples_per_s(sync) if sync else float("nan")  # sync steps can be larger
         print(f"| {r['name']} | {r['steps']} | {r['samples_per_step']:.0f} | {r['time_to_last_step_s']:.1f} | "
@@ -382,11 +474,17 @@ def print_table(result: dict[str, Any]) -> None:
               f"{r['gen_tokens_per_s']:,.0f} ({r['concurrency']:.0f}) | {r['trained_tokens_per_s']:,.0f} | "
               f"{r['mfu']:.1%} | "
               f"{r['packing_ratio']:.2f} | {r['staleness_mean']:.2f}/{r['staleness_max']:.0f} | "
-              f"{r['dropped_stale_frac']:.1%} | {r['overlap_frac']:.2f} |")  # fmt: skip
+              f"{r['dropped_stale_frac']:.1%} | {r['overlap_frac']:.2f} | "
+              f"{r.get('logp_diff', math.nan):.4f} |")  # fmt: skip
     server = result["server"]
     each = ", ".join(f"{r:,.0f}" for r in server.get("standalone_each", []))
     print(f"\nstandalone {server['backend']} server: {server['standalone_tokens_per_s']:,.0f} generated tokens/s "
           f"{f'(mean of {each}) ' if each else ''}(startup {server['startup_s']:.0f} s)")  # fmt: skip
+    if "quantized_server" in result:
+        q = result["quantized_server"]
+        print(f"standalone {q['label']} server: {q['standalone_tokens_per_s']:,.0f} generated tokens/s "
+              f"(startup {q['startup_s']:.0f} s)")  # fmt: skip
+        print_quantized(quantized_rows(server, q), q["label"])
     if "builtin_server" in result:
         b = result["builtin_server"]
         print(

@@ -114,6 +114,19 @@ def test_the_vllm_command_is_printed_without_gpus_here_with_a_warning(monkeypatc
     assert "vllm.entrypoints.cli.main serve Qwen/Qwen3.5-2B" in result.output
 
 
+def test_the_printed_vllm_command_quantizes_and_the_builtin_server_refuses_in_one_line(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = runner.invoke(app, ["config", "--server-command", "server=vllm", "server.vllm_version=0.33.0",
+                                 "server.max_model_len=512", "server.quantization=fp8"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert " --quantization fp8 " in result.stdout and "--worker-extension-cls" not in result.stdout
+    refused = runner.invoke(app, ["config", "--server-command", "server=builtin", "server.quantization=fp8"])
+    assert refused.exit_code == 2 and refused.output.strip().splitlines() == [
+        "config error: server.quantization=fp8 is vLLM's: the built-in server cannot quantize; set server=vllm, or "
+        "drop server.quantization"
+    ]
+
+
 @without_vllm
 def test_the_quick_start_vllm_command_is_printed_without_vllm_a_gpu_or_the_hub(monkeypatch):
     """The recipe and no other key, with HF_HUB_OFFLINE=1 (conftest): the newest verified release, the prompt length

@@ -169,6 +169,15 @@ class ServerConfig:
     (added to the vLLM asyncrl launches; an attached server needs --worker-extension-cls
     asyncrl.weights.vllm_extension.WeightBufferExtension). A quantized server, or one spanning several GPUs, gets
     vLLM's own ipc engine whatever this says (the startup log says why); false: always vLLM's engine."""
+    quantization: str | None = None
+    """vLLM's --quantization for the vLLM asyncrl launches (an attached one is checked for it), e.g. fp8: vLLM
+    quantizes the 16-bit weights as it loads them (online; vLLM 0.33 reads fp8 as fp8_per_tensor). The sampler then
+    agrees less with the trainer; the loss's importance-sampling correction covers that as any sampler mismatch
+    (sampling/sampling_logp_difference measures it). Weight syncs keep sending 16-bit weights, through vLLM's own
+    engine (ipc on a GPU shared with the trainer, nccl on the server's own), whose weight-update session
+    re-quantizes every layer as its weights arrive (layerwise reload); asyncrl's in-place ipc loader
+    (server.ipc_direct_load) would skip that, so a quantized server never gets it. vLLM only, 16-bit serving only;
+    null: the checkpoint's own weights."""
     vllm_version: str | None = None
     """The vLLM release `vllm serve` runs, for its version-dependent flags; default: the installed vllm."""
     max_logprobs: int = 20

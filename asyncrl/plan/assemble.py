@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from asyncrl.components import Components, build_components
 from asyncrl.config.compose import to_config
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, LoraSync
+from asyncrl.config.schema import Config, LoraSync, ModelDtype
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
 from asyncrl.serving.command import (
@@ -146,6 +146,24 @@ def check_vllm_context_without_data(config: Config, backend: str) -> None:
         )
 
 
+def check_quantization(config: Config, backend: str) -> None:
+    """server.quantization is vLLM's online quantization of 16-bit weights: the built-in server serves weights as
+    they are, and vLLM refuses float32 activations for it (0.33: config/vllm.py, ``get_supported_act_dtypes``)."""
+    quantization, dtype = config.server.quantization, config.server.dtype
+    if quantization is None:
+        return
+    if backend == "builtin":
+        raise ConfigError(
+            f"server.quantization={quantization} is vLLM's: the built-in server cannot quantize; set server=vllm, or "
+            "drop server.quantization"
+        )
+    if dtype == ModelDtype.float32:
+        raise ConfigError(
+            f"server.quantization={quantization} needs 16-bit serving (vLLM's quantized layers refuse "
+            "server.dtype=float32): leave server.dtype unset (bfloat16) or set server.dtype=bfloat16"
+        )
+
+
 def check_loss_requirements(config: Config, components: Components) -> None:
     if "sampler_top_logprobs" in components.loss.requires and config.sampling.num_sampler_logprobs < 1:
         raise ConfigError(
@@ -191,6 +209,7 @@ def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: 
         check(config)
     backend = resolve_backend(config)
     check_vllm_context_without_data(config, backend)
+    check_quantization(config, backend)
     if job:
         fetch_checkpoint_config(config, backend)
     components = build_components(config)

@@ -216,6 +216,13 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix, flow: Fl
             f"the server's --max-logprobs {model.get('max_logprobs')} is below sampling.num_sampler_logprobs",
             f"--max-logprobs {wanted}",
         )
+    quantization = config.server.quantization
+    if quantization is not None and str(model.get("quantization") or "") != quantization.lower():
+        raise fix(
+            f"server.quantization={quantization} but the server reports quantization "
+            f"{model.get('quantization') or 'none'}",
+            f"--quantization {quantization}",
+        )
     transfer = (engine.get("weight_transfer_config") or {}).get("backend")
     want = config.server.weight_transfer
     if transfer is None:

@@ -486,9 +486,11 @@ def vllm_command(
     ]  # fmt: skip
     if split is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))
+    if sv.quantization is not None:
+        argv += ["--quantization", sv.quantization]
     if transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled over HTTP
-        if sv.ipc_direct_load:
+        if sv.ipc_direct_load and sv.quantization is None:  # a quantized server loads through vLLM's engine
             argv += ["--worker-extension-cls", WORKER_EXTENSION]
     if sv.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(sv.tensor_parallel_size)]

@@ -8,8 +8,8 @@ Why not vLLM's own ``ipc`` engine: per round it allocates, shares and opens a fr
 out of it, and re-materialises each layer from the meta device (layerwise reload): 0.14-0.19 s for
 Qwen3-0.6B on an H200. Here the buffer is opened once and every round is the model's own ``load_weights``
 copying from views of it into the parameters, in place, so CUDA graphs stay valid. That is exact for
-unquantized serving; a quantized server re-processes weights after loading and needs vLLM's path
-(server.ipc_direct_load=false).
+unquantized serving; a quantized server re-processes weights after loading and takes vLLM's path
+(weights/vllm_transports.py::in_place_refusal).
 
 Runs inside vLLM's worker process: torch, the standard library and weights/weight_buffer.py only.
 """

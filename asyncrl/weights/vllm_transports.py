@@ -1,5 +1,14 @@
 """Which vLLM transport a run syncs through: ipc or nccl, by the installed vLLM's trainer API (the factory API
-from 0.28, the static one before) and, for ipc, whether the server can load the weights in place."""
+from 0.28, the static one before) and, for ipc, whether the server can load the weights in place.
+
+A quantized server (server.quantization, or a quantization it reports) takes ipc or nccl by its GPU split as any
+other, always through vLLM's engine: the trainer sends 16-bit weights and the round's weight-update session
+re-quantizes them. In vLLM 0.33 the ipc and nccl engines' ``start_weight_update`` call
+``initialize_layerwise_reload`` and their ``finish_weight_update`` ``finalize_layerwise_reload``
+(model_loader/reload/layerwise.py), which, once a layer's weights have all arrived, runs its quantization method's
+``process_weights_after_loading`` again (``_layerwise_process`` clears the flag online FP8 sets to run only once)
+and copies the result into the tensors CUDA graphs hold. asyncrl's in-place loader calls ``load_weights`` outside
+any session, which would copy 16-bit values into the quantized parameters."""
 
 from __future__ import annotations
 
@@ -44,22 +53,33 @@ def ipc_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = 
 
 
 def in_place_refusal(facts: ServerFacts) -> str | None:
-    """Why asyncrl's worker extension cannot load this server's weights in place; None when it can."""
+    """Why asyncrl's worker extension cannot load this server's weights in place; None when it can. Quantization
+    first: no flag makes that server loadable in place."""
+    if (why := requantization(facts)) is not None:
+        return why
     if facts.worker_extension != vllm.WORKER_EXTENSION:
         return f"start the server with --worker-extension-cls {vllm.WORKER_EXTENSION} to load weights in place"
-    if facts.quantization:
-        return (
-            f"the server quantizes its weights ({facts.quantization}) after loading them, which an in-place "
-            "load would not redo"
-        )
     if facts.gpus > 1:
         return f"the server spans {facts.gpus} GPUs and the shared weight buffer lives on one"
     return None
 
 
+def requantization(facts: ServerFacts | None) -> str | None:
+    """Why a quantized server's rounds go through vLLM's weight-update session (the startup log's words); None for
+    a server that serves its weights as loaded."""
+    if facts is None or not facts.quantization:
+        return None
+    return (
+        f"the server quantizes its weights ({facts.quantization}) as it loads them: vLLM's weight-update session "
+        "re-quantizes each layer from the 16-bit weights sent (layerwise reload), which an in-place load would skip"
+    )
+
+
 def nccl_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:
     """An NCCL broadcast from the trainer (rank 0) to every server worker: they have their own GPUs."""
     dtype = torch_dtype(serving_dtype(config))
+    if (why := requantization(facts)) is not None:
+        log.info("nccl sync through vLLM's engine: %s", why)
     if _uses_factory_api():
         return FactoryTransport("nccl", dtype, config.server.timeout)
     return StaticNcclTransport(dtype, config.server.timeout)

@@ -33,3 +33,8 @@ def acceptance() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def vs_trl() -> Iterator[ModuleType]:
     yield from script_module("vs_trl")
+
+
+@pytest.fixture(scope="module")
+def e2e() -> Iterator[ModuleType]:
+    yield from script_module("e2e")

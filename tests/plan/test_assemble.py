@@ -29,7 +29,10 @@ BAD_INPUTS = [
     (["packing.token_budget=0"], "packing: packing 'tree': token_budget=0 must be >= 1"),
     (["rollout.loop_cls=nope"], "rollout.loop_cls"),
     (["server.weight_transfer=ipc", "trainer.num_processes=2"], "server.weight_transfer=ipc with 2 trainer ranks"),
-]
+    (["server=builtin", "server.quantization=fp8"], "server.quantization=fp8 is vLLM's: the built-in server cannot"),
+    (["server=vllm", "server.max_model_len=512", "server.quantization=fp8", "server.dtype=float32"],
+     "server.quantization=fp8 needs 16-bit serving (vLLM's quantized layers refuse server.dtype=float32)"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("overrides", "named"), BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)

@@ -121,6 +121,8 @@ VLLM_CASES = {
                  "LoRA off.*--enable-lora --max-lora-rank 32 --max-loras 6"),
     "ipc to several trainer ranks": (vllm_info(), ["trainer.num_processes=2"],
                                      "ipc.*the trainer has 2 ranks.*--weight-transfer-config '{\"backend\":\"nccl\"}'"),
+    "quantization": (vllm_info(), ["server.quantization=fp8"],
+                     "server.quantization=fp8 but the server reports quantization none.*--quantization fp8"),
     "lora rank": (vllm_info(vllm_config__lora_config={"max_lora_rank": 8, "max_loras": 6}),
                   ["lora=default", "lora.sync=adapter"], "max_lora_rank 8 is below lora.r=32.*--max-lora-rank 32"),
 }  # fmt: skip
@@ -149,6 +151,7 @@ def test_vllm_that_agrees_reports_its_transfer_backend(monkeypatch, caplog, serv
                          vllm_config__model_config__quantization="fp8")  # fmt: skip
     with serve_app(fake_vllm("0.26.0", extended)) as url:
         facts = run_checks(attached_vllm(url))
+        assert run_checks(attached_vllm(url, "server.quantization=fp8")) == facts  # the config's, as reported
     assert (facts.worker_extension, facts.quantization, facts.gpus) == (WORKER_EXTENSION, "fp8", 4)
 
 

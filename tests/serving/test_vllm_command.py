@@ -213,6 +213,18 @@ def test_extra_args_come_last_and_data_parallel_is_passed():
     assert cmd.env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
+def test_quantization_is_passed_and_a_quantized_server_gets_no_in_place_loader():
+    """The worker extension loads outside vLLM's weight-update session, which a quantized server needs to
+    re-quantize (weights/vllm_transports.py): on a shared GPU it is left out, whatever server.ipc_direct_load says."""
+    for gpus, transfer in ((("0",), "ipc"), (("0", "1"), "nccl")):
+        argv = command(["server.quantization=fp8"], gpus=gpus).argv
+        assert argv[argv.index("--quantization") + 1] == "fp8"
+        assert transfer in argv[argv.index("--weight-transfer-config") + 1]
+        assert "--worker-extension-cls" not in argv
+    assert "--worker-extension-cls" in command([], gpus=("0",)).argv
+    assert "--quantization" not in command([], gpus=("0",)).argv
+
+
 @pytest.mark.parametrize(("version", "expected"), [
     ("0.26.0", []), ("0.28.0", ["--return-sampling-mask"]), ("0.29.0", ["--return-sampling-mask"]),
     ("0.30.0", ["--return-sampling-mask", "--enable-scale-out"]),

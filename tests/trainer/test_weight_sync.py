@@ -15,7 +15,7 @@ import threading
 import time
 import types
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -518,7 +518,8 @@ def test_the_worker_extension_refuses_what_it_cannot_load(monkeypatch, model):
     ({}, "true", "DirectIpcTransport", None),
     ({"worker_extension": ""}, "true", "StaticIpcTransport", "--worker-extension-cls"),
     ({}, "false", "StaticIpcTransport", None),
-    ({"quantization": "fp8"}, "true", "StaticIpcTransport", r"quantizes its weights \(fp8\)"),
+    ({"quantization": "fp8"}, "true", "StaticIpcTransport", r"quantizes its weights \(fp8\).*re-quantizes"),
+    ({"quantization": "fp8", "worker_extension": ""}, "true", "StaticIpcTransport", r"quantizes its weights"),
     ({"gpus": 2}, "true", "StaticIpcTransport", "spans 2 GPUs"),
 ])  # fmt: skip
 def test_ipc_loads_in_place_where_the_extension_can(facts, direct_load, expected, why, monkeypatch, caplog, tmp_path):
@@ -528,4 +529,15 @@ def test_ipc_loads_in_place_where_the_extension_can(facts, direct_load, expected
     with caplog.at_level(logging.INFO, logger="asyncrl.weights.vllm_transports"):
         assert type(ipc_transport(config=config, run_dir=tmp_path, facts=server)).__name__ == expected
     if why is not None:
-        assert re.search(f"through vLLM's engine.*{why}", caplog.text)
+        assert re.search(f"ipc sync through vLLM's engine.*{why}", caplog.text)
+
+
+def test_a_quantized_server_over_nccl_says_its_session_requantizes(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.33.0")
+    config = to_config(compose([]))
+    plain = ServerFacts("vllm", "0.33.0", 4096, "nccl", False)
+    with caplog.at_level(logging.INFO, logger="asyncrl.weights.vllm_transports"):
+        nccl_transport(config=config, run_dir=tmp_path, facts=plain)
+        assert not caplog.text
+        nccl_transport(config=config, run_dir=tmp_path, facts=replace(plain, quantization="fp8"))
+    assert re.search(r"nccl sync through vLLM's engine: the server quantizes its weights \(fp8\)", caplog.text)

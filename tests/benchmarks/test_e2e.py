@@ -1,0 +1,34 @@
+"""benchmarks/e2e.py's comparison of a quantized server with the bf16 one, from made-up summaries (the runs need a
+GPU and vLLM)."""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+
+def run(name: str, tokens: float, step_s: float, logp: float, sync_s: float) -> dict[str, Any]:
+    return {"name": name, "gen_tokens_per_s": tokens, "samples_per_step": 100.0, "steady_step_s": step_s,
+            "logp_diff": logp, "sync_s": sync_s}  # fmt: skip
+
+
+def test_the_quantized_server_is_compared_run_by_run_against_the_goal(e2e: ModuleType) -> None:
+    bf16 = {"label": "vllm", "standalone_tokens_per_s": 8000.0,
+            "runs": [run("staleness1", 4000, 5.0, 0.002, 0.06), run("staleness2", 5000, 4.0, 0.002, 0.07),
+                     {"name": "staleness4", "failed": "timeout"}]}  # fmt: skip
+    fp8 = {"label": "fp8", "standalone_tokens_per_s": 12000.0,
+           "runs": [run("fp8_staleness2", 6000, 2.0, 0.005, 0.2), run("fp8_staleness1", 5200, 4.0, 0.004, 0.2),
+                    {"name": "fp8_staleness0", "failed": 1}, run("fp8_staleness4", 7000, 3.0, 0.001, 0.1)]}  # fmt: skip
+    rows = {row["name"]: row for row in e2e.quantized_rows(bf16, fp8)}
+    assert list(rows) == ["server alone", "staleness2", "staleness1", "staleness0", "staleness4"]
+    assert e2e.ratio(rows["server alone"]["tokens"]) == 1.5 and "goal" not in rows["server alone"]
+    # staleness2: 6000 / 5000 = 1.2x tokens (short of 1.3x), samples 50 / 25 per s, logp 2.5x (over 2x)
+    two = rows["staleness2"]
+    assert (two["tokens"], two["samples"], two["logp"], two["sync"]) == ((5000, 6000), (25, 50), (0.002, 0.005),
+                                                                          (0.07, 0.2))  # fmt: skip
+    assert two["goal"] is False
+    assert rows["staleness1"]["goal"] is True  # 5200 / 4000 = 1.3x tokens, logp 0.004 / 0.002 = 2x: both at the edge
+    assert rows["staleness0"] == {"name": "staleness0", "failed": 1}  # a quantized run that failed stays a row
+    assert rows["staleness4"]["failed"] == "no bf16 run of that name"  # the bf16 one timed out
+    assert math.isnan(e2e.ratio((0.0, 1.0)))
