@@ -15,11 +15,13 @@ On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece ru
 --row-timeout 240 --out $OUT --work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints, the passed rows and
 vLLM's compile cache while the machine stays warm: each call goes on where the last stopped, and prints the whole
 table). A row is kept only if it passed at this code version (the header's ``code``: a hash of asyncrl/, conf/ and
-recipes/, since a device call's tree has no .git), so one table is one version of what it runs. A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context
-length and each shape are other configurations), later ones take ~1 min. A recipe row first builds its shape into
---work on the GPU (about a minute, before the row's clock starts; a cut call keeps a finished build), and its first
-run compiles fla's kernels and vLLM's graphs for minutes: give the recipe rows a call of their own with
-``--row-timeout 540``.
+recipes/, since a device call's tree has no .git), so one table is one version of what it runs. A machine's first
+vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context length and each shape are
+other configurations), later ones take ~1 min. A recipe row first builds its shape into --work on the GPU (32 s at
+the 2B shape, before the row's clock starts; a cut call keeps a finished build). Its first run on a machine does
+not fit one call: at the 2B shape (session 16) the eager warm-up step took 189 s (fla's Triton kernels compiled
+and autotuned) and vLLM's cold boot 290 s, so the first call (``--rows deepmath --row-timeout 540``) fills the
+caches and the next one, the same, is the row as a user's second run meets it.
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
@@ -574,9 +576,11 @@ def header(ctx: Context, commands: list[tuple[str, list[str]]], version: str) ->
 
 
 def failure_log(result: Result, row_dir: Path) -> str:
-    """The tails of a failed row's consoles and launch.logs."""
+    """The tails of a failed row's consoles, launch.logs and server logs."""
     parts = [f"\n## {result.row}: {'; '.join(result.problems)}\n"]
-    files = sorted(row_dir.glob("*.err")) + sorted(row_dir.glob("*.out")) + [r / "launch.log" for r in result.runs]
+    runs = sorted(p.parent for p in row_dir.glob("runs/**/launch.log"))  # a run that never stepped too
+    logs = [log for r in runs for log in [r / "launch.log", *sorted((r / "logs").glob("*.log"))]]
+    files = sorted(row_dir.glob("*.err")) + sorted(row_dir.glob("*.out")) + logs
     for path in files:
         if path.is_file():
             tail = [line[-300:] for line in path.read_text(errors="replace").splitlines()[-40:]]

@@ -124,3 +124,16 @@ def test_a_passed_row_is_kept_and_rows_past_the_budget_are_not_run(
     assert "| lora |" in table and "not run: --budget spent" in table
     assert acceptance.passed_mark(tmp_path, rows["default"], version).is_file()
     assert f"code {version}" in table and "older" not in table
+
+
+def test_a_failed_rows_log_has_the_server_log_of_a_run_that_never_stepped(
+    acceptance: ModuleType, tmp_path: Path
+) -> None:
+    """A row stopped before its first step wrote no metrics.jsonl: its launch.log and server log still say why."""
+    run = tmp_path / "runs" / "2026-12-02_15-27-40"
+    (run / "logs").mkdir(parents=True)
+    (tmp_path / "console0.err").write_text("interrupted (SIGTERM) at step 0\n")
+    (run / "launch.log").write_text("vLLM starts now\n")
+    (run / "logs" / "server.log").write_text("compiling the graph\n")
+    text = acceptance.failure_log(acceptance.Result("deepmath", problems=["stopped"]), tmp_path)
+    assert "vLLM starts now" in text and "compiling the graph" in text and "interrupted (SIGTERM)" in text
