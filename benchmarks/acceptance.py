@@ -35,9 +35,10 @@ checkpoint exists (issue 35):
   ``-m asyncrl.engine``).
 - ``vllm-hung``: SIGSTOP to every process of the server. The next weight sync's ``POST /pause`` then waits
   ``server.timeout`` (its default, 1800 s, would outlast any device call: the row sets 180, which still covers a
-  vLLM start that compiles), or, when the trainer waits for rollouts instead, the health watchdog ends the run
-  after ``server.health_timeout`` (120 s). Exactly when a sync starts cannot be seen from outside (nothing is
-  logged as one starts); the trainer syncs after every step, so a stop after a checkpoint hangs the next one.
+  vLLM start that compiles), and the failed round's cleanup 60 s more; or, when the trainer waits for rollouts
+  instead, the health watchdog ends the run after ``server.health_timeout`` (120 s). Exactly when a sync starts
+  cannot be seen from outside (nothing is logged as one starts); the trainer syncs after every step, so a stop
+  after a checkpoint hangs the next one (the rehearsal's runs end on ``POST /pause``).
 - ``oom``: a memory hog, a process of the row's (not the run's), takes nearly all the GPU's free memory (1 GiB
   blocks, then down to 64 MiB) and holds it; the trainer's next allocation beyond its cached memory fails, and the
   run ends with asyncrl's out-of-memory line. The hog is killed once the run ended, before the resume. A GPU only:
