@@ -40,11 +40,13 @@ checkpoint exists (issue 35):
   cannot be seen from outside (nothing is logged as one starts); the trainer syncs after every step, so a stop
   after a checkpoint hangs the next one (the rehearsal's runs end on ``POST /pause``).
 - ``oom``: a memory hog, a process of the row's (not the run's), takes nearly all the GPU's free memory (1 GiB
-  blocks, then down to 64 MiB) and holds it; the trainer's next allocation beyond its cached memory fails, and the
-  run ends with asyncrl's out-of-memory line. The hog is killed once the run ended, before the resume. A GPU only:
-  the rehearsal skips it, saying so (no CPU failure is a ``torch.OutOfMemoryError``). The trainer's warm-up step
-  leaves its peak in the CUDA caching allocator, so a run whose steps never outgrow the warm-up's may train on
-  beside the hog: the row then fails, saying the run finished.
+  blocks, then down to 64 MiB) and holds it; the trainer's next allocation that its cached memory cannot hold in
+  one piece fails, and the run ends with asyncrl's out-of-memory line. The hog is killed once the run ended, before
+  the resume. A GPU only: the rehearsal skips it, saying so (no CPU failure is a ``torch.OutOfMemoryError``). The
+  warm-up step leaves its peak in the CUDA caching allocator, but steps of other sizes split its blocks: on the
+  H200 (plain torch, a 16-layer MLP), after a warm-up of 32768 rows and the hog (127 GiB taken, 21 MiB left),
+  steps of 4000, 1000, 3000 and 2000 rows trained while one of the warm-up's own size ran out. A run whose steps
+  all fit the cache trains on beside the hog: the row then fails, saying the run finished.
 - ``vllm-killed-restart``: ``vllm-killed`` with ``trainer.max_restarts=1``: the one command restarts itself from the
   checkpoint (a ``restart 1/1`` line, logs/restarts.jsonl, ``perf/restarts``) and ends 0 at trainer.max_steps.
 
