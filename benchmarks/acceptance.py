@@ -3,8 +3,9 @@
 Only what the Hub would provide is replaced: same-shape random checkpoints built here with the tiny-arith tokenizer
 (Qwen3.5-2B for ``+recipe=deepmath``, Qwen3-4B for ``+recipe=deepmath_qwen3_4b``; ``benchmarks/vllm_e2e.py``), the
 shipped arithmetic data (``data=arithmetic``) and a reward with spread on random weights (``reward=length``). Each
-command gets ``trainer.max_steps`` and nothing else, except the ``sigint`` row's ``trainer.save_steps=2`` (the
-embedded default saves every 30 steps: a 10-step run has nothing to resume from before its end).
+command gets ``trainer.max_steps`` and nothing else, except the ``sigint`` and fault rows' ``trainer.save_steps=2``
+(the embedded default saves every 30 steps: a 10-step run has nothing to resume from before its end) and what a
+fault row says below.
 
     python benchmarks/acceptance.py --out $OUT                        # every row, in ROWS' order
     python benchmarks/acceptance.py --rows builtin,default,lora --out $OUT --work /tmp/acc
@@ -29,13 +30,43 @@ starts without LoRA), ``lora-adapter`` (lora.sync=adapter: vLLM with --enable-lo
 ``counter-agent``, ``sweep`` (a two-job ``-m``), ``sigint`` (SIGINT to the run's process group once a checkpoint
 exists, as Ctrl-C does, then the resume command the CLI printed, run verbatim), ``export`` (a LoRA run, ``asyncrl
 export RUN exported``, then ``vllm serve exported``: /health and one completion; the rehearsal loads the export
-with transformers instead), ``deepmath``, ``deepmath-4b``.
+with transformers instead), ``deepmath``, ``deepmath-4b``, and the GPU's own failures, each once the run's first
+checkpoint exists (issue 35):
+
+- ``vllm-killed``: SIGKILL to every process of the generation server (vLLM's API processes and engine core are its
+  descendants; the server is found among the run's processes by its command line, ``-m vllm.entrypoints...`` or
+  ``-m asyncrl.engine``).
+- ``vllm-hung``: SIGSTOP to every process of the server. The next weight sync's ``POST /pause`` then waits
+  ``server.timeout`` (its default, 1800 s, would outlast any device call: the row sets 180, which still covers a
+  vLLM start that compiles), and the failed round's cleanup 60 s more; or, when the trainer waits for rollouts
+  instead, the health watchdog ends the run after ``server.health_timeout`` (120 s). Exactly when a sync starts
+  cannot be seen from outside (nothing is logged as one starts); the trainer syncs after every step, so a stop
+  after a checkpoint hangs the next one (the rehearsal's runs end on ``POST /pause``).
+- ``oom``: a memory hog, a process of the row's (not the run's), takes nearly all the GPU's free memory (1 GiB
+  blocks, then down to 64 MiB) and holds it; the trainer's next allocation that its cached memory cannot hold in
+  one piece fails, and the run ends with asyncrl's out-of-memory line. The hog is killed once the run ended, before
+  the resume. A GPU only: the rehearsal skips it, saying so (no CPU failure is a ``torch.OutOfMemoryError``). The
+  warm-up step leaves its peak in the CUDA caching allocator, but steps of other sizes split its blocks: on the
+  H200 (plain torch, a 16-layer MLP), after a warm-up of 32768 rows and the hog (127 GiB taken, 21 MiB left),
+  steps of 4000, 1000, 3000 and 2000 rows trained while one of the warm-up's own size ran out. A run whose steps
+  all fit the cache trains on beside the hog: the row then fails, saying the run finished.
+- ``vllm-killed-restart``: ``vllm-killed`` with ``trainer.max_restarts=1``: the one command restarts itself from the
+  checkpoint (a ``restart 1/1`` line, logs/restarts.jsonl, ``perf/restarts``) and ends 0 at trainer.max_steps.
+
+Each fault row has ``trainer.save_steps=2``, as ``sigint`` has, for a checkpoint to resume from. Its command must
+end by itself, not with exit code 0, its last ``error (...)`` line (else its last line) naming what died (the row's
+notes quote it); then the row resumes the run with the resume command asyncrl printed, or, since a crash prints
+none, with the run's own arguments plus ``trainer.resume_from_checkpoint=latest hydra.run.dir=RUN`` (what a
+printed one holds). The resumed run must start at its checkpoint's step (launch.log's ``resumed from``) and leave
+metrics.jsonl with steps 1..trainer.max_steps once each (the resume drops the rows logged past its checkpoint);
+``sigint`` is checked the same way. A fault row's two runs need about twice a row's time: ``--row-timeout 540``.
 
 Each row runs in its own directory (``--work``/rows/NAME, the runs under its ``runs/``) within ``--row-timeout``
 (then its process group is stopped and the row fails), and appends one line to ``--out``/acceptance.md when it ends;
 a failed row also appends the tails of its console and launch.log to ``--out``/failures.log. A row fails on an exit
-code other than 0, fewer steps than asked in any of its runs, or a process of the row still alive 15 s after it
-ended (then killed). The script exits 1 when any row failed.
+code other than 0, fewer steps than asked in any of its runs, a process of the row still alive 15 s after it
+ended (then killed), or, on a GPU, one that ``nvidia-smi --query-compute-apps`` still lists 15 s later. The script
+exits 1 when any row failed.
 
 Columns, read from each run's metrics.jsonl ('-' where absent): healthy s and first step s are
 ``perf/startup_server_healthy_s`` and ``perf/startup_first_step_s`` (seconds from the CLI's start); where the
@@ -49,14 +80,16 @@ total minus the trainer's peak, marked ``t``.
 
 ``--rehearse`` (CPU): 4 steps unless --steps says otherwise, ``server=builtin`` where vLLM or a GPU is missing, tiny
 Qwen3.5 and Qwen3 checkpoints with 4096 positions for the recipes, whose 200-prompt evaluation at 2048 tokens
-(``data.eval_path=null``) it skips.
+(``data.eval_path=null``) it skips; ``oom`` is skipped where there is no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import importlib.util
 import os
@@ -69,7 +102,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -80,6 +113,7 @@ sys.path.insert(0, str(REPO))
 
 from asyncrl.metrics import read_jsonl  # noqa: E402
 from asyncrl.parent import die_with_parent  # noqa: E402
+from asyncrl.restart import restart_count  # noqa: E402
 from asyncrl.serving.process import free_port  # noqa: E402
 
 POLL_S = 0.5
@@ -100,15 +134,21 @@ class Row:
     name: str
     args: tuple[str, ...]
     kind: str = "train"
-    """train | sigint | export (a train, then the export and its load)."""
+    """train | sigint | export (a train, then the export and its load) | kill | hang | oom (a fault, then the
+    resume) | restart (a kill that the run restarts from)."""
     shape: str | None = None
     """The checkpoint (``build_shape``) standing in for the recipe's Hub model."""
     rehearse: tuple[str, ...] = ()
     """More overrides in the CPU rehearsal only."""
+    gpu_only: str | None = None
+    """Why the row needs a GPU: where there is none, it is skipped, saying this."""
 
 
 RECIPE_DATA = ("model.name_or_path={model}", "data=arithmetic", "reward=length", TRAIN)
 SKIP_LONG_EVAL = ("data.eval_path=null",)
+RESUMABLE = ("train", TRAIN, "trainer.save_steps=2")
+"""A run with a checkpoint to resume from before its end (the embedded default saves every 30 steps)."""
+NO_CPU_OOM = "a CUDA out-of-memory needs a GPU, and no CPU failure is one (torch.OutOfMemoryError)"
 ROWS = [
     Row("builtin", ("train", "server=builtin", TRAIN)),
     Row("default", ("train", TRAIN)),
@@ -117,10 +157,14 @@ ROWS = [
     Row("lora-merged", ("train", "lora=default", "lora.sync=merged", TRAIN)),
     Row("export", ("train", "lora=default", TRAIN), kind="export"),
     Row("counter-agent", ("train", "+recipe=counter_agent", TRAIN)),
-    Row("sigint", ("train", TRAIN, "trainer.save_steps=2"), kind="sigint"),
+    Row("sigint", RESUMABLE, kind="sigint"),
     Row("sweep", ("train", "-m", "trainer.learning_rate=1e-6,3e-6", TRAIN)),
     Row("deepmath", ("train", "+recipe=deepmath", *RECIPE_DATA), shape="qwen3.5-2b", rehearse=SKIP_LONG_EVAL),
     Row("deepmath-4b", ("train", "+recipe=deepmath_qwen3_4b", *RECIPE_DATA), shape="qwen3-4b", rehearse=SKIP_LONG_EVAL),
+    Row("vllm-killed", RESUMABLE, kind="kill"),
+    Row("vllm-hung", (*RESUMABLE, "server.timeout=180"), kind="hang"),
+    Row("oom", RESUMABLE, kind="oom", gpu_only=NO_CPU_OOM),
+    Row("vllm-killed-restart", (*RESUMABLE, "trainer.max_restarts=1"), kind="restart"),
 ]  # fmt: skip
 
 
@@ -196,10 +240,49 @@ def alive(pid: int, started: str) -> bool:
 
 
 def cmdline(pid: int) -> str:
+    return " ".join(argv_of(pid))[:120] or "?"
+
+
+def argv_of(pid: int) -> list[str]:
+    """A process's command line ([] once it is gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return "?"
+        return []
+    return raw.rstrip(b"\0").decode(errors="replace").split("\0") if raw.strip(b"\0") else []
+
+
+def is_server(argv: list[str]) -> bool:
+    """A generation server's command line as asyncrl launches it (serving/command.py: ``-m asyncrl.engine``;
+    serving/vllm.py: ``-m vllm.entrypoints.cli.main serve``), or a ``vllm serve`` script. The CLI (``-m asyncrl
+    train server=vllm``) and the trainer's ranks and worker are not."""
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    if module == "asyncrl.engine" or module.startswith("vllm.entrypoints"):
+        return True
+    return "vllm" in [Path(a).name for a in argv[:2]] and "serve" in argv
+
+
+def server_processes(
+    tree: dict[int, str],
+    below: Callable[[int], dict[int, str]] = descendants,
+    argv: Callable[[int], list[str]] = argv_of,
+) -> dict[int, str]:
+    """The generation servers among ``tree`` (pid -> start time) with every process below them: vLLM's API
+    processes and engine core are the server's children, whatever their command lines say (setproctitle)."""
+    found: dict[int, str] = {}
+    for pid, started in tree.items():
+        if pid not in found and is_server(argv(pid)):
+            found[pid] = started
+            found.update(below(pid))
+    return found
+
+
+def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 class GpuMemory:
@@ -247,6 +330,8 @@ class Outcome:
     rc: int | None
     first_record_s: float | None
     leftovers: list[str]
+    on_gpu: list[str] = dataclasses.field(default_factory=list)
+    """Processes of the command that nvidia-smi still listed after it ended (``gpu_holders``)."""
 
 
 def env() -> dict[str, str]:
@@ -280,7 +365,9 @@ def execute(
         if proc.poll() is None:
             stop(proc)
     del seen[proc.pid]
-    return Outcome(None if timed_out else proc.returncode, first, survivors(seen))
+    left = survivors(seen)
+    on_gpu = gpu_holders({proc.pid, *seen}) if ctx.cuda else []
+    return Outcome(None if timed_out else proc.returncode, first, left, on_gpu)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -304,12 +391,20 @@ def survivors(seen: dict[int, str]) -> list[str]:
     while (left := [pid for pid, started in seen.items() if alive(pid, started)]) and time.monotonic() < until:
         time.sleep(POLL_S)
     found = [f"{pid} {cmdline(pid)}" for pid in left]
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_all(left, signal.SIGKILL)  # a stopped process (SIGSTOP) dies of it too
     return found
+
+
+def gpu_holders(pids: set[int]) -> list[str]:
+    """The processes of ``pids`` that ``nvidia-smi --query-compute-apps`` still lists LEFTOVER_GRACE_S after their
+    command ended: a process gone from /proc whose GPU memory the driver has not freed is left on the GPU too."""
+    until = time.monotonic() + LEFTOVER_GRACE_S
+    while True:
+        apps = _smi("--query-compute-apps=pid,process_name,used_memory")
+        held = [app for app in apps if len(app) == 3 and app[0].isdigit() and int(app[0]) in pids]
+        if not held or time.monotonic() >= until:
+            return [f"{pid} {name} ({mib} MiB)" for pid, name, mib in held]
+        time.sleep(POLL_S)
 
 
 # ---- rows --------------------------------------------------------------------------------------------------------
@@ -323,6 +418,8 @@ class Context:
     row_timeout: float
     vllm: bool
     """vLLM and a GPU are here (else the rehearsal forces server=builtin)."""
+    cuda: bool = False
+    """nvidia-smi sees a GPU here."""
     gpu: GpuMemory | None = None
     deadline: float = 0.0
 
@@ -338,6 +435,8 @@ class Result:
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    skipped: str | None = None
+    """Why the row did not run here (``Row.gpu_only``): neither passed nor failed."""
 
 
 def asyncrl(args: list[str]) -> list[str]:
@@ -368,29 +467,216 @@ def run_train(row: Row, row_dir: Path, ctx: Context, model: Path | None, result:
     train(result, row_dir, typed(row, ctx, model), ctx)
 
 
+Poll = Callable[[subprocess.Popen[bytes]], None]
+
+
+def at_checkpoint(row_dir: Path, act: Callable[[subprocess.Popen[bytes]], str | None]) -> tuple[Poll, list[str]]:
+    """A poll for ``execute`` that calls ``act(command)`` once the run's first checkpoint exists (and again at each
+    poll until it says what it did: a server not found yet), and the list that keeps what it said."""
+    done: list[str] = []
+
+    def poll(proc: subprocess.Popen[bytes]) -> None:
+        if not done and checkpoint_steps(row_dir) and (said := act(proc)):
+            done.append(said)
+
+    return poll, done
+
+
+def checkpoint_steps(row_dir: Path) -> list[int]:
+    """The steps of the row's finished checkpoints (a save in progress is step_N.tmp), in order."""
+    names = [p.name for p in row_dir.glob("runs/*/checkpoints/*")]
+    return sorted(int(n.removeprefix("step_")) for n in names if re.fullmatch(r"step_\d+", n))
+
+
+def interrupt(proc: subprocess.Popen[bytes]) -> str:
+    """Ctrl-C: SIGINT to the command's process group."""
+    os.killpg(proc.pid, signal.SIGINT)
+    return "SIGINT"
+
+
 def run_sigint(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
     """SIGINT to the run's process group once it has a checkpoint, then the resume command it printed."""
-    sent: list[int] = []
-
-    def interrupt(proc: subprocess.Popen[bytes]) -> None:
-        if not sent and any(re.fullmatch(r"step_\d+", p.name) for p in row_dir.glob("runs/*/checkpoints/*")):
-            os.killpg(proc.pid, signal.SIGINT)
-            sent.append(proc.pid)
-
-    first = train(result, row_dir, typed(row, ctx, model), ctx, interrupt)
-    printed = resume_command((row_dir / "console0.err").read_text(errors="replace"))
+    poll, sent = at_checkpoint(row_dir, interrupt)
+    first = train(result, row_dir, typed(row, ctx, model), ctx, poll)
+    printed = resume_command(console(row_dir, 0))
     if not sent or printed is None:
         result.problems.append(f"exit {first.rc}, no resume command printed" if sent else "never interrupted")
         return
     said, argv = printed
     result.notes.append(f"{said}, exit {first.rc}")
-    train(result, row_dir, argv[1:], ctx)
+    resume(result, row_dir, argv[1:], ctx)
+
+
+def console(row_dir: Path, index: int) -> str:
+    """The stderr of the row's command ``index`` (``train``'s console files)."""
+    return (row_dir / f"console{index}.err").read_text(errors="replace")
 
 
 def resume_command(stderr: str) -> tuple[str, list[str]] | None:
-    """What Ctrl-C printed: where the run stopped and resumes from, and the command that resumes it, as argv."""
-    found = re.findall(r"^(interrupted .*); (resume from .*) with: (asyncrl train .*)$", stderr, re.MULTILINE)
+    """The resume command asyncrl printed (Ctrl-C or SIGTERM: ``interrupted ...``; a full disk: ``error (OSError):
+    ...``) as argv, with what the line said before it; None where it printed none (a crash prints none)."""
+    found = re.findall(r"^(.*); (resume from step_\d+ \(step \d+\)) with: (asyncrl train .*)$", stderr, re.MULTILINE)
     return (f"{found[-1][0]}, {found[-1][1]}", shlex.split(found[-1][2])) if found else None
+
+
+def resume(result: Result, row_dir: Path, args: list[str], ctx: Context) -> None:
+    """Run ``asyncrl ARGS``, the resume from the row's newest checkpoint, and check that it went on from there."""
+    checkpoint = checkpoint_steps(row_dir)[-1]
+    train(result, row_dir, args, ctx)
+    run = run_dirs(row_dir)[0]
+    steps = [int(r["step"]) for r in read_jsonl(run / "metrics.jsonl")]
+    log = run / "launch.log"
+    resumed = resumed_step(log.read_text(errors="replace")) if log.is_file() else None
+    result.problems.extend(continuity(steps, resumed, checkpoint, ctx.steps))
+
+
+def resumed_step(launch_log: str) -> int | None:
+    """The step the run's latest start resumed at (the trainer logs ``resumed from CHECKPOINT at step N``)."""
+    found = re.findall(r"resumed from \S+ at step (\d+)", launch_log)
+    return int(found[-1]) if found else None
+
+
+def continuity(steps: list[int], resumed: int | None, checkpoint: int, max_steps: int) -> list[str]:
+    """What is wrong with a resumed run: a start elsewhere than its checkpoint's step, or metrics.jsonl steps other
+    than 1..max_steps once each (the resume drops the rows its failed run logged past the checkpoint)."""
+    problems = []
+    if resumed != checkpoint:
+        problems.append(f"resumed at step {resumed}, not at its checkpoint's, {checkpoint}")
+    if steps != list(range(1, max_steps + 1)):
+        problems.append(f"metrics.jsonl steps {','.join(map(str, steps))}, not 1-{max_steps} once each")
+    return problems
+
+
+# ---- faults: the generation server killed or hung, the GPU's memory taken ----------------------------------------
+
+
+def signal_server(sig: signal.Signals, proc: subprocess.Popen[bytes]) -> str | None:
+    """``sig`` to every process of the run's generation server at once; None while there is none yet."""
+    pids = server_processes(descendants(proc.pid))
+    signal_all(pids, sig)
+    return f"{sig.name} to the server's {len(pids)} process{'es' if len(pids) > 1 else ''}" if pids else None
+
+
+HOG = """import time, torch
+held, block = [], 1 << 30
+while block >= 1 << 26:
+    try:
+        held.append(torch.empty(block, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        block //= 2
+print(f"a memory hog took {sum(t.numel() for t in held) / 2**30:.1f} GiB of the GPU", flush=True)
+time.sleep(1e9)
+"""
+"""Another process taking nearly all of the GPU's free memory (1 GiB blocks, then halves down to 64 MiB) and
+holding it until killed."""
+
+
+class Hog:
+    """The ``oom`` row's fault: ``HOG`` started, its note once it holds the memory; killed on leaving the context."""
+
+    def __init__(self, row_dir: Path) -> None:
+        self.out = row_dir / "hog.out"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Hog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __call__(self, run: subprocess.Popen[bytes]) -> str:
+        """Start it and wait (up to a minute) until it says what it took, or ended."""
+        with self.out.open("wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-c", HOG], stdout=out, stderr=subprocess.STDOUT, env=env(),
+                                         preexec_fn=die_with_parent())  # fmt: skip
+        until = time.monotonic() + 60
+        while self.proc.poll() is None and "took" not in self.said() and time.monotonic() < until:
+            time.sleep(POLL_S)
+        return self.said() or "the memory hog said nothing"
+
+    def said(self) -> str:
+        lines = self.out.read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
+
+
+KILL = functools.partial(signal_server, signal.SIGKILL)
+HANG = functools.partial(signal_server, signal.SIGSTOP)
+FAULTS: dict[str, Callable[[Path], contextlib.AbstractContextManager[Callable[..., str | None]]]] = {
+    "kill": lambda _: contextlib.nullcontext(KILL),
+    "hang": lambda _: contextlib.nullcontext(HANG),
+    "oom": Hog,
+}
+"""Each fault row's injection, as a context that undoes what must not outlive the run (the hog)."""
+ENDINGS = {
+    "kill": r"the generation server exited",
+    "hang": r"generation server .* stopped answering /health|POST /\w+: no answer within .* \(server\.timeout\)",
+    "oom": r"the trainer ran out of GPU memory",
+}
+"""What each fault's last line must say: what died (serving/handle.py, serving/watchdog.py, weights/transport.py,
+trainer/memory.py)."""
+
+
+def run_fault(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
+    """The fault once the run has a checkpoint; the run must end by itself (not 0) on a line naming what died,
+    leaving nothing (``execute``'s checks), and its resume must go on from the checkpoint to max_steps."""
+    args = typed(row, ctx, model)
+    with FAULTS[row.kind](row_dir) as act:
+        poll, done = at_checkpoint(row_dir, act)
+        first = train(result, row_dir, args, ctx, poll)
+    stderr = console(row_dir, 0)
+    ended = ending_line(stderr)
+    result.notes.extend([*done, f"exit {first.rc}: {ended.replace(f'{row_dir}/', '')}"])
+    if not done or first.rc in (0, None):
+        why = "the fault was never made" if not done else "the run finished" if first.rc == 0 else "it never ended"
+        result.problems.append(f"{why} (exit {first.rc})")
+        return
+    if not re.search(ENDINGS[row.kind], ended):
+        result.problems.append("its last line does not say what died")
+    printed = resume_command(stderr)
+    if printed is None:
+        result.notes.append("no resume command printed: resumed with trainer.resume_from_checkpoint=latest")
+    resume(result, row_dir, printed[1][1:] if printed else resumed_args(args, run_dirs(row_dir)[0]), ctx)
+
+
+def ending_line(stderr: str) -> str:
+    """What a failed run ended with: its last ``error (...)`` line (launch.py), else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error (")]
+    return (errors or lines or ["(nothing)"])[-1][:400]
+
+
+def resumed_args(args: list[str], run: Path) -> list[str]:
+    """``args`` resuming ``run`` from its newest checkpoint, as a printed resume command does (launch.py)."""
+    return [*args, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run}"]
+
+
+def run_restart(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
+    """The server killed once the run has a checkpoint, under trainer.max_restarts=1: the run restarts itself from
+    it (one console line, logs/restarts.jsonl, perf/restarts) and the one command reaches max_steps."""
+    poll, done = at_checkpoint(row_dir, KILL)
+    train(result, row_dir, typed(row, ctx, model), ctx, poll)
+    said = restart_line(console(row_dir, 0))
+    result.notes.extend([*done, said[0].replace(f"{row_dir}/", "") if said else "no restart line"])
+    runs = run_dirs(row_dir)
+    if not done or said is None or not runs:
+        result.problems.append("never killed" if not done else "no restart")
+        return
+    if not re.search(ENDINGS["kill"], said[0]):
+        result.problems.append("the restart line does not say what died")
+    records = read_jsonl(runs[0] / "metrics.jsonl")
+    log = (runs[0] / "launch.log").read_text(errors="replace")
+    result.problems.extend(continuity([int(r["step"]) for r in records], resumed_step(log), said[1], ctx.steps))
+    counted = (restart_count(runs[0]), records[-1].get("perf/restarts") if records else None)
+    if counted != (1, 1):
+        result.problems.append(f"restarts.jsonl records {counted[0]} restarts, perf/restarts says {counted[1]}")
+
+
+def restart_line(stderr: str) -> tuple[str, int] | None:
+    """asyncrl's line for an automatic restart (restart.py) and the checkpoint step it resumes from."""
+    found = re.findall(r"^(restart \d+/\d+ \(.*; resuming from step_\d+ \(step (\d+)\))$", stderr, re.MULTILINE)
+    return (found[-1][0][:400], int(found[-1][1])) if found else None
 
 
 def run_export(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
@@ -448,10 +734,14 @@ def generate_export(model_dir: Path) -> str:
     return f"transformers loaded the export: {tokenizer.decode(out[0, ids['input_ids'].shape[1] :])!r}"
 
 
-RUNNERS = {"train": run_train, "sigint": run_sigint, "export": run_export}
+RUNNERS = {"train": run_train, "sigint": run_sigint, "export": run_export, "kill": run_fault, "hang": run_fault,
+           "oom": run_fault, "restart": run_restart}  # fmt: skip
 
 
 def run_row(row: Row, ctx: Context) -> Result:
+    if row.gpu_only and not ctx.cuda:
+        print(f"[acceptance] {row.name} skipped: {row.gpu_only}", flush=True)
+        return Result(row.name, skipped=row.gpu_only)
     row_dir = ctx.work / "rows" / row.name
     shutil.rmtree(row_dir, ignore_errors=True)
     row_dir.mkdir(parents=True)
@@ -483,6 +773,9 @@ def judge(result: Result, steps: int, expected_runs: int) -> None:
     left = [p for o in result.outcomes for p in o.leftovers]
     if left:
         result.problems.append(f"left behind (killed): {'; '.join(left)}")
+    on_gpu = [p for o in result.outcomes for p in o.on_gpu]
+    if on_gpu:
+        result.problems.append(f"still on the GPU (nvidia-smi): {'; '.join(on_gpu)}")
 
 
 def last_step(run: Path) -> int:
@@ -531,8 +824,11 @@ def table_line(result: Result, gpu: GpuMemory | None) -> str:
     cells = summarise(records, polled)
     peak = _values(records, "perf/trainer_peak_memory_gib")
     status = "FAIL: " + "; ".join(result.problems) if result.problems else "ok"
+    if result.skipped:
+        status = f"skipped: {result.skipped}"
     cells.update(
-        row=result.row, exit=str(result.rc), notes="; ".join([status, *result.notes]).replace("|", "/"),
+        row=result.row, exit="-" if result.skipped else str(result.rc),
+        notes="; ".join([status, *result.notes]).replace("|", "/"),
         **{"vLLM GiB": gpu.server_gib(max(peak) if peak else None) if gpu else "-",
            "row wall s": _fmt(result.seconds, 0)},
     )  # fmt: skip
@@ -605,7 +901,11 @@ def select(names: str | None) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = ",".join(r.name for r in ROWS)
-    parser.add_argument("--rows", help=f"comma-separated, run in this order (default: {names})")
+    parser.add_argument(
+        "--rows",
+        help=f"comma-separated, run in this order (default: {names}; the fault rows "
+        "vllm-killed, vllm-hung, oom and vllm-killed-restart each resume a run: --row-timeout 540)",
+    )
     parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (default 10; rehearsal 4)")
     parser.add_argument("--work", type=Path, help="run directories and built checkpoints (default: a new temp dir)")
     parser.add_argument("--out", type=Path, help="acceptance.md and failures.log (default: --work)")
@@ -630,11 +930,13 @@ def main() -> None:
         raise SystemExit("acceptance: needs vLLM and a GPU (import vllm, nvidia-smi); rehearse on CPU with --rehearse")
     steps = args.steps or (4 if args.rehearse else 10)
     if steps < 4:
-        raise SystemExit(f"--steps {steps}: the sigint row needs at least 4 (a checkpoint at step 2, then 2 more)")
+        raise SystemExit(
+            f"--steps {steps}: the sigint and fault rows need at least 4 (a checkpoint at step 2, then 2 more)"
+        )
     work = (args.work or Path(tempfile.mkdtemp(prefix="acceptance-"))).resolve()
     out = (args.out or work).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(work, steps, args.rehearse, args.row_timeout, vllm)
+    ctx = Context(work, steps, args.rehearse, args.row_timeout, vllm, cuda=bool(_smi("--query-gpu=name")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a cut call still stops the row's processes
     commands = [(r.name, typed(r, ctx, Path(f"<{r.shape} shape>") if r.shape else None)) for r in rows]
     version = code_version()
@@ -650,16 +952,18 @@ def main() -> None:
         else:
             result = run_row(row, ctx)
             line = table_line(result, ctx.gpu)
-            if not result.problems:
+            if not (result.problems or result.skipped):  # a skipped row runs again where it can
                 passed.write_text(line + "\n")
-            else:
+            elif result.problems:
                 failed.append(row.name)
                 with (out / "failures.log").open("a") as log:
                     log.write(failure_log(result, ctx.work / "rows" / row.name))
         print(line, flush=True)
         with (out / "acceptance.md").open("a") as table:
             table.write(line + "\n")
-    print(f"[acceptance] {len(rows) - len(failed)}/{len(rows)} rows passed; table: {out / 'acceptance.md'}")
+    skipped = f", {len(skips)} skipped" if (skips := [r for r in rows if r.gpu_only and not ctx.cuda]) else ""
+    print(f"[acceptance] {len(rows) - len(failed) - len(skips)}/{len(rows)} rows passed{skipped}; table: "
+          f"{out / 'acceptance.md'}")  # fmt: skip
     raise SystemExit(1 if failed else 0)
 
 

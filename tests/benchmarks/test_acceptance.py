@@ -1,9 +1,12 @@
 """benchmarks/acceptance.py's own logic, without running a row: the table's columns from metrics records, the
-resume command read from Ctrl-C's output, the failure rules and the row selection."""
+resume command read from Ctrl-C's output, the failure rules and the row selection; for the fault rows, the server
+found by its command line, the line a failed run ended with, the resumed run's steps and nvidia-smi's leftovers."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -47,6 +50,127 @@ def test_resume_command_is_the_one_ctrl_c_printed(acceptance: ModuleType) -> Non
         "interrupted (SIGINT) at step 1, before its first checkpoint: nothing to resume; start again with: asyncrl"
     )
     assert acceptance.resume_command(nothing + " train trainer.max_steps=4\n") is None
+    full_disk = (
+        "error (OSError): No space left on device writing runs/x/metrics.jsonl: free space there; resume from "
+        "step_000004 (step 4) with: asyncrl train trainer.max_steps=4 trainer.resume_from_checkpoint=latest\n"
+    )
+    said, argv = acceptance.resume_command(full_disk)
+    assert said.endswith("free space there, resume from step_000004 (step 4)") and argv[-1].endswith("=latest")
+    assert acceptance.resume_command(CRASH) is None  # a crash prints no resume command
+
+
+CRASH = (
+    "Loading weights: 100%|##########| 46/46\n"
+    "error (ServerStartError): the generation server exited: 2026-12-02 14:53:55,025 asyncrl.engine.api: loaded 46 "
+    "tensors from /dev/shm/w/weights-2.safetensors (log: runs/x/logs/server.log) (details: runs/x/launch.log)\n"
+    "  (a server's log tail may follow the line)\n\n"
+)
+
+
+def test_a_failed_run_ends_on_its_error_line_else_its_last(acceptance: ModuleType) -> None:
+    ended = acceptance.ending_line(CRASH)
+    assert ended.startswith("error (ServerStartError): the generation server exited: ")
+    assert acceptance.re.search(acceptance.ENDINGS["kill"], ended)
+    assert not acceptance.re.search(acceptance.ENDINGS["oom"], ended)
+    hung = "error (WeightSyncError): POST /pause: no answer within 180 s (server.timeout) (details: x/launch.log)"
+    assert acceptance.re.search(acceptance.ENDINGS["hang"], acceptance.ending_line(f"{hung}\n"))
+    assert acceptance.ending_line("Traceback (most recent call last):\n  ...\nKeyError: 'x'\n") == "KeyError: 'x'"
+
+
+def test_the_server_is_found_by_its_launch_command_with_everything_below_it(acceptance: ModuleType) -> None:
+    from asyncrl.config.compose import compose, to_config
+    from asyncrl.serving.command import builtin_command
+    from asyncrl.serving.vllm import CheckpointKind, vllm_command
+
+    builtin = builtin_command(to_config(compose(["server=builtin"]))).argv
+    vllm = vllm_command(to_config(compose(["server=vllm", "model.name_or_path=Qwen/Qwen3-4B"])), version="0.33.0",
+                        gpus=["0"], prompt_tokens=200, checkpoint=CheckpointKind()).argv  # fmt: skip
+    script = ["/venv/bin/python3", "/venv/bin/vllm", "serve", "Qwen/Qwen3-4B", "--port", "8000"]
+    assert all(acceptance.is_server(argv) for argv in (builtin, vllm, script))
+    cli = acceptance.asyncrl(["train", "server=vllm", "trainer.max_steps=4"])
+    rank = [sys.executable, "-m", "asyncrl.trainer.rank_main", "runs/x"]
+    worker = [
+        sys.executable,
+        "-c",
+        "from multiprocessing.spawn import spawn_main; spawn_main()",
+        "--multiprocessing-fork",
+    ]
+    assert not any(acceptance.is_server(argv) for argv in (cli, rank, worker, ["VLLM::EngineCore"], ["-m"], []))
+    # the CLI's processes: the worker (11), vLLM (12) and, below it, an API process and the engine core (13, 14)
+    argvs = {11: worker, 12: vllm, 13: ["VLLM::APIServer"], 14: ["VLLM::EngineCore"]}
+    tree = {11: "t11", 12: "t12", 13: "t13", 14: "t14"}
+    below = {12: {13: "t13", 14: "t14"}}
+    found = acceptance.server_processes(tree, below=lambda pid: below.get(pid, {}), argv=argvs.__getitem__)
+    assert found == {12: "t12", 13: "t13", 14: "t14"}
+    assert acceptance.server_processes({11: "t11"}, below=lambda pid: {}, argv=argvs.__getitem__) == {}
+
+
+def test_the_fault_waits_for_the_first_checkpoint_and_a_server_to_find(acceptance: ModuleType, tmp_path: Path) -> None:
+    answers = iter([None, "SIGKILL to the server's 2 processes", "again"])
+    calls: list[object] = []
+
+    def act(proc: object) -> str | None:
+        calls.append(proc)
+        return next(answers)
+
+    poll, done = acceptance.at_checkpoint(tmp_path, act)
+    checkpoints = tmp_path / "runs" / "r" / "checkpoints"
+    (checkpoints / "step_000002.tmp").mkdir(parents=True)  # a save in progress is no checkpoint yet
+    poll("proc")
+    assert calls == [] and acceptance.checkpoint_steps(tmp_path) == []
+    (checkpoints / "step_000004").mkdir()
+    (checkpoints / "step_000002").mkdir()
+    for _ in range(3):
+        poll("proc")
+    assert done == ["SIGKILL to the server's 2 processes"] and len(calls) == 2  # no server yet, then once
+    assert acceptance.checkpoint_steps(tmp_path) == [2, 4]
+
+
+def test_a_resumed_run_starts_at_its_checkpoint_and_logs_each_step_once(acceptance: ModuleType) -> None:
+    log = (
+        "[2026-12-02 14:56:33][asyncrl][ERROR] - restart 1/1 (ServerStartError): ...\n"
+        "[14:56:39][asyncrl.trainer][INFO] - resumed from runs/x/checkpoints/step_000002 at step 2, prompt 68\n"
+    )
+    assert acceptance.resumed_step(log) == 2 and acceptance.resumed_step("no resume here") is None
+    assert acceptance.continuity([1, 2, 3, 4], resumed=2, checkpoint=2, max_steps=4) == []
+    assert acceptance.continuity([1, 2, 3, 3, 4], resumed=4, checkpoint=2, max_steps=4) == [
+        "resumed at step 4, not at its checkpoint's, 2", "metrics.jsonl steps 1,2,3,3,4, not 1-4 once each"
+    ]  # fmt: skip
+    assert acceptance.continuity([1, 2], resumed=None, checkpoint=2, max_steps=4)[1].endswith("not 1-4 once each")
+    restarted = (
+        "restart 1/1 (ServerStartError): the generation server exited: loaded 46 tensors (log: runs/x/logs/server.log)"
+        "; resuming from step_000002 (step 2)\n"
+    )
+    said, step = acceptance.restart_line("Loading weights\n" + restarted)
+    assert said == restarted.strip() and step == 2
+    assert (
+        acceptance.restart_line("restart 1/1 (ServerStartError): x; resuming from the start (no checkpoint yet)")
+        is None
+    )
+
+
+def test_the_rows_processes_left_on_the_gpu_fail_it(acceptance: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    apps = [["100", "python", "30000"], ["999", "someone else", "7"], ["[N/A]", "[N/A]", "[N/A]"]]
+    monkeypatch.setattr(acceptance, "_smi", lambda query: apps if query.startswith("--query-compute-apps") else [])
+    monkeypatch.setattr(acceptance, "LEFTOVER_GRACE_S", 0.0)
+    assert acceptance.gpu_holders({100, 101}) == ["100 python (30000 MiB)"]
+    assert acceptance.gpu_holders({101}) == []
+    result = acceptance.Result("vllm-killed", rc=0)
+    result.outcomes.append(acceptance.Outcome(1, 2.0, [], acceptance.gpu_holders({100})))
+    acceptance.judge(result, steps=0, expected_runs=0)
+    assert result.problems == ["still on the GPU (nvidia-smi): 100 python (30000 MiB)"]
+
+
+def test_the_oom_row_is_skipped_without_a_gpu(
+    acceptance: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ctx = acceptance.Context(tmp_path, 4, rehearse=True, row_timeout=60.0, vllm=False, cuda=False)
+    (oom,) = acceptance.select("oom")
+    result = acceptance.run_row(oom, ctx)
+    assert result.skipped and not (tmp_path / "rows").exists()
+    assert "[acceptance] oom skipped: a CUDA out-of-memory needs a GPU" in capsys.readouterr().out
+    assert acceptance.table_line(result, gpu=None).startswith("| oom | - | 0 |")
+    assert "| skipped: a CUDA out-of-memory needs a GPU" in acceptance.table_line(result, gpu=None)
 
 
 def test_a_row_fails_on_exit_code_short_runs_and_leftovers(acceptance: ModuleType, tmp_path: Path) -> None:
@@ -137,3 +261,21 @@ def test_a_failed_rows_log_has_the_server_log_of_a_run_that_never_stepped(
     (run / "logs" / "server.log").write_text("compiling the graph\n")
     text = acceptance.failure_log(acceptance.Result("deepmath", problems=["stopped"]), tmp_path)
     assert "vLLM starts now" in text and "compiling the graph" in text and "interrupted (SIGTERM)" in text
+
+
+def test_a_stopped_process_left_behind_is_reported_and_killed(
+    acceptance: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-hung's server, SIGSTOPped: one that asyncrl did not end counts as left behind, and SIGKILL ends it."""
+    monkeypatch.setattr(acceptance, "LEFTOVER_GRACE_S", 0.0)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = acceptance.descendants(os.getpid())[child.pid]
+        os.kill(child.pid, signal.SIGSTOP)
+        assert acceptance.alive(child.pid, started)
+        (left,) = acceptance.survivors({child.pid: started})
+        assert left.startswith(f"{child.pid} {sys.executable} -c import time")
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
