@@ -13,16 +13,17 @@ fault row says below.
 
 On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then every call the same
 ``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --skip-passed --budget 560
---row-timeout 240 --out $OUT --work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints, the passed rows and
-vLLM's compile cache while the machine stays warm: each call goes on where the last stopped, and prints the whole
-table). A row is kept only if it passed at this code version (the header's ``code``: a hash of asyncrl/, conf/ and
-recipes/, since a device call's tree has no .git), so one table is one version of what it runs. A machine's first
-vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context length and each shape are
-other configurations), later ones take ~1 min. A recipe row first builds its shape into --work on the GPU (32 s at
-the 2B shape, before the row's clock starts; a cut call keeps a finished build). Its first run on a machine does
-not fit one call: at the 2B shape (session 16) the eager warm-up step took 189 s (fla's Triton kernels compiled
-and autotuned) and vLLM's cold boot 290 s, so the first call (``--rows deepmath --row-timeout 540``) fills the
-caches and the next one, the same, is the row as a user's second run meets it.
+--row-timeout 240 --out $OUT --work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints, the passed rows and vLLM's
+compile cache while the machine stays warm: each call goes on where the last stopped, and prints the whole table). A
+row is kept only if it passed at this code version (the header's ``code``: a hash of asyncrl/, conf/ and recipes/: a
+device call's copy of the tree carries a .git of its own moment, whose HEAD need not be the tree's), so one table is
+one version of what it runs. A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape;
+LoRA, another context length and each shape are other configurations), later ones take ~1 min. A recipe row first
+builds its shape into --work on the GPU (32 s at the 2B shape, before the row's clock starts; a cut call keeps a
+finished build). Its first run on a machine does not fit one call: at the 2B shape (session 16) the eager warm-up
+step took 189 s (fla's Triton kernels compiled and autotuned) and vLLM's cold boot 290 s, so the first call
+(``--rows deepmath --row-timeout 540``) fills the caches and the next one, the same, is the row as a user's second
+run meets it.
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
@@ -852,12 +853,11 @@ def passed_mark(work: Path, row: Row, version: str) -> Path:
 
 
 def header(ctx: Context, commands: list[tuple[str, list[str]]], version: str) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     gpus = [", ".join(g) for g in _smi("--query-gpu=name,memory.total")]
     lines = [
         f"# Acceptance run {datetime.datetime.now().isoformat(timespec='seconds')}",
         "",
-        f"commit {commit.stdout.strip() or '- (no .git)'}; code {version} ({', '.join(CODE_DIRS)}); "
+        f"code {version} (a hash of {', '.join(CODE_DIRS)}); "
         f"{'; '.join(gpus) or 'no GPU'}; "
         f"{'CPU rehearsal' if ctx.rehearse else 'GPU run'}; {ctx.steps} steps; work {ctx.work}",
         "",
