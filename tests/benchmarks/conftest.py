@@ -38,3 +38,8 @@ def vs_trl() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def e2e() -> Iterator[ModuleType]:
     yield from script_module("e2e")
+
+
+@pytest.fixture(scope="module")
+def soak() -> Iterator[ModuleType]:
+    yield from script_module("soak")
