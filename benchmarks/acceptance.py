@@ -12,18 +12,19 @@ fault row says below.
     python benchmarks/acceptance.py --rehearse --out /tmp/acc-out     # the CPU rehearsal of every row
 
 On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then every call the same
-``source .vllm-kit-0.33/extra/install.sh || exit 1; python benchmarks/acceptance.py --skip-passed --budget 560
---row-timeout 240 --out $OUT --work /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints, the passed rows and vLLM's
-compile cache while the machine stays warm: each call goes on where the last stopped, and prints the whole table). A
-row is kept only if it passed at this code version (the header's ``code``: a hash of asyncrl/, conf/ and recipes/: a
-device call's copy of the tree carries a .git of its own moment, whose HEAD need not be the tree's), so one table is
-one version of what it runs. A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape;
-LoRA, another context length and each shape are other configurations), later ones take ~1 min. A recipe row first
-builds its shape into --work on the GPU (32 s at the 2B shape, before the row's clock starts; a cut call keeps a
-finished build). Its first run on a machine does not fit one call: at the 2B shape (session 16) the eager warm-up
-step took 189 s (fla's Triton kernels compiled and autotuned) and vLLM's cold boot 290 s, so the first call
-(``--rows deepmath --row-timeout 540``) fills the caches and the next one, the same, is the row as a user's second
-run meets it.
+``source .vllm-kit-0.33/extra/install.sh || exit 1; cp .acc-passed.md $OUT/passed.md 2>/dev/null; python
+benchmarks/acceptance.py --skip-passed --passed $OUT/passed.md --budget 560 --row-timeout 240 --out $OUT --work
+/tmp/acc`` (``/tmp/acc`` keeps the built checkpoints and vLLM's compile cache while the machine stays warm;
+``.acc-passed.md``, git-ignored and carried, is where the returned passed.md goes after each call: each call goes on
+where the last stopped, in this session or a later one, and prints the whole table). A row is kept only if it passed
+at this code version (the header's ``code``: a hash of asyncrl/, conf/ and recipes/: a device call's copy of the
+tree carries a .git of its own moment, whose HEAD need not be the tree's), so one table is one version of what it
+runs. A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context
+length and each shape are other configurations), later ones take ~1 min. A recipe row first builds its shape into
+--work on the GPU (32 s at the 2B shape, before the row's clock starts; a cut call keeps a finished build). Its
+first run on a machine does not fit one call: at the 2B shape (session 16) the eager warm-up step took 189 s (fla's
+Triton kernels compiled and autotuned) and vLLM's cold boot 290 s, so the first call (``--rows deepmath
+--row-timeout 540``) fills the caches and the next one, the same, is the row as a user's second run meets it.
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
@@ -847,9 +848,21 @@ def code_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def passed_mark(work: Path, row: Row, version: str) -> Path:
-    """A passed row's table line, in its directory (``--skip-passed`` keeps it for this code version only)."""
-    return work / "rows" / row.name / f"passed-{version}.md"
+def passed_rows(path: Path, version: str) -> dict[str, str]:
+    """The table lines of the rows passed at ``version``, by name, from ``path`` (lines ``VERSION | row | ...``):
+    one small file that a device call returns and the next call, or session, carries back (``--passed``)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    found = {}
+    for line in lines:
+        mark, _, row_line = line.partition(" ")
+        if mark == version and row_line.startswith("| "):
+            found[row_line.split("|")[1].strip()] = row_line
+    return found
+
+
+def record_pass(path: Path, version: str, line: str) -> None:
+    with path.open("a") as passed:
+        passed.write(f"{version} {line}\n")
 
 
 def header(ctx: Context, commands: list[tuple[str, list[str]]], version: str) -> str:
@@ -920,9 +933,11 @@ def main() -> None:
     parser.add_argument(
         "--skip-passed",
         action="store_true",
-        help="rows that passed in --work before at this code "
+        help="rows that --passed lists at this code "
         "version keep their line and are not run again (each call of a device session continues the table)",
     )
+    parser.add_argument("--passed", type=Path, help="the passed rows' lines, read and appended (default: "
+                        "--work/passed.md; a file carried from call to call keeps them past the machine)")  # fmt: skip
     args = parser.parse_args()
     rows = select(args.rows)
     vllm = importlib.util.find_spec("vllm") is not None and bool(_smi("--query-gpu=name"))
@@ -942,10 +957,11 @@ def main() -> None:
     version = code_version()
     (out / "acceptance.md").write_text(header(ctx, commands, version))
     failed, until = [], time.monotonic() + (args.budget or float("inf"))
+    passed_file = (args.passed or work / "passed.md").resolve()
+    passed = passed_rows(passed_file, version) if args.skip_passed else {}
     for row in rows:
-        passed = passed_mark(work, row, version)
-        if args.skip_passed and passed.is_file():
-            line = passed.read_text().strip()
+        if row.name in passed:
+            line = passed[row.name]
         elif time.monotonic() + ctx.row_timeout > until:
             line = f"| {row.name} | - | - | - | - | - | - | - | - | - | - | - | not run: --budget spent |"
             failed.append(row.name)
@@ -953,7 +969,7 @@ def main() -> None:
             result = run_row(row, ctx)
             line = table_line(result, ctx.gpu)
             if not (result.problems or result.skipped):  # a skipped row runs again where it can
-                passed.write_text(line + "\n")
+                record_pass(passed_file, version, line)
             elif result.problems:
                 failed.append(row.name)
                 with (out / "failures.log").open("a") as log:

@@ -218,9 +218,9 @@ def test_vllm_memory_sums_the_rows_other_processes_else_total_minus_trainer(
 def test_a_passed_row_is_kept_and_rows_past_the_budget_are_not_run(
     acceptance: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each call of a device session runs what is left: rows passed in --work at this code version keep their line
-    (one passed at another runs again), and a row starts only with its --row-timeout left of --budget (a call cut
-    by the device's limit writes no table)."""
+    """Each call of a device session runs what is left: rows --passed lists at this code version keep their line
+    (one passed at another runs again; a pass is appended there), and a row starts only with its --row-timeout
+    left of --budget (a call cut by the device's limit writes no table)."""
     ran: list[str] = []
     clock = [0.0]
 
@@ -233,12 +233,11 @@ def test_a_passed_row_is_kept_and_rows_past_the_budget_are_not_run(
     monkeypatch.setattr(acceptance, "run_row", run_row)
     monkeypatch.setattr(acceptance.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(acceptance, "table_line", lambda result, gpu: f"| {result.row} | 0 | ok |")
-    version, rows = acceptance.code_version(), {row.name: row for row in acceptance.ROWS}
-    (tmp_path / "rows" / "builtin").mkdir(parents=True)
-    acceptance.passed_mark(tmp_path, rows["builtin"], version).write_text("| builtin | 0 | earlier |\n")
-    (tmp_path / "rows" / "default").mkdir(parents=True)  # passed at another code version: run again
-    acceptance.passed_mark(tmp_path, rows["default"], "older").write_text("| default | 0 | older |\n")
-    argv = ["acceptance.py", "--rehearse", "--work", str(tmp_path), "--rows", "builtin,default,lora", "--skip-passed"]
+    version, carried = acceptance.code_version(), tmp_path / "carried.md"
+    acceptance.record_pass(carried, version, "| builtin | 0 | earlier |")
+    acceptance.record_pass(carried, "older", "| default | 0 | older |")  # passed at another code version: run again
+    argv = ["acceptance.py", "--rehearse", "--work", str(tmp_path), "--rows", "builtin,default,lora", "--skip-passed",
+            "--passed", str(carried)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", [*argv, "--budget", "100", "--row-timeout", "60"])
     with pytest.raises(SystemExit) as exited:
         acceptance.main()
@@ -246,7 +245,8 @@ def test_a_passed_row_is_kept_and_rows_past_the_budget_are_not_run(
     assert ran == ["default"] and exited.value.code == 1  # then 50 s + lora's 60 s would overrun the 100 s
     assert "| builtin | 0 | earlier |" in table and "| default | 0 | ok |" in table
     assert "| lora |" in table and "not run: --budget spent" in table
-    assert acceptance.passed_mark(tmp_path, rows["default"], version).is_file()
+    assert acceptance.passed_rows(carried, version) == {"builtin": "| builtin | 0 | earlier |",
+                                                        "default": "| default | 0 | ok |"}  # fmt: skip
     assert f"code {version}" in table and "older" not in table
 
 
