@@ -4,7 +4,12 @@
 transports and adapter sync run unchanged over one server or several: each state-changing call (pause, the
 weight-update session, /update_weights, adapter loads, resume) goes to every replica concurrently and returns
 once all have answered, so a round is pause all -> start all -> each server's data plane -> finish all -> resume
-all. A failure names the replica; the others' calls still finish first, so no call is left in flight.
+all. A failure names the replica; the others' calls still finish first, so no call is left in flight. With a
+``watch`` (the trainer's: is any server dead, or silent on /health for server.health_timeout?), each call is made
+on a daemon thread and the caller checks ``watch()`` between short waits for the answers: a server that dies or
+hangs mid-sync ends the wait at once, or within server.health_timeout, instead of after server.timeout, while a
+slow call whose server answers /health is waited for. The calls the watch gave up on are left on their threads
+(they end when the run stops the server; being daemons, they never hold the process at exit).
 
 NCCL weight transfer spans every server in one group: the trainer is rank 0 and each replica's workers follow,
 replica after replica (``rank_offsets``); the group's ``world_size()`` is their sum, which the transports already
@@ -14,13 +19,15 @@ add the trainer to. Unverified on GPUs here (no multi-GPU machine was lent): the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, TypeVar
 
 from asyncrl.client import ControlClient, ServerError
+from asyncrl.weights.transport import Background
 
 R = TypeVar("R")
+WATCH_INTERVAL_S = 0.2
+"""Seconds between two ``watch()`` checks while calls wait (the trainer checks as often while it waits for rollouts)."""
 
 
 def rank_offsets(first: int, world_sizes: Sequence[int]) -> list[int]:
@@ -34,16 +41,16 @@ def rank_offsets(first: int, world_sizes: Sequence[int]) -> list[int]:
 
 
 class ControlGroup:
-    """``ControlClient``'s calls over ``controls`` (replica 0 first)."""
+    """``ControlClient``'s calls over ``controls`` (replica 0 first), each wait checked by ``watch`` if given."""
 
-    def __init__(self, controls: list[ControlClient]) -> None:
-        self.controls = controls
-        several = len(controls) > 1
-        self._pool = ThreadPoolExecutor(len(controls), thread_name_prefix="asyncrl-control") if several else None
+    def __init__(self, controls: list[ControlClient], watch: Callable[[], None] | None = None) -> None:
+        self.controls, self.watch = controls, watch
 
     @classmethod
-    def connect(cls, base_urls: Sequence[str], timeout_s: float) -> ControlGroup:
-        return cls([ControlClient(url, timeout_s=timeout_s) for url in base_urls])
+    def connect(
+        cls, base_urls: Sequence[str], timeout_s: float, watch: Callable[[], None] | None = None
+    ) -> ControlGroup:
+        return cls([ControlClient(url, timeout_s=timeout_s) for url in base_urls], watch)
 
     @property
     def base_url(self) -> str:
@@ -60,18 +67,27 @@ class ControlGroup:
         return [control.base_url for control in self.controls]
 
     def each(self, call: Callable[[ControlClient], R]) -> list[R]:
-        """``call`` on every replica, concurrently; once all have returned, the first failure, naming its replica."""
-        if self._pool is None:
+        """``call`` on every replica, concurrently, ``watch()`` between short waits (once first: a server known
+        dead or hung gets no call); once all have returned, the first failure, naming its replica."""
+        if self.watch is None and len(self.controls) == 1:
             return [call(self.controls[0])]
-        futures = [self._pool.submit(call, control) for control in self.controls]
-        errors = [(i, future.exception()) for i, future in enumerate(futures) if future.exception() is not None]
-        if errors:
-            index, error = errors[0]
-            where = f"replica {index} of {len(self.controls)} ({self.controls[index].base_url})"
-            if isinstance(error, ServerError):
+        if self.watch is not None:
+            self.watch()
+        calls = [Background(f"a call to {control.base_url}", call, control) for control in self.controls]
+        for pending in calls:
+            while not pending.wait(WATCH_INTERVAL_S):
+                if self.watch is not None:
+                    self.watch()
+        results = []
+        for index, done in enumerate(calls):
+            try:
+                results.append(done.result(0))
+            except ServerError as error:
+                if len(self.controls) == 1:
+                    raise
+                where = f"replica {index} of {len(self.controls)} ({self.controls[index].base_url})"
                 raise ServerError(error.status, error.path, f"{where}: {error.message}") from error
-            raise error  # type: ignore[misc]
-        return [future.result() for future in futures]
+        return results
 
     # ---- queries: what every replica together offers ---------------------------------------------------------
 
@@ -123,14 +139,13 @@ class ControlGroup:
         self.each(lambda control: control.unload_lora_adapter(name))
 
     def reopened(self, timeout_s: float) -> ControlGroup:
-        """The same replicas with a fresh client each under ``timeout_s`` (cleanup after a failed round)."""
-        return ControlGroup([control.reopened(timeout_s) for control in self.controls])
+        """The same replicas with a fresh client each under ``timeout_s`` (cleanup after a failed round), watched
+        alike: no cleanup waits on a server known dead or hung."""
+        return ControlGroup([control.reopened(timeout_s) for control in self.controls], self.watch)
 
     def close(self) -> None:
         for control in self.controls:
             control.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
 
     def __enter__(self) -> ControlGroup:
         return self

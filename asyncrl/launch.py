@@ -110,11 +110,7 @@ def _hydra_job(cfg: DictConfig) -> None:
     except CONFIG_ERRORS as exc:
         _refuse(exc, run_dir)
     except EXPECTED_ERRORS as exc:
-        details = getattr(exc, "details", "")
-        log_to_file(f"{type(exc).__name__}: {exc}\n{details}", exc)
-        first, _, rest = str(exc).partition("\n")  # a server's log tail follows the line
-        print(f"error ({type(exc).__name__}): {first}{_see_log()}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
-        raise SystemExit(1) from exc
+        _fail(exc, run_dir, Path(config.trainer.output_dir or run_dir))
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -143,6 +139,18 @@ def _refuse(exc: BaseException, run_dir: Path) -> NoReturn:
     with contextlib.suppress(OSError):
         run_dir.rmdir()
     raise SystemExit(2) from exc
+
+
+def _fail(exc: BaseException, run_dir: Path, output_dir: Path) -> NoReturn:
+    """An expected failure in one line, exit code 1: its type and message, where the traceback is, and the command
+    that resumes the run once it has a checkpoint (``resume_after_failure``); launch.log gets the line too."""
+    again = resume_after_failure(run_dir, output_dir)
+    first, _, rest = str(exc).partition("\n")  # a server's log tail follows the line
+    logged = [f"{type(exc).__name__}: {first}{again}", rest, getattr(exc, "details", "")]
+    log_to_file("\n".join(part for part in logged if part), exc)
+    line = f"error ({type(exc).__name__}): {first}{_see_log()}{again}"
+    print(line + (f"\n{rest}" if rest else ""), file=sys.stderr)
+    raise SystemExit(1) from exc
 
 
 def _close_log_files(run_dir: Path) -> None:
@@ -214,6 +222,15 @@ def interrupted_line(run_dir: Path, output_dir: Path, exc: BaseException) -> str
     done = f"interrupted ({exc.args[0] if exc.args else 'SIGINT'}) at step {steps[-1] if steps else 0}"
     separator = "; " if list_checkpoints(output_dir) else ", "
     return done + separator + resume_line(run_dir, output_dir)
+
+
+def resume_after_failure(run_dir: Path, output_dir: Path) -> str:
+    """What the error line of a failed run adds: with a checkpoint, "; " and the command that resumes from it (a
+    dead or hung server, worker or rank, an out-of-memory: whatever failed, the run goes on from there once it is
+    fixed); before one, nothing (the error is the whole story, and the run's own command starts it again)."""
+    from asyncrl.trainer.checkpoint import list_checkpoints
+
+    return f"; {resume_line(run_dir, output_dir)}" if list_checkpoints(output_dir) else ""
 
 
 def resume_line(run_dir: Path, output_dir: Path) -> str:

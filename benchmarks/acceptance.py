@@ -38,12 +38,12 @@ checkpoint exists (issue 35):
 - ``vllm-killed``: SIGKILL to every process of the generation server (vLLM's API processes and engine core are its
   descendants; the server is found among the run's processes by its command line, ``-m vllm.entrypoints...`` or
   ``-m asyncrl.engine``).
-- ``vllm-hung``: SIGSTOP to every process of the server. The next weight sync's ``POST /pause`` then waits
-  ``server.timeout`` (its default, 1800 s, would outlast any device call: the row sets 180, which still covers a
-  vLLM start that compiles), and the failed round's cleanup 60 s more; or, when the trainer waits for rollouts
-  instead, the health watchdog ends the run after ``server.health_timeout`` (120 s). Exactly when a sync starts
-  cannot be seen from outside (nothing is logged as one starts); the trainer syncs after every step, so a stop
-  after a checkpoint hangs the next one (the rehearsal's runs end on ``POST /pause``).
+- ``vllm-hung``: SIGSTOP to every process of the server. The health watchdog ends the run after
+  ``server.health_timeout`` (120 s) of silence on /health, whether the trainer waits for rollouts or for a weight
+  sync's calls (its control group checks while each call waits), so ``server.timeout`` keeps its default (1800 s)
+  as typed. Exactly when a sync starts cannot be seen from outside (nothing is logged as one starts); the trainer
+  syncs after every step, so a stop after a checkpoint hangs the next one (the rehearsal's runs end "during a
+  weight sync").
 - ``oom``: a memory hog, a process of the row's (not the run's), takes nearly all the GPU's free memory (1 GiB
   blocks, then down to 64 MiB) and holds it; the trainer's next allocation that its cached memory cannot hold in
   one piece fails, and the run ends with asyncrl's out-of-memory line. The hog is killed once the run ended, before
@@ -57,11 +57,11 @@ checkpoint exists (issue 35):
 
 Each fault row has ``trainer.save_steps=2``, as ``sigint`` has, for a checkpoint to resume from. Its command must
 end by itself, not with exit code 0, its last ``error (...)`` line (else its last line) naming what died (the row's
-notes quote it); then the row resumes the run with the resume command asyncrl printed, or, since a crash prints
-none, with the run's own arguments plus ``trainer.resume_from_checkpoint=latest hydra.run.dir=RUN`` (what a
-printed one holds). The resumed run must start at its checkpoint's step (launch.log's ``resumed from``) and leave
-metrics.jsonl with steps 1..trainer.max_steps once each (the resume drops the rows logged past its checkpoint);
-``sigint`` is checked the same way. A fault row's two runs need about twice a row's time: ``--row-timeout 540``.
+notes quote it) and ending on the command that resumes the run from its checkpoint (launch.py prints it after any
+failure once a checkpoint exists); then the row runs that command verbatim, as ``sigint`` does. The resumed run
+must start at its checkpoint's step (launch.log's ``resumed from``) and leave metrics.jsonl with steps
+1..trainer.max_steps once each (the resume drops the rows logged past its checkpoint); ``sigint`` is checked the
+same way. A fault row's two runs need about twice a row's time: ``--row-timeout 540``.
 
 Each row runs in its own directory (``--work``/rows/NAME, the runs under its ``runs/``) within ``--row-timeout``
 (then its process group is stopped and the row fails), and appends one line to ``--out``/acceptance.md when it ends;
@@ -164,7 +164,7 @@ ROWS = [
     Row("deepmath", ("train", "+recipe=deepmath", *RECIPE_DATA), shape="qwen3.5-2b", rehearse=SKIP_LONG_EVAL),
     Row("deepmath-4b", ("train", "+recipe=deepmath_qwen3_4b", *RECIPE_DATA), shape="qwen3-4b", rehearse=SKIP_LONG_EVAL),
     Row("vllm-killed", RESUMABLE, kind="kill"),
-    Row("vllm-hung", (*RESUMABLE, "server.timeout=180"), kind="hang"),
+    Row("vllm-hung", RESUMABLE, kind="hang"),
     Row("oom", RESUMABLE, kind="oom", gpu_only=NO_CPU_OOM),
     Row("vllm-killed-restart", (*RESUMABLE, "trainer.max_restarts=1"), kind="restart"),
 ]  # fmt: skip
@@ -515,8 +515,8 @@ def console(row_dir: Path, index: int) -> str:
 
 
 def resume_command(stderr: str) -> tuple[str, list[str]] | None:
-    """The resume command asyncrl printed (Ctrl-C or SIGTERM: ``interrupted ...``; a full disk: ``error (OSError):
-    ...``) as argv, with what the line said before it; None where it printed none (a crash prints none)."""
+    """The resume command asyncrl printed (Ctrl-C or SIGTERM: ``interrupted ...``; a failure once a checkpoint
+    exists: ``error (...): ...``) as argv, with what the line said before it; None where it printed none."""
     found = re.findall(r"^(.*); (resume from step_\d+ \(step \d+\)) with: (asyncrl train .*)$", stderr, re.MULTILINE)
     return (f"{found[-1][0]}, {found[-1][1]}", shlex.split(found[-1][2])) if found else None
 
@@ -612,34 +612,34 @@ FAULTS: dict[str, Callable[[Path], contextlib.AbstractContextManager[Callable[..
 }
 """Each fault row's injection, as a context that undoes what must not outlive the run (the hog)."""
 ENDINGS = {
-    "kill": r"the generation server exited",
-    "hang": r"generation server .* stopped answering /health|POST /\w+: no answer within .* \(server\.timeout\)",
+    "kill": r"the generation server .* was killed by SIGKILL",
+    "hang": r"the generation server .* stopped answering /health",
     "oom": r"the trainer ran out of GPU memory",
 }
-"""What each fault's last line must say: what died (serving/handle.py, serving/watchdog.py, weights/transport.py,
+"""What each fault's last line must say: what died (serving/process.py's death line, serving/watchdog.py,
 trainer/memory.py)."""
 
 
 def run_fault(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
     """The fault once the run has a checkpoint; the run must end by itself (not 0) on a line naming what died,
     leaving nothing (``execute``'s checks), and its resume must go on from the checkpoint to max_steps."""
-    args = typed(row, ctx, model)
     with FAULTS[row.kind](row_dir) as act:
         poll, done = at_checkpoint(row_dir, act)
-        first = train(result, row_dir, args, ctx, poll)
+        first = train(result, row_dir, typed(row, ctx, model), ctx, poll)
     stderr = console(row_dir, 0)
-    ended = ending_line(stderr)
-    result.notes.extend([*done, f"exit {first.rc}: {ended.replace(f'{row_dir}/', '')}"])
+    ended, printed = ending_line(stderr), resume_command(stderr)
+    said = printed[0] if printed else ended  # the line without its resume command
+    result.notes.extend([*done, f"exit {first.rc}: {said.replace(f'{row_dir}/', '')}"])
     if not done or first.rc in (0, None):
         why = "the fault was never made" if not done else "the run finished" if first.rc == 0 else "it never ended"
         result.problems.append(f"{why} (exit {first.rc})")
         return
     if not re.search(ENDINGS[row.kind], ended):
         result.problems.append("its last line does not say what died")
-    printed = resume_command(stderr)
     if printed is None:
-        result.notes.append("no resume command printed: resumed with trainer.resume_from_checkpoint=latest")
-    resume(result, row_dir, printed[1][1:] if printed else resumed_args(args, run_dirs(row_dir)[0]), ctx)
+        result.problems.append("no resume command printed")
+        return
+    resume(result, row_dir, printed[1][1:], ctx)
 
 
 def ending_line(stderr: str) -> str:
@@ -647,11 +647,6 @@ def ending_line(stderr: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error (")]
     return (errors or lines or ["(nothing)"])[-1][:400]
-
-
-def resumed_args(args: list[str], run: Path) -> list[str]:
-    """``args`` resuming ``run`` from its newest checkpoint, as a printed resume command does (launch.py)."""
-    return [*args, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run}"]
 
 
 def run_restart(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:

@@ -214,7 +214,7 @@ class Run:
         self.read_offset += len(complete)
         for line in complete.decode(errors="replace").splitlines():
             self.restarts_seen += line.startswith("restart ")
-            if " with: asyncrl train " in line:  # Ctrl-C, SIGTERM, a full disk
+            if " with: asyncrl train " in line:  # Ctrl-C, SIGTERM, a full disk, a failure past a checkpoint
                 self.printed_resume = shlex.split(line.split(" with: asyncrl train ", 1)[1])
 
     def pids(self, role: str) -> list[int]:

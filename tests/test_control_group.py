@@ -4,12 +4,15 @@ NCCL ranks follow the trainer replica after replica. Fakes of our own ControlCli
 from __future__ import annotations
 
 import inspect
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from asyncrl.client import Control, ControlClient, ServerError
 from asyncrl.control_group import ControlGroup, rank_offsets
+from asyncrl.serving.process import ServerStartError
 
 
 class FakeControl:
@@ -44,6 +47,9 @@ class FakeControl:
 
     def unload_lora_adapter(self, name: str) -> None:
         self._call("unload_lora_adapter", name)
+
+    def reopened(self, timeout_s: float) -> FakeControl:
+        return self
 
 
 def group(*controls: FakeControl) -> ControlGroup:
@@ -89,6 +95,58 @@ def test_one_server_is_called_directly_and_its_errors_are_unchanged():
     only = FakeControl("http://a", fails="resume")
     with pytest.raises(ServerError, match=r"^/resume: HTTP 500: engine dead$"):
         group(only).resume()
+
+
+class HangingControl(FakeControl):
+    """A server whose /pause answers only once ``answer`` is set (hung until then)."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(base_url)
+        self.answer = threading.Event()
+
+    def pause(self, mode: str, clear_cache: bool = True, timeout_s: float | None = None) -> None:
+        self._call("pause", mode)
+        self.answer.wait()
+
+
+class Watch:
+    """The trainer's watch, scripted: it raises on its ``raise_at``-th check; ``then`` runs at each check."""
+
+    def __init__(self, raise_at: int | None = None, then: Callable[[int], None] = lambda checks: None) -> None:
+        self.checks, self.raise_at, self.then = 0, raise_at, then
+
+    def __call__(self) -> None:
+        self.checks += 1
+        self.then(self.checks)
+        if self.checks == self.raise_at:
+            raise ServerStartError("the generation server at http://a stopped answering /health")
+
+
+def test_a_watch_that_finds_the_server_hung_ends_the_wait_on_its_call():
+    hung = HangingControl("http://a")
+    watch = Watch(raise_at=3)
+    try:
+        with pytest.raises(ServerStartError, match="stopped answering /health"):
+            ControlGroup([hung], watch).pause("keep")  # type: ignore[list-item]
+        assert hung.calls == [("pause", "keep")] and watch.checks == 3  # before the call, then while it waited
+    finally:
+        hung.answer.set()
+
+
+def test_a_slow_call_is_waited_for_while_the_watch_finds_the_server_alive():
+    slow = HangingControl("http://a")
+    watch = Watch(then=lambda checks: slow.answer.set() if checks == 5 else None)  # answers at the 5th check
+    ControlGroup([slow], watch).pause("keep")  # type: ignore[list-item]
+    assert slow.calls == [("pause", "keep")] and watch.checks >= 5
+
+
+def test_a_server_known_dead_or_hung_gets_no_call_not_even_a_cleanups():
+    a, b = FakeControl("http://a"), FakeControl("http://b")
+    watched = ControlGroup([a, b], Watch(raise_at=1))  # type: ignore[list-item]
+    with pytest.raises(ServerStartError):
+        watched.resume()
+    assert a.calls == b.calls == []
+    assert watched.reopened(30).watch is watched.watch
 
 
 def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(random_tiny_model_dir, tmp_path):

@@ -117,6 +117,38 @@ def test_a_full_disk_ends_in_one_line_with_the_command_that_starts_the_run_again
     ]
 
 
+DIED = "the generation server at http://127.0.0.1:8000 (built-in, pid 7) was killed by SIGKILL; its log's last line: x"
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["after-a-checkpoint", "before-any"])
+def test_a_failure_after_a_checkpoint_ends_in_one_line_with_the_command_that_resumes_it(
+    tmp_path, monkeypatch, capsys, saved
+):  # fmt: skip
+    """Whatever failed (a dead server here), a run with a checkpoint says how to go on from it, in the format
+    Ctrl-C's line has; before its first checkpoint the error line is all (and launch.log gets the line too)."""
+    from test_restart import checkpoint
+
+    from asyncrl import launch
+    from asyncrl.serving.process import ServerStartError
+
+    def job(plan, run_dir, cfg):  # type: ignore[no-untyped-def]
+        if saved:
+            checkpoint(run_dir, 2)
+        raise ServerStartError(DIED)
+
+    monkeypatch.setattr(launch, "run_job", job)
+    with pytest.raises(SystemExit) as exited:
+        launch.run_hydra([f"hydra.run.dir={tmp_path}", "trainer.max_steps=3"])
+    assert exited.value.code == 1
+    error = f"error (ServerStartError): {DIED} (details: {tmp_path / 'launch.log'})"
+    resume = (
+        f"; resume from step_000002 (step 2) with: asyncrl train trainer.max_steps=3 "
+        f"trainer.resume_from_checkpoint=latest hydra.run.dir={tmp_path}"
+    )
+    assert capsys.readouterr().err.splitlines() == [error + resume if saved else error]
+    assert (resume if saved else DIED) in (tmp_path / "launch.log").read_text()
+
+
 def test_a_transfer_directory_left_by_a_launcher_killed_outright_goes_with_the_next_launch(tmp_path):
     """kill -9 of the CLI runs no exit handler: its /dev/shm directory (named by its pid) stays until the next
     launch, which removes it; a live launcher's, and one named otherwise, stay."""

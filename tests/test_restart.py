@@ -1,6 +1,6 @@
-"""The restart decision with injected failures: a dead process restarts the job from the newest checkpoint that
-resumes (a damaged newer one set aside), up to trainer.max_restarts times, each restart recorded; other failures,
-and the one past the budget, end the run as before."""
+"""The restart decision with injected failures: a dead process (or a hung server) restarts the job from the newest
+checkpoint that resumes (a damaged newer one set aside), up to trainer.max_restarts times, each restart recorded;
+other failures, and the one past the budget, end the run as before."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.restart import restart_count, run_restarting
+from asyncrl.serving.process import ServerStartError
+from asyncrl.serving.watchdog import HealthWatchdog
 from asyncrl.trainer.assembler import RolloutWorkerError
 from asyncrl.trainer.launcher import TrainerRankError
 
@@ -60,6 +62,21 @@ def test_a_dead_worker_restarts_from_the_newest_good_checkpoint_and_a_damaged_on
     assert record == {"restart": 1, "time": 1234.0, "error": "RolloutWorkerError", "checkpoint": str(good),
                       "message": "the rollout worker exited with code -9 without an error"}  # fmt: skip
     assert restart_count(tmp_path) == 1
+
+
+def test_a_hung_server_restarts_the_run_as_a_dead_one_does(tmp_path):
+    """The health watchdog's failure (here: a probe that never answers, on an injected clock) is restartable."""
+    checkpoint(tmp_path, 2)
+    now = iter([0.0, 10.0])
+    watchdog = HealthWatchdog(["http://a"], 10.0, lambda index: "the generation server at http://a",
+                              clock=lambda: next(now), spawn=lambda probe: None)  # fmt: skip
+    watchdog.check("during a weight sync")  # its probe goes out and never comes back
+    with pytest.raises(ServerStartError) as hung:
+        watchdog.check("during a weight sync")
+    job, lines = Job(hung.value), []
+    assert restarting(job, tmp_path, 1, lines) == 1
+    assert lines[0].startswith("restart 1/1 (ServerStartError): the generation server at http://a stopped answering")
+    assert lines[0].endswith("; resuming from step_000002 (step 2)")
 
 
 def test_before_any_checkpoint_the_run_starts_again_and_its_metrics_move_aside(tmp_path):

@@ -133,9 +133,10 @@ class ServerConfig:
     timeout: float = 1800.0
     """Seconds for server readiness, each generation request and each weight-sync call."""
     health_timeout: float | None = 120.0
-    """Seconds a generation server may leave /health unanswered while the trainer waits for rollouts before the run
-    stops as if it had died (restarted with trainer.max_restarts): a hung server still accepts connections. A slow
-    answer that comes is fine. null: off."""
+    """Seconds a generation server may leave /health unanswered while the trainer waits for rollouts or for a weight
+    sync's calls before the run stops as if it had died (restarted with trainer.max_restarts): a hung server still
+    accepts connections. A slow answer that comes is fine, and so is a slow sync call while /health answers. null:
+    off."""
     max_model_len: int | None = None
     """Built-in default: the model's max_position_embeddings. vLLM default: the same for multi-turn rollouts (tools or
     environments); else the longest prompt (data.max_prompt_length, else measured on the data) +

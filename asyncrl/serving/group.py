@@ -42,10 +42,10 @@ class ServerGroup:
         return str(self.servers[0].backend)
 
     def name(self, index: int) -> str:
-        """How errors name a replica: nothing to add when there is one."""
+        """How errors name a replica (their own words give its address): nothing to add when there is one."""
         if len(self.servers) == 1:
             return ""
-        return f"replica {index} of {len(self.servers)} ({self.servers[index].base_url}): "
+        return f"replica {index} of {len(self.servers)}: "
 
     @property
     def waits_for_warm_up(self) -> bool:
@@ -69,10 +69,14 @@ class ServerGroup:
     def is_alive(self) -> bool:
         return all(server.is_alive() for server in self.servers)
 
-    def log_summary(self) -> str:
-        """The first dead replica, named, with the root cause from its log (replica 0's when all live)."""
-        index = next((i for i, server in enumerate(self.servers) if not server.is_alive()), 0)
-        return f"{self.name(index)}{self.servers[index].log_summary()}"
+    def describe(self, index: int) -> str:
+        """How lines name replica ``index``: the replica, then the server's own words (address, backend, pid)."""
+        return f"{self.name(index)}{self.servers[index].describe()}"
+
+    def death_line(self) -> str:
+        """The first dead replica, named, with how it ended and its log (call it once ``is_alive()`` is False)."""
+        index = next(i for i, server in enumerate(self.servers) if not server.is_alive())
+        return f"{self.name(index)}{self.servers[index].death_line()}"
 
     def __enter__(self) -> ServerGroup:
         with ExitStack() as stack:

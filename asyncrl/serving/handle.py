@@ -12,6 +12,9 @@ import httpx
 from asyncrl.serving.command import ServerCommand
 from asyncrl.serving.process import ServerProcess, ServerStartError, wait_for_health
 
+KINDS = {"vllm": "vLLM", "builtin": "built-in"}
+"""How lines name each backend (``ServerProcess.kind``)."""
+
 
 class LaunchedServer(ServerProcess):
     """A server this run started; stopped when the run ends. With ``wait=False`` entering only starts it, so the
@@ -24,6 +27,7 @@ class LaunchedServer(ServerProcess):
             command.argv, base_url=base_url, log_path=log_path, env=command.env, startup_timeout_s=timeout_s
         )
         self.backend = command.backend
+        self.kind = KINDS[command.backend]
         self._wait_on_enter = wait
         self._healthy = False
 
@@ -76,8 +80,14 @@ class DeferredServer:
     def is_alive(self) -> bool:
         return self.server is None or self.server.is_alive()
 
-    def log_summary(self) -> str:
-        return "(not started yet)" if self.server is None else self.server.log_summary()
+    def describe(self) -> str:
+        if self.server is None:
+            return f"the generation server at {self.base_url} ({KINDS[self.backend]}, not started yet)"
+        return self.server.describe()
+
+    def death_line(self) -> str:
+        assert self.server is not None, "a server not started yet cannot have died"
+        return self.server.death_line()
 
     def __enter__(self) -> DeferredServer:
         return self
@@ -118,8 +128,11 @@ class AttachedServer:
         except httpx.TransportError:
             return False
 
-    def log_summary(self) -> str:
-        return "(external server: no log)"
+    def describe(self) -> str:
+        return f"the generation server at {self.base_url}"
+
+    def death_line(self) -> str:
+        return f"{self.describe()} refuses /health (server.launch=false: its log is not ours)"
 
     def ready(self) -> None:
         """At once, unless ``booting``: then once the server answers /health."""
@@ -141,6 +154,6 @@ class AttachedServer:
 
 
 def check_alive(server: Any) -> None:
-    """Raise with the root cause from its log when a server the run depends on (launched or attached) is gone."""
+    """Raise with how it ended, and its log, when a server the run depends on (launched or attached) is gone."""
     if not server.is_alive():
-        raise ServerStartError(f"the generation server exited: {server.log_summary()}")
+        raise ServerStartError(server.death_line())

@@ -58,6 +58,23 @@ def root_cause(log: str) -> str:
     return (errors or lines or ["(empty log)"])[0 if errors else -1][:500]
 
 
+def last_line(log: str) -> str:
+    """The last line of a log that says anything."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return (lines or ["(empty log)"])[-1][:500]
+
+
+def how_it_ended(returncode: int) -> str:
+    """A process's end from its return code: the signal that killed it (a negative code), else its exit code."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:  # a real-time signal has no name
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
 PROBE_TIMEOUT_S = 5.0
 POLL_INTERVAL_S = 0.25
 
@@ -95,6 +112,9 @@ def listen_address(argv: Sequence[str], base_url: str) -> tuple[str, int]:
 
 class ServerProcess:
     """A supervised server subprocess; use as a context manager so it is always stopped."""
+
+    kind: str | None = None
+    """What serves, for the lines that name the server (LaunchedServer: vLLM or built-in)."""
 
     def __init__(
         self,
@@ -137,26 +157,41 @@ class ServerProcess:
 
     def _check_running(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise ServerStartError(
-                f"server exited with code {self.proc.returncode} during startup: " + self.log_summary()
-            )
+            raise ServerStartError(self.death_line(" during startup"))
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def log_summary(self) -> str:
-        """The root cause line of its log, and where the whole log is."""
+    def describe(self) -> str:
+        """How lines name it: the generation server at its address, with what serves and its pid."""
+        facts = ([self.kind] if self.kind else []) + ([f"pid {self.proc.pid}"] if self.proc is not None else [])
+        return f"the generation server at {self.base_url}" + (f" ({', '.join(facts)})" if facts else "")
+
+    def death_line(self, when: str = "") -> str:
+        """The one line that says it ended (every report of a server's death is this line): ``describe()``, how it
+        ended (``how_it_ended``) and ``when``, then its log. A killed server logged nothing of its end, so its log's
+        last line is only context; an exit's cause is the line ``root_cause`` picks."""
+        code = None if self.proc is None else self.proc.poll()
+        assert code is not None, "death_line() is for a server that ended"
+        if code < 0:
+            return f"{self.describe()} {how_it_ended(code)}{when}; its log's last line: {self.log_summary(last_line)}"
+        return f"{self.describe()} {how_it_ended(code)}{when}: {self.log_summary()}"
+
+    def log_summary(self, pick: Callable[[str], str] = root_cause) -> str:
+        """The line of its log that ``pick`` chooses (the root cause), and where the whole log is."""
         try:
-            return f"{root_cause(self.log_path.read_text(errors='replace'))} (log: {self.log_path})"
+            return f"{pick(self.log_path.read_text(errors='replace'))} (log: {self.log_path})"
         except OSError:
             return f"(no log at {self.log_path})"
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace_s``."""
+        """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace_s``. SIGCONT follows the
+        SIGTERM: a stopped (hung) server handles it now instead of waiting out the grace."""
         if self.proc is None:
             return
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
+        _signal_group(pgid, signal.SIGCONT)
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:

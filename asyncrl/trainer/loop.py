@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.serving.command import served_model_name
 from asyncrl.serving.handle import check_alive
-from asyncrl.serving.watchdog import HealthWatchdog
+from asyncrl.serving.watchdog import ServerWatch
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
 from asyncrl.trainer.checkpoint import (
@@ -110,9 +111,9 @@ class Trainer:
         self.memory: TrainerMemory | None = None
         use_cpu_threads(config, self.world, prepared.plan.server_backend)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
-        self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout)  # every replica
-        health_timeout = config.server.health_timeout  # a hung server accepts connections: its silence tells
-        self.watchdog = None if health_timeout is None else HealthWatchdog(server.base_urls, health_timeout)
+        self.server_watch = ServerWatch(server, config.server.health_timeout)  # dead, or hung: silent on /health
+        watch = partial(self.server_watch.check, "during a weight sync")  # while each call of a sync waits
+        self.control = ControlGroup.connect(server.base_urls, timeout_s=config.server.timeout, watch=watch)
         self.flow = prepared.plan.flow
         self.channels = WorkerChannels.create(1)
         self.worker = spawn_worker(self.channels)  # it imports, and the model loads, while a launched server boots
@@ -396,9 +397,7 @@ class Trainer:
         )  # fmt: skip
 
     def _check_processes(self) -> None:
-        check_alive(self.server)
-        if self.watchdog is not None:
-            self.watchdog.check()
+        self.server_watch.check("while the trainer waited for rollouts")
         self.sync.check()  # a failed resume leaves the server paused: say so instead of waiting for rollouts
         if not self.worker.is_alive() and self.channels.failure() is None:
             raise RolloutWorkerError(f"the rollout worker exited with code {self.worker.exitcode} without an error")

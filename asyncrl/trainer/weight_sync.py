@@ -25,7 +25,9 @@ on a KV cache the old weights produced and no new prompt reuses old-weight prefi
 would save that re-prefill but run the new weights on the old cache, a mixture of two policies that no
 logprob describes. Each HTTP call is checked and timed out (server.timeout); the transfer runs on a
 watchdog; a failed round closes the half-finished update (best effort), resumes the server and raises
-``WeightSyncError`` naming the step.
+``WeightSyncError`` naming the step. The trainer's control group also watches its servers while a call waits
+(asyncrl/control_group.py): a server that dies or hangs mid-round raises ServerStartError at once, or after
+server.health_timeout, and the round's cleanup makes no call to it.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class WeightSync:
             barrier_s = self._update(version)
         except WeightSyncError as error:
             failure = error
-        except BaseException:  # Ctrl-C or SystemExit mid-round: the server must not stay paused
+        except BaseException:  # Ctrl-C, SystemExit or a dead or hung server mid-round: no server may stay paused
             self._resume_after_failure(pausing)
             raise
         finally:
@@ -179,7 +181,7 @@ class WeightSync:
         with self.control.reopened(CLEANUP_TIMEOUT_S) as cleanup:
             try:
                 run_step("resume", cleanup.resume)
-            except WeightSyncError as error:
+            except Exception as error:  # noqa: BLE001 - a failed sync or a dead or hung server: the round's error leads
                 log.warning("could not resume the server after a failed weight sync: %s", error)
 
     def close(self) -> None:

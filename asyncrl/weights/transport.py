@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from asyncrl.client import Control
+from asyncrl.serving.process import ServerStartError
 
 R = TypeVar("R")
 
@@ -49,10 +50,11 @@ class Transport(ABC):
 
 
 def run_step(step: str, fn: Callable[..., R], *args: Any) -> R:
-    """Call ``fn``; any failure becomes a WeightSyncError naming ``step``."""
+    """Call ``fn``; any failure becomes a WeightSyncError naming ``step``, but the server's own death or hang
+    (ServerStartError, from the control group's watch) stays what it is: the sync did not fail, its server did."""
     try:
         return fn(*args)
-    except WeightSyncError:
+    except (WeightSyncError, ServerStartError):
         raise
     except Exception as exc:
         raise WeightSyncError(f"weight sync failed at {step}: {exc}") from exc
@@ -79,6 +81,11 @@ class Background(Generic[R]):
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for it; whether it is done."""
+        self._thread.join(timeout_s)
+        return self.done()
 
     def failed(self) -> bool:
         return self.done() and self._error is not None

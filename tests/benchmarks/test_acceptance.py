@@ -56,24 +56,37 @@ def test_resume_command_is_the_one_ctrl_c_printed(acceptance: ModuleType) -> Non
     )
     said, argv = acceptance.resume_command(full_disk)
     assert said.endswith("free space there, resume from step_000004 (step 4)") and argv[-1].endswith("=latest")
-    assert acceptance.resume_command(CRASH) is None  # a crash prints no resume command
+    said, argv = acceptance.resume_command(CRASH)  # any failure once a checkpoint exists (launch.py)
+    assert said == f"{KILLED} (details: runs/x/launch.log), resume from step_000002 (step 2)"
+    assert argv[2:] == ["trainer.max_steps=4", "trainer.save_steps=2", "trainer.resume_from_checkpoint=latest",
+                        "hydra.run.dir=runs/x"]  # fmt: skip
 
 
+KILLED = (
+    "error (ServerStartError): the generation server at http://127.0.0.1:8000 (built-in, pid 4242) was killed by "
+    "SIGKILL; its log's last line: 2026-12-02 14:53:55,025 asyncrl.engine.api: loaded 46 tensors from "
+    "/dev/shm/w/weights-2.safetensors (log: runs/x/logs/server.log)"
+)
 CRASH = (
     "Loading weights: 100%|##########| 46/46\n"
-    "error (ServerStartError): the generation server exited: 2026-12-02 14:53:55,025 asyncrl.engine.api: loaded 46 "
-    "tensors from /dev/shm/w/weights-2.safetensors (log: runs/x/logs/server.log) (details: runs/x/launch.log)\n"
+    f"{KILLED} (details: runs/x/launch.log); resume from step_000002 (step 2) with: asyncrl train "
+    "trainer.max_steps=4 trainer.save_steps=2 trainer.resume_from_checkpoint=latest hydra.run.dir=runs/x\n"
     "  (a server's log tail may follow the line)\n\n"
 )
 
 
 def test_a_failed_run_ends_on_its_error_line_else_its_last(acceptance: ModuleType) -> None:
     ended = acceptance.ending_line(CRASH)
-    assert ended.startswith("error (ServerStartError): the generation server exited: ")
+    assert ended.startswith(KILLED)
     assert acceptance.re.search(acceptance.ENDINGS["kill"], ended)
     assert not acceptance.re.search(acceptance.ENDINGS["oom"], ended)
-    hung = "error (WeightSyncError): POST /pause: no answer within 180 s (server.timeout) (details: x/launch.log)"
+    hung = (
+        "error (ServerStartError): the generation server at http://127.0.0.1:8000 (vLLM, pid 7) stopped answering "
+        "/health for 120 s (server.health_timeout) during a weight sync: it hangs; raise server.health_timeout if it "
+        "is only slow (details: x/launch.log)"
+    )
     assert acceptance.re.search(acceptance.ENDINGS["hang"], acceptance.ending_line(f"{hung}\n"))
+    assert not acceptance.re.search(acceptance.ENDINGS["hang"], ended)
     assert acceptance.ending_line("Traceback (most recent call last):\n  ...\nKeyError: 'x'\n") == "KeyError: 'x'"
 
 
@@ -137,10 +150,7 @@ def test_a_resumed_run_starts_at_its_checkpoint_and_logs_each_step_once(acceptan
         "resumed at step 4, not at its checkpoint's, 2", "metrics.jsonl steps 1,2,3,3,4, not 1-4 once each"
     ]  # fmt: skip
     assert acceptance.continuity([1, 2], resumed=None, checkpoint=2, max_steps=4)[1].endswith("not 1-4 once each")
-    restarted = (
-        "restart 1/1 (ServerStartError): the generation server exited: loaded 46 tensors (log: runs/x/logs/server.log)"
-        "; resuming from step_000002 (step 2)\n"
-    )
+    restarted = f"restart 1/1 {KILLED.removeprefix('error ')}; resuming from step_000002 (step 2)\n"
     said, step = acceptance.restart_line("Loading weights\n" + restarted)
     assert said == restarted.strip() and step == 2
     assert (

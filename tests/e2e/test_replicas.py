@@ -5,6 +5,7 @@ starts its own two (server.replicas=2) and kills one mid-run."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient
+from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
 
 from .helpers import (
     CliRun,
@@ -75,17 +77,18 @@ def test_every_sync_reaches_both_servers(replicas_run):
 
 
 def test_a_dead_replica_ends_the_run_with_one_line_naming_it(random_tiny_model_dir, arithmetic_data_dir, tmp_path):
-    """Two launched replicas on ports P and P+1; replica 1 is killed once the first step is logged."""
+    """Two launched replicas on ports P and P+1; replica 1 is killed once the first checkpoint is saved. The line
+    names the replica, its pid and the signal, and ends on the command that resumes from the newest checkpoint."""
     run_dir, port = tmp_path / "run", free_port_pair()
     common = [arg for arg in common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir)
-              if not arg.startswith(("server.port=", "trainer.max_steps="))]  # fmt: skip
-    args = ["train", *common, "trainer.max_steps=500", "trainer.save_strategy=no", "server.replicas=2",
+              if not arg.startswith(("server.port=", "trainer.max_steps=", "trainer.save_steps="))]  # fmt: skip
+    args = ["train", *common, "trainer.max_steps=500", "trainer.save_steps=1", "server.replicas=2",
             "sampling.max_completion_length=16",
             f"server.port={port}", "trainer.cpu_threads=1"]  # fmt: skip
     proc, marker = start_cli(args)
     try:
         deadline = time.monotonic() + 180
-        while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+        while not list_checkpoints(run_dir) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
         replica = [pid for pid in marked_pids(marker) if f"--port\0{port + 1}\0".encode() in _cmdline(pid)]
@@ -97,10 +100,15 @@ def test_a_dead_replica_ends_the_run_with_one_line_naming_it(random_tiny_model_d
     assert proc.returncode == 1, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("error")]
     assert len(errors) == 1, output[-3000:]
-    assert errors[0].startswith(
-        f"error (ServerStartError): the generation server exited: replica 1 of 2 (http://127.0.0.1:{port + 1}): "
+    newest = list_checkpoints(run_dir)[-1]
+    assert re.fullmatch(
+        rf"error \(ServerStartError\): replica 1 of 2: the generation server at http://127\.0\.0\.1:{port + 1} "
+        rf"\(built-in, pid {replica[0]}\) was killed by SIGKILL; its log's last line: .+ "
+        rf"\(log: {re.escape(str(run_dir / 'logs' / 'server_1.log'))}\) \(details: .+\); "
+        rf"resume from {newest.name} \(step {checkpoint_step(newest)}\) with: asyncrl train .+ "
+        rf"trainer\.resume_from_checkpoint=latest hydra\.run\.dir={re.escape(str(run_dir))}",
+        errors[0],
     ), errors
-    assert str(run_dir / "logs" / "server_1.log") in errors[0]
     assert "Traceback" not in output
     assert wait_no_marked(marker) == []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from asyncrl.serving.process import (
     ServerStartError,
     die_with_parent,
     free_port,
+    how_it_ended,
     root_cause,
     wait_for_health,
 )
@@ -140,8 +142,55 @@ def test_early_exit_shows_the_root_cause_and_where_the_log_is(tmp_path):
     with pytest.raises(ServerStartError) as info:
         with server:
             pass
-    assert str(info.value) == (f"server exited with code 1 during startup: RuntimeError: The size of tensor a (105) "
-                               f"must match the size of tensor b (256) (log: {tmp_path / 'server.log'})")  # fmt: skip
+    assert re.sub(r"pid \d+", "pid N", str(info.value)) == (
+        f"the generation server at {server.base_url} (pid N) exited with code 1 during startup: RuntimeError: The "
+        f"size of tensor a (105) must match the size of tensor b (256) (log: {tmp_path / 'server.log'})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("returncode", "said"),
+    [(-9, "was killed by SIGKILL"), (-15, "was killed by SIGTERM"), (1, "exited with code 1"),
+     (0, "exited with code 0"), (-40, "was killed by signal 40")],
+)  # fmt: skip
+def test_how_a_process_ended_is_the_signal_that_killed_it_or_its_exit_code(returncode, said):
+    assert how_it_ended(returncode) == said
+
+
+def test_a_killed_server_is_named_with_the_signal_and_its_log_as_context_only(tmp_path):
+    """The log's last line follows as context, not as a cause: a SIGKILL leaves nothing in the log about itself."""
+    log = "Traceback (most recent call last):\\nKeyError: 3\\nloaded 46 tensors"  # an earlier error is no cause
+    script = f"import time; print('{log}', flush=True); time.sleep(60)"
+    url = f"http://127.0.0.1:{free_port()}"
+    server = ServerProcess([sys.executable, "-c", script], base_url=url, log_path=tmp_path / "log")
+    server.kind = "built-in"
+    server.start()
+    try:
+        assert server.proc is not None
+        deadline = time.monotonic() + 30
+        while "loaded" not in (tmp_path / "log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        assert not server.is_alive()
+        assert server.death_line() == (
+            f"the generation server at {url} (built-in, pid {server.proc.pid}) was killed by SIGKILL; "
+            f"its log's last line: loaded 46 tensors (log: {tmp_path / 'log'})"
+        )
+    finally:
+        server.stop()
+
+
+def test_a_stopped_server_ends_on_the_sigterm_of_its_stop_not_on_the_sigkill_after_the_grace(tmp_path):
+    """A hung server (SIGSTOP) gets SIGCONT after the SIGTERM, so it handles that at once."""
+    server = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"],
+                           base_url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "log")  # fmt: skip
+    server.start()
+    proc = server.proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    server.stop(grace_s=60)
+    assert proc.returncode == -signal.SIGTERM
 
 
 def test_health_wait_never_outlasts_its_deadline_on_a_server_that_never_answers():

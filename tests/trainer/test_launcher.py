@@ -52,15 +52,15 @@ class ExitedServer(HealthyServer):
     def is_alive(self) -> bool:
         return False
 
-    def log_summary(self) -> str:
-        return "torch.OutOfMemoryError: CUDA out of memory (log: logs/server.log)"
+    def death_line(self) -> str:
+        return "the generation server at http://127.0.0.1:9 (vLLM, pid 7) exited with code 1: OutOfMemoryError"
 
 
 def test_a_server_that_exits_while_the_ranks_start_stops_them(random_tiny_model_dir, tmp_path, marker):
     """The ranks start while the launched server boots (rank 0 waits for its health): its exit ends them."""
     (tmp_path / "config.yaml").write_text(to_yaml(to_config(compose([f"model.name_or_path={random_tiny_model_dir}",
                                                                      "trainer.num_processes=2"]))))  # fmt: skip
-    exited = r"the generation server exited: torch.OutOfMemoryError: CUDA out of memory \(log: logs/server.log\)"
+    exited = r"^the generation server at http://127.0.0.1:9 \(vLLM, pid 7\) exited with code 1: OutOfMemoryError$"
     with pytest.raises(ServerStartError, match=exited):
         run_ranks(tmp_path, ExitedServer())
     assert wait_no_marked(marker) == []

@@ -1,6 +1,7 @@
 """Weight sync rounds against the built-in server: weights arrive, and a failure at any step is an error
-(no hang) that leaves the server resumed and ready for the next round. Plus the vLLM transports' pure parts, and
-a vision-language model's payload: its text model only, so the server keeps the vision tower it loaded."""
+(no hang) that leaves the server resumed and ready for the next round; a server that hangs or dies mid-round ends
+it naming the server. Plus the vLLM transports' pure parts, and a vision-language model's payload: its text model
+only, so the server keeps the vision tower it loaded."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import asyncio
 import base64
 import copy
 import logging
+import os
 import pickle
 import re
+import signal
 import sys
 import threading
 import time
 import types
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +31,13 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config.compose import compose, to_config
+from asyncrl.control_group import ControlGroup
 from asyncrl.serving.checks import ServerFacts
 from asyncrl.serving.command import served_name
+from asyncrl.serving.group import ServerGroup
+from asyncrl.serving.process import ServerProcess, ServerStartError
 from asyncrl.serving.vllm import WORKER_EXTENSION
+from asyncrl.serving.watchdog import ServerWatch
 from asyncrl.trainer.fsdp import GatheredModel
 from asyncrl.trainer.model import load_model
 from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
@@ -41,6 +49,7 @@ from asyncrl.weights.vllm_direct import DirectIpcTransport
 from asyncrl.weights.vllm_extension import LOAD, MAP, UNMAP, WeightBufferExtension
 from asyncrl.weights.vllm_factory import FactoryTransport, RoundClient, serving_source
 from asyncrl.weights.vllm_transports import ipc_transport, nccl_transport
+from tests.conftest import serve_session
 from tests.sharded import sharded
 
 STEPS = ("stage", "pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
@@ -219,6 +228,55 @@ def test_an_interrupted_round_resumes_the_server_before_it_ends(server, model, t
             sync.push(model, 9)
         assert not control.is_paused()
         sync.close()
+
+
+@pytest.fixture
+def own_server(random_tiny_model_dir: Path, weights_root: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server of the test's own, which it hangs or kills."""
+    yield from serve_session(random_tiny_model_dir, weights_root, tmp_path / "own-server")
+
+
+def watched_sync(server: ServerProcess, weights_dir: Path) -> tuple[WeightSync, ControlGroup]:
+    """A round as the trainer makes it: its control group checks the server (dead? silent on /health for 1 s, the
+    health timeout here?) while each call waits, under a server.timeout far longer than the test may take."""
+    watch = ServerWatch(ServerGroup([server]), health_timeout_s=1.0)
+    control = ControlGroup.connect(
+        [server.base_url], timeout_s=3600, watch=partial(watch.check, "during a weight sync")
+    )
+    return WeightSync(control, FileTransport(weights_dir)), control
+
+
+def test_a_server_that_hangs_in_a_round_ends_it_after_the_health_timeout_naming_it(own_server, model, tmp_path):
+    """SIGSTOP: the pause is never answered; the round ends on the health watchdog, not on server.timeout."""
+    sync, control = watched_sync(own_server, tmp_path)
+    sync.init(model)
+    assert own_server.proc is not None
+    os.kill(own_server.proc.pid, signal.SIGSTOP)
+    with pytest.raises(ServerStartError) as raised:
+        sync.push(model, 1)
+    assert str(raised.value) == (
+        f"the generation server at {own_server.base_url} (pid {own_server.proc.pid}) stopped answering /health for 1 s "
+        "(server.health_timeout) during a weight sync: it hangs; raise server.health_timeout if it is only slow"
+    )
+    sync.close()  # makes no call to the hung server
+    control.close()
+
+
+def test_a_server_killed_before_a_round_ends_it_at_once_saying_how_it_died(own_server, model, tmp_path):
+    sync, control = watched_sync(own_server, tmp_path)
+    sync.init(model)
+    assert own_server.proc is not None
+    os.kill(own_server.proc.pid, signal.SIGKILL)
+    own_server.proc.wait(timeout=30)
+    with pytest.raises(ServerStartError) as raised:
+        sync.push(model, 1)
+    assert re.fullmatch(
+        rf"the generation server at {re.escape(own_server.base_url)} \(pid {own_server.proc.pid}\) was killed by "
+        rf"SIGKILL; its log's last line: .+ \(log: {re.escape(str(own_server.log_path))}\)",
+        str(raised.value),
+    ), raised.value
+    sync.close()
+    control.close()
 
 
 def test_build_weight_sync_checks_the_server_and_picks_the_file_transport(server, random_tiny_model_dir, tmp_path):
