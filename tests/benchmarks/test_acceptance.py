@@ -289,3 +289,35 @@ def test_a_stopped_process_left_behind_is_reported_and_killed(
     finally:
         child.kill()
         child.wait()
+
+
+def test_an_oom_row_whose_run_trains_on_beside_the_hog_passes_saying_so(
+    acceptance: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process took the GPU's free memory, and every step still fit the trainer's cached memory: nothing
+    was lost, so the row passes (the run's steps are judged as any row's), and its note says the fault changed
+    nothing. A kill that the run survives with exit 0 is still a failure."""
+    (tmp_path / "runs" / "r" / "checkpoints" / "step_2").mkdir(parents=True)
+    (tmp_path / "console0.err").write_text("done\n")
+
+    def train(result, row_dir, args, ctx, poll=None):  # type: ignore[no-untyped-def]
+        poll(None)  # the run's first checkpoint exists: the fault is made
+        outcome = acceptance.Outcome(0, 1.0, [])
+        result.outcomes.append(outcome)
+        result.rc = 0
+        return outcome
+
+    monkeypatch.setattr(acceptance, "train", train)
+    hog = acceptance.contextlib.nullcontext(lambda proc: "a memory hog took 120.0 GiB of the GPU")
+    monkeypatch.setitem(acceptance.FAULTS, "oom", lambda row_dir: hog)
+    monkeypatch.setitem(
+        acceptance.FAULTS, "kill", lambda row_dir: acceptance.contextlib.nullcontext(lambda proc: "SIGKILL")
+    )
+    ctx = acceptance.Context(tmp_path, 4, False, 60.0, True)
+    rows = {row.name: row for row in acceptance.ROWS}
+    trained_on = acceptance.Result("oom")
+    acceptance.run_fault(rows["oom"], tmp_path, ctx, None, trained_on)
+    assert trained_on.problems == [] and "trained on beside the hog" in trained_on.notes[-1]
+    survived = acceptance.Result("vllm-killed")
+    acceptance.run_fault(rows["vllm-killed"], tmp_path, ctx, None, survived)
+    assert survived.problems == ["the run finished (exit 0)"]
