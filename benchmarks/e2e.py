@@ -25,6 +25,11 @@ length is drawn from a log-normal tail (`min_tokens = max_tokens`, through the r
 hook) so timing resembles reasoning RL whatever the random model samples. Reward: closeness of the length to the
 median (cheap, verifiable, varies within a group). Prints one table; writes e2e.json under --out (and $OUT when
 set).
+
+The mid-run recompile (issue 36, item 3): each run also prints the steps after the first that took over twice their
+median, and every line CompileWatch logged (``torch.compile: S s compiling ... during row N``) in its launch.log:
+
+    python benchmarks/e2e.py --staleness 2 --steps 12 --no-flat --profile= --run-timeout 300
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -215,7 +221,23 @@ def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, e
         return {"name": name, "failed": proc.returncode}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timeline = json.loads((run_dir / "timeline.json").read_text())["summary"]
-    return {"name": name, "cli_wall_s": wall, "rows": rows, "timeline": timeline}
+    compiles = compile_lines((run_dir / "launch.log").read_text(errors="replace"))
+    return {"name": name, "cli_wall_s": wall, "rows": rows, "timeline": timeline, "compiles": compiles}
+
+
+def compile_lines(launch_log: str) -> list[str]:
+    """What CompileWatch logged (trainer/forward.py: ``torch.compile: S s compiling (...) during row N``), warm-up
+    and steps alike: a compile past the warm-up is what a slow step mid-run would be (issue 36, item 3)."""
+    return [line.partition("torch.compile: ")[2] for line in launch_log.splitlines() if "torch.compile: " in line]
+
+
+def slow_steps(step_s: list[float]) -> list[int]:
+    """The steps after the first (1-based) that took over twice the median of those steps: the mid-run stalls."""
+    later = step_s[1:]
+    if not later:
+        return []
+    median = statistics.median(later)
+    return [i + 2 for i, s in enumerate(later) if s > 2 * median]
 
 
 def summarise(run: dict[str, Any], profiled: bool = False) -> dict[str, Any]:
@@ -254,6 +276,8 @@ def summarise(run: dict[str, Any], profiled: bool = False) -> dict[str, Any]:
         "phases_s": {k.split("/")[-1]: mean(k, 1) for k in ("perf/step_s", "perf/rollout_wait_s", "perf/fwd_bwd_s",
                                                               "perf/optimizer_s", "perf/weight_sync_s")},
         "cap": series("rollout/concurrency_cap"), "kv_usage": series("rollout/vllm_kv_cache_usage_frac"),
+        "step_s": series("perf/step_s"), "slow_steps": slow_steps(series("perf/step_s")),
+        "compiles": run.get("compiles", []),
         "rows": rows,
     }  # fmt: skip
 
@@ -490,6 +514,12 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"standalone built-in server on the same GPU: {b['standalone_tokens_per_s']:,.0f} generated tokens/s "
             f"({b['standalone_tokens_per_s'] / server['standalone_tokens_per_s']:.0%} of {server['backend']})"
+        )
+    print("\nsteps over twice the median of the steps after the first, and what CompileWatch logged:")
+    for r in runs:
+        print(
+            f"  {r['name']}: slow steps {r['slow_steps'] or 'none'} (step s {[round(x, 2) for x in r['step_s']]}); "
+            f"{len(r['compiles'])} compiles" + "".join(f"\n    {line[:160]}" for line in r["compiles"])
         )
     print("\nwhere a step's time goes (mean seconds per step after the first):")
     for r in runs:

@@ -32,3 +32,18 @@ def test_the_quantized_server_is_compared_run_by_run_against_the_goal(e2e: Modul
     assert rows["staleness0"] == {"name": "staleness0", "failed": 1}  # a quantized run that failed stays a row
     assert rows["staleness4"]["failed"] == "no bf16 run of that name"  # the bf16 one timed out
     assert math.isnan(e2e.ratio((0.0, 1.0)))
+
+
+def test_slow_steps_are_those_over_twice_the_later_steps_median(e2e: ModuleType) -> None:
+    """The first step compiles and is left out; step 6's 9.7 s among ~1 s steps is the mid-run stall to explain."""
+    assert e2e.slow_steps([40.0, 1.0, 1.1, 0.9, 1.0, 9.7, 1.2]) == [6]
+    assert e2e.slow_steps([40.0, 1.0, 1.1, 1.9]) == [] and e2e.slow_steps([3.0]) == []
+
+
+def test_compile_lines_are_what_compile_watch_logged(e2e: ModuleType) -> None:
+    log = (
+        "[2026-12-02 15:31:11,147][asyncrl.trainer.forward][INFO] - torch.compile: 3.6 s compiling (dynamo, compile "
+        "id 0/0, from modeling_layers.py:108 in __call__) during row 2\n[...][asyncrl][INFO] - step 1\n"
+    )
+    assert e2e.compile_lines(log) == ["3.6 s compiling (dynamo, compile id 0/0, from modeling_layers.py:108 in "
+                                      "__call__) during row 2"]  # fmt: skip
