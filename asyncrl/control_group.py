@@ -9,7 +9,10 @@ all. A failure names the replica; the others' calls still finish first, so no ca
 on a daemon thread and the caller checks ``watch()`` between short waits for the answers: a server that dies or
 hangs mid-sync ends the wait at once, or within server.health_timeout, instead of after server.timeout, while a
 slow call whose server answers /health is waited for. The calls the watch gave up on are left on their threads
-(they end when the run stops the server; being daemons, they never hold the process at exit).
+(they end when the run stops the server; being daemons, they never hold the process at exit). A call that got no
+answer at all (the connection dropped) gives the watch ``DEATH_GRACE_S`` to see its server's end first: a killed
+server's connections close a moment before its process can be reaped, and "server disconnected" would hide what
+died (on the H200, a vLLM killed mid-sync restarted the run as a WeightSyncError at /pause).
 
 NCCL weight transfer spans every server in one group: the trainer is rank 0 and each replica's workers follow,
 replica after replica (``rank_offsets``); the group's ``world_size()`` is their sum, which the transports already
@@ -18,6 +21,7 @@ add the trainer to. Unverified on GPUs here (no multi-GPU machine was lent): the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -28,6 +32,8 @@ from asyncrl.weights.transport import Background
 R = TypeVar("R")
 WATCH_INTERVAL_S = 0.2
 """Seconds between two ``watch()`` checks while calls wait (the trainer checks as often while it waits for rollouts)."""
+DEATH_GRACE_S = 2.0
+"""Seconds a call that got no answer leaves the watch to find its server dead before the call's own error leads."""
 
 
 def rank_offsets(first: int, world_sizes: Sequence[int]) -> list[int]:
@@ -43,8 +49,14 @@ def rank_offsets(first: int, world_sizes: Sequence[int]) -> list[int]:
 class ControlGroup:
     """``ControlClient``'s calls over ``controls`` (replica 0 first), each wait checked by ``watch`` if given."""
 
-    def __init__(self, controls: list[ControlClient], watch: Callable[[], None] | None = None) -> None:
-        self.controls, self.watch = controls, watch
+    def __init__(
+        self,
+        controls: list[ControlClient],
+        watch: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.controls, self.watch, self.clock, self.sleep = controls, watch, clock, sleep
 
     @classmethod
     def connect(
@@ -83,11 +95,25 @@ class ControlGroup:
             try:
                 results.append(done.result(0))
             except ServerError as error:
+                if error.status is None:
+                    self._blame_a_dead_server()
                 if len(self.controls) == 1:
                     raise
                 where = f"replica {index} of {len(self.controls)} ({self.controls[index].base_url})"
                 raise ServerError(error.status, error.path, f"{where}: {error.message}") from error
         return results
+
+    def _blame_a_dead_server(self) -> None:
+        """After a call got no answer: ``watch()`` for DEATH_GRACE_S, so that a server that died raises its own end
+        (how it ended, its log) rather than the dropped connection."""
+        if self.watch is None:
+            return
+        deadline = self.clock() + DEATH_GRACE_S
+        while True:
+            self.watch()
+            if self.clock() >= deadline:
+                return
+            self.sleep(WATCH_INTERVAL_S)
 
     # ---- queries: what every replica together offers ---------------------------------------------------------
 
@@ -141,7 +167,8 @@ class ControlGroup:
     def reopened(self, timeout_s: float) -> ControlGroup:
         """The same replicas with a fresh client each under ``timeout_s`` (cleanup after a failed round), watched
         alike: no cleanup waits on a server known dead or hung."""
-        return ControlGroup([control.reopened(timeout_s) for control in self.controls], self.watch)
+        controls = [control.reopened(timeout_s) for control in self.controls]
+        return ControlGroup(controls, self.watch, self.clock, self.sleep)
 
     def close(self) -> None:
         for control in self.controls:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from asyncrl.client import Control, ControlClient, ServerError
-from asyncrl.control_group import ControlGroup, rank_offsets
+from asyncrl.control_group import DEATH_GRACE_S, ControlGroup, rank_offsets
 from asyncrl.serving.process import ServerStartError
 
 
@@ -147,6 +147,50 @@ def test_a_server_known_dead_or_hung_gets_no_call_not_even_a_cleanups():
         watched.resume()
     assert a.calls == b.calls == []
     assert watched.reopened(30).watch is watched.watch
+
+
+class DroppedControl(FakeControl):
+    """A server killed mid-call: the connection drops without an answer (ControlClient's ServerError, status None)."""
+
+    def pause(self, mode: str, clear_cache: bool = True, timeout_s: float | None = None) -> None:
+        self.calls.append(("pause", mode))
+        raise ServerError(None, "/pause", "RemoteProtocolError: Server disconnected without sending a response.")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_dropped_connection_leaves_the_watch_time_to_name_the_dead_server():
+    """The process of a server killed mid-sync is reaped a moment after its connections drop: the death leads."""
+    clock = FakeClock()
+    watch = Watch(raise_at=4)  # before the call, once at the drop, then after two waits: reaped by then
+    with pytest.raises(ServerStartError, match="stopped answering") as raised:
+        ControlGroup([DroppedControl("http://a")], watch, clock, clock.sleep).pause("keep")  # type: ignore[list-item]
+    assert isinstance(raised.value.__context__, ServerError) and clock.now == pytest.approx(0.4)
+
+
+def test_a_dropped_connection_of_a_live_server_is_the_calls_error_after_the_grace():
+    clock = FakeClock()
+    watch = Watch()
+    with pytest.raises(ServerError, match="Server disconnected"):
+        ControlGroup([DroppedControl("http://a")], watch, clock, clock.sleep).pause("keep")  # type: ignore[list-item]
+    assert DEATH_GRACE_S <= clock.now <= DEATH_GRACE_S + 0.5 and watch.checks >= 1 + DEATH_GRACE_S / 0.2
+
+
+def test_an_answered_error_is_the_calls_at_once():
+    """An HTTP error is an answer: the server lives, no grace."""
+    clock = FakeClock()
+    with pytest.raises(ServerError, match="engine dead"):
+        ControlGroup([FakeControl("http://a", fails="pause")], Watch(), clock, clock.sleep).pause("keep")  # type: ignore[list-item]
+    assert clock.now == 0.0
 
 
 def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(random_tiny_model_dir, tmp_path):

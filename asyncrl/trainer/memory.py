@@ -40,9 +40,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-MARGIN_FRACTION = 0.1
-"""Headroom over the measured peak, for what the warm-up does not run: evaluation, checkpoint gathers, sync
-buffers, allocator fragmentation over a long run. At least MARGIN_MIN_BYTES."""
+MARGIN_FRACTION = 0.3
+"""Headroom over the measured peak, for what the eager warm-up does not show: the compiled step's own buffers,
+evaluation, checkpoint gathers, sync buffers, allocator fragmentation, and what vLLM takes beyond its
+--gpu-memory-utilization (its CUDA context and graphs). At 0.1 the 2B quick start ran out of memory at step 1: the
+trainer held 28.8 GiB against a 26.0 GiB warm-up peak, vLLM 1.9 GiB over its share (RESULTS.md, session 17).
+At least MARGIN_MIN_BYTES."""
 MARGIN_MIN_BYTES = 2 * GIB
 CACHE_FILE = "trainer_memory.json"
 
@@ -123,24 +126,41 @@ def record_memory(config: Config, token_budget: int, memory: TrainerMemory) -> N
         log.warning("could not record the trainer's memory in %s (%s): the next run measures again", path, error)
 
 
-def synthetic_rows(row_factory: RowFactory, token_budget: int, max_model_len: int, vocab_size: int,
-                   top_k: int) -> list[PackedRow]:  # fmt: skip
-    """One row filled to ``token_budget`` with samples of up to ``max_model_len`` tokens, all trained but the
-    first (a step's worst case for activations and logit chunks), random tokens with a fixed seed."""
+def synthetic_rows(row_factory: RowFactory, token_budget: int, prompt_length: int, completion_length: int,
+                   group_size: int, vocab_size: int, top_k: int) -> list[PackedRow]:  # fmt: skip
+    """One row filled to ``token_budget`` as a step's rows are: groups of ``group_size`` samples sharing a prompt of
+    ``prompt_length`` tokens, each with ``completion_length`` trained tokens (the last sample shortened to fill the
+    row), random tokens with a fixed seed. Shaped like a real row (a tree row's shared prompt and its branches, the
+    gated-DeltaNet recurrence's levels), so that the first real step meets what the compiled layers compiled for and
+    the measured peak is a real step's: at the 2B shape, after a warm-up on a row of unrelated samples (26.0 GiB), the
+    first real step compiled the layers again (forward and backward 132 s) and the second ran out of memory with
+    27.7 GiB reserved (RESULTS.md, session 17)."""
     rng = random.Random(0)
-    row = row_factory()
-    left, index = token_budget, 0
-    while left > 1:
-        length = min(left, max_model_len)
-        tokens = [rng.randrange(vocab_size) for _ in range(length)]
+    row, index = row_factory(), 0
+
+    def sample(prompt: list[int], completion: list[int], top_k: int = 0) -> RolloutSample:
+        tokens, trained = prompt + completion, len(completion)
         top = [{rng.randrange(vocab_size): -1.0 for _ in range(top_k)} for _ in tokens] if top_k else None
-        sequence = TrainingSequence(tokens, [0] + [1] * (length - 1), [-1.0] * length, top)
-        sample = RolloutSample(sequence, 1.0 if index % 2 else -1.0, 0.0, index, index, index, 0, f"warm-up-{index}")
-        if not row.fits(sample):
-            break
-        row.add(sample)
-        left, index = left - length, index + 1
-    return [row.pack(top_k)]
+        sequence = TrainingSequence(tokens, [0] * len(prompt) + [1] * trained, [-1.0] * len(tokens), top)
+        return RolloutSample(sequence, 1.0 if index % 2 else -1.0, 0.0, index // group_size, index, index, 0,
+                             f"warm-up-{index}")  # fmt: skip
+
+    while True:
+        prompt = [rng.randrange(vocab_size) for _ in range(prompt_length)]
+        for _ in range(group_size):
+            completion = [rng.randrange(vocab_size) for _ in range(completion_length)]
+            if not row.fits(sample(prompt, completion)):
+                longest, beyond = 0, completion_length  # the longest shortened completion that fits: a bisection
+                while beyond - longest > 1:
+                    middle = (longest + beyond) // 2
+                    longest, beyond = (
+                        (middle, beyond) if row.fits(sample(prompt, completion[:middle])) else (longest, middle)
+                    )
+                if longest:
+                    row.add(sample(prompt, completion[:longest], top_k))
+                return [row.pack(top_k)]
+            row.add(sample(prompt, completion, top_k))
+            index += 1
 
 
 def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
