@@ -192,16 +192,17 @@ class CompileWatch:
                         self.site, self.rows)  # fmt: skip
 
     def row(self) -> None:
-        """A row is about to be forwarded: log the recompiles since the last one (its forward and backward)."""
+        """A row is about to be forwarded: log the recompiles of the last one (its forward and backward), naming
+        that row: logged as the next row starts, a warm-up's recompiles read as the first real step's otherwise."""
         from torch._dynamo.utils import guard_failures
 
-        self.rows += 1
         for code, reasons in list(guard_failures.items()):
             seen = self.reported.get(code, 0)
             for reason in reasons[seen if seen <= len(reasons) else 0 :]:  # dynamo's reset() empties the lists
-                log.info("torch.compile compiled %s (%s:%d) again: %s", code.co_name, code.co_filename,
-                            code.co_firstlineno, " ".join(reason.split("\nUser stack")[0].split()))  # fmt: skip
+                log.info("torch.compile compiled %s (%s:%d) again during row %d: %s", code.co_name, code.co_filename,
+                         code.co_firstlineno, self.rows, " ".join(reason.split("\nUser stack")[0].split()))  # fmt: skip
             self.reported[code] = len(reasons)
+        self.rows += 1
 
 
 def _outside_torch(stack: traceback.StackSummary) -> str:

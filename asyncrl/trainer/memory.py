@@ -130,11 +130,11 @@ def synthetic_rows(row_factory: RowFactory, token_budget: int, prompt_length: in
                    group_size: int, vocab_size: int, top_k: int) -> list[PackedRow]:  # fmt: skip
     """One row filled to ``token_budget`` as a step's rows are: groups of ``group_size`` samples sharing a prompt of
     ``prompt_length`` tokens, each with ``completion_length`` trained tokens (the last sample shortened to fill the
-    row), random tokens with a fixed seed. Shaped like a real row (a tree row's shared prompt and its branches, the
-    gated-DeltaNet recurrence's levels), so that the first real step meets what the compiled layers compiled for and
-    the measured peak is a real step's: at the 2B shape, after a warm-up on a row of unrelated samples (26.0 GiB), the
-    first real step compiled the layers again (forward and backward 132 s) and the second ran out of memory with
-    27.7 GiB reserved (RESULTS.md, session 17)."""
+    row), random tokens with a fixed seed. Shaped like a real row (a tree row's shared prompt and its branches,
+    which start the gated-DeltaNet recurrence from the prompt's state), so that the kernels the first real step runs
+    compile and autotune here and the measured peak is a real step's: at the 2B shape, after a warm-up on a row of
+    unrelated samples (every segment a root: 26.0 GiB), the first real step's forward and backward took 132 s and
+    the second ran out of memory with 27.7 GiB reserved (RESULTS.md, session 17)."""
     rng = random.Random(0)
     row, index = row_factory(), 0
 

@@ -329,4 +329,4 @@ def test_compile_watch_logs_recompiles_and_compiles_after_the_first_row(caplog):
     compile_line, guard_line = (record.message for record in caplog.records)
     assert compile_line.startswith("torch.compile: ") and "s compiling (dynamo, compile id" in compile_line
     assert "test_forward.py:" in compile_line  # the call that compiled, not torch's frames
-    assert "compiled scaled (" in guard_line and "again: " in guard_line and "factor" in guard_line
+    assert "compiled scaled (" in guard_line and "again during row 2: " in guard_line and "factor" in guard_line
