@@ -220,7 +220,7 @@ class Trainer:
         measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and the compiled
         layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
         from asyncrl.serving.vllm import warm_up_token_budget
-        from asyncrl.trainer.memory import cached_memory, synthetic_rows
+        from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, cached_memory, synthetic_rows
 
         c = self.config
         if not (c.trainer.warm_up and torch.cuda.is_available()):
@@ -230,8 +230,9 @@ class Trainer:
         max_model_len = expected_max_model_len(c, self.prepared.plan.server_backend, unwrap_model(self.model).config)
         row_factory, budget = self.prepared.components.packer.rows(max_model_len)
         completion = min(c.sampling.max_completion_length, max_model_len - 1)
-        rows = synthetic_rows(row_factory, budget, max_model_len - completion, completion, c.sampling.num_generations,
-                              text.vocab_size, self.top_k)  # fmt: skip
+        prompt = min(max_model_len - completion, WARM_UP_PROMPT_TOKENS)
+        rows = synthetic_rows(row_factory, budget, prompt, completion, c.sampling.num_generations, text.vocab_size,
+                              self.top_k)  # fmt: skip
         mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], self.loss.norm(rows)))
         shape = warm_up_token_budget(c, max_model_len)
         known = cached_memory(c, shape)

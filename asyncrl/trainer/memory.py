@@ -48,6 +48,9 @@ trainer held 28.8 GiB against a 26.0 GiB warm-up peak, vLLM 1.9 GiB over its sha
 At least MARGIN_MIN_BYTES."""
 MARGIN_MIN_BYTES = 2 * GIB
 CACHE_FILE = "trainer_memory.json"
+WARM_UP_PROMPT_TOKENS = 64
+"""The warm-up groups' prompt length at most: short prompts leave the most trained tokens in a row, the logit
+chunks' and the loss's worst case."""
 
 
 class TrainerOutOfMemoryError(RuntimeError):

@@ -8,6 +8,7 @@ import torch
 from asyncrl.components import build_components
 from asyncrl.config.compose import compose, to_config
 from asyncrl.losses.step import StepLoss
+from asyncrl.packing.deltanet import build_recurrent_plan
 from asyncrl.trainer.distributed import split_rows, warm_up_step
 from asyncrl.trainer.memory import (
     GIB,
@@ -74,6 +75,9 @@ def test_the_synthetic_row_is_shaped_like_a_steps_groups_sharing_their_prompt():
     # branch's first: one node per branch), 192 tokens; group 1: one sample cut to the 58 left
     assert row.num_forwarded == 250 and row.num_raw_tokens == 3 * (10 + 60) + 58
     assert len(row.segments) == 1 + 3 + 1  # the shared prompt, its three branches, and group 1's own path
+    plan = build_recurrent_plan(row, kernel_size=4, device=torch.device("cpu"))
+    roots, branches = plan.levels  # the branches' gated-DeltaNet recurrence starts from the prompt's final state
+    assert roots.parents is None and branches.parents is not None and branches.parents.tolist() == [0, 0, 0]
 
 
 def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
