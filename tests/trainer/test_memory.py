@@ -1,15 +1,21 @@
-"""The warm-up step throws its update away, its synthetic row fills the token budget, the measured figure is kept
-per shape, and the out-of-memory line names what changes the trainer's memory."""
+"""The warm-up step throws its update away, its synthetic row fills the token budget as a step's groups do and
+leaves a step's row nothing to compile, the measured figure is kept per shape, and the out-of-memory line names what
+changes the trainer's memory."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
+from packing.packing_samples import make_sample  # tests/packing
 
 from asyncrl.components import build_components
 from asyncrl.config.compose import compose, to_config
 from asyncrl.losses.step import StepLoss
 from asyncrl.packing.deltanet import build_recurrent_plan
-from asyncrl.trainer.distributed import split_rows, warm_up_step
+from asyncrl.trainer import fsdp
+from asyncrl.trainer.distributed import split_rows, train_rows, warm_up_step
 from asyncrl.trainer.memory import (
     GIB,
     TrainerMemory,
@@ -143,3 +149,37 @@ def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_co
     assert trainer._measure_eagerly_then_compile(step, 512, 0.0) == compiled
     assert events == [("step", "eager", True, None), ("launch", eager), ("step", "compiled", False, eager)]
     assert not trainer.server.waits_for_warm_up
+
+
+@pytest.mark.slow
+def test_after_the_warm_up_a_steps_row_compiles_nothing(random_tiny_vlm_dir, one_rank):
+    """As on the GPU: the recipe's model family (a gated-DeltaNet hybrid VLM), FSDP, gradient checkpointing and the
+    compiled layers (aot_eager: Dynamo and AOTAutograd without the C++ codegen), an eager then a compiling warm-up,
+    then a real group's row: it must compile nothing (a compile there costs the GPU's first step minutes)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}", "packing=tree", "loss=score_centering",
+                                "trainer.compile_layers=aot_eager", "sampling.max_completion_length=24",
+                                "packing.token_budget=160"]))  # fmt: skip
+    components = build_components(config)
+    model = fsdp.shard(load_model(config, str(random_tiny_vlm_dir)), config, mixed_precision=False)
+    optimizer, _ = build_optimizer(config, model)
+    row_factory, budget = components.packer.rows(40)
+    top_k = config.sampling.num_sampler_logprobs
+    rows = synthetic_rows(row_factory, budget, 16, 24, 4, vocab_size=90, top_k=top_k)
+    loss = StepLoss(components.loss, components.advantage, 24)
+    work = split_rows(rows, [[0]], loss.norm(rows))[0]
+    with torch.compiler.set_stance("force_eager"):
+        warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
+    warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
+    rng = random.Random(1)
+    prompt = [rng.randrange(90) for _ in range(11)]  # another prompt length, another group size
+    step_row = row_factory()
+    for index in range(6):
+        step_row.add(make_sample(prompt + [rng.randrange(90) for _ in range(20)], len(prompt), 0, index - 2.5, index))
+    real = [step_row.pack(top_k)]
+    model.train()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        train_rows(model, loss, split_rows(real, [[0]], loss.norm(real))[0], one_rank, config)
+    torch._dynamo.reset()
