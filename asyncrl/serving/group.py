@@ -52,6 +52,11 @@ class ServerGroup:
         """Whether a replica is a vLLM not yet launched because its share of the GPU is the trainer's warm-up's."""
         return any(isinstance(server, DeferredServer) and not server.launched for server in self.servers)
 
+    @property
+    def shares_trainer_gpu(self) -> bool:
+        """Whether a replica is a vLLM on the trainer's GPU (launched with the share the warm-up left it)."""
+        return any(isinstance(server, DeferredServer) for server in self.servers)
+
     def start(self) -> None:
         """Launch the replicas that waited for the trainer's warm-up, without waiting for their health."""
         for server in self.servers:

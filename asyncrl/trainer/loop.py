@@ -136,6 +136,7 @@ class Trainer:
         self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
         self.memory = self._warm_up()  # a vLLM waiting for the measured split starts in it
         self.server.ready()
+        self._say_room()
         self.startup["perf/startup_server_healthy_s"] = time.time() - self.started_at
         self.max_model_len = self.control.max_model_len()
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})
@@ -250,6 +251,20 @@ class Trainer:
         log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
                  time.time() - started, memory.describe())  # fmt: skip
         return memory
+
+    def _say_room(self) -> None:
+        """Once a vLLM on the trainer's GPU is up: what it took and what it left the trainer; a warning where the
+        margin over the measured peak is gone (the first steps that outgrow the warm-up would run out of memory)."""
+        from asyncrl.trainer.memory import room_line
+
+        if self.memory is None or not self.server.shares_trainer_gpu:
+            return
+        free, _ = torch.cuda.mem_get_info()
+        line, roomy = room_line(self.memory, int(free), int(torch.cuda.memory_reserved()), _server_share(self.server))
+        if roomy:
+            log.info(line)
+        else:
+            log.warning("%s: the margin is gone; give the server less with server.gpu_memory_utilization", line)
 
     def _compiles(self) -> bool:
         return resolve_compile(self.config.trainer.compile_layers, next(self.model.parameters()).device) is not None

@@ -83,6 +83,20 @@ class TrainerMemory:
         )
 
 
+def room_line(memory: TrainerMemory, free_bytes: int, reserved_bytes: int, share: str | None) -> tuple[str, bool]:
+    """Once a server beside the trainer is up: what it holds and what it left the trainer (the device's free memory
+    and the trainer's cached blocks), and whether that still holds the measured peak with its margin. A server may
+    hold more than its share: vLLM took 1.9 GiB over its --gpu-memory-utilization at the 2B shape, eating the margin
+    (RESULTS.md, session 17)."""
+    room = free_bytes + reserved_bytes
+    server = memory.gpu_bytes - room - memory.context_bytes
+    asked = f" ({share})" if share else ""
+    line = (f"the server holds {server / GIB:.1f} GiB of the GPU's {memory.gpu_bytes / GIB:.1f}{asked}, leaving the "
+            f"trainer {room / GIB:.1f} GiB for its measured peak of {memory.peak_bytes / GIB:.1f} GiB and its margin "
+            f"of {(memory.need_bytes - memory.footprint_bytes) / GIB:.1f}")  # fmt: skip
+    return line, room >= memory.need_bytes - memory.context_bytes
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("ASYNCRL_CACHE_DIR") or Path.home() / ".cache" / "asyncrl")
 

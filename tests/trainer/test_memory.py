@@ -22,6 +22,7 @@ from asyncrl.trainer.memory import (
     cached_memory,
     out_of_memory_line,
     record_memory,
+    room_line,
     synthetic_rows,
     warm_up,
 )
@@ -100,6 +101,18 @@ def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
     assert TrainerMemory(2 * GIB, GIB, 80 * GIB).need_bytes == 5 * GIB
 
 
+def test_once_the_server_is_up_the_trainer_says_what_it_took_and_whether_the_margin_is_left():
+    """The 2B quick start's figures (RESULTS.md, session 17): vLLM at 0.78 held 1.9 GiB over its share."""
+    memory = TrainerMemory(int(26.0 * GIB), int(1.07 * GIB), int(139.8 * GIB))
+    line, roomy = room_line(memory, free_bytes=int(1.77 * GIB), reserved_bytes=int(26.0 * GIB),
+                            share="--gpu-memory-utilization 0.78")  # fmt: skip
+    assert not roomy and line == (
+        "the server holds 111.0 GiB of the GPU's 139.8 (--gpu-memory-utilization 0.78), leaving the trainer 27.8 GiB "
+        "for its measured peak of 26.0 GiB and its margin of 8.1"
+    )
+    assert room_line(memory, int(8.2 * GIB), int(26.0 * GIB), None)[1]  # 34.2 GiB: peak and margin fit
+
+
 def test_the_out_of_memory_line_names_the_measurement_the_split_and_the_keys():
     config = to_config(compose([]))
     line = out_of_memory_line(config, TrainerMemory(30 * GIB, GIB, 140 * GIB), "--gpu-memory-utilization 0.7")
@@ -148,7 +161,7 @@ def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_co
     assert trainer.server.waits_for_warm_up
     assert trainer._measure_eagerly_then_compile(step, 512, 0.0) == compiled
     assert events == [("step", "eager", True, None), ("launch", eager), ("step", "compiled", False, eager)]
-    assert not trainer.server.waits_for_warm_up
+    assert not trainer.server.waits_for_warm_up and trainer.server.shares_trainer_gpu  # the room is said once it is up
 
 
 @pytest.mark.slow
