@@ -229,11 +229,10 @@ class Trainer:
         started = time.time()
         text = unwrap_model(self.model).config.get_text_config()
         max_model_len = expected_max_model_len(c, self.prepared.plan.server_backend, unwrap_model(self.model).config)
-        row_factory, budget = self.prepared.components.packer.rows(max_model_len)
+        row_factory, _ = self.prepared.components.packer.rows(max_model_len)
         completion = min(c.sampling.max_completion_length, max_model_len - 1)
         prompt = min(max_model_len - completion, WARM_UP_PROMPT_TOKENS)
-        rows = synthetic_rows(row_factory, budget, prompt, completion, c.sampling.num_generations, text.vocab_size,
-                              self.top_k)  # fmt: skip
+        rows = synthetic_rows(row_factory, prompt, completion, c.sampling.num_generations, text.vocab_size, self.top_k)
         mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], self.loss.norm(rows)))
         shape = warm_up_token_budget(c, max_model_len)
         known = cached_memory(c, shape)

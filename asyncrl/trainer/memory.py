@@ -1,12 +1,12 @@
 """The trainer's GPU memory, measured rather than estimated, and what a GPU shared with vLLM leaves the server.
 
 A warm-up step (``warm_up``) runs the step the trainer will run, forward, backward, gradient clipping and an AdamW
-step, on synthetic rows that fill the token budget with trained tokens, and throws its update away (the gradients
-are zeroed before the optimizer steps at learning rate 0, and the optimizer's state is cleared after). Its peak,
-read from the CUDA caching allocator, plus the process's CUDA context, is the trainer's footprint: an estimate from
-parameter counts missed the activations of a full row, the logit chunks, compiled kernels' workspaces and the
-allocator's slack, and the spec's quick start ran out of memory at its first step. The warm-up is also the first
-call of the compiled layers, so the compiling is done before the first real step.
+step, on a synthetic row shaped like a step's (groups sharing a prompt, filling the token budget), and throws its
+update away (the gradients are zeroed before the optimizer steps at learning rate 0, and the optimizer's state is
+cleared after). Its peak, read from the CUDA caching allocator, plus the process's CUDA context, is the trainer's
+footprint: an estimate from parameter counts missed the activations of a full row, the logit chunks, compiled
+kernels' workspaces and the allocator's slack, and the spec's quick start ran out of memory at its first step. The
+warm-up is also the first call of the compiled layers, so the compiling is done before the first real step.
 
 vLLM's share of a shared GPU is a launch flag: a vLLM beside the trainer launches after the warm-up measured (an
 eager step when the layers compile, then the compiling step while vLLM boots: trainer/loop.py). It must not boot
@@ -43,7 +43,7 @@ GIB = 2**30
 MARGIN_FRACTION = 0.3
 """Headroom over the measured peak, for what the eager warm-up does not show: the compiled step's own buffers,
 evaluation, checkpoint gathers, sync buffers, allocator fragmentation, and what vLLM takes beyond its
---gpu-memory-utilization (its CUDA context and graphs). At 0.1 the 2B quick start ran out of memory at step 1: the
+--gpu-memory-utilization (its CUDA context and graphs). At 0.1 the 2B quick start ran out of memory at step 2: the
 trainer held 28.8 GiB against a 26.0 GiB warm-up peak, vLLM 1.9 GiB over its share (RESULTS.md, session 17).
 At least MARGIN_MIN_BYTES."""
 MARGIN_MIN_BYTES = 2 * GIB
@@ -143,9 +143,9 @@ def record_memory(config: Config, token_budget: int, memory: TrainerMemory) -> N
         log.warning("could not record the trainer's memory in %s (%s): the next run measures again", path, error)
 
 
-def synthetic_rows(row_factory: RowFactory, token_budget: int, prompt_length: int, completion_length: int,
-                   group_size: int, vocab_size: int, top_k: int) -> list[PackedRow]:  # fmt: skip
-    """One row filled to ``token_budget`` as a step's rows are: groups of ``group_size`` samples sharing a prompt of
+def synthetic_rows(row_factory: RowFactory, prompt_length: int, completion_length: int, group_size: int,
+                   vocab_size: int, top_k: int) -> list[PackedRow]:  # fmt: skip
+    """One row filled to its token budget as a step's rows are: groups of ``group_size`` samples sharing a prompt of
     ``prompt_length`` tokens, each with ``completion_length`` trained tokens (the last sample shortened to fill the
     row), random tokens with a fixed seed. Shaped like a real row (a tree row's shared prompt and its branches,
     which start the gated-DeltaNet recurrence from the prompt's state), so that the kernels the first real step runs
@@ -155,10 +155,10 @@ def synthetic_rows(row_factory: RowFactory, token_budget: int, prompt_length: in
     rng = random.Random(0)
     row, index = row_factory(), 0
 
-    def sample(prompt: list[int], completion: list[int], top_k: int = 0) -> RolloutSample:
-        tokens, trained = prompt + completion, len(completion)
-        top = [{rng.randrange(vocab_size): -1.0 for _ in range(top_k)} for _ in tokens] if top_k else None
-        sequence = TrainingSequence(tokens, [0] * len(prompt) + [1] * trained, [-1.0] * len(tokens), top)
+    def sample(prompt: list[int], completion: list[int], with_top: bool = False) -> RolloutSample:
+        tokens = prompt + completion
+        top = [{rng.randrange(vocab_size): -1.0 for _ in range(top_k)} for _ in tokens] if with_top and top_k else None
+        sequence = TrainingSequence(tokens, [0] * len(prompt) + [1] * len(completion), [-1.0] * len(tokens), top)
         return RolloutSample(sequence, 1.0 if index % 2 else -1.0, 0.0, index // group_size, index, index, 0,
                              f"warm-up-{index}")  # fmt: skip
 
@@ -170,13 +170,14 @@ def synthetic_rows(row_factory: RowFactory, token_budget: int, prompt_length: in
                 longest, beyond = 0, completion_length  # the longest shortened completion that fits: a bisection
                 while beyond - longest > 1:
                     middle = (longest + beyond) // 2
-                    longest, beyond = (
-                        (middle, beyond) if row.fits(sample(prompt, completion[:middle])) else (longest, middle)
-                    )
+                    if row.fits(sample(prompt, completion[:middle])):
+                        longest = middle
+                    else:
+                        beyond = middle
                 if longest:
-                    row.add(sample(prompt, completion[:longest], top_k))
+                    row.add(sample(prompt, completion[:longest], with_top=True))
                 return [row.pack(top_k)]
-            row.add(sample(prompt, completion, top_k))
+            row.add(sample(prompt, completion, with_top=True))
             index += 1
 
 

@@ -36,8 +36,8 @@ def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were
     model = load_model(config, str(random_tiny_model_dir))
     optimizer, _ = build_optimizer(config, model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    row_factory, budget = components.packer.rows(64)
-    rows = synthetic_rows(row_factory, budget, 16, 48, 4, model.config.vocab_size, top_k=0)
+    row_factory, _ = components.packer.rows(64)
+    rows = synthetic_rows(row_factory, 16, 48, 4, model.config.vocab_size, top_k=0)
     loss = StepLoss(components.loss, components.advantage, 16)
     work = split_rows(rows, [[0]], loss.norm(rows))[0]
     random_state = torch.random.get_rng_state()
@@ -67,7 +67,7 @@ def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were
 def test_the_synthetic_row_fills_the_budget_with_trained_tokens():
     config = to_config(compose(["packing=flat", "packing.token_budget=250", "loss=score_centering"]))
     row_factory, budget = build_components(config).packer.rows(100)
-    (row,) = synthetic_rows(row_factory, budget, 10, 90, 2, vocab_size=50, top_k=4)
+    (row,) = synthetic_rows(row_factory, 10, 90, 2, vocab_size=50, top_k=4)
     assert budget == 250 and row.num_forwarded == 250 and row.num_trained == 90 + 90 + 40  # the last one shortened
     assert row.top_ids is not None and row.top_ids.shape == (220, 4)
 
@@ -76,8 +76,8 @@ def test_the_synthetic_row_is_shaped_like_a_steps_groups_sharing_their_prompt():
     """A tree row forwards each group's prompt once and branches into its completions, as a real step's rows do
     (the structure the compiled layers compile for in the warm-up)."""
     config = to_config(compose(["packing=tree", "packing.token_budget=250", "loss=score_centering"]))
-    row_factory, budget = build_components(config).packer.rows(100)
-    (row,) = synthetic_rows(row_factory, budget, 10, 60, 3, vocab_size=50_000, top_k=0)  # no accidental sharing
+    row_factory, _ = build_components(config).packer.rows(100)
+    (row,) = synthetic_rows(row_factory, 10, 60, 3, vocab_size=50_000, top_k=0)  # no accidental sharing
     # group 0: its prompt's first 9 tokens once, then 3 branches of 61 (the prompt's last token predicts each
     # branch's first: one node per branch), 192 tokens; group 1: one sample cut to the 58 left
     assert row.num_forwarded == 250 and row.num_raw_tokens == 3 * (10 + 60) + 58
@@ -178,9 +178,9 @@ def test_after_the_warm_up_a_steps_row_compiles_nothing(random_tiny_vlm_dir, one
     components = build_components(config)
     model = fsdp.shard(load_model(config, str(random_tiny_vlm_dir)), config, mixed_precision=False)
     optimizer, _ = build_optimizer(config, model)
-    row_factory, budget = components.packer.rows(40)
+    row_factory, _ = components.packer.rows(40)
     top_k = config.sampling.num_sampler_logprobs
-    rows = synthetic_rows(row_factory, budget, 16, 24, 4, vocab_size=90, top_k=top_k)
+    rows = synthetic_rows(row_factory, 16, 24, 4, vocab_size=90, top_k=top_k)
     loss = StepLoss(components.loss, components.advantage, 24)
     work = split_rows(rows, [[0]], loss.norm(rows))[0]
     with torch.compiler.set_stance("force_eager"):
