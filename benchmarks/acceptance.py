@@ -23,8 +23,9 @@ runs. A machine's first vLLM start of a configuration compiles (~2 min at the ti
 length and each shape are other configurations), later ones take ~1 min. A recipe row first builds its shape into
 --work on the GPU (32 s at the 2B shape, before the row's clock starts; a cut call keeps a finished build). Its
 first run on a machine does not fit one call: at the 2B shape (session 16) the eager warm-up step took 189 s (fla's
-Triton kernels compiled and autotuned) and vLLM's cold boot 290 s, so the first call (``--rows deepmath
---row-timeout 540``) fills the caches and the next one, the same, is the row as a user's second run meets it.
+Triton kernels compiled and autotuned) and vLLM's cold boot 290 s, so a first call fills the caches
+(``tools/vllm-kit/prewarm.sh deepmath deepmath qwen3.5-2b``: the row beside a second vLLM booting cold, ~390 s) and
+the next one, the row itself, is the row as a user's second run meets it.
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
