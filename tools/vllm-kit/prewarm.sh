@@ -4,7 +4,8 @@
 # autotune, ~225 s) while a second vLLM with the command the row will launch (`asyncrl config --server-command`,
 # only its port and a 0.3 memory share changed: neither is in vLLM's compile-cache key) boots cold beside it
 # (torch.compile ~23 s, its GDN kernels' "initial profiling/warmup run" ~85 s, graph capture). The row's next run on
-# the machine is then a user's second run. Session 18: the deepmath row after this passed in 306 s.
+# the machine is then a user's second run. Session 18 (this call inline, then the row): the row's vLLM loaded the
+# AOT compile from the same cache directory (torch.compile 0.73 s, its profiling run 0.40 s) and passed in 306 s.
 #
 #   source .vllm-kit-0.33/extra/install.sh; (the .whl install, PYTHONPATH as in the README)
 #   bash tools/vllm-kit/prewarm.sh deepmath deepmath qwen3.5-2b          # then the row itself, in the next call
