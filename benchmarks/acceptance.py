@@ -63,9 +63,9 @@ notes quote it) and ending on the command that resumes the run from its checkpoi
 failure once a checkpoint exists); then the row runs that command verbatim, as ``sigint`` does. The resumed run
 must start at its checkpoint's step (launch.log's ``resumed from``) and leave metrics.jsonl with steps
 1..trainer.max_steps once each (the resume drops the rows logged past its checkpoint); ``sigint`` is checked the
-same way. A fault row's two runs need about twice a row's time: ``--row-timeout 540``.
+same way. A fault row's two runs need about twice a row's time: its limit is twice ``--row-timeout`` (``Row.runs``).
 
-Each row runs in its own directory (``--work``/rows/NAME, the runs under its ``runs/``) within ``--row-timeout``
+Each row runs in its own directory (``--work``/rows/NAME, the runs under its ``runs/``) within ``--row-timeout`` a run
 (then its process group is stopped and the row fails), and appends one line to ``--out``/acceptance.md when it ends;
 a failed row also appends the tails of its console and launch.log to ``--out``/failures.log. A row fails on an exit
 code other than 0, fewer steps than asked in any of its runs, a process of the row still alive 15 s after it
@@ -146,6 +146,12 @@ class Row:
     """More overrides in the CPU rehearsal only."""
     gpu_only: str | None = None
     """Why the row needs a GPU: where there is none, it is skipped, saying this."""
+
+    @property
+    def runs(self) -> int:
+        """How many times the row starts ``asyncrl train`` (and so a server): a fault or sigint row resumes, an
+        export serves its export, a ``-m`` sweep runs two jobs. Its limit is ``--row-timeout`` for each."""
+        return 1 if self.kind == "train" and "-m" not in self.args else 2
 
 
 RECIPE_DATA = ("model.name_or_path={model}", "data=arithmetic", "reward=length", TRAIN)
@@ -749,7 +755,7 @@ def run_row(row: Row, ctx: Context) -> Result:
     row_dir.mkdir(parents=True)
     model = shape_path(row.shape, ctx) if row.shape else None
     result, started = Result(row.name), time.monotonic()
-    ctx.deadline = started + ctx.row_timeout
+    ctx.deadline = started + ctx.row_timeout * row.runs
     ctx.gpu = GpuMemory() if ctx.vllm else None
     try:
         RUNNERS[row.kind](row, row_dir, ctx, model, result)
@@ -917,18 +923,21 @@ def main() -> None:
     parser.add_argument(
         "--rows",
         help=f"comma-separated, run in this order (default: {names}; the fault rows "
-        "vllm-killed, vllm-hung, oom and vllm-killed-restart each resume a run: --row-timeout 540)",
+        "vllm-killed, vllm-hung, oom, vllm-killed-restart and sigint resume a run, export serves its export and sweep "
+        "runs two jobs: each of those gets twice --row-timeout)",
     )
     parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (default 10; rehearsal 4)")
     parser.add_argument("--work", type=Path, help="run directories and built checkpoints (default: a new temp dir)")
     parser.add_argument("--out", type=Path, help="acceptance.md and failures.log (default: --work)")
     parser.add_argument("--rehearse", action="store_true", help="the CPU rehearsal (see above)")
-    parser.add_argument("--row-timeout", type=float, default=540.0, help="seconds a row may take (default 540)")
+    parser.add_argument(
+        "--row-timeout", type=float, default=270.0, help="seconds each of a row's runs may take (default 270)"
+    )
     parser.add_argument(
         "--budget",
         type=float,
         help="seconds for every row together: a row starts only with "
-        "--row-timeout left (the device call's limit; the table is written either way)",
+        "its runs' --row-timeout left (the device call's limit; the table is written either way)",
     )
     parser.add_argument(
         "--skip-passed",
@@ -962,7 +971,7 @@ def main() -> None:
     for row in rows:
         if row.name in passed:
             line = passed[row.name]
-        elif time.monotonic() + ctx.row_timeout > until:
+        elif time.monotonic() + ctx.row_timeout * row.runs > until:
             line = f"| {row.name} | - | - | - | - | - | - | - | - | - | - | - | not run: --budget spent |"
             failed.append(row.name)
         else:

@@ -321,3 +321,11 @@ def test_an_oom_row_whose_run_trains_on_beside_the_hog_passes_saying_so(
     survived = acceptance.Result("vllm-killed")
     acceptance.run_fault(rows["vllm-killed"], tmp_path, ctx, None, survived)
     assert survived.problems == ["the run finished (exit 0)"]
+
+
+def test_rows_that_start_two_runs_get_twice_the_row_timeout(acceptance: ModuleType) -> None:
+    """A resume, an export's serve and a sweep's second job each boot a server again: their limit and their share
+    of --budget are two runs' (the sigint row's resume was cut at a one-run limit on the H200)."""
+    runs = {row.name: row.runs for row in acceptance.ROWS}
+    assert runs["default"] == runs["builtin"] == runs["deepmath"] == runs["lora"] == 1
+    assert runs["sigint"] == runs["sweep"] == runs["export"] == runs["vllm-killed"] == runs["oom"] == 2
