@@ -12,11 +12,12 @@ fault row says below.
     python benchmarks/acceptance.py --rehearse --out /tmp/acc-out     # the CPU rehearsal of every row
 
 On the H200 with the vLLM 0.33 kit (tools/vllm-kit/README.md): the nine piece runs, then every call the same
-``source .vllm-kit-0.33/extra/install.sh || exit 1; cp .acc-passed.md $OUT/passed.md 2>/dev/null; python
+``source .vllm-kit-0.33/extra/install.sh || exit 1; cp benchmarks/acceptance_passed.md $OUT/passed.md; python
 benchmarks/acceptance.py --skip-passed --passed $OUT/passed.md --budget 560 --row-timeout 240 --out $OUT --work
 /tmp/acc`` (``/tmp/acc`` keeps the built checkpoints and vLLM's compile cache while the machine stays warm;
-``.acc-passed.md``, git-ignored and carried, is where the returned passed.md goes after each call: each call goes on
-where the last stopped, in this session or a later one, and prints the whole table). A row is kept only if it passed
+``benchmarks/acceptance_passed.md``, committed, is where the returned passed.md goes after each call: each call goes
+on where the last stopped, in this session or a later one, and prints the whole table; a session's checkout that
+lost its predecessor's untracked files still has it). A row is kept only if it passed
 at this code version (the header's ``code``: a hash of asyncrl/, conf/ and recipes/: a device call's copy of the
 tree carries a .git of its own moment, whose HEAD need not be the tree's), so one table is one version of what it
 runs. A machine's first vLLM start of a configuration compiles (~2 min at the tiny shape; LoRA, another context
