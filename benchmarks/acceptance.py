@@ -68,7 +68,9 @@ same way. A fault row's two runs need about twice a row's time: its limit is twi
 
 Each row runs in its own directory (``--work``/rows/NAME, the runs under its ``runs/``) within ``--row-timeout`` a run
 (then its process group is stopped and the row fails), and appends one line to ``--out``/acceptance.md when it ends;
-a failed row also appends the tails of its console and launch.log to ``--out``/failures.log. A row fails on an exit
+a failed row also appends the tails of its console and launch.log to ``--out``/failures.log, and ``--out``/logs.tar.gz
+holds every row's consoles, launch.logs and server logs so far (a device call returns only flat files; the phases of
+a row's start-up are read from them). A row fails on an exit
 code other than 0, fewer steps than asked in any of its runs, a process of the row still alive 15 s after it
 ended (then killed), or, on a GPU, one that ``nvidia-smi --query-compute-apps`` still lists 15 s later. The script
 exits 1 when any row failed.
@@ -105,6 +107,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -872,6 +875,16 @@ def record_pass(path: Path, version: str, line: str) -> None:
         passed.write(f"{version} {line}\n")
 
 
+def pack_logs(rows_dir: Path, out: Path) -> None:
+    """Every row's consoles, launch.logs and server logs under ``rows_dir`` into ``out``/logs.tar.gz, paths relative to
+    it (rewritten after each row, so a call cut mid-row still returns the rows before)."""
+    consoles = [*rows_dir.glob("*/*.out"), *rows_dir.glob("*/*.err")]
+    logs = [*consoles, *rows_dir.glob("*/runs/**/launch.log"), *rows_dir.glob("*/runs/**/logs/*.log")]
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as archive:
+        for path in sorted(logs):
+            archive.add(path, arcname=str(path.relative_to(rows_dir)))
+
+
 def header(ctx: Context, commands: list[tuple[str, list[str]]], version: str) -> str:
     gpus = [", ".join(g) for g in _smi("--query-gpu=name,memory.total")]
     lines = [
@@ -984,6 +997,7 @@ def main() -> None:
                 failed.append(row.name)
                 with (out / "failures.log").open("a") as log:
                     log.write(failure_log(result, ctx.work / "rows" / row.name))
+        pack_logs(ctx.work / "rows", out)
         print(line, flush=True)
         with (out / "acceptance.md").open("a") as table:
             table.write(line + "\n")

@@ -329,3 +329,25 @@ def test_rows_that_start_two_runs_get_twice_the_row_timeout(acceptance: ModuleTy
     runs = {row.name: row.runs for row in acceptance.ROWS}
     assert runs["default"] == runs["builtin"] == runs["deepmath"] == runs["lora"] == 1
     assert runs["sigint"] == runs["sweep"] == runs["export"] == runs["vllm-killed"] == runs["oom"] == 2
+
+
+def test_the_rows_logs_come_back_in_one_archive(acceptance: ModuleType, tmp_path: Path) -> None:
+    """A device call returns flat files only: every row's consoles, launch.logs and server logs travel in
+    logs.tar.gz, paths kept, and nothing else of the row's directory (checkpoints stay behind)."""
+    import tarfile
+
+    rows, out = tmp_path / "rows", tmp_path / "out"
+    run = rows / "sigint" / "runs" / "2026-12-03_04-09-47"
+    (run / "logs").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    out.mkdir()
+    for path in [rows / "sigint" / "console0.err", rows / "sigint" / "console1.out", run / "launch.log",
+                 run / "logs" / "server.log", run / "checkpoints" / "step_000002" / "model.safetensors"]:  # fmt: skip
+        path.write_text(path.name)
+    acceptance.pack_logs(rows, out)
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        names = sorted(archive.getnames())
+        server = archive.extractfile("sigint/runs/2026-12-03_04-09-47/logs/server.log")
+        assert server is not None and server.read() == b"server.log"
+    assert names == ["sigint/console0.err", "sigint/console1.out", "sigint/runs/2026-12-03_04-09-47/launch.log",
+                     "sigint/runs/2026-12-03_04-09-47/logs/server.log"]  # fmt: skip
