@@ -942,7 +942,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (default 10; rehearsal 4)")
     parser.add_argument("--work", type=Path, help="run directories and built checkpoints (default: a new temp dir)")
-    parser.add_argument("--out", type=Path, help="acceptance.md and failures.log (default: --work)")
+    parser.add_argument("--out", type=Path, help="acceptance.md, failures.log, logs.tar.gz (default: --work)")
     parser.add_argument("--rehearse", action="store_true", help="the CPU rehearsal (see above)")
     parser.add_argument(
         "--row-timeout", type=float, default=270.0, help="seconds each of a row's runs may take (default 270)"
