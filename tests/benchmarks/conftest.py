@@ -43,3 +43,8 @@ def e2e() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def soak() -> Iterator[ModuleType]:
     yield from script_module("soak")
+
+
+@pytest.fixture(scope="module")
+def ipc_release() -> Iterator[ModuleType]:
+    yield from script_module("ipc_release")

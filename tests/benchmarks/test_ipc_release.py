@@ -1,0 +1,27 @@
+"""benchmarks/ipc_release.py where CUDA IPC cannot run: it refuses in one line, and the handle fields it reads to
+release a dead consumer's count are the ones torch's rebuild takes."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from .conftest import REPO
+
+
+def test_the_reference_counter_fields_are_torchs(ipc_release: ModuleType) -> None:
+    names = list(inspect.signature(rebuild_cuda_tensor).parameters)[ipc_release.REF_COUNTER_ARGS]
+    assert names == ["ref_counter_handle", "ref_counter_offset"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a CUDA GPU")
+def test_without_a_gpu_it_refuses_in_one_line() -> None:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ipc_release.py")], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and done.stderr.strip() == "ipc_release: needs a CUDA GPU (CUDA IPC)"
