@@ -2,8 +2,8 @@
 # On the GPU machine, once earlier runs (while the machine stayed up) have copied part00..partNN into
 # /tmp/carry (the last, small piece may come in extra/): install vLLM with its torch, triton, torchvision and
 # NCCL into /tmp/vk, and set the environment to use it. Source it:  source .vllm-kit/extra/install.sh || exit 1
-# A second source while the machine stays up only sets the environment. VLLM_KIT_PREFIX and VLLM_KIT_CARRY
-# change the two folders (the dry run on a CPU machine uses them).
+# A second source while the machine stays up only sets the environment (the import check runs once too).
+# VLLM_KIT_PREFIX and VLLM_KIT_CARRY change the two folders (the dry run on a CPU machine uses them).
 extra=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 prefix=${VLLM_KIT_PREFIX:-/tmp/vk}; carry=${VLLM_KIT_CARRY:-/tmp/carry}
 export PATH="$extra:$PATH"
@@ -36,6 +36,10 @@ export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # The ipc weight-transfer backend sends pickled CUDA IPC handles over HTTP.
 export VLLM_ALLOW_INSECURE_SERIALIZATION=1
-python3 -c "import torch, vllm, vllm.entrypoints.openai.api_server as _
+# The import check once per machine (~15 s: vLLM's import); a later source only sets the environment.
+if [ ! -f "$prefix/checked" ]; then
+  python3 -c "import torch, vllm, vllm.entrypoints.openai.api_server as _
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available(),
       'nccl', torch.cuda.nccl.version(), 'ready')" || { echo "vLLM kit: import failed (above)"; return 1 2>/dev/null || exit 1; }
+  touch "$prefix/checked"
+fi
