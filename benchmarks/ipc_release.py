@@ -15,7 +15,16 @@ scenario: whether the producer's stderr held the warning.
 - ``killed-released``: as ``killed``, then the producer releases the dead consumer's count itself
   (``torch.UntypedStorage._release_ipc_counter``, what torch's own rebuild calls for a handle opened twice).
 
+With ``--vllm`` the consumer is a real vLLM instead, started with the command asyncrl builds for the embedded
+default model (``asyncrl config --server-command``, ipc transfer, 0.3 of the GPU), and the producer is the trainer's
+own sync (``DirectIpcTransport``: init, stage, send, then):
+
+- ``vllm-shipped``: ``close`` (the run's end);
+- ``vllm-unmap-first``: UNMAP, then the buffer dropped and ``torch.cuda.ipc_collect()``;
+- ``vllm-no-close``: the producer exits with the buffer still mapped.
+
     python benchmarks/ipc_release.py            # on a GPU, ~30 s; --scenario NAME runs one
+    python benchmarks/ipc_release.py --vllm --vllm-log $OUT/ipc_vllm.log   # and the vLLM ones (~2 min: its boot)
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -38,6 +49,8 @@ from asyncrl.weights.vllm_extension import WeightBufferExtension, encode_handle 
 
 WARNING = "Producer process has been terminated before all shared CUDA tensors released"
 SCENARIOS = ("shipped", "unmap-first", "stopped-mapped", "killed", "killed-released")
+VLLM_SCENARIOS = ("vllm-shipped", "vllm-unmap-first", "vllm-no-close")
+TINY = REPO / "asyncrl" / "assets" / "tiny-arith"
 REF_COUNTER_ARGS = slice(11, 13)  # rebuild_cuda_tensor's ref_counter_handle, ref_counter_offset
 BUFFER_BYTES = 64 << 20
 
@@ -93,16 +106,84 @@ def produce(scenario: str) -> None:
     print(f"{scenario}: producer done, consumer alive: {consumer.is_alive()}", flush=True)
 
 
+def produce_for_vllm(scenario: str, url: str) -> None:
+    """The producer against a real vLLM: the trainer's ipc sync of the embedded default model, then the scenario's
+    end."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.client import ControlClient
+    from asyncrl.weights.vllm_common import IPC_BUFFER_LIMIT
+    from asyncrl.weights.vllm_direct import DirectIpcTransport
+    from asyncrl.weights.vllm_extension import UNMAP
+
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).cuda()
+    control = ControlClient(url, timeout_s=60.0)
+    transport = DirectIpcTransport(torch.bfloat16, IPC_BUFFER_LIMIT)
+    transport.init(control, model)
+    transport.stage(model)
+    transport.send(control)
+    transport.discard()
+    if scenario == "vllm-shipped":
+        transport.close(control)
+    elif scenario == "vllm-unmap-first":
+        control.collective_rpc(UNMAP)
+        transport.buffer = None
+        torch.cuda.ipc_collect()
+    torch.cuda.synchronize()
+    print(f"{scenario}: synced {len(transport.chunks)} chunk(s), producer done", flush=True)
+
+
+def tiny_server_command(port: int) -> str:
+    """The vLLM command asyncrl builds for the embedded default model with ipc weight transfer, as a shell line."""
+    printed = subprocess.run([sys.executable, "-m", "asyncrl", "config", "--server-command", "server=vllm",
+                              f"server.port={port}", "server.weight_transfer=ipc", "server.gpu_memory_utilization=0.3"],
+                             capture_output=True, text=True, check=True, cwd=REPO).stdout  # fmt: skip
+    return printed.strip().splitlines()[-1]
+
+
+def serve_tiny(port: int, log: Path) -> subprocess.Popen[bytes]:
+    """vLLM with ``tiny_server_command``, until /health answers."""
+    import httpx
+
+    command = tiny_server_command(port)
+    print(f"vLLM: {command}", flush=True)
+    with log.open("wb") as out:
+        server = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    stop(server)
+    raise SystemExit(f"ipc_release: vLLM never answered /health (log: {log})")
+
+
+def stop(server: subprocess.Popen[bytes]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+            server.wait(timeout=20)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def call(conn: Connection, command: str, argument: object = None) -> object:
     conn.send((command, argument))
     return conn.recv()
 
 
-def run(scenario: str) -> str:
+def run(scenario: str, url: str | None = None) -> str:
     """One scenario in a fresh producer process: its line."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, __file__, "--produce", scenario], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    argv = [sys.executable, __file__, "--produce", scenario, *(["--url", url] if url else [])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
     warned = WARNING in done.stderr
     tail = (done.stdout + done.stderr).strip().splitlines()[-1:] if done.returncode else []
     return (f"| {scenario} | {done.returncode} | {'yes' if warned else 'no'} | {time.monotonic() - started:.1f} | "
@@ -112,8 +193,16 @@ def run(scenario: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=SCENARIOS, action="append", help="run this one (repeatable)")
-    parser.add_argument("--produce", choices=SCENARIOS, help=argparse.SUPPRESS)  # the producer's own process
+    parser.add_argument("--vllm", action="store_true", help="also the scenarios with a real vLLM as the consumer")
+    parser.add_argument("--port", type=int, default=8031, help="the vLLM's (--vllm)")
+    parser.add_argument("--vllm-log", type=Path, default=Path(tempfile.gettempdir()) / "ipc_release_vllm.log",
+                        help="where the vLLM's output goes (--vllm)")  # fmt: skip
+    parser.add_argument("--produce", choices=SCENARIOS + VLLM_SCENARIOS, help=argparse.SUPPRESS)  # a producer
+    parser.add_argument("--url", help=argparse.SUPPRESS)  # the vLLM a vllm-* producer syncs to
     args = parser.parse_args()
+    if args.produce and args.url:
+        produce_for_vllm(args.produce, args.url)
+        return
     if args.produce:
         produce(args.produce)
         return
@@ -123,6 +212,13 @@ def main() -> None:
     print("| scenario | exit | warning at the producer's exit | s | last line on failure |\n|---|---|---|---|---|")
     for scenario in args.scenario or SCENARIOS:
         print(run(scenario), flush=True)
+    if args.vllm:
+        server = serve_tiny(args.port, args.vllm_log)
+        try:
+            for scenario in VLLM_SCENARIOS:
+                print(run(scenario, f"http://127.0.0.1:{args.port}"), flush=True)
+        finally:
+            stop(server)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""benchmarks/ipc_release.py where CUDA IPC cannot run: it refuses in one line, and the handle fields it reads to
-release a dead consumer's count are the ones torch's rebuild takes."""
+"""benchmarks/ipc_release.py where CUDA IPC cannot run: it refuses in one line, the handle fields it reads to
+release a dead consumer's count are the ones torch's rebuild takes, and its vLLM loads in place through asyncrl's
+worker extension as a run's does."""
 
 from __future__ import annotations
 
@@ -25,3 +26,10 @@ def test_without_a_gpu_it_refuses_in_one_line() -> None:
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ipc_release.py")], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1 and done.stderr.strip() == "ipc_release: needs a CUDA GPU (CUDA IPC)"
+
+
+def test_its_vllm_is_the_one_a_run_launches_for_ipc_sync(ipc_release: ModuleType) -> None:
+    command = ipc_release.tiny_server_command(8031)
+    assert "vllm.entrypoints.cli.main serve" in command and "VLLM_SERVER_DEV_MODE=1" in command
+    assert "--worker-extension-cls asyncrl.weights.vllm_extension.WeightBufferExtension" in command
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in command and "--port 8031" in command
