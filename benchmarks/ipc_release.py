@@ -15,16 +15,16 @@ scenario: whether the producer's stderr held the warning.
 - ``killed-released``: as ``killed``, then the producer releases the dead consumer's count itself
   (``torch.UntypedStorage._release_ipc_counter``, what torch's own rebuild calls for a handle opened twice).
 
-With ``--vllm`` the consumer is a real vLLM instead, started with the command asyncrl builds for the embedded
-default model (``asyncrl config --server-command``, ipc transfer, 0.3 of the GPU), and the producer is the trainer's
-own sync (``DirectIpcTransport``: init, stage, send, then):
+With ``--vllm`` the consumer is a real vLLM instead, launched by asyncrl for the embedded default model (its run
+plan with ipc transfer and 0.3 of the GPU), and the producer is the trainer's own sync (``DirectIpcTransport``:
+init, stage, send, then):
 
 - ``vllm-shipped``: ``close`` (the run's end);
 - ``vllm-unmap-first``: UNMAP, then the buffer dropped and ``torch.cuda.ipc_collect()``;
 - ``vllm-no-close``: the producer exits with the buffer still mapped.
 
     python benchmarks/ipc_release.py            # on a GPU, ~30 s; --scenario NAME runs one
-    python benchmarks/ipc_release.py --vllm --vllm-log $OUT/ipc_vllm.log   # and the vLLM ones (~2 min: its boot)
+    python benchmarks/ipc_release.py --vllm     # and the vLLM ones (~2 min: its boot; its log's folder printed)
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,45 +133,14 @@ def produce_for_vllm(scenario: str, url: str) -> None:
     print(f"{scenario}: synced {len(transport.chunks)} chunk(s), producer done", flush=True)
 
 
-def tiny_server_command(port: int) -> str:
-    """The vLLM command asyncrl builds for the embedded default model with ipc weight transfer, as a shell line."""
-    printed = subprocess.run([sys.executable, "-m", "asyncrl", "config", "--server-command", "server=vllm",
-                              f"server.port={port}", "server.weight_transfer=ipc", "server.gpu_memory_utilization=0.3"],
-                             capture_output=True, text=True, check=True, cwd=REPO).stdout  # fmt: skip
-    return printed.strip().splitlines()[-1]
+def tiny_plan(work: Path) -> Any:
+    """The run plan of the embedded default model served by vLLM on the trainer's GPU with ipc weight transfer."""
+    from asyncrl.config.compose import compose
+    from asyncrl.plan.assemble import plan_run
 
-
-def serve_tiny(port: int, log: Path) -> subprocess.Popen[bytes]:
-    """vLLM with ``tiny_server_command``, until /health answers."""
-    import httpx
-
-    command = tiny_server_command(port)
-    print(f"vLLM: {command}", flush=True)
-    with log.open("wb") as out:
-        server = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    stop(server)
-    raise SystemExit(f"ipc_release: vLLM never answered /health (log: {log})")
-
-
-def stop(server: subprocess.Popen[bytes]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(server.pid, sig)
-            server.wait(timeout=20)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    overrides = ["server=vllm", "server.weight_transfer=ipc", "server.gpu_memory_utilization=0.3",
+                 f"trainer.output_dir={work}"]  # fmt: skip
+    return plan_run(compose(overrides), work)
 
 
 def call(conn: Connection, command: str, argument: object = None) -> object:
@@ -194,9 +163,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=SCENARIOS, action="append", help="run this one (repeatable)")
     parser.add_argument("--vllm", action="store_true", help="also the scenarios with a real vLLM as the consumer")
-    parser.add_argument("--port", type=int, default=8031, help="the vLLM's (--vllm)")
-    parser.add_argument("--vllm-log", type=Path, default=Path(tempfile.gettempdir()) / "ipc_release_vllm.log",
-                        help="where the vLLM's output goes (--vllm)")  # fmt: skip
     parser.add_argument("--produce", choices=SCENARIOS + VLLM_SCENARIOS, help=argparse.SUPPRESS)  # a producer
     parser.add_argument("--url", help=argparse.SUPPRESS)  # the vLLM a vllm-* producer syncs to
     args = parser.parse_args()
@@ -213,12 +179,13 @@ def main() -> None:
     for scenario in args.scenario or SCENARIOS:
         print(run(scenario), flush=True)
     if args.vllm:
-        server = serve_tiny(args.port, args.vllm_log)
-        try:
+        from asyncrl.launch import start_server
+
+        work = Path(tempfile.mkdtemp(prefix="ipc_release-"))
+        with start_server(tiny_plan(work), work) as server:  # asyncrl's launch, health wait and stop
+            print(f"vLLM: {(work / 'commands' / 'server.sh').read_text().strip()} (log: {work / 'logs'})", flush=True)
             for scenario in VLLM_SCENARIOS:
-                print(run(scenario, f"http://127.0.0.1:{args.port}"), flush=True)
-        finally:
-            stop(server)
+                print(run(scenario, server.base_url), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -28,8 +29,10 @@ def test_without_a_gpu_it_refuses_in_one_line() -> None:
     assert done.returncode == 1 and done.stderr.strip() == "ipc_release: needs a CUDA GPU (CUDA IPC)"
 
 
-def test_its_vllm_is_the_one_a_run_launches_for_ipc_sync(ipc_release: ModuleType) -> None:
-    command = ipc_release.tiny_server_command(8031)
-    assert "vllm.entrypoints.cli.main serve" in command and "VLLM_SERVER_DEV_MODE=1" in command
-    assert "--worker-extension-cls asyncrl.weights.vllm_extension.WeightBufferExtension" in command
-    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in command and "--port 8031" in command
+def test_its_vllm_loads_in_place_as_a_runs_does(ipc_release: ModuleType, tmp_path: Path) -> None:
+    from asyncrl.serving.vllm import vllm_command
+
+    plan = ipc_release.tiny_plan(tmp_path)
+    command = vllm_command(plan.config, version="0.33.0", gpus=["0"], plan=plan)
+    assert "--worker-extension-cls" in command.argv and '{"backend": "ipc"}' in command.argv
+    assert command.env["VLLM_SERVER_DEV_MODE"] == command.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
