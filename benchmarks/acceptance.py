@@ -709,7 +709,8 @@ def run_export(row: Row, row_dir: Path, ctx: Context, model: Path | None, result
 
 
 def serve_export(row_dir: Path, ctx: Context, result: Result) -> None:
-    """``vllm serve exported`` until /health answers, one completion, then SIGTERM (its memory is not sampled)."""
+    """``vllm serve exported`` until /health answers, one completion of 8 tokens, then SIGTERM (its memory is not
+    sampled). ``ignore_eos``: a random checkpoint may end at once, which would show an empty answer."""
     import httpx
 
     port, said = free_port(), []
@@ -721,8 +722,9 @@ def serve_export(row_dir: Path, ctx: Context, result: Result) -> None:
         try:
             if httpx.get(f"{base}/health", timeout=5).status_code != 200:
                 return
-            body = {"model": "exported", "prompt": "What is 2 + 3?", "max_tokens": 8}
-            said.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+            body = {"model": "exported", "prompt": "What is 2 + 3?", "max_tokens": 8, "ignore_eos": True}
+            answer = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+            said.append(f"{answer['usage']['completion_tokens']} tokens, {answer['choices'][0]['text']!r}")
         except (httpx.HTTPError, KeyError, ValueError):
             return
         os.killpg(proc.pid, signal.SIGTERM)
@@ -730,7 +732,7 @@ def serve_export(row_dir: Path, ctx: Context, result: Result) -> None:
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "exported", "--port", str(port)]
     result.outcomes.append(execute(argv, row_dir, "vllm_serve", dataclasses.replace(ctx, gpu=None), probe))
     if said:
-        result.notes.append(f"vllm served the export: {said[0]!r}")
+        result.notes.append(f"vllm served the export: {said[0]}")
     else:
         result.problems.append("vllm never served the export (vllm_serve.err)")
 
