@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import random
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -181,17 +182,24 @@ def _padded_batch(model, group: list[RolloutSample], config, chunk: int) -> Batc
 
 
 def measure(model, batches: list[Batch], device: torch.device) -> dict[str, float | None]:
-    """One warm-up batch, then every batch once: fwd+bwd seconds, throughput, peak memory, MFU."""
+    """One warm-up batch, then every batch once: fwd+bwd seconds, throughput, peak memory, MFU. Each batch is
+    timed alone too: the warm-up's seconds are the first call's cost (kernels compiled and autotuned), and a timed
+    row far over the median is one that compiled again (the trainer's slow first real step at the 2B shape)."""
+    _sync(device)
+    started = time.perf_counter()
     batches[0].run()
     model.zero_grad(set_to_none=True)
     _sync(device)
+    warm_up_s = time.perf_counter() - started
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
+    row_s = []
     for batch in batches:
+        started = time.perf_counter()
         batch.run()
-    _sync(device)
-    seconds = time.perf_counter() - started
+        _sync(device)
+        row_s.append(time.perf_counter() - started)
+    seconds = sum(row_s)
     model.zero_grad(set_to_none=True)
     trained = sum(b.trained for b in batches)
     peak = peak_tflops(device, "bf16")  # the datasheet's dense bf16 figure (an H200: 989.5; a large matmul: ~790)
@@ -204,6 +212,9 @@ def measure(model, batches: list[Batch], device: torch.device) -> dict[str, floa
         "trained_per_s": trained / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "mfu": sum(b.flops for b in batches) / seconds / (peak * 1e12) if peak else None,
+        "warm_up_s": warm_up_s,
+        "row_s_median": statistics.median(row_s),
+        "row_s_max": max(row_s),
     }
 
 
@@ -393,7 +404,8 @@ def _write_json(payload: dict[str, Any]) -> None:
 
 _HEADER = (
     f"{'budget':>6} {'mode':>6} {'attn':>7} {'layers':>8} {'rows':>5} {'smp/row':>7} {'ratio':>6} {'tok/row':>8} "
-    f"{'fwd+bwd s':>9} {'trained tok/s':>13} {'vs flat':>7} {'peak GiB':>8} {'MFU':>6} {'pack s':>6}"
+    f"{'fwd+bwd s':>9} {'trained tok/s':>13} {'vs flat':>7} {'peak GiB':>8} {'MFU':>6} {'pack s':>6} {'warm s':>7} "
+    f"{'row s med/max':>13}"
 )
 
 
@@ -408,7 +420,8 @@ def _print_row(r: dict[str, Any], results: list[dict[str, Any]], flush: bool = F
     print(
         f"{lead} {r['rows']:>5} {r['samples_per_row']:>7.2f} {r['packing_ratio']:>6.2f} {r['forwarded_per_row']:>8.0f} "
         f"{r['seconds']:>9.2f} {r['trained_per_s']:>13,.0f} {speedup:>7.2f} {r['peak_gib'] or float('nan'):>8.1f} "
-        f"{100 * (r['mfu'] or float('nan')):>5.1f}% {r['pack_s']:>6.2f}",
+        f"{100 * (r['mfu'] or float('nan')):>5.1f}% {r['pack_s']:>6.2f} {r['warm_up_s']:>7.2f} "
+        f"{r['row_s_median']:>6.2f}/{r['row_s_max']:<6.2f}",
         flush=flush,
     )
 
