@@ -84,6 +84,10 @@ class DirectIpcTransport(Transport):
         super().discard()
 
     def close(self, control: Control) -> None:
-        mapped, self.buffer, self.mapped = self.mapped, None, False
-        if mapped:
-            control.collective_rpc(UNMAP)
+        """The server unmaps before the buffer is dropped: a CUDA IPC allocation freed while another process
+        still maps it is what makes torch warn at exit (benchmarks/ipc_release.py measured each order)."""
+        try:
+            if self.mapped:
+                control.collective_rpc(UNMAP)
+        finally:
+            self.buffer, self.mapped = None, False

@@ -109,9 +109,11 @@ class FactoryTransport(Transport):
         return 0.0
 
     def close(self, control: Control) -> None:
-        self.engine = None
+        """The server lets go of the engine's buffers before the trainer frees them (see DirectIpcTransport)."""
         try:
             control.shutdown_weight_transfer()
         except ServerError as error:
             if error.status != 404:  # the endpoint exists from vLLM 0.32
                 raise
+        finally:
+            self.engine = None

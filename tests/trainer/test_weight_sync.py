@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import logging
 import os
@@ -505,6 +506,32 @@ def test_in_place_ipc_sync_loads_every_weight_through_one_buffer_without_a_vllm_
     assert control.calls == [UNMAP, "pause", MAP, *loads, "resume", "pause", *loads, "resume", UNMAP]  # shared
     # once, no session; init released what an earlier trainer may have left mapped
     assert control.worker._asyncrl_buffer is None
+
+
+def test_closing_the_in_place_ipc_sync_unmaps_before_it_drops_the_buffer(model, random_tiny_model_dir):
+    """A buffer freed while the server still maps it makes torch warn at exit (benchmarks/ipc_release.py); a
+    failing UNMAP still lets the trainer's buffer go."""
+
+    held_at_unmap: list[bool] = []
+
+    class HoldingServer(ExtensionServer):
+        def collective_rpc(self, method: str, **kwargs: str) -> list[Any]:
+            if method == UNMAP and self.transport.mapped:
+                held_at_unmap.append(self.transport.buffer is not None)
+                if len(held_at_unmap) == 2:
+                    raise ServerError(503, "/collective_rpc", "the server went away")
+            return super().collective_rpc(method, **kwargs)
+
+    served = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
+    for _ in range(2):
+        transport = CpuDirectTransport(torch.bfloat16, IPC_BUFFER_LIMIT)
+        control = HoldingServer(Worker(served), transport)
+        transport.stage(model)
+        transport.send(control)  # type: ignore[arg-type]
+        with contextlib.suppress(ServerError):
+            transport.close(control)  # type: ignore[arg-type]
+        assert transport.buffer is None and not transport.mapped
+    assert held_at_unmap == [True, True]
 
 
 def test_in_place_ipc_sync_takes_the_trainers_gathered_view(one_rank, random_tiny_model_dir):
