@@ -194,6 +194,11 @@ class CompileWatch:
     def row(self) -> None:
         """A row is about to be forwarded: log the recompiles of the last one (its forward and backward), naming
         that row: logged as the next row starts, a warm-up's recompiles read as the first real step's otherwise."""
+        self.report()
+        self.rows += 1
+
+    def report(self) -> None:
+        """Log the recompiles not logged yet as the current row's (the run's last row has no next row)."""
         from torch._dynamo.utils import guard_failures
 
         for code, reasons in list(guard_failures.items()):
@@ -202,7 +207,6 @@ class CompileWatch:
                 log.info("torch.compile compiled %s (%s:%d) again during row %d: %s", code.co_name, code.co_filename,
                          code.co_firstlineno, self.rows, " ".join(reason.split("\nUser stack")[0].split()))  # fmt: skip
             self.reported[code] = len(reasons)
-        self.rows += 1
 
 
 def _outside_torch(stack: traceback.StackSummary) -> str:
@@ -227,6 +231,12 @@ def compile_watch() -> CompileWatch:
     callback_handler.register_start_callback(watch.start)
     callback_handler.register_end_callback(watch.end)
     return watch
+
+
+def report_last_row() -> None:
+    """At the trainer's close: the last row's recompiles, where any row was compiled."""
+    if compile_watch.cache_info().currsize:
+        compile_watch().report()
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str) -> None:

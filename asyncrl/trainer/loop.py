@@ -46,7 +46,7 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows, warm_up_step
 from asyncrl.trainer.flops import mfu_meter
-from asyncrl.trainer.forward import resolve_compile
+from asyncrl.trainer.forward import report_last_row, resolve_compile
 from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
 from asyncrl.trainer.group_watch import GroupWatch
 from asyncrl.trainer.lora import is_peft
@@ -563,9 +563,11 @@ class Trainer:
             self.worker.kill()
 
     def close(self) -> None:
-        """Stop the worker (it never outlives the trainer) and release the sync staging area."""
+        """Stop the worker (it never outlives the trainer), release the sync staging area and log the last row's
+        recompiles."""
         self._stop_worker()
         self.sync.close()
+        report_last_row()
         self.trackers.close()
         self.console.close()
 

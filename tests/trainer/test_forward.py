@@ -323,10 +323,13 @@ def test_compile_watch_logs_recompiles_and_compiles_after_the_first_row(caplog):
         assert not caplog.records
         compiled(torch.ones(2), 3)  # during the second row: a recompile
         watch.row()
+        compiled(torch.ones(2, dtype=torch.float64), 3)  # during the last row, reported at the trainer's close
+        watch.report()
     finally:
         callback_handler.remove_start_callback(watch.start)
         callback_handler.remove_end_callback(watch.end)
-    compile_line, guard_line = (record.message for record in caplog.records)
+    compile_line, guard_line, *last_row = (record.message for record in caplog.records)
     assert compile_line.startswith("torch.compile: ") and "s compiling (dynamo, compile id" in compile_line
     assert "test_forward.py:" in compile_line  # the call that compiled, not torch's frames
     assert "compiled scaled (" in guard_line and "again during row 2: " in guard_line and "factor" in guard_line
+    assert any("again during row 3: " in line and "dtype mismatch" in line for line in last_row)
