@@ -223,7 +223,7 @@ def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: 
         world_size(config),
         backend,
         serving_dtype(config, backend),
-        adapter_sync_by_config(config),
+        adapter_sync_by_config(config, backend),
         private_weights_dir,
     )
 

@@ -144,17 +144,28 @@ def max_lora_rank(config: Config) -> int:
     return next(rank for rank in VLLM_LORA_RANKS if rank >= config.lora.r)
 
 
-def adapter_sync_by_config(config: Config) -> bool | None:
-    """False when the config alone rules adapter syncs out (lora off, or lora.sync=merged); None when the running
-    server's LoRA limits decide (weights/adapter_choice.py). The plan asks once (RunPlan.adapter_sync)."""
+LAUNCHED_VLLM_MERGES = (
+    "asyncrl launches vLLM without LoRA under lora.sync=auto, as it generates 1.33-1.39x slower per token with an "
+    "adapter; lora.sync=adapter launches it with LoRA"
+)
+
+
+def adapter_sync_by_config(config: Config, backend: str | None) -> bool | None:
+    """False when the config alone rules adapter syncs out: lora off, lora.sync=merged, or lora.sync=auto with a
+    vLLM that asyncrl launches (``backend``: the plan's), which gets no LoRA (LAUNCHED_VLLM_MERGES) unless
+    server.extra_args asks for it. None when the running server's LoRA limits decide (weights/adapter_choice.py).
+    The plan asks once (RunPlan.adapter_sync)."""
     if not config.lora.enabled or config.lora.sync == LoraSync.merged:
+        return False
+    sv = config.server
+    if config.lora.sync == LoraSync.auto and backend == "vllm" and sv.launch and "--enable-lora" not in sv.extra_args:
         return False
     return None
 
 
 def loads_adapters(config: Config, plan: RunPlan | None) -> bool:
     """Whether the built-in server gets LoRA slots: unless merged syncs are decided (RunPlan.adapter_sync)."""
-    decided = plan.adapter_sync if plan is not None else adapter_sync_by_config(config)
+    decided = plan.adapter_sync if plan is not None else adapter_sync_by_config(config, "builtin")
     return decided is not False
 
 

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 
 from asyncrl.client import Control, ControlClient
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import Config, LoraSync
 from asyncrl.control_group import ControlGroup
 from asyncrl.flow import FlowControl
 from asyncrl.registry import Registry
 from asyncrl.serving.checks import ServerFacts, check_servers
-from asyncrl.serving.command import adapter_sync_by_config
+from asyncrl.serving.command import LAUNCHED_VLLM_MERGES, adapter_sync_by_config
 from asyncrl.weights.adapter import AdapterSync
 from asyncrl.weights.adapter_choice import use_adapter_sync
 from asyncrl.weights.file_transport import FileTransport
@@ -214,7 +214,7 @@ def build_weight_sync(
         facts.weight_transfer,
         facts.candidate_sets,
     )
-    decided = plan.adapter_sync if plan is not None else adapter_sync_by_config(config)
+    decided = plan.adapter_sync if plan is not None else adapter_sync_by_config(config, backend)
     if syncs_adapters(config, group, facts.backend, flow, decided):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
@@ -226,6 +226,8 @@ def build_weight_sync(
 
 def syncs_adapters(config: Config, group: ControlGroup, backend: str, flow: FlowControl, decided: bool | None) -> bool:
     """The plan's answer (RunPlan.adapter_sync) where the config alone decides, else every server's."""
+    if decided is False and config.lora.enabled and config.lora.sync == LoraSync.auto:
+        log.info("lora.sync=auto chose merged sync: %s", LAUNCHED_VLLM_MERGES)
     if decided is not None:
         return decided
     return all([use_adapter_sync(config, replica, backend, flow) for replica in group.controls])

@@ -6,7 +6,8 @@ merged otherwise (logged). A server can when its /server_info reports a ``lora_c
 ``--enable-lora`` (and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), or the built-in server started with
 ``--enable-lora``, which asyncrl passes to the built-in server it launches unless lora.sync=merged
 (serving/command.py), so auto means adapters there. asyncrl launches vLLM without LoRA under auto, because
-vLLM generates 1.33-1.39x slower per token with an adapter: auto picks adapters only on a vLLM the user
+vLLM generates 1.33-1.39x slower per token with an adapter, and the run plan decides merged syncs for it before
+any server answers (serving/command.py::adapter_sync_by_config): auto picks adapters only on a vLLM the user
 started with ``--enable-lora``.
 """
 

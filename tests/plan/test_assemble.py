@@ -93,6 +93,12 @@ def test_the_plan_decides_the_backend_serving_dtype_and_merged_syncs_once():
     assert plan_run(compose(["lora=default", "lora.sync=auto"])).adapter_sync is None  # the server's limits decide
     assert plan_run(compose(["lora=default", "lora.sync=merged"])).adapter_sync is False
     assert plan_run(compose(["server=vllm", "server.max_model_len=512"])).server_backend == "vllm"
+    vllm_lora = ["lora=default", "lora.sync=auto", "server=vllm", "server.max_model_len=512"]
+    assert plan_run(compose(vllm_lora)).adapter_sync is False  # the vLLM asyncrl launches has no LoRA under auto
+    attached = ["server.launch=false", "server.base_url=http://127.0.0.1:9"]
+    assert plan_run(compose([*vllm_lora, *attached])).adapter_sync is None  # one its user started may have
+    assert plan_run(compose([*vllm_lora, "server.extra_args=[--enable-lora]"])).adapter_sync is None
+    assert plan_run(compose([*vllm_lora, "lora.sync=adapter"])).adapter_sync is None  # launched with LoRA
 
 
 def test_a_jobs_plan_fetches_the_config_json_its_serving_dtype_reads(tmp_path, monkeypatch):

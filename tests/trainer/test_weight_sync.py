@@ -33,15 +33,22 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.control_group import ControlGroup
+from asyncrl.flow import FlowControl
 from asyncrl.serving.checks import ServerFacts
-from asyncrl.serving.command import served_name
+from asyncrl.serving.command import LAUNCHED_VLLM_MERGES, served_name
 from asyncrl.serving.group import ServerGroup
 from asyncrl.serving.process import ServerProcess, ServerStartError
 from asyncrl.serving.vllm import WORKER_EXTENSION
 from asyncrl.serving.watchdog import ServerWatch
 from asyncrl.trainer.fsdp import GatheredModel
 from asyncrl.trainer.model import load_model
-from asyncrl.trainer.weight_sync import WEIGHT_SYNC, WeightSync, WeightSyncError, build_weight_sync
+from asyncrl.trainer.weight_sync import (
+    WEIGHT_SYNC,
+    WeightSync,
+    WeightSyncError,
+    build_weight_sync,
+    syncs_adapters,
+)
 from asyncrl.weights.file_transport import FileTransport
 from asyncrl.weights.tensors import parameter_metadata, serving_bytes, serving_parameters
 from asyncrl.weights.transport import Background
@@ -291,6 +298,17 @@ def test_build_weight_sync_checks_the_server_and_picks_the_file_transport(server
 
 
 # ---- the vLLM transports' parts that run without a GPU ------------------------------------------------------
+
+
+def test_auto_lora_against_the_vllm_asyncrl_launches_merges_and_says_why(caplog):
+    """The plan decides merged syncs for a launched vLLM (it has no LoRA); no server is asked, which for a group
+    of none would answer adapters."""
+    config = to_config(compose(["lora=default", "lora.sync=auto", "server=vllm", "server.max_model_len=512"]))
+    flow = FlowControl.from_config(config)
+    with caplog.at_level(logging.INFO, logger="asyncrl.trainer.weight_sync"):
+        assert syncs_adapters(config, ControlGroup([]), "vllm", flow, decided=False) is False
+        assert syncs_adapters(config, ControlGroup([]), "vllm", flow, decided=None) is True
+    assert caplog.messages == [f"lora.sync=auto chose merged sync: {LAUNCHED_VLLM_MERGES}"]
 
 
 def test_the_watchdog_turns_a_hang_into_an_error():
