@@ -125,7 +125,7 @@ class Trainer:
 
     def _set_up(self) -> None:
         """Everything after the worker's spawn: the model (while a launched server boots), the server's limits,
-        the loss, packing, logging, the weight-sync channel, the first evaluation, and the worker's spec."""
+        the loss, packing, logging, the weight-sync channel, the worker's spec and the first evaluation."""
         c = self.config
         self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
         self.startup = {"perf/startup_model_loaded_s": time.time() - self.started_at}
@@ -159,8 +159,8 @@ class Trainer:
         if resume is not None:
             self._push(self.state.model_version)  # the server starts from the base weights
         self.last_evaluation: tuple[int, dict[str, float]] | None = None
+        self._start_worker()  # the first groups generate beside the first evaluation
         self.evaluations = self._first_evaluation(resume is not None)
-        self._start_worker()
 
     # ---- the loop --------------------------------------------------------------------------------------------
 

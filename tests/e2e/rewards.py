@@ -17,3 +17,25 @@ def none_reward(prompts, completions, completion_ids, **columns):
 
 def string_reward(prompts, completions, completion_ids, **columns):
     return ["good"] * len(completions)
+
+
+def eval_waits_for_the_worker_reward(prompts, completions, completion_ids, **columns):
+    """Completion lengths; each process's first call waits (up to 60 s) until another process has scored too, and
+    leaves `PID.met` or `PID.alone` in $ASYNCRL_TEST_SIGNAL_DIR. The trainer's first evaluation and the rollout
+    worker both score with it: the trainer alone means no group was generated beside that evaluation."""
+    import os
+    import time
+    from pathlib import Path
+
+    signals, me = Path(os.environ["ASYNCRL_TEST_SIGNAL_DIR"]), str(os.getpid())
+    if not any(signals.glob(f"{me}.*")):
+        (signals / me).touch()
+        deadline = time.monotonic() + 60
+
+        def others() -> set[str]:
+            return {p.name for p in signals.iterdir() if p.name.isdigit()} - {me}
+
+        while not (met := others()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (signals / f"{me}.{'met' if met else 'alone'}").touch()
+    return [float(len(ids)) for ids in completion_ids]

@@ -219,3 +219,20 @@ def test_mfu_is_logged_where_the_peak_is_known(async_run, resumed_run):
     for s in first:
         assert 0 < s["perf/wall_clock_mfu"] < s["perf/fwd_bwd_mfu"] < 1  # a step is longer than its fwd+bwd
     assert not any("perf/fwd_bwd_mfu" in s or "perf/wall_clock_mfu" in s for s in resumed)
+
+
+def test_the_first_groups_generate_beside_the_first_evaluation(
+    random_tiny_model_dir, arithmetic_data_dir, session_server, tmp_path, monkeypatch
+):
+    """The rollout worker starts before the "before" evaluation, so the first step's groups need not wait for it:
+    the evaluation's reward calls meet the worker's (tests/e2e/rewards.py)."""
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    monkeypatch.setenv("ASYNCRL_TEST_SIGNAL_DIR", str(signals))
+    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, tmp_path / "run"), "trainer.max_steps=1",
+            "reward_funcs=[{name: 'tests.e2e.rewards:eval_waits_for_the_worker_reward'}]",
+            *attach(session_server)]  # fmt: skip
+    run = run_cli(args)
+    assert run.returncode == 0, run.output[-3000:]
+    outcomes = sorted(path.suffix for path in signals.glob("*.*"))
+    assert outcomes == [".met", ".met"], outcomes  # the trainer's and the worker's
