@@ -217,9 +217,9 @@ class Trainer:
         self.startup = {}
 
     def _warm_up(self) -> TrainerMemory | None:
-        """On CUDA, one step on synthetic rows of the token budget whose update is thrown away, by every rank: its
-        measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and the compiled
-        layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
+        """On CUDA, one step on synthetic rows (one of the token budget, one short) whose update is thrown away, by
+        every rank: its measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and
+        the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
         from asyncrl.serving.vllm import warm_up_token_budget
         from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, cached_memory, synthetic_rows
 
@@ -233,7 +233,8 @@ class Trainer:
         completion = min(c.sampling.max_completion_length, max_model_len - 1)
         prompt = min(max_model_len - completion, WARM_UP_PROMPT_TOKENS)
         rows = synthetic_rows(row_factory, prompt, completion, c.sampling.num_generations, text.vocab_size, self.top_k)
-        mine = self.ranks.command("warm_up", split_rows(rows, [[0] * self.world], self.loss.norm(rows)))
+        placement = [[index] * self.world for index in range(len(rows))]  # every rank runs every row
+        mine = self.ranks.command("warm_up", split_rows(rows, placement, self.loss.norm(rows)))
         shape = warm_up_token_budget(c, max_model_len)
         known = cached_memory(c, shape)
 

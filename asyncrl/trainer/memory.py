@@ -51,6 +51,11 @@ CACHE_FILE = "trainer_memory.json"
 WARM_UP_PROMPT_TOKENS = 64
 """The warm-up groups' prompt length at most: short prompts leave the most trained tokens in a row, the logit
 chunks' and the loss's worst case."""
+SHORT_ROW_FRACTION = 16
+"""The warm-up's second row holds at most this fraction of the token budget, like a step's last, partly filled row.
+Compiling with dynamic shapes, Inductor guards a graph by decisions it took on the row length it saw (on the H200 at
+the Qwen3-4B shape, ``5120 <= hidden_states.size()[1]``, in its fusion choices): after a warm-up on a full row only,
+the first shorter real row compiled the layers again mid-run, ~24 s (RESULTS.md, ninth pass)."""
 
 
 class TrainerOutOfMemoryError(RuntimeError):
@@ -145,15 +150,17 @@ def record_memory(config: Config, token_budget: int, memory: TrainerMemory) -> N
 
 def synthetic_rows(row_factory: RowFactory, prompt_length: int, completion_length: int, group_size: int,
                    vocab_size: int, top_k: int) -> list[PackedRow]:  # fmt: skip
-    """One row filled to its token budget as a step's rows are: groups of ``group_size`` samples sharing a prompt of
-    ``prompt_length`` tokens, each with ``completion_length`` trained tokens (the last sample shortened to fill the
-    row), random tokens with a fixed seed. Shaped like a real row (a tree row's shared prompt and its branches,
-    which start the gated-DeltaNet recurrence from the prompt's state), so that the kernels the first real step runs
-    compile and autotune here and the measured peak is a real step's: at the 2B shape, after a warm-up on a row of
-    unrelated samples (every segment a root: 26.0 GiB), the first real step's forward and backward took 132 s and
-    the second ran out of memory with 27.7 GiB reserved (RESULTS.md, session 17)."""
+    """Two rows: one filled to its token budget as a step's rows are, groups of ``group_size`` samples sharing a
+    prompt of ``prompt_length`` tokens, each with ``completion_length`` trained tokens (the last sample shortened
+    to fill the row); then a short one, part of one group in at most 1/SHORT_ROW_FRACTION of the budget, so that the
+    graphs the compiled layers need for short rows compile here too. Random tokens with a fixed seed. Shaped like
+    real rows (a tree row's shared prompt and its branches, which start the gated-DeltaNet recurrence from the
+    prompt's state), so that the kernels the first real step runs compile and autotune here and the measured peak
+    is a real step's: at the 2B shape, after a warm-up on a row of unrelated samples (every segment a root: 26.0
+    GiB), the first real step's forward and backward took 132 s and the second ran out of memory with 27.7 GiB
+    reserved (RESULTS.md, session 17)."""
     rng = random.Random(0)
-    row, index = row_factory(), 0
+    index = 0
 
     def sample(prompt: list[int], completion: list[int], with_top: bool = False) -> RolloutSample:
         tokens = prompt + completion
@@ -162,23 +169,41 @@ def synthetic_rows(row_factory: RowFactory, prompt_length: int, completion_lengt
         return RolloutSample(sequence, 1.0 if index % 2 else -1.0, 0.0, index // group_size, index, index, 0,
                              f"warm-up-{index}")  # fmt: skip
 
-    while True:
-        prompt = [rng.randrange(vocab_size) for _ in range(prompt_length)]
-        for _ in range(group_size):
-            completion = [rng.randrange(vocab_size) for _ in range(completion_length)]
-            if not row.fits(sample(prompt, completion)):
-                longest, beyond = 0, completion_length  # the longest shortened completion that fits: a bisection
-                while beyond - longest > 1:
-                    middle = (longest + beyond) // 2
-                    if row.fits(sample(prompt, completion[:middle])):
-                        longest = middle
-                    else:
-                        beyond = middle
-                if longest:
-                    row.add(sample(prompt, completion[:longest], with_top=True))
-                return [row.pack(top_k)]
-            row.add(sample(prompt, completion, with_top=True))
-            index += 1
+    def tokens(length: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(length)]
+
+    def full_row() -> PackedRow:
+        nonlocal index
+        row = row_factory()
+        while True:
+            prompt = tokens(prompt_length)
+            for _ in range(group_size):
+                completion = tokens(completion_length)
+                if not row.fits(sample(prompt, completion)):
+                    longest, beyond = 0, completion_length  # the longest shortened completion that fits: a bisection
+                    while beyond - longest > 1:
+                        middle = (longest + beyond) // 2
+                        if row.fits(sample(prompt, completion[:middle])):
+                            longest = middle
+                        else:
+                            beyond = middle
+                    if longest:
+                        row.add(sample(prompt, completion[:longest], with_top=True))
+                    return row.pack(top_k)
+                row.add(sample(prompt, completion, with_top=True))
+                index += 1
+
+    full = full_row()
+    limit = full.num_forwarded // SHORT_ROW_FRACTION
+    short, prompt = row_factory(), tokens(min(prompt_length, limit // 4))
+    index = -(-index // group_size) * group_size  # a group of its own
+    for _ in range(group_size):
+        candidate = sample(prompt, tokens(max(1, limit // (2 * group_size))), with_top=True)
+        if not prompt or short.num_tokens + len(candidate.sequence.token_ids) > limit or not short.fits(candidate):
+            break
+        short.add(candidate)
+        index += 1
+    return [full, short.pack(top_k)] if short.samples else [full]
 
 
 def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

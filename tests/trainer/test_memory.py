@@ -18,6 +18,7 @@ from asyncrl.trainer import fsdp
 from asyncrl.trainer.distributed import split_rows, train_rows, warm_up_step
 from asyncrl.trainer.memory import (
     GIB,
+    SHORT_ROW_FRACTION,
     TrainerMemory,
     cached_memory,
     out_of_memory_line,
@@ -67,9 +68,24 @@ def test_the_warm_up_step_leaves_weights_optimizer_and_random_state_as_they_were
 def test_the_synthetic_row_fills_the_budget_with_trained_tokens():
     config = to_config(compose(["packing=flat", "packing.token_budget=250", "loss=score_centering"]))
     row_factory, budget = build_components(config).packer.rows(100)
-    (row,) = synthetic_rows(row_factory, 10, 90, 2, vocab_size=50, top_k=4)
+    row, short = synthetic_rows(row_factory, 10, 90, 2, vocab_size=50, top_k=4)
     assert budget == 250 and row.num_forwarded == 250 and row.num_trained == 90 + 90 + 40  # the last one shortened
     assert row.top_ids is not None and row.top_ids.shape == (220, 4)
+    # a short row beside it (a step's last, partly filled one): in 250 // SHORT_ROW_FRACTION = 15 tokens, the
+    # group's two samples of a 3-token prompt and 3 completion tokens each (flat: the prompt forwarded twice)
+    assert (short.num_forwarded, short.num_trained) == (12, 6) and short.top_ids is not None
+
+
+def test_the_short_row_compiles_the_graphs_short_real_rows_need():
+    """Compiled with dynamic shapes, the layers carry guards decided on the row lengths they saw (Inductor: on the
+    H200, rows of at least 5120 tokens after a warm-up on a full row); the short row is well under the budget and
+    a whole group's prefix of one prompt, as a step's last row is."""
+    config = to_config(compose(["packing=tree", "packing.token_budget=16384", "loss=score_centering"]))
+    row_factory, _ = build_components(config).packer.rows(100)
+    full, short = synthetic_rows(row_factory, 64, 256, 8, vocab_size=50_000, top_k=0)
+    assert full.num_forwarded == 16384 and 0 < short.num_forwarded <= 16384 // SHORT_ROW_FRACTION
+    assert len(short.segments) == 1 + 8  # one prompt, a whole group of branches from it
+    assert short.num_trained == 8 * (1024 // 16)
 
 
 def test_the_synthetic_row_is_shaped_like_a_steps_groups_sharing_their_prompt():
@@ -77,7 +93,7 @@ def test_the_synthetic_row_is_shaped_like_a_steps_groups_sharing_their_prompt():
     (the structure the compiled layers compile for in the warm-up)."""
     config = to_config(compose(["packing=tree", "packing.token_budget=250", "loss=score_centering"]))
     row_factory, _ = build_components(config).packer.rows(100)
-    (row,) = synthetic_rows(row_factory, 10, 60, 3, vocab_size=50_000, top_k=0)  # no accidental sharing
+    row, _ = synthetic_rows(row_factory, 10, 60, 3, vocab_size=50_000, top_k=0)  # no accidental sharing
     # group 0: its prompt's first 9 tokens once, then 3 branches of 61 (the prompt's last token predicts each
     # branch's first: one node per branch), 192 tokens; group 1: one sample cut to the 58 left
     assert row.num_forwarded == 250 and row.num_raw_tokens == 3 * (10 + 60) + 58
@@ -182,7 +198,7 @@ def test_after_the_warm_up_a_steps_row_compiles_nothing(random_tiny_vlm_dir, one
     top_k = config.sampling.num_sampler_logprobs
     rows = synthetic_rows(row_factory, 16, 24, 4, vocab_size=90, top_k=top_k)
     loss = StepLoss(components.loss, components.advantage, 24)
-    work = split_rows(rows, [[0]], loss.norm(rows))[0]
+    work = split_rows(rows, [[index] for index in range(len(rows))], loss.norm(rows))[0]  # as the trainer runs them
     with torch.compiler.set_stance("force_eager"):
         warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
     warm_up(lambda: warm_up_step(model, loss, work, one_rank, config), model, optimizer)
