@@ -223,7 +223,8 @@ class TrainerConfig:
     """Attention backend of the packed forward (asyncrl/packing/attention.py): auto (sdpa on CPU, varlen on
     CUDA) | sdpa | varlen | cascade | flex | kernels."""
     warm_up: bool = True
-    """On CUDA: one step on synthetic rows of the token budget before the first, its update thrown away. The layers
+    """On CUDA: one step on synthetic rows (one of the token budget, one short) before the first, its update thrown
+    away. The layers
     compile there (while a launched server boots), and its measured memory decides what a vLLM on the same GPU
     gets (asyncrl/trainer/memory.py)."""
     compile_layers: str = "auto"
