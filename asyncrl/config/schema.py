@@ -224,9 +224,8 @@ class TrainerConfig:
     CUDA) | sdpa | varlen | cascade | flex | kernels."""
     warm_up: bool = True
     """On CUDA: one step on synthetic rows (one of the token budget, one short) before the first, its update thrown
-    away. The layers
-    compile there (while a launched server boots), and its measured memory decides what a vLLM on the same GPU
-    gets (asyncrl/trainer/memory.py)."""
+    away. The layers compile there (while a launched server boots), and its measured memory decides what a vLLM on
+    the same GPU gets (asyncrl/trainer/memory.py)."""
     compile_layers: str = "auto"
     """torch.compile the decoder layers: true | false | auto (on CUDA) | a torch.compile backend's name."""
     bf16: bool | None = None
