@@ -169,16 +169,16 @@ def synthetic_rows(row_factory: RowFactory, prompt_length: int, completion_lengt
         return RolloutSample(sequence, 1.0 if index % 2 else -1.0, 0.0, index // group_size, index, index, 0,
                              f"warm-up-{index}")  # fmt: skip
 
-    def tokens(length: int) -> list[int]:
+    def random_tokens(length: int) -> list[int]:
         return [rng.randrange(vocab_size) for _ in range(length)]
 
     def full_row() -> PackedRow:
         nonlocal index
         row = row_factory()
         while True:
-            prompt = tokens(prompt_length)
+            prompt = random_tokens(prompt_length)
             for _ in range(group_size):
-                completion = tokens(completion_length)
+                completion = random_tokens(completion_length)
                 if not row.fits(sample(prompt, completion)):
                     longest, beyond = 0, completion_length  # the longest shortened completion that fits: a bisection
                     while beyond - longest > 1:
@@ -189,16 +189,17 @@ def synthetic_rows(row_factory: RowFactory, prompt_length: int, completion_lengt
                             beyond = middle
                     if longest:
                         row.add(sample(prompt, completion[:longest], with_top=True))
+                        index += 1
                     return row.pack(top_k)
                 row.add(sample(prompt, completion, with_top=True))
                 index += 1
 
     full = full_row()
     limit = full.num_forwarded // SHORT_ROW_FRACTION
-    short, prompt = row_factory(), tokens(min(prompt_length, limit // 4))
+    short, prompt = row_factory(), random_tokens(min(prompt_length, limit // 4))
     index = -(-index // group_size) * group_size  # a group of its own
     for _ in range(group_size):
-        candidate = sample(prompt, tokens(max(1, limit // (2 * group_size))), with_top=True)
+        candidate = sample(prompt, random_tokens(max(1, limit // (2 * group_size))), with_top=True)
         if not prompt or short.num_tokens + len(candidate.sequence.token_ids) > limit or not short.fits(candidate):
             break
         short.add(candidate)
