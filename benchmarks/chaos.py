@@ -527,14 +527,14 @@ def mount_tmpfs(path: Path, size_mb: int) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], check=True)
 
 
-def overrides(run_dir: Path, port: int, ranks: int, steps: int, data: Path) -> list[str]:
+def overrides(run_dir: Path, port: int, ranks: int, steps: int, data: Path, health_timeout: float) -> list[str]:
     """The run's settings; its server listens on ``port`` + 1, its clients reach it through the proxy at ``port``.
     A tenth of the tiny recipe's learning rate: at 1e-4 the model learns the 500 prompts by step 70 (reward 0.99),
     then nearly every group has one reward for all and is dropped, and a step takes minutes."""
     return [f"trainer.max_steps={steps}", "trainer.save_steps=5", "trainer.max_restarts=100000",
             "trainer.learning_rate=1e-5",
             "data.num_eval_prompts=0", "logging.report=false", "logging.console=plain", "server.timeout=30",
-            "server.health_timeout=60", f"data.path={data}", f"trainer.num_processes={ranks}",
+            f"server.health_timeout={health_timeout}", f"data.path={data}", f"trainer.num_processes={ranks}",
             f"server.port={port + 1}", f"server.base_url=http://127.0.0.1:{port}",
             f"hydra.run.dir={run_dir}"]  # fmt: skip
 
@@ -559,7 +559,7 @@ def finish(run: Run, finish_steps: int) -> int:
 
 
 def baseline_run(work: Path, port: int, ranks: int, steps: int, console: Path, data: Path) -> Path:
-    run = Run(work / "baseline", overrides(work / "baseline", port, ranks, steps, data), console)
+    run = Run(work / "baseline", overrides(work / "baseline", port, ranks, steps, data, health_timeout=60.0), console)
     run.start(run.overrides)
     if run.proc.wait(timeout=3600) != 0:
         raise SystemExit(f"the baseline run failed: see {console}")
@@ -599,6 +599,8 @@ def main() -> int:
     parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), help="seconds of training between faults")
     parser.add_argument("--disk-mb", type=int, default=400, help="the run directory's tmpfs")
     parser.add_argument("--finish-steps", type=int, default=5)
+    parser.add_argument("--health-timeout", type=float, default=60.0,
+                        help="server.health_timeout: how long a network stall goes unnoticed")  # fmt: skip
     parser.add_argument("--cycle", action="store_true", help="take --kinds in turn instead of at random")
     parser.add_argument("--baseline", action="store_true", help="also train an uninterrupted run and compare")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "chaos-out")
@@ -620,7 +622,7 @@ def main() -> int:
     console.write_text("")
     rng = random.Random(args.seed)
     data = write_dataset(work / "train.jsonl", args.prompts)
-    run = Run(run_dir, overrides(run_dir, args.port, args.ranks, 100_000, data), console)
+    run = Run(run_dir, overrides(run_dir, args.port, args.ranks, 100_000, data, args.health_timeout), console)
     proxy = StallProxy(args.port, args.port + 1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cleanup below runs
     try:

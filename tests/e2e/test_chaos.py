@@ -23,7 +23,7 @@ def test_a_run_survives_five_faults_in_turn_losing_nothing(tmp_path):
     out = tmp_path / "chaos"
     command = [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--faults", "5", "--cycle",
                "--kinds", "worker_kill,server_kill,net_stall,corrupt_checkpoint,launcher_kill", "--gap", "0", "1",
-               "--finish-steps", "1",
+               "--finish-steps", "1", "--health-timeout", "20",
                "--prompts", "60", "--port", str(free_port_pair()), "--out", str(out)]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, env=cli_env("chaos"), timeout=600, cwd=REPO)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
