@@ -28,6 +28,7 @@ from asyncrl.config.schema import Config
 from asyncrl.packing.attention import attach_tree_attention, build_plan, unwrap_model
 from asyncrl.packing.deltanet import PLAN_KEYWORD, build_recurrent_plan, conv_kernel_size, deltanet_layers
 from asyncrl.packing.row import PackedRow
+from asyncrl.trainer import compile_options
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
 if TYPE_CHECKING:
@@ -250,9 +251,10 @@ def compile_decoder_layers(model: torch.nn.Module, backend: str) -> None:
     layers = getattr(inner.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"trainer.compile_layers: {type(inner).__name__}'s decoder has no `layers` list to compile")
-    checkpointed = torch.compile(_call, dynamic=True, backend=backend)
+    options = compile_options.inductor_options(backend)
+    checkpointed = torch.compile(_call, dynamic=True, backend=backend, options=options)
     for layer in layers:
-        layer.compile(dynamic=True, backend=backend)
+        layer.compile(dynamic=True, backend=backend, options=options)
         if _checkpoints_forward(layer) and hasattr(layer, "_gradient_checkpointing_func"):
             layer._gradient_checkpointing_func = _through(layer._gradient_checkpointing_func, checkpointed)
     setattr(inner, _COMPILED, True)

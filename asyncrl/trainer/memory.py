@@ -52,10 +52,11 @@ WARM_UP_PROMPT_TOKENS = 64
 """The warm-up groups' prompt length at most: short prompts leave the most trained tokens in a row, the logit
 chunks' and the loss's worst case."""
 SHORT_ROW_FRACTION = 16
-"""The warm-up's second row holds at most this fraction of the token budget, like a step's last, partly filled row.
-Compiling with dynamic shapes, Inductor guards a graph by decisions it took on the row length it saw (on the H200 at
-the Qwen3-4B shape, ``5120 <= hidden_states.size()[1]``, in its fusion choices): after a warm-up on a full row only,
-the first shorter real row compiled the layers again mid-run, ~24 s (RESULTS.md, ninth pass)."""
+"""The warm-up's second row holds at most this fraction of the token budget, like a step's last, partly filled row,
+so that a graph Inductor guards by the row length it saw compiles in the warm-up, not mid-run. Its mix-order
+reduction did (``5120 <= hidden_states.size()[1]`` at the Qwen3-4B shape, ~24 s mid-run, RESULTS.md ninth pass), in
+more ranges than two rows cover (four at the Qwen3-0.6B shape): trainer/compile_options.py removes those guards, and
+this row compiles whatever other guard a short row fails."""
 
 
 class TrainerOutOfMemoryError(RuntimeError):

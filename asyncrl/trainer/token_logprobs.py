@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asyncrl.trainer import compile_options
+
 
 @dataclass
 class CandidateSets:
@@ -98,7 +100,7 @@ def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
     chunk's slices of the row's tensors (targets, top ids, gradients) go in as tensors of their own: as views they
     carry the row's length as their base's, which torch.compile's duck sizing equated with the chunk's when the first
     row was one chunk, so the first row of two compiled both epilogues again mid-run (10-30 s on the GPU)."""
-    compiled = torch.compile(fn, dynamic=True, backend=backend)
+    compiled = torch.compile(fn, dynamic=True, backend=backend, options=compile_options.inductor_options(backend))
 
     def call(*args: Any) -> Any:
         return compiled(*(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args))
