@@ -8,15 +8,20 @@ quantizes the bf16 weights as it loads them, and again at each sync, which goes 
 measures it the same way; a last table compares it with the bf16 server: generated tokens/s (alone and in each
 run), samples/s, ``sampling/sampling_logp_difference`` and sync seconds, against the goal (>= 1.3x tokens/s, <= 2x
 logp difference). A run whose syncs fail is a failed row; the bf16 server's syncs load in place (asyncrl's worker
-extension), the fp8 server's through vLLM's engine, so the sync seconds compare the paths each must take. One
-device call per shape, two server starts and two
-runs (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md; not yet run, so whether a call's 600 s hold it is
-not known: each server's figures are in partial_LABEL.json as its runs end):
+extension), the fp8 server's through vLLM's engine, so the sync seconds compare the paths each must take.
 
-    python benchmarks/e2e.py --quantization fp8 --staleness 2 --steps 6 --no-flat --profile= --run-timeout 150 \
-        --standalone-requests 256
-    python benchmarks/e2e.py --shape 3.5-2b --quantization fp8 --staleness 2 --steps 6 --no-flat --profile= \
-        --run-timeout 200 --standalone-requests 256
+Both servers in one device call do not fit its 600 s at the 0.6B shape (session 24: the bf16 server healthy after
+162 s cold, its 10-step run done 62 s after its first step; the fp8 server healthy after 149 s; the call cut in the
+fp8 run). ``--baseline`` takes the bf16 server's figures from an earlier call instead (its e2e.json or
+partial_vllm.json; session 24's, at the 0.6B shape, commit b0ff182, are in benchmarks/results/e2e/), so a call
+starts one server (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md):
+
+    python benchmarks/e2e.py --quantization fp8 --baseline benchmarks/results/e2e/vllm-0.6b-staleness2.json \
+        --staleness 2 --steps 10 --no-flat --profile= --run-timeout 200 --standalone-requests 256
+    python benchmarks/e2e.py --shape 3.5-2b --staleness 2 --steps 6 --no-flat --profile= --run-timeout 200 \
+        --standalone-requests 256 --out /tmp/e2e-2b     # then, in the next call on the same machine:
+    python benchmarks/e2e.py --shape 3.5-2b --quantization fp8 --baseline /tmp/e2e-2b/e2e.json --staleness 2 \
+        --steps 6 --no-flat --profile= --run-timeout 200 --standalone-requests 256
 
 One server is started (vLLM, or the built-in one) and every variant attaches to it with `asyncrl train
 server.launch=false`, so each variant pays the trainer's start-up only. The model is Qwen3-0.6B-shaped (``--shape
@@ -292,6 +297,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=["0.6b", "3.5-2b"], default="0.6b", help="the model's shape (not --tiny)")
     parser.add_argument("--quantization", default=None, help="then serve with server.quantization=Q (e.g. fp8) and "
                         "measure it the same way; the table compares it with the first server")  # fmt: skip
+    parser.add_argument("--baseline", type=Path, default=None, help="with --quantization: the 16-bit server's "
+                        "figures from an earlier e2e.json or partial_vllm.json, not served again")  # fmt: skip
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", default="0,1,2,4", help="max_staleness values; 0 = synchronous mode")
     parser.add_argument("--concurrency", type=int, default=256)
@@ -315,6 +322,8 @@ def main() -> None:
         return
     if args.quantization and (args.server_url or args.backend != "vllm"):
         parser.error("--quantization starts a second vLLM server after the first: --backend vllm, no --server-url")
+    if args.baseline and not args.quantization:
+        parser.error("--baseline stands in for the 16-bit server beside --quantization's: give --quantization too")
     import torch
 
     args.shape = "tiny" if args.tiny else args.shape
@@ -333,7 +342,11 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, "-m", "asyncrl", "serve", *base,
                                   f"trainer.output_dir={args.work / 'serve'}"])  # fmt: skip
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    result["server"] = serve_and_measure(args, base, args.backend, train_runs=bool(args.staleness), url=args.server_url)
+    if args.baseline:
+        result["server"] = baseline_server(args.baseline)
+    else:
+        result["server"] = serve_and_measure(args, base, args.backend, train_runs=bool(args.staleness),
+                                             url=args.server_url)  # fmt: skip
     if args.quantization:
         result["quantized_server"] = serve_and_measure(args, [*base, f"server.quantization={args.quantization}"],
                                                        args.backend, train_runs=bool(args.staleness),
@@ -344,6 +357,13 @@ def main() -> None:
                                                      train_runs=False, port=args.port + 1)  # fmt: skip
     (args.out / "e2e.json").write_text(json.dumps(result, indent=1))
     print_table(result)
+
+
+def baseline_server(path: Path) -> dict[str, Any]:
+    """The 16-bit server's figures from an earlier call on the same machine kind: its e2e.json's ``server``, or a
+    partial_LABEL.json (a call cut in its quantized server's runs still wrote the first server's)."""
+    earlier = json.loads(path.read_text())
+    return earlier["server"] if "server" in earlier else earlier
 
 
 def wait_healthy(url: str, timeout_s: float = 900.0) -> None:

@@ -1,6 +1,6 @@
 """Does the trainer's compiled forward and backward compile again for a row length the warm-up did not run? (issue 36)
 
-    python benchmarks/row_lengths.py --out $OUT                        # H200: Qwen3-0.6B's widths, 4 layers
+    python benchmarks/row_lengths.py --out $OUT                        # H200 (kit sourced): Qwen3-0.6B's widths
     python benchmarks/row_lengths.py --strict --out $OUT               # the same without compile_options' option
     python benchmarks/row_lengths.py --tiny --backend aot_eager        # CPU rehearsal
 

@@ -117,6 +117,11 @@ start-ups are slower; each limit leaves the call a minute for the rest):
     --shapes qwen3.5-2b --tools asyncrl --steps 6 --run-timeout 540
 
 A run stopped at ``--run-timeout``, or by SIGTERM to this script, keeps the steps it logged (the table says so).
+Both tools of one shape in one call do not fit: at the 0.6B shape (session 24, cold caches) TRL took 211 s for its
+10 steps and asyncrl reached its first step at 224 s, its eighth at 245 s, and was stopped at its 251 s limit. That
+call's results are in ``benchmarks/results/vs_trl/`` (commit b0ff182); copied into ``--work``/results first
+(``mkdir -p /tmp/vt/results && cp benchmarks/results/vs_trl/*.json /tmp/vt/results/``), a call of one tool prints the
+table with the other's column from them.
 TRL 1.16 declares vLLM 0.22-0.31 and only warns on 0.33; its colocate calls exist in vLLM 0.33's source
 (``LLM(...)``'s arguments, ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`` with the
 external launcher's in-process engine, ``reset_prefix_cache``, dict-shaped per-position log-probs). Should it fail

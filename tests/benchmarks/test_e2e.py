@@ -3,6 +3,7 @@ GPU and vLLM)."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import ModuleType
 from typing import Any
@@ -47,3 +48,10 @@ def test_compile_lines_are_what_compile_watch_logged(e2e: ModuleType) -> None:
     )
     assert e2e.compile_lines(log) == ["3.6 s compiling (dynamo, compile id 0/0, from modeling_layers.py:108 in "
                                       "__call__) during row 2"]  # fmt: skip
+
+
+def test_the_baseline_server_comes_from_an_earlier_result_or_its_partial(e2e: ModuleType, tmp_path) -> None:
+    server = {"backend": "vllm", "label": "vllm", "standalone_tokens_per_s": 9096.0, "runs": []}
+    (tmp_path / "e2e.json").write_text(json.dumps({"args": {}, "server": server, "quantized_server": {}}))
+    (tmp_path / "partial_vllm.json").write_text(json.dumps(server))
+    assert e2e.baseline_server(tmp_path / "e2e.json") == server == e2e.baseline_server(tmp_path / "partial_vllm.json")
