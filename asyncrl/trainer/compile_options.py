@@ -12,7 +12,8 @@ every length; what it gives up is the unfused kernel for rows too short for the 
 
 from __future__ import annotations
 
-NON_STRICT_MIX_ORDER = "triton.mix_order_reduction_non_strict_mode"
+NON_STRICT_FLAG = "mix_order_reduction_non_strict_mode"
+NON_STRICT_MIX_ORDER = f"triton.{NON_STRICT_FLAG}"
 
 
 def inductor_options(backend: str) -> dict[str, object] | None:
@@ -22,4 +23,4 @@ def inductor_options(backend: str) -> dict[str, object] | None:
         return None
     from torch._inductor import config
 
-    return {NON_STRICT_MIX_ORDER: True} if hasattr(config.triton, NON_STRICT_MIX_ORDER.split(".")[1]) else None
+    return {NON_STRICT_MIX_ORDER: True} if hasattr(config.triton, NON_STRICT_FLAG) else None
