@@ -79,17 +79,19 @@ Where the algorithms differ (same reward and samples; not the same update)
 
 Columns
 -------
-samples/s, trained and generated tokens/s: over steps 2 to the last (step 1 carries each tool's compile and
-warm-ups; samples/s also over the second half of the steps, as asyncrl's first steps after step 1 may train samples
-generated ahead while step 1 ran), per second of wall clock, each tool's own clock (TRL: the callback's step ends;
-asyncrl: ``time_s``). Tokens are completion tokens (TRL: ``completions/mean_length`` x samples, generated = trained,
-nothing is dropped; asyncrl: ``batch/trained_tokens_per_step``, and ``rollout/generated_tokens_per_s`` weighted by
+samples/s, trained and generated tokens/s: over steps 2 to the last (step 1 carries each tool's compile and warm-ups;
+samples/s also over the second half of the steps, as asyncrl's first steps after step 1 may train samples generated
+ahead while step 1 ran), per second of wall clock, each tool's own clock (TRL: the callback's step ends; asyncrl:
+``time_s``). Tokens are completion tokens (TRL: ``completions/mean_length`` x samples, generated = trained, nothing is
+dropped; asyncrl: ``batch/trained_tokens_per_step``, and ``rollout/generated_tokens_per_s`` weighted by
 ``perf/step_s``). First step and time to N samples: seconds from the tool's process start to the end of that step
 (asyncrl: polled from metrics.jsonl every 0.5 s); each tool compiles into caches of its own (vLLM's, Inductor's,
-Triton's), so neither starts warmer for running second. Peak GPU GiB: the GPU's largest ``memory.used`` from nvidia-smi
-(every second) minus its use before the tool started: trainer and vLLM together. Sync s: mean over the steps after
-the first of TRL's ``sync_weights`` and asyncrl's ``perf/weight_sync_s``. The last column, asyncrl's advantage, is
-asyncrl / TRL for rates and TRL / asyncrl for times, memory and sync: above 1, asyncrl is ahead.
+Triton's, asyncrl's measured footprint) under ``--work``/caches, removed before each run, so neither starts warmer for
+running second; ``--warm`` keeps them from an earlier call of the same shape and tool (a user's second run on the
+machine; the table's "compile caches" row says which each column had). Peak GPU GiB: the GPU's largest ``memory.used``
+from nvidia-smi (every second) minus its use before the tool started: trainer and vLLM together. Sync s: mean over the
+steps after the first of TRL's ``sync_weights`` and asyncrl's ``perf/weight_sync_s``. The last column, asyncrl's
+advantage, is asyncrl / TRL for rates and TRL / asyncrl for times, memory and sync: above 1, asyncrl is ahead.
 
 The GPU machine (torch 2.11, transformers 5.17, accelerate, peft; no network) needs TRL's wheel, which carries no
 compiled code; its dependencies are there or in ``.whl`` (``../shared/tools/gpu-wheels.sh``: datasets). Download it
@@ -113,8 +115,13 @@ start-ups are slower; each limit leaves the call a minute for the rest):
 
     --shapes qwen3-0.6b --tools trl --run-timeout 520
     --shapes qwen3-0.6b --tools asyncrl --run-timeout 540
-    --shapes qwen3.5-2b --tools trl --steps 6 --run-timeout 460
-    --shapes qwen3.5-2b --tools asyncrl --steps 6 --run-timeout 540
+    --shapes qwen3.5-2b --tools asyncrl --steps 6 --run-timeout 480
+    --shapes qwen3.5-2b --tools trl --steps 6 --run-timeout 540
+    --shapes qwen3.5-2b --tools asyncrl --steps 6 --warm --run-timeout 480
+
+The 2B asyncrl run twice: cold, its eager warm-up (fla's Triton kernels compiling and autotuning, ~225 s) and vLLM's
+boot (~230 s, its gated-DeltaNet kernels' first profiling run) leave no steady steps in one call; the first call
+fills its caches (and gives its cold first step if it gets there), the ``--warm`` one gives its steady state.
 
 A run stopped at ``--run-timeout``, or by SIGTERM to this script, keeps the steps it logged (the table says so).
 Both tools of one shape in one call do not fit: at the 0.6B shape (session 24, cold caches) TRL took 211 s for its
@@ -276,20 +283,19 @@ class GpuPeak:
 
 def env(caches: Path) -> dict[str, str]:
     """The tool's environment: the repository importable, no Hub, and compile caches of its own under ``caches``
-    (vLLM's, Inductor's, Triton's, ~/.cache's), so the tool run second starts as cold as the first."""
+    (vLLM's, Inductor's, Triton's, ~/.cache's, asyncrl's measured trainer footprint), so the tool run second starts
+    as cold as the first."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     dirs = {"XDG_CACHE_HOME": "xdg", "VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor",
-            "TRITON_CACHE_DIR": "triton"}  # fmt: skip
+            "TRITON_CACHE_DIR": "triton", "ASYNCRL_CACHE_DIR": "asyncrl"}  # fmt: skip
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             **{key: str(caches / name) for key, name in dirs.items()}}  # fmt: skip
 
 
-def execute(argv: list[str], cwd: Path, stem: str, timeout_s: float, poll: Any = None) -> int | None:
-    """``argv`` in its own session (console in ``cwd/stem.out|err``, caches in ``cwd/stem.caches``), SIGTERM then
+def execute(argv: list[str], cwd: Path, stem: str, caches: Path, timeout_s: float, poll: Any = None) -> int | None:
+    """``argv`` in its own session (console in ``cwd/stem.out|err``, compile caches in ``caches``), SIGTERM then
     SIGKILL to its group at ``timeout_s``; None when it was stopped there."""
     print(f"[vs_trl] $ {shlex.join(argv)}", flush=True)
-    caches = cwd / f"{stem}.caches"
-    subprocess.run(["rm", "-rf", str(caches)], check=True)
     with (cwd / f"{stem}.out").open("wb") as out, (cwd / f"{stem}.err").open("wb") as err:
         proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=err, env=env(caches), start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -305,6 +311,15 @@ def execute(argv: list[str], cwd: Path, stem: str, timeout_s: float, poll: Any =
     if poll is not None:
         poll()
     return None if stopped else proc.returncode
+
+
+def caches_of(shape: str, tool: str, args: argparse.Namespace) -> Path:
+    """The tool's compile caches in --work: removed before each run (cold, the default), or with ``--warm`` kept
+    from an earlier call of the same shape and tool on this machine (a user's second run)."""
+    caches = args.work / "caches" / f"{shape}-{tool}"
+    if not args.warm:
+        subprocess.run(["rm", "-rf", str(caches)], check=True)
+    return caches
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -342,7 +357,7 @@ def run_trl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -
     }  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     rc = execute([sys.executable, str(Path(__file__).resolve()), "--trl-child", str(run_dir / "spec.json")],
-                 run_dir, "console", args.run_timeout)  # fmt: skip
+                 run_dir, "console", caches_of(shape, "trl", args), args.run_timeout)  # fmt: skip
     peak = gpu.stop()
     result = json.loads((run_dir / "trl.json").read_text()) if (run_dir / "trl.json").is_file() else {}
     steps = {h["step"]: h for h in result.get("log_history", []) if "reward" in h}
@@ -359,6 +374,7 @@ def run_trl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -
     syncs = [dt for step, dt in result.get("syncs", []) if step >= 1]
     return {
         "tool": "trl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
+        "caches": "warm" if args.warm else "cold",
         "versions": result.get("versions", {}), "command": "see --trl-child; spec.json",
         "failure": failure(rc, rows, run_dir / "console.err"),
     }  # fmt: skip
@@ -382,7 +398,7 @@ def run_asyncrl(shape: str, model: Path, work: Workload, args: argparse.Namespac
             for record in read_jsonl(metrics):
                 seen.setdefault(int(record["step"]), time.monotonic() - launched)
 
-    rc = execute(argv, cwd, f"{shape}-asyncrl", args.run_timeout, poll)
+    rc = execute(argv, cwd, f"{shape}-asyncrl", caches_of(shape, "asyncrl", args), args.run_timeout, poll)
     peak = gpu.stop()
     records = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     rows = []
@@ -398,6 +414,7 @@ def run_asyncrl(shape: str, model: Path, work: Workload, args: argparse.Namespac
     syncs = [float(r["perf/weight_sync_s"]) for r in records[1:] if r.get("perf/weight_sync_s") is not None]
     return {
         "tool": "asyncrl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
+        "caches": "warm" if args.warm else "cold",
         "command": "asyncrl " + shlex.join(typed),
         "failure": failure(rc, rows, cwd / f"{shape}-asyncrl.err"),
     }  # fmt: skip
@@ -590,6 +607,9 @@ def table(shape: str, results: dict[str, dict[str, Any]], work: Workload) -> str
         if higher is not None and None not in values and min(values) > 0:
             ratio = f"{values[1] / values[0] if higher else values[0] / values[1]:.2f}x"
         lines.append(f"| {label} | {_fmt(values[0], digits)} | {_fmt(values[1], digits)} | {ratio} |")
+    # results written before --warm existed were cold
+    caches = [results[tool].get("caches", "cold") if tool in results else "-" for tool in TOOLS]
+    lines.append(f"| compile caches at launch | {caches[0]} | {caches[1]} | |")
     for tool in TOOLS:
         if tool in results and results[tool].get("failure"):
             lines.append(f"\n{tool} failed (exit {results[tool]['rc']}):\n```\n{results[tool]['failure']}\n```")
@@ -633,6 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", type=Path, help="checkpoints, runs and results (default: a new temp dir)")
     parser.add_argument("--out", type=Path, help="vs_trl_SHAPE.md and vs_trl.json (default: --work)")
     parser.add_argument("--run-timeout", type=float, default=540.0, help="seconds each tool may take (default 540)")
+    parser.add_argument("--warm", action="store_true", help="keep the tool's compile caches from an earlier call")
     parser.add_argument("--rehearse", action="store_true", help="CPU: tiny checkpoints, TRL without vLLM")
     parser.add_argument("--table", action="store_true", help="only print the tables of --work's results")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)

@@ -60,8 +60,28 @@ def test_table_ratios_favour_asyncrl_above_one_and_lists_both_curves(vs_trl: Mod
 def test_the_documented_gpu_calls_parse(vs_trl: ModuleType) -> None:
     """Each call of the docstring's H200 plan is a valid command line (the GPU session has no time to find out)."""
     calls = [line.split() for line in vs_trl.__doc__.splitlines() if line.strip().startswith("--shapes")]
-    assert len(calls) == 4
+    assert len(calls) == 5
     for call in calls:
         args = vs_trl.build_parser().parse_args(["--work", "/tmp/vt", "--out", "/tmp/o", *call])
         assert set(args.shapes.split(",")) <= set(vs_trl.SHAPES) and set(args.tools.split(",")) <= set(vs_trl.TOOLS)
         assert args.run_timeout <= 540  # a minute of the call's 600 s left for the build and the table
+
+
+def test_caches_are_removed_for_a_cold_run_and_kept_with_warm(vs_trl: ModuleType, tmp_path: Path) -> None:
+    args = vs_trl.build_parser().parse_args(["--work", str(tmp_path)])
+    args.work = tmp_path
+    caches = vs_trl.caches_of("qwen3-0.6b", "asyncrl", args)
+    (caches / "triton").mkdir(parents=True)
+    args.warm = True
+    assert vs_trl.caches_of("qwen3-0.6b", "asyncrl", args) == caches and (caches / "triton").is_dir()
+    args.warm = False
+    assert not vs_trl.caches_of("qwen3-0.6b", "asyncrl", args).exists()
+    assert vs_trl.env(caches)["ASYNCRL_CACHE_DIR"] == str(caches / "asyncrl")
+
+
+def test_the_table_says_which_caches_each_tool_started_with(vs_trl: ModuleType) -> None:
+    work = vs_trl.Workload(steps=2, samples_per_step=16, max_tokens=16, lr=1e-5, trl_batch=(8, 2))
+    results = {"trl": {"tool": "trl", "rc": 0, "rows": rows("trl", [20.0, 24.0], [1, 2]), "sync_s": []},
+               "asyncrl": {"tool": "asyncrl", "rc": 0, "rows": rows("asyncrl", [40.0, 41.0], [1, 2]), "sync_s": [],
+                           "command": "asyncrl train", "caches": "warm"}}  # fmt: skip
+    assert "| compile caches at launch | cold | warm | |" in vs_trl.table("qwen3.5-2b", results, work)
