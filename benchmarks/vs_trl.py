@@ -47,9 +47,11 @@ logprobs_mode="processed_logprobs")``; weights synced by ``load_weights`` of eve
 - ``processing_class``: the checkpoint's tokenizer (``padding_side="left"``, as TRL loads it). Left to itself TRL
   loads ``AutoProcessor``, which for the Qwen3.5 vision-language checkpoint builds image and video processors that
   text prompts never use (and that need torchvision, missing on the CPU machine).
-- Where flashinfer is not importable (the GPU machine's vLLM kit does not carry it; ``pip install vllm`` would),
-  TRL's ``LLM`` gets ``gdn_prefill_backend="triton"``, as asyncrl's vLLM launch gets ``--gdn-prefill-backend
-  triton`` there: on Hopper vLLM's default gated-DeltaNet prefill imports flashinfer (``without_flashinfer``).
+- TRL's ``LLM`` gets what asyncrl's vLLM launch passes for the checkpoint (``as_asyncrl_launches``): for the
+  Qwen3.5 vision-language checkpoint ``limit_mm_per_prompt`` of no images or videos (text only; without it vLLM
+  0.33 fails profiling the vision tower with a dummy image), and where flashinfer is not importable (the GPU
+  machine's vLLM kit does not carry it; ``pip install vllm`` would) ``gdn_prefill_backend="triton"``: on Hopper
+  vLLM's default gated-DeltaNet prefill imports flashinfer.
 TRL's sync is timed by wrapping ``trainer.vllm_generation.sync_weights``; its step ends by a ``TrainerCallback``.
 
 asyncrl, as its README recommends for one GPU
@@ -163,6 +165,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.metrics import read_jsonl  # noqa: E402
+from asyncrl.serving.vllm import (  # noqa: E402
+    TEXT_ONLY_LIMITS,
+    CheckpointKind,
+    checkpoint_kind,
+    flashinfer_importable,
+)
 
 TOOLS = ("trl", "asyncrl")
 SHAPES = ("qwen3-0.6b", "qwen3.5-2b")
@@ -433,7 +441,6 @@ def trl_child(spec_path: Path) -> None:
 
     from asyncrl.config.compose import compose, to_config
     from asyncrl.rewards import REWARDS
-    from asyncrl.serving.vllm import flashinfer_importable
 
     spec = json.loads(spec_path.read_text())
     config = to_config(compose(spec["asyncrl_args"]))
@@ -483,8 +490,7 @@ def trl_child(spec_path: Path) -> None:
         import vllm
 
         versions["vllm"] = vllm.__version__
-        if not flashinfer_importable():
-            without_flashinfer()
+        as_asyncrl_launches(checkpoint_kind(config))
     # the tokenizer, as TRL's AutoProcessor would load it for a text model: for the Qwen3.5 vision-language
     # checkpoint AutoProcessor builds image and video processors (torchvision) that text prompts never use
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"], truncation_side="left", padding_side="left")
@@ -507,17 +513,23 @@ def trl_child(spec_path: Path) -> None:
     trainer.train()
 
 
-def without_flashinfer() -> None:
-    """Where flashinfer is missing (the offline GPU machine's vLLM kit; ``pip install vllm`` brings it), the
-    colocated vLLM prefills gated-DeltaNet layers with its Triton kernels, as asyncrl's launch does
-    (``--gdn-prefill-backend triton``): on Hopper vLLM's default imports flashinfer. TRL exposes no such option, so
-    its ``LLM`` gets the argument here (vLLM ignores it for a model without those layers)."""
+def as_asyncrl_launches(kind: CheckpointKind) -> None:
+    """TRL's colocated ``LLM`` gets what asyncrl's vLLM launch passes for the same checkpoint
+    (``serving/vllm.py::checkpoint_flags``); TRL exposes neither option, so its ``LLM`` gets them here. A
+    vision-language checkpoint serves text only (``limit_mm_per_prompt`` of no images or videos): left to itself
+    vLLM profiles the vision tower with a dummy image, which the tiny-arith tokenizer's processor cannot build
+    (session 25, vLLM 0.33: "Failed to apply Qwen3VLProcessor"). A gated-DeltaNet hybrid prefills with vLLM's Triton
+    kernels where flashinfer is missing (the offline GPU machine's vLLM kit; ``pip install vllm`` brings it): on
+    Hopper vLLM's default gated-DeltaNet prefill imports it."""
     from trl.generation import vllm_generation
 
+    extra: dict[str, Any] = {"limit_mm_per_prompt": json.loads(TEXT_ONLY_LIMITS)} if kind.vision_language else {}
+    if kind.gated_deltanet and not flashinfer_importable():
+        extra["gdn_prefill_backend"] = "triton"
     engine = vllm_generation.LLM
 
     def llm(*args: Any, **kwargs: Any) -> Any:
-        return engine(*args, gdn_prefill_backend="triton", **kwargs)
+        return engine(*args, **extra, **kwargs)
 
     vllm_generation.LLM = llm
 
@@ -585,11 +597,15 @@ FIGURES = [
     ("mean staleness", "staleness", 2, None),
     ("steps / samples trained", None, 0, None),
 ]
+STARTUP = ("time_to_n_s", "first_step_s")
+"""Figures that include the start-up, which compile caches shorten: compared only between runs of equal caches."""
 
 
 def table(shape: str, results: dict[str, dict[str, Any]], work: Workload) -> str:
     """One shape's markdown: the figures side by side with asyncrl's ratio to TRL, then both reward curves."""
     sums = {tool: summarise(results[tool], work.samples) for tool in TOOLS if tool in results}
+    # results written before --warm existed were cold
+    caches = [results[tool].get("caches", "cold") if tool in results else "-" for tool in TOOLS]
     lines = [
         f"### {shape}: N = {work.samples} samples ({work.steps} steps x {work.samples_per_step}), 8 completions per "
         f"prompt, max_completion_length {work.max_tokens}, lr {work.lr:g}",
@@ -604,11 +620,11 @@ def table(shape: str, results: dict[str, dict[str, Any]], work: Workload) -> str
             continue
         values = [sums[tool].get(key) if tool in sums else None for tool in TOOLS]
         ratio = ""
-        if higher is not None and None not in values and min(values) > 0:
+        if key in STARTUP and caches[0] != caches[1]:
+            ratio = "not comparable: caches differ"
+        elif higher is not None and None not in values and min(values) > 0:
             ratio = f"{values[1] / values[0] if higher else values[0] / values[1]:.2f}x"
         lines.append(f"| {label} | {_fmt(values[0], digits)} | {_fmt(values[1], digits)} | {ratio} |")
-    # results written before --warm existed were cold
-    caches = [results[tool].get("caches", "cold") if tool in results else "-" for tool in TOOLS]
     lines.append(f"| compile caches at launch | {caches[0]} | {caches[1]} | |")
     for tool in TOOLS:
         if tool in results and results[tool].get("failure"):

@@ -84,4 +84,28 @@ def test_the_table_says_which_caches_each_tool_started_with(vs_trl: ModuleType) 
     results = {"trl": {"tool": "trl", "rc": 0, "rows": rows("trl", [20.0, 24.0], [1, 2]), "sync_s": []},
                "asyncrl": {"tool": "asyncrl", "rc": 0, "rows": rows("asyncrl", [40.0, 41.0], [1, 2]), "sync_s": [],
                            "command": "asyncrl train", "caches": "warm"}}  # fmt: skip
-    assert "| compile caches at launch | cold | warm | |" in vs_trl.table("qwen3.5-2b", results, work)
+    text = vs_trl.table("qwen3.5-2b", results, work)
+    assert "| compile caches at launch | cold | warm | |" in text
+    assert "| first step s (from launch) | 20.0 | 40.0 | not comparable: caches differ |" in text
+    assert "| samples/s (steps 2-last) | 4.0 | 16.0 | 4.00x |" in text  # the steady state still compares
+
+
+def test_trls_llm_gets_the_flags_asyncrls_launch_passes(vs_trl: ModuleType, monkeypatch: object) -> None:
+    """A vision-language hybrid: text-only limits, and the Triton GDN prefill where flashinfer is missing."""
+    import sys
+    import types
+
+    seen: dict[str, object] = {}
+    module = types.SimpleNamespace(LLM=lambda *a, **k: seen.update(k))
+    monkeypatch.setitem(sys.modules, "trl.generation", types.SimpleNamespace(vllm_generation=module))
+    monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", module)
+    monkeypatch.setattr(vs_trl, "flashinfer_importable", lambda: False)
+    vs_trl.as_asyncrl_launches(vs_trl.CheckpointKind(vision_language=True, gated_deltanet=True))
+    module.LLM(model="m", seed=0)
+    assert seen == {"limit_mm_per_prompt": {"image": 0, "video": 0}, "gdn_prefill_backend": "triton", "model": "m",
+                    "seed": 0}  # fmt: skip
+    seen.clear()
+    module.LLM = lambda *a, **k: seen.update(k)
+    vs_trl.as_asyncrl_launches(vs_trl.CheckpointKind())
+    module.LLM(model="m")
+    assert seen == {"model": "m"}
