@@ -19,18 +19,22 @@ other can:
 7. ``status``: what the worker is doing or waiting on, for the trainer's error messages.
 
 The counters are arrays rather than one value each: every field of one array has a single writer, so one lock
-covers them and nothing is lost by sharing it. A reader waits at most LOCK_WAIT_S for that lock (``_read``): a
-process killed while holding it (the worker's kill -9 in a chaos run) leaves it held for good, since POSIX
-semaphores are not robust, and a reader blocked on it would never get to check whether the writer lives.
+covers them and nothing is lost by sharing it. Readers and writers alike wait at most LOCK_WAIT_S for that lock
+(``_locked``): a process killed while holding it (the worker's kill -9 in a chaos run) leaves it held for good,
+since POSIX semaphores are not robust, and a process blocked on it would never get to check whether the other
+lives. That holds for writes too: the worker takes the trainer's counters' lock to read them, and a worker killed
+there left the trainer's next ``model_version`` write blocked for good (CI, session 25: a chaos run's worker kill
+unnoticed for 5 minutes). Without the lock a single writer's field is still whole: each is one aligned 8-byte word.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import queue
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,19 +63,27 @@ class _Cell:
         return int(_read(getattr(channels, self.array), lambda raw: raw[self.index]))
 
     def __set__(self, channels: WorkerChannels, value: int) -> None:
-        getattr(channels, self.array)[self.index] = value
+        with _locked(getattr(channels, self.array)) as raw:
+            raw[self.index] = value
+
+
+@contextlib.contextmanager
+def _locked(array: Any) -> Iterator[Any]:
+    """A shared array's raw object under its lock, or without it once LOCK_WAIT_S passed (its holder died: see the
+    module docstring)."""
+    lock = array.get_lock()
+    held = lock.acquire(timeout=LOCK_WAIT_S)
+    try:
+        yield array.get_obj()
+    finally:
+        if held:
+            lock.release()
 
 
 def _read(array: Any, read: Any) -> Any:
-    """``read(raw)`` of a shared array's raw object under its lock, or without it once LOCK_WAIT_S passed (its
-    holder died: see the module docstring)."""
-    lock = array.get_lock()
-    if not lock.acquire(timeout=LOCK_WAIT_S):
-        return read(array.get_obj())
-    try:
-        return read(array.get_obj())
-    finally:
-        lock.release()
+    """``read(raw)`` of a shared array (``_locked``)."""
+    with _locked(array) as raw:
+        return read(raw)
 
 
 @dataclass
@@ -111,8 +123,8 @@ class WorkerChannels:
     tokens_consumed = _Cell("trainer_counters", _CONSUMED)  # sample tokens pulled so far (trained or dropped)
 
     def consume(self, tokens: int) -> None:
-        with self.trainer_counters.get_lock():
-            self.trainer_counters[_CONSUMED] += tokens
+        with _locked(self.trainer_counters) as raw:
+            raw[_CONSUMED] += tokens
 
     def send_spec(self, spec: object) -> None:
         """Give the worker its work; its silence counts from now (the trainer's warm-up and the server's boot
@@ -147,7 +159,8 @@ class WorkerChannels:
 
     @heartbeat.setter
     def heartbeat(self, seconds: float) -> None:
-        self.worker_counters[_HEARTBEAT_MS] = int(seconds * 1000)
+        with _locked(self.worker_counters) as raw:
+            raw[_HEARTBEAT_MS] = int(seconds * 1000)
 
     def get_status(self) -> str:
         return bytes(_read(self.status, lambda raw: raw.value)).decode(errors="replace")
@@ -158,15 +171,15 @@ class WorkerChannels:
         """Put an item on the rollout queue and count it (the trainer knows what is still in transit: ``put``
         returns before a feeder thread writes the item to the pipe)."""
         self.rollout_queue.put(item)
-        with self.worker_counters.get_lock():
-            self.worker_counters[_SENT] += 1
+        with _locked(self.worker_counters) as raw:
+            raw[_SENT] += 1
 
     def publish_inflight(self, groups: Mapping[int, int]) -> None:
         """How many groups generate under each policy version (the newest INFLIGHT_VERSIONS)."""
         newest = sorted(((v, n) for v, n in groups.items() if n > 0), reverse=True)[:INFLIGHT_VERSIONS]
         flat = [x for pair in newest for x in pair]
-        with self.worker_counters.get_lock():
-            self.worker_counters[_INFLIGHT:] = flat + [0] * (2 * INFLIGHT_VERSIONS - len(flat))
+        with _locked(self.worker_counters) as raw:
+            raw[_INFLIGHT:] = flat + [0] * (2 * INFLIGHT_VERSIONS - len(flat))
 
     def beat(self, status: str | None = None) -> None:
         self.heartbeat = time.time()
@@ -174,7 +187,8 @@ class WorkerChannels:
             self.set_status(status)
 
     def set_status(self, status: str) -> None:
-        self.status.value = status.encode()[:255]
+        with _locked(self.status) as raw:
+            raw.value = status.encode()[:255]
 
     def report_failure(self, line: str, trace: str) -> None:
         self.failure_queue.put((line, trace))
