@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+from asyncrl.rollout import channels as channels_module
 from asyncrl.rollout.channels import LOCK_WAIT_S, WorkerChannels
 
 
@@ -55,9 +56,10 @@ def _hold_trainer_counters(trainer_counters, held) -> None:  # type: ignore[no-u
     time.sleep(600)
 
 
-def test_a_worker_killed_reading_the_trainers_counters_does_not_block_the_trainers_writes():
+def test_a_worker_killed_reading_the_trainers_counters_does_not_block_the_trainers_writes(monkeypatch):
     """CI, session 25: the worker killed inside a read of the trainer's counters; the trainer's next weight sync
     then blocked on ``model_version = version`` for good, and the chaos run's worker kill went unnoticed."""
+    monkeypatch.setattr(channels_module, "LOCK_WAIT_S", 0.1)  # each access below waits this long for the dead lock
     channels = WorkerChannels.create(7)
     ctx = mp.get_context("spawn")
     held = ctx.Event()
