@@ -382,7 +382,6 @@ def run_trl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -
     syncs = [dt for step, dt in result.get("syncs", []) if step >= 1]
     return {
         "tool": "trl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
-        "caches": "warm" if args.warm else "cold",
         "versions": result.get("versions", {}), "command": "see --trl-child; spec.json",
         "failure": failure(rc, rows, run_dir / "console.err"),
     }  # fmt: skip
@@ -422,7 +421,6 @@ def run_asyncrl(shape: str, model: Path, work: Workload, args: argparse.Namespac
     syncs = [float(r["perf/weight_sync_s"]) for r in records[1:] if r.get("perf/weight_sync_s") is not None]
     return {
         "tool": "asyncrl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
-        "caches": "warm" if args.warm else "cold",
         "command": "asyncrl " + shlex.join(typed),
         "failure": failure(rc, rows, cwd / f"{shape}-asyncrl.err"),
     }  # fmt: skip
@@ -700,7 +698,7 @@ def main() -> None:
                 break
             started = time.monotonic()
             result = (run_trl if tool == "trl" else run_asyncrl)(shape, model, work, args)
-            result["workload"] = dataclasses.asdict(work)
+            result.update(workload=dataclasses.asdict(work), caches="warm" if args.warm else "cold")
             (args.work / "results" / f"{shape}-{tool}.json").write_text(json.dumps(result, indent=1))
             print(f"[vs_trl] {shape} {tool}: exit {result['rc']}, {len(result['rows'])} steps in "
                   f"{time.monotonic() - started:.0f} s", flush=True)  # fmt: skip
