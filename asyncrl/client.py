@@ -432,7 +432,13 @@ class ControlClient:
             time.sleep(0.25)
 
     def models(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/v1/models").json()["data"]
+        """The served models; an answer without the list is from something that is not an OpenAI-style server."""
+        response = self._request("GET", "/v1/models")
+        try:
+            return response.json()["data"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ServerError(response.status_code, "/v1/models", f"no model list in {response.text[:80]!r}: "
+                              f"{self.base_url} is not an OpenAI-compatible server") from error  # fmt: skip
 
     def max_model_len(self) -> int:
         return int(self.models()[0]["max_model_len"])

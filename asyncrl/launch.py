@@ -37,6 +37,7 @@ log = logging.getLogger("asyncrl")
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     """Failures whose message says everything (bad data, a failed server or worker): no Python traceback."""
+    from asyncrl.client import ServerError
     from asyncrl.data import DatasetError
     from asyncrl.registry import RegistryError
     from asyncrl.rollout.spawn import UnpicklableError
@@ -52,6 +53,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         DatasetError,
         RegistryError,
         ServerStartError,
+        ServerError,
         RolloutWorkerError,
         UnpicklableError,
         TrainerRankError,

@@ -18,10 +18,15 @@ starts one server (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md):
 
     python benchmarks/e2e.py --quantization fp8 --baseline benchmarks/results/e2e/vllm-0.6b-staleness2.json \
         --staleness 2 --steps 10 --no-flat --profile= --run-timeout 200 --standalone-requests 256
-    python benchmarks/e2e.py --shape 3.5-2b --staleness 2 --steps 6 --no-flat --profile= --run-timeout 200 \
-        --standalone-requests 256 --out /tmp/e2e-2b     # then, in the next call on the same machine:
-    python benchmarks/e2e.py --shape 3.5-2b --quantization fp8 --baseline /tmp/e2e-2b/e2e.json --staleness 2 \
-        --steps 6 --no-flat --profile= --run-timeout 200 --standalone-requests 256
+    python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --prewarm --run-timeout 250   # see below
+    python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --staleness 2 --steps 6 --no-flat --profile= \
+        --run-timeout 280 --standalone-requests 256 --out /tmp/e2e-2b     # then, in the next call on the machine:
+    python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --quantization fp8 --baseline /tmp/e2e-2b/e2e.json \
+        --staleness 2 --steps 6 --no-flat --profile= --run-timeout 280 --standalone-requests 256
+
+At the 2B shape the trainer's cold start (fla's Triton kernels compile in its warm-up: 248 s in session 25) and
+vLLM's cold boot do not fit one call either: ``--prewarm`` runs the trainer's start-up alone in an earlier call
+(against a stand-in server), filling the compile caches the machine keeps between calls.
 
 One server is started (vLLM, or the built-in one) and every variant attaches to it with `asyncrl train
 server.launch=false`, so each variant pays the trainer's start-up only. The model is Qwen3-0.6B-shaped (``--shape
@@ -312,6 +317,8 @@ def main() -> None:
     parser.add_argument("--table", type=Path, nargs="+", help="print one table from earlier e2e.json files; no run")
     parser.add_argument("--assets", type=Path, default=None, help="where the model and prompts are built (reused)")
     parser.add_argument("--serve", action="store_true", help="only run the workload's server in the foreground")
+    parser.add_argument("--prewarm", action="store_true", help="only fill the trainer's compile caches for the "
+                        "shape (a trainer against a stand-in, stopped after its warm-up); no server")  # fmt: skip
     parser.add_argument("--server-url", default=None, help="attach to a server started with --serve")
     parser.add_argument("--port", type=int, default=8000, help="the server's port (the built-in one's is +1)")
     parser.add_argument("--run-timeout", type=float, default=300)
@@ -341,6 +348,9 @@ def main() -> None:
     if args.serve:
         os.execv(sys.executable, [sys.executable, "-m", "asyncrl", "serve", *base,
                                   f"trainer.output_dir={args.work / 'serve'}"])  # fmt: skip
+    if args.prewarm:
+        prewarm(args, base)
+        return
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     if args.baseline:
         result["server"] = baseline_server(args.baseline)
@@ -357,6 +367,38 @@ def main() -> None:
                                                      train_runs=False, port=args.port + 1)  # fmt: skip
     (args.out / "e2e.json").write_text(json.dumps(result, indent=1))
     print_table(result)
+
+
+def prewarm(args: argparse.Namespace, base: list[str]) -> None:
+    """The trainer's start-up for this shape, against a stand-in that answers every request with ``{}``: the model
+    loads, the warm-up step compiles the layers (and fla's Triton kernels, at the hybrid shape), then the first
+    request that needs a real server ends the run. At the 2B shape that cold compile (~250 s) and vLLM's cold
+    boot do not fit one device call; filled in an earlier call, the caches on the machine make the run's start-up
+    warm (say so beside its figures)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class StandIn(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_POST = do_GET
+
+        def log_message(self, *_: Any) -> None:
+            return None
+
+    stand_in = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    Thread(target=stand_in.serve_forever, daemon=True).start()
+    try:
+        train(args, base, f"http://127.0.0.1:{stand_in.server_port}", "prewarm", [])
+    finally:
+        stand_in.shutdown()
+    log = (args.work / "runs" / "prewarm" / "launch.log").read_text(errors="replace")
+    warmed = [line for line in log.splitlines() if "warm-up step (" in line or "torch.compile: " in line]
+    print("[prewarm] " + ("\n[prewarm] ".join(warmed) if warmed else "no warm-up ran (trainer.warm_up needs CUDA)"))
 
 
 def baseline_server(path: Path) -> dict[str, Any]:
@@ -400,6 +442,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
         standalone_tokens_per_s(server.base_url, name, args, requests=min(64, args.standalone_requests))  # warm-up
         out["standalone_tokens_per_s"] = standalone_tokens_per_s(server.base_url, name, args, args.standalone_requests)
         print(f"[{label}] standalone: {out['standalone_tokens_per_s']:,.0f} generated tokens/s", flush=True)
+        (args.out / f"partial_{label}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
         if not train_runs:
             return out
         prefix = "" if label == backend else f"{label}_"

@@ -69,6 +69,10 @@ def build_stub_app(stub: Stub) -> FastAPI:
     async def pause() -> JSONResponse:
         return JSONResponse({"error": "Invalid pause mode"}, status_code=400)
 
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"detail": "Not Found"})  # a server that is not OpenAI-style, answering 200
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
@@ -159,6 +163,14 @@ def test_control_errors_name_the_path_and_carry_the_server_message(stub):
     with ControlClient(stub.base_url, timeout_s=5) as control, pytest.raises(ServerError) as raised:
         control.pause("sleep")
     assert (raised.value.status, raised.value.path, raised.value.message) == (400, "/pause", "Invalid pause mode")
+
+
+def test_an_answer_without_a_model_list_says_the_server_is_not_openai_style(stub):
+    """A ServerError (one line at the CLI), not a KeyError's traceback, when server.base_url points elsewhere."""
+    with ControlClient(stub.base_url, timeout_s=5) as control, pytest.raises(ServerError) as raised:
+        control.max_model_len()
+    assert raised.value.path == "/v1/models"
+    assert f"{stub.base_url} is not an OpenAI-compatible server" in str(raised.value)
 
 
 def test_metrics_are_summed_over_label_sets_and_labels_are_exposed(stub):
