@@ -224,15 +224,25 @@ def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, e
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.run_timeout)
     except subprocess.TimeoutExpired:
         print(f"[{name}] stopped after --run-timeout {args.run_timeout:.0f} s", flush=True)
-        return {"name": name, "failed": "timeout"}
+        return {"name": name, "failed": "timeout", "steps_done": keep_log(args, run_dir, name)}
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-5000:], flush=True)
-        return {"name": name, "failed": proc.returncode}
+        return {"name": name, "failed": proc.returncode, "steps_done": keep_log(args, run_dir, name)}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timeline = json.loads((run_dir / "timeline.json").read_text())["summary"]
     compiles = compile_lines((run_dir / "launch.log").read_text(errors="replace"))
     return {"name": name, "cli_wall_s": wall, "rows": rows, "timeline": timeline, "compiles": compiles}
+
+
+def keep_log(args: argparse.Namespace, run_dir: Path, name: str) -> int:
+    """A failed or cut run's launch.log, as launch_NAME.log under --out (the work directory is not returned from a
+    device call): where its time went (model load, warm-up, compiles, steps). Returns the steps it logged."""
+    log = run_dir / "launch.log"
+    if log.exists():
+        (args.out / f"launch_{name}.log").write_text(log.read_text(errors="replace"))
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
 def compile_lines(launch_log: str) -> list[str]:
@@ -397,8 +407,10 @@ def prewarm(args: argparse.Namespace, base: list[str]) -> None:
     finally:
         stand_in.shutdown()
     log = (args.work / "runs" / "prewarm" / "launch.log").read_text(errors="replace")
-    warmed = [line for line in log.splitlines() if "warm-up step (" in line or "torch.compile: " in line]
-    print("[prewarm] " + ("\n[prewarm] ".join(warmed) if warmed else "no warm-up ran (trainer.warm_up needs CUDA)"))
+    warmed = [line for line in log.splitlines() if "warm-up step (" in line]
+    compiled = sum("torch.compile" in line for line in log.splitlines())  # CompileWatch's compiles and recompiles
+    print(f"[prewarm] {warmed[-1] if warmed else 'no warm-up ran (trainer.warm_up needs CUDA)'}; {compiled} "
+          "compile lines in its launch.log")  # fmt: skip
 
 
 def baseline_server(path: Path) -> dict[str, Any]:

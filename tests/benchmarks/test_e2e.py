@@ -55,3 +55,17 @@ def test_the_baseline_server_comes_from_an_earlier_result_or_its_partial(e2e: Mo
     (tmp_path / "e2e.json").write_text(json.dumps({"args": {}, "server": server, "quantized_server": {}}))
     (tmp_path / "partial_vllm.json").write_text(json.dumps(server))
     assert e2e.baseline_server(tmp_path / "e2e.json") == server == e2e.baseline_server(tmp_path / "partial_vllm.json")
+
+
+def test_a_cut_runs_log_is_kept_under_out_with_the_steps_it_logged(e2e: ModuleType, tmp_path) -> None:
+    """The work directory stays on the device machine: a run cut by --run-timeout must leave its launch.log in
+    --out, or nobody can say where its time went."""
+    args = type("Args", (), {"out": tmp_path / "out"})()
+    args.out.mkdir()
+    run_dir = tmp_path / "runs" / "staleness2"
+    run_dir.mkdir(parents=True)
+    assert e2e.keep_log(args, run_dir, "staleness2") == 0 and not list(args.out.iterdir())  # cut before any output
+    (run_dir / "launch.log").write_text("warm-up step (16384 tokens) in 301.4 s\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    assert e2e.keep_log(args, run_dir, "staleness2") == 2
+    assert (args.out / "launch_staleness2.log").read_text() == "warm-up step (16384 tokens) in 301.4 s\n"
