@@ -17,16 +17,20 @@ partial_vllm.json; session 24's, at the 0.6B shape, commit b0ff182, are in bench
 starts one server (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md):
 
     python benchmarks/e2e.py --quantization fp8 --baseline benchmarks/results/e2e/vllm-0.6b-staleness2.json \
-        --staleness 2 --steps 10 --no-flat --profile= --run-timeout 200 --standalone-requests 256
-    python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --prewarm --run-timeout 250   # see below
+        --staleness 2 --steps 10 --no-flat --profile= --run-timeout 200 --standalone-requests 1024
+    python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --prewarm --run-timeout 540   # see below
     python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --staleness 2 --steps 6 --no-flat --profile= \
-        --run-timeout 280 --standalone-requests 256 --out /tmp/e2e-2b     # then, in the next call on the machine:
+        --run-timeout 300 --standalone-requests 1024 --out /tmp/e2e-2b    # then, in the next call on the machine:
     python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --quantization fp8 --baseline /tmp/e2e-2b/e2e.json \
-        --staleness 2 --steps 6 --no-flat --profile= --run-timeout 280 --standalone-requests 256
+        --staleness 2 --steps 6 --no-flat --profile= --run-timeout 300 --standalone-requests 1024
 
-At the 2B shape the trainer's cold start (fla's Triton kernels compile in its warm-up: 248 s in session 25) and
-vLLM's cold boot do not fit one call either: ``--prewarm`` runs the trainer's start-up alone in an earlier call
-(against a stand-in server), filling the compile caches the machine keeps between calls.
+At the 2B shape the trainer's cold start (its warm-up compiles fla's Triton kernels and the layers: 301 s in session
+26) and vLLM's cold boot (253 s) do not fit one call either: ``--prewarm`` runs the trainer's start-up alone in an
+earlier call (against a stand-in server), filling the compile caches the machine keeps between calls. A server's
+standalone rates: all tokens over the wall time, which with 256 requests at 256 in flight waits on the longest ones'
+last, nearly empty steps (session 26's 1.17x at 2B), and, with more requests than the concurrency, the saturated rate (the
+server's generation counter while the concurrency stayed full, as in a run); the bf16 figures from session 24 have
+only the first.
 
 One server is started (vLLM, or the built-in one) and every variant attaches to it with `asyncrl train
 server.launch=false`, so each variant pays the trainer's start-up only. The model is Qwen3-0.6B-shaped (``--shape
@@ -181,10 +185,16 @@ def cpu_threads(args: argparse.Namespace) -> list[str]:
 # ---- phases -----------------------------------------------------------------------------------------------------
 
 
-def standalone_tokens_per_s(base_url: str, name: str, args: argparse.Namespace, requests: int) -> float:
+def standalone_rates(base_url: str, name: str, args: argparse.Namespace, requests: int) -> tuple[float, float | None]:
     """The server alone: `requests` rollouts of the workload's length tail at the run's concurrency, in groups of
-    GROUP_SIZE sharing a prompt, as GRPO asks (a server with prefix caching prefills each prompt once)."""
-    from asyncrl.client import GenerationClient, SamplingParams
+    GROUP_SIZE sharing a prompt, as GRPO asks (a server with prefix caching prefills each prompt once).
+
+    Two rates. All tokens over the wall time: with few more requests than the concurrency, that is mostly the
+    length tail's last, nearly empty decode steps (session 26: 256 requests, the longest 512 tokens). And the
+    saturated rate, the server's own generation counter from the first completion to the last request's admission:
+    all that time `concurrency` requests were in flight, refilled as each ended, as the rollout loop keeps them
+    (None unless requests exceed the concurrency)."""
+    from asyncrl.client import ControlClient, GenerationClient, SamplingParams
 
     (lo, hi), median, sigma, _, _ = WORKLOAD[args.shape]
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -196,19 +206,34 @@ def standalone_tokens_per_s(base_url: str, name: str, args: argparse.Namespace, 
         length = int(min(WORKLOAD[args.shape][3], max(8, rng.lognormvariate(math.log(median), sigma))))
         jobs.append((prompt, SamplingParams(max_tokens=length, min_tokens=length, logprobs=0, seed=i)))
 
-    async def run() -> float:
-        gate = asyncio.Semaphore(args.concurrency)
+    async def run(control: ControlClient) -> tuple[float, float | None]:
+        gate, admitted, marks = asyncio.Semaphore(args.concurrency), 0, []
+        window = {args.concurrency + 1, requests} if requests > args.concurrency else set()
+
+        async def mark() -> None:
+            counter = (await asyncio.to_thread(control.metrics))["vllm:generation_tokens_total"]
+            marks.append((time.perf_counter(), counter))
+
         async with GenerationClient(base_url, name, timeout_s=600) as client:
 
             async def one(prompt: list[int], params: SamplingParams) -> int:
+                nonlocal admitted
                 async with gate:
+                    admitted += 1
+                    if admitted in window:
+                        await mark()
                     return len((await client.complete(prompt, params)).token_ids)
 
             started = time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(p, s) for p, s in jobs)))
-            return tokens / (time.perf_counter() - started)
+            total = tokens / (time.perf_counter() - started)
+        if len(marks) < 2 or marks[1][0] <= marks[0][0]:
+            return total, None
+        (t0, c0), (t1, c1) = marks
+        return total, (c1 - c0) / (t1 - t0)
 
-    return asyncio.run(run())
+    with ControlClient(base_url) as control:
+        return asyncio.run(run(control))
 
 
 def train(args: argparse.Namespace, base: list[str], base_url: str, name: str, extra: list[str]) -> dict[str, Any]:
@@ -451,9 +476,11 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
         out["startup_s"] = time.perf_counter() - started
         name = served_model_name(config)
         print(f"[{label}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)
-        standalone_tokens_per_s(server.base_url, name, args, requests=min(64, args.standalone_requests))  # warm-up
-        out["standalone_tokens_per_s"] = standalone_tokens_per_s(server.base_url, name, args, args.standalone_requests)
-        print(f"[{label}] standalone: {out['standalone_tokens_per_s']:,.0f} generated tokens/s", flush=True)
+        standalone_rates(server.base_url, name, args, requests=min(64, args.standalone_requests))  # warm-up
+        rates = standalone_rates(server.base_url, name, args, args.standalone_requests)
+        out["standalone_tokens_per_s"], out["saturated_tokens_per_s"] = rates
+        saturated = f", {rates[1]:,.0f} saturated" if rates[1] is not None else ""
+        print(f"[{label}] standalone: {rates[0]:,.0f} generated tokens/s{saturated}", flush=True)
         (args.out / f"partial_{label}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
         if not train_runs:
             return out
@@ -514,6 +541,9 @@ def quantized_rows(plain: dict[str, Any], quantized: dict[str, Any]) -> list[dic
     rows: list[dict[str, Any]] = [
         {"name": "server alone", "tokens": (plain["standalone_tokens_per_s"], quantized["standalone_tokens_per_s"])}
     ]
+    if plain.get("saturated_tokens_per_s") and quantized.get("saturated_tokens_per_s"):  # older results lack it
+        rows.append({"name": "server alone, saturated",
+                     "tokens": (plain["saturated_tokens_per_s"], quantized["saturated_tokens_per_s"])})  # fmt: skip
     bf16 = {r["name"]: r for r in plain.get("runs", []) if "failed" not in r}
     for run in quantized.get("runs", []):
         name = run["name"].removeprefix(f"{quantized['label']}_")
@@ -552,6 +582,11 @@ def _figure(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def _saturated(server: dict[str, Any]) -> str:
+    rate = server.get("saturated_tokens_per_s")  # results before session 26 lack it
+    return f"({rate:,.0f} saturated) " if rate else ""
+
+
 def print_table(result: dict[str, Any]) -> None:
     servers = [result[key] for key in ("server", "quantized_server") if key in result]
     runs = [r for server in servers for r in server.get("runs", []) if "failed" not in r]
@@ -577,12 +612,13 @@ def print_table(result: dict[str, Any]) -> None:
               f"{r.get('logp_diff', math.nan):.4f} |")  # fmt: skip
     server = result["server"]
     each = ", ".join(f"{r:,.0f}" for r in server.get("standalone_each", []))
+    mean = f"(mean of {each}) " if each else ""
     print(f"\nstandalone {server['backend']} server: {server['standalone_tokens_per_s']:,.0f} generated tokens/s "
-          f"{f'(mean of {each}) ' if each else ''}(startup {server['startup_s']:.0f} s)")  # fmt: skip
+          f"{mean}{_saturated(server)}(startup {server['startup_s']:.0f} s)")  # fmt: skip
     if "quantized_server" in result:
         q = result["quantized_server"]
         print(f"standalone {q['label']} server: {q['standalone_tokens_per_s']:,.0f} generated tokens/s "
-              f"(startup {q['startup_s']:.0f} s)")  # fmt: skip
+              f"{_saturated(q)}(startup {q['startup_s']:.0f} s)")  # fmt: skip
         print_quantized(quantized_rows(server, q), q["label"])
     if "builtin_server" in result:
         b = result["builtin_server"]

@@ -69,3 +69,15 @@ def test_a_cut_runs_log_is_kept_under_out_with_the_steps_it_logged(e2e: ModuleTy
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     assert e2e.keep_log(args, run_dir, "staleness2") == 2
     assert (args.out / "launch_staleness2.log").read_text() == "warm-up step (16384 tokens) in 301.4 s\n"
+
+
+def test_the_saturated_rates_are_compared_where_both_servers_have_one(e2e: ModuleType) -> None:
+    """Session 26's 2B figures were tail-bound (256 requests at 256 in flight): the saturated rate, the server's own
+    counter while the concurrency stayed full, is its own row; results from before it have none."""
+    bf16 = {"label": "vllm", "standalone_tokens_per_s": 5855.0, "saturated_tokens_per_s": 9000.0, "runs": []}
+    fp8 = {"label": "fp8", "standalone_tokens_per_s": 6832.0, "saturated_tokens_per_s": 12600.0, "runs": []}
+    rows = e2e.quantized_rows(bf16, fp8)
+    assert [row["name"] for row in rows] == ["server alone", "server alone, saturated"]
+    assert math.isclose(e2e.ratio(rows[1]["tokens"]), 1.4)
+    del bf16["saturated_tokens_per_s"]
+    assert [row["name"] for row in e2e.quantized_rows(bf16, fp8)] == ["server alone"]
