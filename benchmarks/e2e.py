@@ -26,11 +26,12 @@ starts one server (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md):
 
 At the 2B shape the trainer's cold start (its warm-up compiles fla's Triton kernels and the layers: 301 s in session
 26) and vLLM's cold boot (253 s) do not fit one call either: ``--prewarm`` runs the trainer's start-up alone in an
-earlier call (against a stand-in server), filling the compile caches the machine keeps between calls. A server's
-standalone rates: all tokens over the wall time, which with 256 requests at 256 in flight waits on the longest ones'
-last, nearly empty steps (session 26's 1.17x at 2B), and, with more requests than the concurrency, the saturated rate (the
-server's generation counter while the concurrency stayed full, as in a run); the bf16 figures from session 24 have
-only the first.
+earlier call (against a stand-in server), filling the compile caches the machine keeps between calls.
+
+A server's standalone rates: all tokens over the wall time, which with 256 requests at 256 in flight waits on the
+longest ones' last, nearly empty steps (session 26's 1.17x at 2B), and, with more requests than the concurrency,
+the saturated rate (the server's generation counter while the concurrency stayed full, as in a run); the bf16
+figures from session 24 have only the first.
 
 One server is started (vLLM, or the built-in one) and every variant attaches to it with `asyncrl train
 server.launch=false`, so each variant pays the trainer's start-up only. The model is Qwen3-0.6B-shaped (``--shape
