@@ -190,8 +190,8 @@ def standalone_rates(base_url: str, name: str, args: argparse.Namespace, request
     """The server alone: `requests` rollouts of the workload's length tail at the run's concurrency, in groups of
     GROUP_SIZE sharing a prompt, as GRPO asks (a server with prefix caching prefills each prompt once).
 
-    Two rates. All tokens over the wall time: with few more requests than the concurrency, that is mostly the
-    length tail's last, nearly empty decode steps (session 26: 256 requests, the longest 512 tokens). And the
+    Two rates. All tokens over the wall time: with few more requests than the concurrency, that waits on the
+    longest requests' last, nearly empty decode steps (session 26: 256 requests, the longest 512 tokens). And the
     saturated rate, the server's own generation counter from the first completion to the last request's admission:
     all that time `concurrency` requests were in flight, refilled as each ended, as the rollout loop keeps them
     (None unless requests exceed the concurrency)."""
@@ -409,7 +409,7 @@ def main() -> None:
 def prewarm(args: argparse.Namespace, base: list[str]) -> None:
     """The trainer's start-up for this shape, against a stand-in that answers every request with ``{}``: the model
     loads, the warm-up step compiles the layers (and fla's Triton kernels, at the hybrid shape), then the first
-    request that needs a real server ends the run. At the 2B shape that cold compile (~250 s) and vLLM's cold
+    request that needs a real server ends the run. At the 2B shape that cold compile (301 s) and vLLM's cold
     boot do not fit one device call; filled in an earlier call, the caches on the machine make the run's start-up
     warm (say so beside its figures)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -473,6 +473,10 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
     config = plan.config
     out: dict[str, Any] = {"backend": backend, "label": label}
     server_dir.mkdir(parents=True, exist_ok=True)
+
+    def save_partial() -> None:  # what a later time-out of the call keeps
+        (args.out / f"partial_{label}.json").write_text(json.dumps(out, indent=1))
+
     started = time.perf_counter()
     with start_server(plan, server_dir) as server:
         out["startup_s"] = time.perf_counter() - started
@@ -483,7 +487,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
         out["standalone_tokens_per_s"], out["saturated_tokens_per_s"] = rates
         saturated = f", {rates[1]:,.0f} saturated" if rates[1] is not None else ""
         print(f"[{label}] standalone: {rates[0]:,.0f} generated tokens/s{saturated}", flush=True)
-        (args.out / f"partial_{label}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
+        save_partial()
         if not train_runs:
             return out
         prefix = "" if label == backend else f"{label}_"
@@ -503,7 +507,7 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
                 (args.out / f"profile_{name_}.txt").write_text(table.read_text())
             summary = summarise(run, profiled)
             out["runs"].append(summary)
-            (args.out / f"partial_{label}.json").write_text(json.dumps(out, indent=1))  # a later time-out keeps it
+            save_partial()
             scalars = {k: v for k, v in summary.items() if not isinstance(v, list | dict)}
             print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
     return out
