@@ -24,6 +24,9 @@ starts one server (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md):
     python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --quantization fp8 --baseline /tmp/e2e-2b/e2e.json \
         --staleness 2 --steps 6 --no-flat --profile= --run-timeout 300 --standalone-requests 1024
 
+``--table FILE --baseline FILE`` prints a quantized call's table again against a bf16 server measured in another
+call (session 27: the same code's, in place of session 24's).
+
 At the 2B shape the trainer's cold start (its warm-up compiles fla's Triton kernels and the layers: 301 s in session
 26) and vLLM's cold boot (253 s) do not fit one call either: ``--prewarm`` runs the trainer's start-up alone in an
 earlier call (against a stand-in server), filling the compile caches the machine keeps between calls.
@@ -339,8 +342,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=["0.6b", "3.5-2b"], default="0.6b", help="the model's shape (not --tiny)")
     parser.add_argument("--quantization", default=None, help="then serve with server.quantization=Q (e.g. fp8) and "
                         "measure it the same way; the table compares it with the first server")  # fmt: skip
-    parser.add_argument("--baseline", type=Path, default=None, help="with --quantization: the 16-bit server's "
-                        "figures from an earlier e2e.json or partial_vllm.json, not served again")  # fmt: skip
+    parser.add_argument("--baseline", type=Path, default=None, help="with --quantization or --table: the 16-bit "
+                        "server's figures from an earlier e2e.json or partial_vllm.json, not served again")  # fmt: skip
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", default="0,1,2,4", help="max_staleness values; 0 = synchronous mode")
     parser.add_argument("--concurrency", type=int, default=256)
@@ -362,7 +365,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.table:
-        print_table(merge([json.loads(path.read_text()) for path in args.table]))
+        print_table(table_result(args.table, args.baseline))
         return
     if args.quantization and (args.server_url or args.backend != "vllm"):
         parser.error("--quantization starts a second vLLM server after the first: --backend vllm, no --server-url")
@@ -438,6 +441,16 @@ def prewarm(args: argparse.Namespace, base: list[str]) -> None:
     compiled = sum("torch.compile" in line for line in log.splitlines())  # CompileWatch's compiles and recompiles
     print(f"[prewarm] {warmed[-1] if warmed else 'no warm-up ran (trainer.warm_up needs CUDA)'}; {compiled} "
           "compile lines in its launch.log")  # fmt: skip
+
+
+def table_result(paths: list[Path], baseline: Path | None) -> dict[str, Any]:
+    """``--table``'s result: earlier e2e.json files merged; with ``--baseline``, a quantized call's 16-bit server
+    replaced by one measured in another call (session 27: the same code's bf16 server, where the fp8 call had been
+    compared with session 24's)."""
+    result = merge([json.loads(path.read_text()) for path in paths])
+    if baseline is not None:
+        result["server"] = baseline_server(baseline)
+    return result
 
 
 def baseline_server(path: Path) -> dict[str, Any]:

@@ -81,3 +81,16 @@ def test_the_saturated_rates_are_compared_where_both_servers_have_one(e2e: Modul
     assert math.isclose(e2e.ratio(rows[1]["tokens"]), 1.4)
     del bf16["saturated_tokens_per_s"]
     assert [row["name"] for row in e2e.quantized_rows(bf16, fp8)] == ["server alone"]
+
+
+def test_a_table_compares_a_quantized_call_with_a_baseline_from_another_call(e2e: ModuleType, tmp_path) -> None:
+    """Session 27: the fp8 call was compared with session 24's bf16 server; the same code's bf16 server, measured
+    in a later call, replaces it when the table is printed again."""
+    older = {"backend": "vllm", "label": "vllm", "standalone_tokens_per_s": 9096.0, "runs": []}
+    fp8 = {"backend": "vllm", "label": "fp8", "standalone_tokens_per_s": 10852.0, "runs": []}
+    same_code = {"backend": "vllm", "label": "vllm", "standalone_tokens_per_s": 11290.0, "runs": []}
+    (tmp_path / "fp8.json").write_text(json.dumps({"server": older, "quantized_server": fp8}))
+    (tmp_path / "bf16.json").write_text(json.dumps({"server": same_code}))
+    assert e2e.table_result([tmp_path / "fp8.json"], None)["server"]["standalone_tokens_per_s"] == 9096.0
+    result = e2e.table_result([tmp_path / "fp8.json"], tmp_path / "bf16.json")
+    assert result["server"] == same_code and result["quantized_server"] == fp8
