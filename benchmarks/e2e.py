@@ -24,6 +24,9 @@ starts one server (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md):
     python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --quantization fp8 --baseline /tmp/e2e-2b/e2e.json \
         --staleness 2 --steps 6 --no-flat --profile= --run-timeout 300 --standalone-requests 1024
 
+Each server's log stays on the machine: the result keeps its distinct warnings, and the table counts the layers a
+sync left out (vLLM's layerwise reload, which the fp8 server's syncs take, logs "Failed to load weights" for each).
+
 ``--table FILE --baseline FILE`` prints a quantized call's table again against a bf16 server measured in another
 call (session 27: the same code's, in place of session 24's).
 
@@ -491,39 +494,60 @@ def serve_and_measure(args: argparse.Namespace, base: list[str], backend: str, t
         (args.out / f"partial_{label}.json").write_text(json.dumps(out, indent=1))
 
     started = time.perf_counter()
-    with start_server(plan, server_dir) as server:
-        out["startup_s"] = time.perf_counter() - started
-        name = served_model_name(config)
-        print(f"[{label}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)
-        standalone_rates(server.base_url, name, args, requests=min(64, args.standalone_requests))  # warm-up
-        rates = standalone_rates(server.base_url, name, args, args.standalone_requests)
-        out["standalone_tokens_per_s"], out["saturated_tokens_per_s"] = rates
-        saturated = f", {rates[1]:,.0f} saturated" if rates[1] is not None else ""
-        print(f"[{label}] standalone: {rates[0]:,.0f} generated tokens/s{saturated}", flush=True)
-        save_partial()
-        if not train_runs:
-            return out
-        prefix = "" if label == backend else f"{label}_"
-        variants = [(f"{prefix}staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
-        variants += [] if args.no_flat else [(f"{prefix}flat_staleness2", ["staleness.max_staleness=2", "packing=flat",
-                                             f"packing.token_budget={WORKLOAD[args.shape][4]}"])]  # fmt: skip
-        out["runs"] = []
-        for name_, extra in variants:
-            profiled = name_ == args.profile
-            run = train(args, base, server.base_url, name_,
-                        [*extra, *([f"logging.profile_steps=[{args.steps}]"] if profiled else [])])  # fmt: skip
-            if "failed" in run:
-                out["runs"].append(run)
-                continue
-            if profiled:
-                table = args.work / "runs" / name_ / "profile" / f"step_{args.steps}.txt"
-                (args.out / f"profile_{name_}.txt").write_text(table.read_text())
-            summary = summarise(run, profiled)
-            out["runs"].append(summary)
+    try:
+        with start_server(plan, server_dir) as server:
+            out["startup_s"] = time.perf_counter() - started
+            name = served_model_name(config)
+            print(f"[{label}] healthy after {out['startup_s']:.0f} s at {server.base_url}", flush=True)
+            standalone_rates(server.base_url, name, args, requests=min(64, args.standalone_requests))  # warm-up
+            rates = standalone_rates(server.base_url, name, args, args.standalone_requests)
+            out["standalone_tokens_per_s"], out["saturated_tokens_per_s"] = rates
+            saturated = f", {rates[1]:,.0f} saturated" if rates[1] is not None else ""
+            print(f"[{label}] standalone: {rates[0]:,.0f} generated tokens/s{saturated}", flush=True)
             save_partial()
-            scalars = {k: v for k, v in summary.items() if not isinstance(v, list | dict)}
-            print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
+            if not train_runs:
+                return out
+            out["runs"] = []
+            for name_, extra in run_variants(args, "" if label == backend else f"{label}_"):
+                profiled = name_ == args.profile
+                run = train(args, base, server.base_url, name_,
+                            [*extra, *([f"logging.profile_steps=[{args.steps}]"] if profiled else [])])  # fmt: skip
+                if "failed" in run:
+                    out["runs"].append(run)
+                    continue
+                if profiled:
+                    table = args.work / "runs" / name_ / "profile" / f"step_{args.steps}.txt"
+                    (args.out / f"profile_{name_}.txt").write_text(table.read_text())
+                summary = summarise(run, profiled)
+                out["runs"].append(summary)
+                save_partial()
+                scalars = {k: v for k, v in summary.items() if not isinstance(v, list | dict)}
+                print(f"[{name_}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in scalars.items()), flush=True)
+    finally:  # the server's log stays on the device machine: its warnings come back in the result
+        out["server_warnings"] = server_warnings(sorted((server_dir / "logs").glob("server*.log")))
+        save_partial()
     return out
+
+
+def run_variants(args: argparse.Namespace, prefix: str) -> list[tuple[str, list[str]]]:
+    """The training runs against one server, named and with their overrides: one per --staleness value, then the
+    flat-packing one."""
+    variants = [(f"{prefix}staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
+    flat = ["staleness.max_staleness=2", "packing=flat", f"packing.token_budget={WORKLOAD[args.shape][4]}"]
+    return variants + ([] if args.no_flat else [(f"{prefix}flat_staleness2", flat)])
+
+
+def server_warnings(logs: list[Path], limit: int = 50) -> list[str]:
+    """Each distinct warning or error of the server's logs, without its time stamp (the first ``limit``): vLLM's
+    layerwise reload, which a quantized server's syncs take, says "Failed to load weights" for a layer that a sync
+    left out and keeps its old weights."""
+    found: dict[str, None] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            level = next((level for level in ("ERROR", "WARNING") if level in line), None)
+            if level is not None:
+                found.setdefault(f"{level} {line.partition('] ')[2] or line}".strip(), None)
+    return list(found)[:limit]
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -606,6 +630,14 @@ def _saturated(server: dict[str, Any]) -> str:
     return f"({rate:,.0f} saturated) " if rate else ""
 
 
+def print_server_warnings(server: dict[str, Any]) -> None:
+    """How many distinct warnings the server logged, and every layer a sync left out (vLLM's layerwise reload)."""
+    warnings = server.get("server_warnings", [])  # results before session 27 lack them
+    failed = [line for line in warnings if "Failed to load weights" in line]
+    print(f"{server['label']} server's log: {len(warnings)} distinct warnings or errors; {len(failed)} layers a sync "
+          "left out" + "".join(f"\n    {line[:160]}" for line in failed))  # fmt: skip
+
+
 def print_table(result: dict[str, Any]) -> None:
     servers = [result[key] for key in ("server", "quantized_server") if key in result]
     runs = [r for server in servers for r in server.get("runs", []) if "failed" not in r]
@@ -639,6 +671,9 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"standalone {q['label']} server: {q['standalone_tokens_per_s']:,.0f} generated tokens/s "
               f"{_saturated(q)}(startup {q['startup_s']:.0f} s)")  # fmt: skip
         print_quantized(quantized_rows(server, q), q["label"])
+    for key in ("server", "quantized_server"):
+        if key in result:
+            print_server_warnings(result[key])
     if "builtin_server" in result:
         b = result["builtin_server"]
         print(

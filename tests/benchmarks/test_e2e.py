@@ -94,3 +94,17 @@ def test_a_table_compares_a_quantized_call_with_a_baseline_from_another_call(e2e
     assert e2e.table_result([tmp_path / "fp8.json"], None)["server"]["standalone_tokens_per_s"] == 9096.0
     result = e2e.table_result([tmp_path / "fp8.json"], tmp_path / "bf16.json")
     assert result["server"] == same_code and result["quantized_server"] == fp8
+
+
+def test_the_server_logs_warnings_come_back_once_each_without_their_time(e2e: ModuleType, tmp_path) -> None:
+    """The server's log stays on the device machine; a layer that a quantized server's sync left out is a warning
+    there (vLLM's layerwise reload keeps its old weights), so the result carries the log's warnings."""
+    (tmp_path / "server.log").write_text(
+        "INFO 12-03 18:40:01 [api_server.py:1] serving\n"
+        "(EngineCore pid=7) WARNING 12-03 18:41:00 [layerwise.py:270] QKVParallelLinear: Failed to load weights\n"
+        "(EngineCore pid=7) WARNING 12-03 18:41:09 [layerwise.py:270] QKVParallelLinear: Failed to load weights\n"
+    )
+    (tmp_path / "server_1.log").write_text("ERROR 12-03 18:42:00 [engine.py:9] boom\nplain line\n")
+    warnings = e2e.server_warnings([tmp_path / "server.log", tmp_path / "server_1.log"])
+    assert warnings == ["WARNING QKVParallelLinear: Failed to load weights", "ERROR boom"]
+    assert e2e.server_warnings([tmp_path / "server.log"], limit=0) == []
