@@ -24,8 +24,9 @@ starts one server (vLLM 0.33's kit sourced first, tools/vllm-kit/README.md):
     python benchmarks/e2e.py --shape 3.5-2b --assets /tmp/a2b --quantization fp8 --baseline /tmp/e2e-2b/e2e.json \
         --staleness 2 --steps 6 --no-flat --profile= --run-timeout 300 --standalone-requests 1024
 
-Each server's log stays on the machine: the result keeps its distinct warnings, and the table counts the layers a
-sync left out (vLLM's layerwise reload, which the fp8 server's syncs take, logs "Failed to load weights" for each).
+Each server's log stays on the machine: the result keeps its distinct warnings with their counts, and the table
+counts the layer loads the syncs left out (vLLM's layerwise reload, which the fp8 server's syncs take, logs
+"Failed to load weights" for each layer a sync sent nothing to).
 
 ``--table FILE --baseline FILE`` prints a quantized call's table again against a bf16 server measured in another
 call (session 27: the same code's, in place of session 24's).
@@ -537,17 +538,19 @@ def run_variants(args: argparse.Namespace, prefix: str) -> list[tuple[str, list[
     return variants + ([] if args.no_flat else [(f"{prefix}flat_staleness2", flat)])
 
 
-def server_warnings(logs: list[Path], limit: int = 50) -> list[str]:
-    """Each distinct warning or error of the server's logs, without its time stamp (the first ``limit``): vLLM's
-    layerwise reload, which a quantized server's syncs take, says "Failed to load weights" for a layer that a sync
-    left out and keeps its old weights."""
-    found: dict[str, None] = {}
+def server_warnings(logs: list[Path], limit: int = 50) -> dict[str, int]:
+    """Each distinct warning or error of the server's logs, without its time stamp, and how often it came (the first
+    ``limit``): vLLM's layerwise reload, which a quantized server's syncs take, says "<layer class>: Failed to load
+    weights" for each layer a sync sent nothing to, which keeps its old weights (rightly for a frozen layer the
+    trainer never sends, such as a vision tower; the shapes here have none)."""
+    found: dict[str, int] = {}
     for log in logs:
         for line in log.read_text(errors="replace").splitlines():
             level = next((level for level in ("ERROR", "WARNING") if level in line), None)
             if level is not None:
-                found.setdefault(f"{level} {line.partition('] ')[2] or line}".strip(), None)
-    return list(found)[:limit]
+                message = f"{level} {line.partition('] ')[2] or line}".strip()
+                found[message] = found.get(message, 0) + 1
+    return dict(list(found.items())[:limit])
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -631,11 +634,12 @@ def _saturated(server: dict[str, Any]) -> str:
 
 
 def print_server_warnings(server: dict[str, Any]) -> None:
-    """How many distinct warnings the server logged, and every layer a sync left out (vLLM's layerwise reload)."""
-    warnings = server.get("server_warnings", [])  # results before session 27 lack them
-    failed = [line for line in warnings if "Failed to load weights" in line]
-    print(f"{server['label']} server's log: {len(warnings)} distinct warnings or errors; {len(failed)} layers a sync "
-          "left out" + "".join(f"\n    {line[:160]}" for line in failed))  # fmt: skip
+    """How many distinct warnings the server logged, and how many layers the syncs sent nothing to."""
+    warnings = server.get("server_warnings", {})  # results before session 27 lack them
+    failed = {line: count for line, count in warnings.items() if "Failed to load weights" in line}
+    lines = "".join(f"\n    {count} x {line[:160]}" for line, count in failed.items())
+    print(f"{server['label']} server's log: {len(warnings)} distinct warnings or errors; {sum(failed.values())} "
+          f"layer loads a sync left out{lines}")  # fmt: skip
 
 
 def print_table(result: dict[str, Any]) -> None:
