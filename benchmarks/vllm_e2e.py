@@ -398,6 +398,7 @@ def main() -> None:
     parser.add_argument("--lora-modes", nargs="*", default=["adapter", "merged"], choices=["adapter", "merged"],
                         help="the lora phase's training runs after its direct check, one per lora.sync")  # fmt: skip
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # a device call's log file keeps its lines in time even when it is cut
     out = args.out or Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.model == "qwen3.5-2b":
