@@ -635,7 +635,9 @@ def _saturated(server: dict[str, Any]) -> str:
 
 def print_server_warnings(server: dict[str, Any]) -> None:
     """How many distinct warnings the server logged, and how many layers the syncs sent nothing to."""
-    warnings = server.get("server_warnings", {})  # results before session 27 lack them
+    if "server_warnings" not in server:  # results before session 27 lack them: nothing to say, not zero
+        return
+    warnings = server["server_warnings"]
     failed = {line: count for line, count in warnings.items() if "Failed to load weights" in line}
     lines = "".join(f"\n    {count} x {line[:160]}" for line, count in failed.items())
     print(f"{server['label']} server's log: {len(warnings)} distinct warnings or errors; {sum(failed.values())} "
@@ -675,9 +677,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"standalone {q['label']} server: {q['standalone_tokens_per_s']:,.0f} generated tokens/s "
               f"{_saturated(q)}(startup {q['startup_s']:.0f} s)")  # fmt: skip
         print_quantized(quantized_rows(server, q), q["label"])
-    for key in ("server", "quantized_server"):
-        if key in result:
-            print_server_warnings(result[key])
+    for each in servers:
+        print_server_warnings(each)
     if "builtin_server" in result:
         b = result["builtin_server"]
         print(

@@ -96,7 +96,7 @@ def test_a_table_compares_a_quantized_call_with_a_baseline_from_another_call(e2e
     assert result["server"] == same_code and result["quantized_server"] == fp8
 
 
-def test_the_server_logs_warnings_come_back_once_each_without_their_time(e2e: ModuleType, tmp_path) -> None:
+def test_the_server_logs_warnings_come_back_with_their_counts_without_their_time(e2e: ModuleType, tmp_path) -> None:
     """The server's log stays on the device machine; a layer that a quantized server's sync left out is a warning
     there (vLLM's layerwise reload keeps its old weights), so the result carries the log's warnings."""
     (tmp_path / "server.log").write_text(
