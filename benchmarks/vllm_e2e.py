@@ -189,11 +189,7 @@ def phase_sync(backend: str, out: Path) -> None:
             syncs.append(engine)
         for round_, sync_ in enumerate(syncs):
             for version in range(3 * round_ + 1, 3 * round_ + 4):
-                with torch.no_grad():
-                    generator = torch.Generator(device=device).manual_seed(version)
-                    for param in model.parameters():
-                        if param.requires_grad:  # a vision tower is frozen: never trained, never synced
-                            param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
+                _perturb(model, version, device, scale=0.02)  # a vision tower is frozen: never trained, never synced
                 metrics = sync_.push(model, version)
                 print(f"[sync] {type(sync_.transport).__name__} round {version}: " + ", ".join(
                     f"{k.removeprefix('perf/weight_sync')}={v:.3f}" for k, v in metrics.items()))  # fmt: skip

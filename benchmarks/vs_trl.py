@@ -127,10 +127,12 @@ fills its caches (and gives its cold first step if it gets there), the ``--warm`
 
 A run stopped at ``--run-timeout``, or by SIGTERM to this script, keeps the steps it logged (the table says so).
 Both tools of one shape in one call do not fit: at the 0.6B shape (session 24, cold caches) TRL took 211 s for its
-10 steps and asyncrl reached its first step at 224 s, its eighth at 245 s, and was stopped at its 251 s limit. That
-call's results are in ``benchmarks/results/vs_trl/`` (commit b0ff182); copied into ``--work``/results first
-(``mkdir -p /tmp/vt/results && cp benchmarks/results/vs_trl/*.json /tmp/vt/results/``), a call of one tool prints the
-table with the other's column from them.
+10 steps and asyncrl reached its first step at 224 s, its eighth at 245 s, and was stopped at its 251 s limit.
+The results of session 28's calls (both tools at 0.6B, one call each, asyncrl cold and warm) and session 25's (2B)
+are in ``benchmarks/results/vs_trl/``; copied into ``--work``/results first (``mkdir -p /tmp/vt/results && cp
+benchmarks/results/vs_trl/*.json /tmp/vt/results/``), a call of one tool prints the table with the other's column
+from them. Machines differ from day to day (session 28's TRL steps took 8.7-10.8 s, session 24's 6.6-9.0 s, with
+identical rewards): compare tools measured in one session.
 TRL 1.16 declares vLLM 0.22-0.31 and only warns on 0.33; its colocate calls exist in vLLM 0.33's source
 (``LLM(...)``'s arguments, ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`` with the
 external launcher's in-process engine, ``reset_prefix_cache``, dict-shaped per-position log-probs). Should it fail
