@@ -25,7 +25,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
-from asyncrl.engine.cache import build_slack_cache
+from asyncrl.engine.cache import SlackCache
 from asyncrl.engine.lora import AdapterSet
 from asyncrl.engine.rows import DecodeRow
 
@@ -49,7 +49,7 @@ class RunningBatch:
         """Running rows in the order they joined (the order of decode's logits)."""
         self._slots: list[DecodeRow | None] = []
         self._slot_of: dict[DecodeRow, int] = {}
-        self._cache: DynamicCache | None = None
+        self._cache: SlackCache | None = None
 
     @property
     def width(self) -> int:
@@ -136,7 +136,7 @@ class RunningBatch:
         """Give each joining row a slot (free ones first) and copy its prefilled cache there (``copies``: which
         prefilled sequence each row takes, when several rows share one)."""
         if self._cache is None:
-            self._cache = build_slack_cache(self.model)
+            self._cache = SlackCache(self.model)
         free = [slot for slot, row in enumerate(self._slots) if row is None]
         slots = (free + list(range(len(self._slots), len(self._slots) + len(rows))))[: len(rows)]
         for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):

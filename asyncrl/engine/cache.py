@@ -34,15 +34,24 @@ def check_cache_supported(model: torch.nn.Module) -> None:
             )
 
 
-def build_slack_cache(model: torch.nn.Module) -> DynamicCache:
-    """The model's own DynamicCache with every attention layer replaced by a SlackLayer and every linear-attention
-    layer by a StateLayer."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [
-        StateLayer(layer.number_of_states) if isinstance(layer, LinearAttentionLayer) else SlackLayer()
-        for layer in cache.layers
-    ]
-    return cache
+class SlackCache(DynamicCache):
+    """The model's own DynamicCache with every attention layer a SlackLayer and every linear-attention layer a
+    StateLayer; its width is its attention layers' column count, whatever layer 0 is.
+
+    transformers asks ``get_seq_length()`` (layer 0 by default) for the cached width when it builds masks and
+    positions. Up to 5.24 a linear-attention layer 0 deferred to the first attention layer; from 5.25 it answers with
+    its own decode counter, which a StateLayer (filled by copying prefill states, not by a forward) never raises."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(config=model.config)
+        self.layers = [
+            StateLayer(layer.number_of_states) if isinstance(layer, LinearAttentionLayer) else SlackLayer()
+            for layer in self.layers
+        ]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The width of the first attention layer (every attention layer has the same); 0 before any row joins."""
+        return next((layer.get_seq_length() for layer in self.layers if isinstance(layer, SlackLayer)), 0)
 
 
 class SlackLayer(DynamicLayer):

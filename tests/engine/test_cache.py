@@ -8,7 +8,7 @@ import torch
 from tiny import VOCAB_SIZE
 from transformers import DynamicCache
 
-from asyncrl.engine.cache import MIN_SLACK_COLUMNS, SlackLayer, build_slack_cache
+from asyncrl.engine.cache import MIN_SLACK_COLUMNS, SlackCache, SlackLayer
 
 
 def states(rows: int, length: int, seed: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ def test_decoding_with_the_slack_cache_gives_the_dynamic_cache_logits(tiny_model
     prompt = torch.tensor([[5, 9, 3, 17, 40, 2], [7, 7, 8, 30, 11, 4]])
     argument = "cache" if "cache" in inspect.signature(tiny_model.forward).parameters else "past_key_values"
     logits = {}
-    for name, cache in (("dynamic", DynamicCache(config=tiny_model.config)), ("slack", build_slack_cache(tiny_model))):
+    for name, cache in (("dynamic", DynamicCache(config=tiny_model.config)), ("slack", SlackCache(tiny_model))):
         input_ids, steps = prompt, []
         with torch.no_grad():
             for _ in range(MIN_SLACK_COLUMNS + 8):  # past the first reallocation

@@ -10,7 +10,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from asyncrl.assets.model_families import build_model, hybrid_text_config, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.engine.batch import RunningBatch
-from asyncrl.engine.cache import StateLayer, build_slack_cache
+from asyncrl.engine.cache import SlackCache, StateLayer
 from asyncrl.engine.core import Engine, EngineConfig
 from asyncrl.engine.lora import AdapterSet, LoraLimits
 from asyncrl.engine.rows import DecodeRow, GenerationRequest
@@ -161,7 +161,7 @@ def test_lora_and_base_rows_decode_together_as_if_alone(tokenizer, tmp_path):
 
 
 def test_the_cache_holds_state_layers_for_the_delta_net_and_slack_layers_for_attention(hybrid):
-    layers = build_slack_cache(hybrid).layers
+    layers = SlackCache(hybrid).layers
     assert [type(layer).__name__ for layer in layers] == ["StateLayer"] * 3 + ["SlackLayer"]
 
 
