@@ -7,6 +7,10 @@ mask; CPU and tests), `varlen` (K/V gathered along each segment's path, one varl
 CUDA), `cascade` (one varlen call per tree depth, no K/V gathered, merged by log-sum-exp: packing/cascade.py;
 CUDA), `flex` (FlexAttention block mask from the ancestor relation), `kernels` (FA3 from the Hub, else `varlen`
 with one warning) and `auto` (sdpa on CPU, varlen on CUDA).
+
+Sliding-window layers (Gemma 3's `sliding_attention`) get a plan of their own per row (`RowPlans`): a query sees
+the keys of its path at most window - 1 positions before it, positions counted per sample (in a tree row a
+completion's window reaches back into its shared prompt).
 """
 
 from __future__ import annotations
@@ -21,8 +25,15 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from asyncrl.packing.cascade import CascadeKernel, CascadeLayout, FlashKernel, cascade_attention, cascade_layout
-from asyncrl.packing.row import PackedRow
+from asyncrl.packing.cascade import (
+    CascadeKernel,
+    CascadeLayout,
+    FlashKernel,
+    cascade_attention,
+    cascade_layout,
+    window_layout,
+)
+from asyncrl.packing.row import PackedRow, path_keys
 from asyncrl.registry import Registry
 
 TREE_ATTENTION = "asyncrl_tree"
@@ -37,9 +48,11 @@ class TreePlan(Protocol):
         ...
 
 
-PlanFactory = Callable[[PackedRow, torch.device], TreePlan]
+PlanFactory = Callable[..., TreePlan]
+"""(row, device, window=None) -> the row's plan for layers of that sliding window (None: full attention)."""
 VarlenKernel = Callable[..., torch.Tensor]
-"""(q [Tq,H,D], k [Tk,Hkv,D], v, cu_q, cu_k, max_q, max_k, scale) -> [Tq,H,D], causal bottom-right per sequence."""
+"""(q [Tq,H,D], k [Tk,Hkv,D], v, cu_q, cu_k, max_q, max_k, scale, window) -> [Tq,H,D], causal bottom-right per
+sequence, each query seeing at most window - 1 keys before its own (window None: all)."""
 
 ATTENTION: Registry[PlanFactory] = Registry("attention")
 
@@ -47,13 +60,17 @@ ATTENTION: Registry[PlanFactory] = Registry("attention")
 # ---- sdpa: the explicit mask ---------------------------------------------------------------------------------
 
 
-def tree_attention_mask(row: PackedRow) -> torch.Tensor:
-    """[1, 1, L, L] boolean mask: each segment's queries see their path's keys, causally (bottom-right)."""
+def tree_attention_mask(row: PackedRow, window: int | None = None) -> torch.Tensor:
+    """[1, 1, L, L] boolean mask: each segment's queries see their path's keys, causally (bottom-right), and with
+    a sliding window only the keys less than ``window`` positions before them."""
     length = row.num_forwarded
     mask = torch.zeros(length, length, dtype=torch.bool)
     for seg in row.segments:
         n_q, n_kv = seg.q_end - seg.q_start, int(seg.kv_index.numel())
         allowed = torch.ones(n_q, n_kv, dtype=torch.bool).tril(diagonal=n_kv - n_q)
+        if window is not None:
+            distance = row.position_ids[seg.q_start : seg.q_end, None] - row.position_ids[seg.kv_index][None]
+            allowed &= distance < window
         mask[seg.q_start : seg.q_end, seg.kv_index] = allowed
     return mask[None, None]
 
@@ -69,8 +86,8 @@ class MaskPlan:
 
 
 @ATTENTION.register("sdpa")
-def sdpa_plan(row: PackedRow, device: torch.device) -> MaskPlan:
-    return MaskPlan(tree_attention_mask(row).to(device))
+def sdpa_plan(row: PackedRow, device: torch.device, window: int | None = None) -> MaskPlan:
+    return MaskPlan(tree_attention_mask(row, window).to(device))
 
 
 # ---- varlen: gather each segment's path, one varlen call -------------------------------------------------------
@@ -87,6 +104,8 @@ class VarlenPlan:
     kernel: VarlenKernel
     half_precision: bool = True
     """The kernel takes fp16/bf16 only (flash); False for a reference kernel that computes in the inputs' dtype."""
+    window: int | None = None
+    """Sliding window (None: full attention); the gathered paths then hold only the keys the window reaches."""
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """Lay out [tokens, heads, dim] in the kernel's dtype, one copy per tensor where the dtype already fits.
@@ -101,7 +120,7 @@ class VarlenPlan:
                 k, v = k.to(dtype), v.to(dtype)
             k, v = k.index_select(0, self.kv_gather), v.index_select(0, self.kv_gather)
         q, k, v = (t.to(dtype, memory_format=torch.contiguous_format).contiguous() for t in (q, k, v))
-        out = self.kernel(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, scale).unsqueeze(0)
+        out = self.kernel(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, scale, self.window).unsqueeze(0)
         return out if autocast else out.to(query.dtype)  # under autocast the next projection casts to half anyway
 
 
@@ -117,24 +136,27 @@ def flash_dtype(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.dtype, 
 
 @ATTENTION.register("varlen")
 def varlen_plan(
-    row: PackedRow, device: torch.device, kernel: VarlenKernel | None = None, half_precision: bool = True
+    row: PackedRow,
+    device: torch.device,
+    kernel: VarlenKernel | None = None,
+    half_precision: bool = True,
+    window: int | None = None,
 ) -> VarlenPlan:
-    """Queries are the layout itself (segments are contiguous); keys are each segment's path, gathered."""
+    """Queries are the layout itself (segments are contiguous); keys are each segment's path (within the window),
+    gathered."""
     if kernel is None:
         _needs_cuda("varlen", device)
         kernel = torch_varlen
-    q_lens = [seg.q_end - seg.q_start for seg in row.segments]
-    k_lens = [int(seg.kv_index.numel()) for seg in row.segments]
-    gather = torch.cat([seg.kv_index for seg in row.segments]) if row.segments else torch.zeros(0, dtype=torch.long)
-    identity = q_lens == k_lens and bool(torch.equal(gather, torch.arange(gather.numel())))
+    keys = path_keys(row.segments, window)
     return VarlenPlan(
-        cu_q=_cumulative(q_lens).to(device),
-        cu_k=_cumulative(k_lens).to(device),
-        max_q=max(q_lens, default=0),
-        max_k=max(k_lens, default=0),
-        kv_gather=None if identity else gather.to(device),
+        cu_q=_cumulative(keys.q_lens).to(device),
+        cu_k=_cumulative(keys.k_lens).to(device),
+        max_q=max(keys.q_lens, default=0),
+        max_k=max(keys.k_lens, default=0),
+        kv_gather=None if keys.gather is None else keys.gather.to(device),
         kernel=kernel,
         half_precision=half_precision,
+        window=window,
     )
 
 
@@ -147,12 +169,15 @@ def _cumulative(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
+def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):  # type: ignore[no-untyped-def]
     """torch.nn.attention.varlen.varlen_attn, whichever of its signatures this torch has."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
-    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if window is not None and "window_size" not in params:
+        raise ValueError("this torch's varlen_attn has no window_size for sliding-window layers; use cascade or flex")
+    left = -1 if window is None else window - 1
+    kwargs: dict[str, Any] = {"window_size": (left, 0)} if "window_size" in params else {"is_causal": True}
     if "scale" in params:
         kwargs["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
@@ -202,12 +227,16 @@ class CascadePlan:
 
 
 @ATTENTION.register("cascade")
-def cascade_plan(row: PackedRow, device: torch.device, kernel: CascadeKernel | None = None) -> CascadePlan:
-    """``kernel``: torch's flash ops on CUDA; a reference kernel (packing/cascade.py) elsewhere, for tests."""
+def cascade_plan(
+    row: PackedRow, device: torch.device, kernel: CascadeKernel | None = None, window: int | None = None
+) -> CascadePlan:
+    """``kernel``: torch's flash ops on CUDA; a reference kernel (packing/cascade.py) elsewhere, for tests. A
+    sliding window has a layout of its own (cascade.window_layout)."""
     if kernel is None:
         _needs_cuda("cascade", device)
         kernel = FlashKernel()
-    return CascadePlan(cascade_layout(row, device), kernel)
+    layout = cascade_layout(row, device) if window is None else window_layout(row, window, device)
+    return CascadePlan(layout, kernel)
 
 
 # ---- flex: the ancestor relation as a block mask ---------------------------------------------------------------
@@ -241,7 +270,7 @@ class FlexPlan:
 
 
 @ATTENTION.register("flex")
-def flex_plan(row: PackedRow, device: torch.device, bucket: int | None = None) -> FlexPlan:
+def flex_plan(row: PackedRow, device: torch.device, bucket: int | None = None, window: int | None = None) -> FlexPlan:
     """Built uncompiled: a compiled builder would recompile for every new row length. Padded on CUDA only."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -249,11 +278,17 @@ def flex_plan(row: PackedRow, device: torch.device, bucket: int | None = None) -
     bucket = bucket or (FLEX_BUCKET if device.type == "cuda" else 1)
     padded = -(-length // bucket) * bucket
     ends = F.pad(subtree_ends(row), (0, padded - length)).to(device)
+    positions = F.pad(row.position_ids, (0, padded - length)).to(device)
 
     def ancestor(batch, head, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
 
-    return FlexPlan(create_block_mask(ancestor, None, None, padded, padded, device=device), length)
+    def windowed(batch, head, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        near = positions[q_idx] - positions[kv_idx] < window
+        return ancestor(batch, head, q_idx, kv_idx) & near
+
+    mask = ancestor if window is None else windowed
+    return FlexPlan(create_block_mask(mask, None, None, padded, padded, device=device), length)
 
 
 @functools.cache
@@ -268,12 +303,12 @@ def _flex_attention(device_type: str) -> Callable[..., torch.Tensor]:
 
 
 @ATTENTION.register("kernels")
-def kernels_plan(row: PackedRow, device: torch.device) -> TreePlan:
+def kernels_plan(row: PackedRow, device: torch.device, window: int | None = None) -> TreePlan:
     kernel = _fa3_kernel() if device.type == "cuda" else None
     if kernel is None:
         _warn_fallback(device.type)
-        return auto_plan(row, device)
-    return varlen_plan(row, device, kernel=kernel)
+        return auto_plan(row, device, window=window)
+    return varlen_plan(row, device, kernel=kernel, window=window)
 
 
 @functools.cache
@@ -285,8 +320,11 @@ def _fa3_kernel() -> VarlenKernel | None:
     except Exception:  # unreachable Hub, missing package, no build for this GPU: all mean "use the fallback"
         return None
 
-    def fa3(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
-        out = module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
+    def fa3(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):  # type: ignore[no-untyped-def]
+        left = -1 if window is None else window - 1
+        out = module.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True, window_size=(left, 0)
+        )
         return out[0] if isinstance(out, tuple) else out
 
     return fa3
@@ -304,27 +342,62 @@ def _warn_fallback(device_type: str) -> None:
 
 
 @ATTENTION.register("auto")
-def auto_plan(row: PackedRow, device: torch.device) -> TreePlan:
-    return varlen_plan(row, device) if device.type == "cuda" else sdpa_plan(row, device)
+def auto_plan(row: PackedRow, device: torch.device, window: int | None = None) -> TreePlan:
+    plan = varlen_plan if device.type == "cuda" else sdpa_plan
+    return plan(row, device, window=window)
 
 
-def build_plan(attention: str, row: PackedRow, device: torch.device) -> TreePlan:
-    """The named backend's plan for one row (an unknown name lists the registered ones)."""
-    return ATTENTION.get(attention)(row, device)
+def build_plan(attention: str, row: PackedRow, device: torch.device, window: int | None = None) -> TreePlan:
+    """The named backend's plan for one row, for layers of sliding window ``window`` (None: full attention); an
+    unknown name lists the registered ones."""
+    factory = ATTENTION.get(attention)
+    return factory(row, device) if window is None else factory(row, device, window=window)
+
+
+@dataclass(frozen=True)
+class RowPlans:
+    """The plans of one row, the `tree_plan` keyword of the model's forward: one per attention window of the model's
+    layers (None: full attention), all built before the forward. Only plans travel as the keyword, never the row:
+    FSDP's pre-forward hook walks every layer's keyword arguments for tensors, and a row holds one per segment (at
+    0.5 s a layer on the CPU when the row travelled)."""
+
+    plans: dict[int | None, TreePlan]
+
+    @classmethod
+    def build(cls, attention: str, row: PackedRow, device: torch.device, windows: set[int | None]) -> RowPlans:
+        return cls({window: build_plan(attention, row, device, window) for window in windows})
+
+    def plan(self, window: int | None) -> TreePlan:
+        if window not in self.plans:
+            planned = sorted(self.plans, key=str)
+            raise ValueError(f"an attention layer asked for sliding window {window}, which the model's config "
+                             f"(layer_types, sliding_window) does not name; planned: {planned}")  # fmt: skip
+        return self.plans[window]
+
+
+def attention_windows(model: torch.nn.Module) -> set[int | None]:
+    """The sliding windows the model's attention layers use (None: full attention), from its text config."""
+    text = unwrap_model(model).config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    windows: set[int | None] = {None} if kinds - {"sliding_attention"} else set()
+    if "sliding_attention" in kinds:
+        windows.add(text.sliding_window)
+    return windows
 
 
 @torch.compiler.disable
 def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # type: ignore[no-untyped-def]
     """transformers' attention-function contract; the row's structure arrives as the `tree_plan` keyword.
     Never traced by torch.compile: a plan is per-row Python data, and its kernels are already fused."""
-    plan: TreePlan | None = kwargs.get("tree_plan")
-    if plan is None:
+    plans: RowPlans | None = kwargs.get("tree_plan")
+    if plans is None:
         raise RuntimeError(
             f"attention '{TREE_ATTENTION}' needs a tree_plan: forward the model through "
             "asyncrl.trainer.forward.packed_forward, or call model.set_attn_implementation('sdpa') to use it alone"
         )
-    if kwargs.get("sliding_window"):
-        raise ValueError("tree attention does not implement sliding windows (check_model should have said so)")
+    if kwargs.get("softcap"):
+        raise ValueError("tree attention does not softcap attention scores (check_model should have said so)")
+    plan = plans.plan(kwargs.get("sliding_window"))
     return plan.attend(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
 
 
@@ -353,19 +426,22 @@ def unwrap_model(model: torch.nn.Module) -> Any:
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Packed rows need every decoder layer to be full attention or a gated-DeltaNet layer of a family that
-    packing/deltanet.py wraps; name what is not (attention sinks, sliding windows, other token mixers)."""
+    """Packed rows need every decoder layer to be causal attention (full or sliding-window) or a gated-DeltaNet
+    layer of a family that packing/deltanet.py wraps; name what is not (attention sinks, bidirectional or
+    softcapped attention, other token mixers)."""
     from asyncrl.packing.deltanet import unsupported_deltanet
 
     config = model.config
     name = getattr(config, "model_type", type(model).__name__)
     text = config.get_text_config()
-    others = sorted(set(getattr(text, "layer_types", None) or []) - {"full_attention", "linear_attention"})
+    supported = {"full_attention", "sliding_attention", "linear_attention"}
+    others = sorted(set(getattr(text, "layer_types", None) or []) - supported)
     if others:
         raise ValueError(
-            f"packing: {name} has layer_types {others}; packed rows support full attention and gated "
-            "DeltaNet layers (Qwen3.5, Qwen3.6, Qwen3-Next) only"
+            f"packing: {name} has layer_types {others}; packed rows support full and sliding-window attention "
+            "and gated DeltaNet layers (Qwen3.5, Qwen3.6, Qwen3-Next) only"
         )
+    _check_causal_scores(name, text)
     sinks = sorted({type(m).__name__ for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)})
     if sinks:
         raise ValueError(f"packing: {name} has attention sinks ({', '.join(sinks)}), which packed rows do not support")
@@ -385,6 +461,17 @@ def check_model(model: torch.nn.Module) -> None:
                 )
     if getattr(text, "attention_dropout", 0.0):
         raise ValueError(f"tree packing: {name} has attention_dropout={text.attention_dropout}; it must be 0")
+
+
+def _check_causal_scores(name: str, text: Any) -> None:
+    """Bidirectional attention (EmbeddingGemma) is no causal language model; a tanh cap on attention scores
+    (Gemma 2) has no flash kernel in torch, so no packed backend could apply it. Gemma 3 sets neither."""
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"packing: {name} has bidirectional attention; packed rows are causal")
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"packing: {name} sets attn_logit_softcapping={text.attn_logit_softcapping}, which packed rows do not apply"
+        )
 
 
 def _mixes_tokens(layer: torch.nn.Module) -> bool:

@@ -10,6 +10,11 @@ descendants of a segment are one contiguous span right after it, so the row spli
   are disjoint).
 Each token's K/V enters the self part and at most one ancestor part, where the `varlen` backend copies a prompt's
 K/V once per completion and sums their gradients back.
+
+A sliding-window layer (Gemma 3's) has one part (`window_layout`): each segment against its path's keys within the
+window, gathered. Parts by depth cannot carry a window: flash aligns a window by index, and the query span of one
+depth holds branches that restart at the same position. The copy is bounded: window - 1 keys per segment beyond
+its own tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.packing.row import PackedRow
+from asyncrl.packing.row import PackedRow, path_keys
 
 Rows = slice | torch.Tensor
 """Layout positions of a part's queries or keys: a slice where they are one range (no copy), else an index."""
@@ -34,7 +39,9 @@ class Sequences:
     max_q: int
     max_k: int
     causal: bool
-    """Causal aligned bottom-right (here only the self part, where each query sequence is its key sequence)."""
+    """Causal aligned bottom-right (the self part, and a window layout's one part)."""
+    window: int | None = None
+    """Sliding window, causal parts only: a query sees its own key and the window - 1 keys before it."""
 
 
 class CascadeKernel(Protocol):
@@ -94,6 +101,17 @@ def cascade_layout(row: PackedRow, device: torch.device) -> CascadeLayout:
             spans = [(segments[s].q_end, end[s]) for s in forks]
             parts.append(_part(spans, [own[s] for s in forks], causal=False, device=device))
     return CascadeLayout(parts)
+
+
+def window_layout(row: PackedRow, window: int, device: torch.device) -> CascadeLayout:
+    """A sliding-window layer's one part: every segment's queries, causal and windowed, against its path's keys
+    within the window (the layout itself where each segment's keys are its own tokens)."""
+    _check_tiling(row)
+    keys = path_keys(row.segments, window)
+    cu_q, cu_k = _cumulative(keys.q_lens).to(device), _cumulative(keys.k_lens).to(device)
+    seqs = Sequences(cu_q, cu_k, max(keys.q_lens), max(keys.k_lens), causal=True, window=window)
+    layout = slice(0, row.num_forwarded)
+    return CascadeLayout([Part(layout, layout if keys.gather is None else keys.gather.to(device), seqs)])
 
 
 def _subtrees(row: PackedRow, parents: list[int]) -> tuple[list[int], list[int]]:
@@ -213,9 +231,10 @@ class CascadeAttention(torch.autograd.Function):
 
 
 def _merged_forward(q, k, v, layout: CascadeLayout, kernel: CascadeKernel, scale: float):  # type: ignore[no-untyped-def]
-    """Self part first, then each ancestor part merged into its queries' rows (an online log-sum-exp merge)."""
+    """Self part first (all of the layout's queries), then each ancestor part merged into its queries' rows (an
+    online log-sum-exp merge)."""
     own, *ancestors = layout.parts
-    out, lse = kernel.forward(q, k, v, own.seqs, scale)
+    out, lse = kernel.forward(q, _take(k, own.k_rows), _take(v, own.k_rows), own.seqs, scale)
     for part in ancestors:
         rows, keys = part.q_rows, part.k_rows
         part_out, part_lse = kernel.forward(_take(q, rows), _take(k, keys), _take(v, keys), part.seqs, scale)
@@ -229,7 +248,9 @@ def _merged_forward(q, k, v, layout: CascadeLayout, kernel: CascadeKernel, scale
 
 def _merged_backward(dout, q, k, v, out, lse, layout: CascadeLayout, kernel: CascadeKernel, scale: float):  # type: ignore[no-untyped-def]
     own, *ancestors = layout.parts
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, own.seqs, scale)
+    keys = own.k_rows
+    dq, own_dk, own_dv = kernel.backward(dout, q, _take(k, keys), _take(v, keys), out, lse, own.seqs, scale)
+    dk, dv = _spread(own_dk, k, keys), _spread(own_dv, v, keys)
     if len(ancestors) > 1:
         dq = dq.to(_accumulation(dq.dtype))
     for part in ancestors:
@@ -260,6 +281,17 @@ def _put(t: torch.Tensor, rows: Rows, value: torch.Tensor, dim: int = 0) -> None
         t.index_copy_(dim, rows, value)
 
 
+def _spread(grad: torch.Tensor, like: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The gradient of keys taken at ``rows`` as one over all of ``like``'s rows, itself where it already is. A
+    window layout's prompt key is taken by every completion whose window reaches it: summed in float32, rounded
+    once."""
+    if grad.shape[0] == like.shape[0] and isinstance(rows, slice):
+        return grad
+    total = torch.zeros(like.shape, dtype=_accumulation(grad.dtype), device=grad.device)
+    _add(total, rows, grad)
+    return total.to(grad.dtype)
+
+
 def _add(t: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
     if isinstance(rows, slice):
         t[rows] += value.to(t.dtype)
@@ -284,8 +316,9 @@ class FlashKernel:
 
     def forward(self, q, k, v, seqs: Sequences, scale: float):  # type: ignore[no-untyped-def]
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, seqs.cu_q, seqs.cu_k, max(seqs.max_q, 2), seqs.max_k, 0.0, seqs.causal, False, scale=scale
-        )
+            q, k, v, seqs.cu_q, seqs.cu_k, max(seqs.max_q, 2), seqs.max_k, 0.0, seqs.causal, False, scale=scale,
+            **_flash_window(seqs),
+        )  # fmt: skip
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, seqs: Sequences, scale: float):  # type: ignore[no-untyped-def]
@@ -294,9 +327,14 @@ class FlashKernel:
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse, seqs.cu_q, seqs.cu_k, max(seqs.max_q, 2), seqs.max_k, 0.0, seqs.causal,
-            rng_state, unused, scale=scale,
+            rng_state, unused, scale=scale, **_flash_window(seqs),
         )  # fmt: skip
         return dq, dk, dv
+
+
+def _flash_window(seqs: Sequences) -> dict[str, int]:
+    """A sliding window as flash's (left, right) window sizes; nothing for full attention."""
+    return {} if seqs.window is None else {"window_size_left": seqs.window - 1, "window_size_right": 0}
 
 
 class ReferenceKernel:
@@ -309,7 +347,7 @@ class ReferenceKernel:
     def forward(self, q, k, v, seqs: Sequences, scale: float):  # type: ignore[no-untyped-def]
         out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0])
         for rows, keys in _ranges(seqs):
-            scores = _scores(q[rows], _grouped(k[keys], q.shape[1]), seqs.causal, scale)
+            scores = _scores(q[rows], _grouped(k[keys], q.shape[1]), seqs, scale)
             lse[:, rows] = scores.logsumexp(-1)
             out[rows] = torch.einsum("hqk,khd->qhd", (scores - lse[:, rows, None]).exp(), _grouped(v[keys], q.shape[1]))
         return out, lse
@@ -319,7 +357,7 @@ class ReferenceKernel:
         heads, kv_heads = q.shape[1], k.shape[1]
         for rows, keys in _ranges(seqs):
             key, value = _grouped(k[keys], heads), _grouped(v[keys], heads)
-            probs = (_scores(q[rows], key, seqs.causal, scale) - lse[:, rows, None]).exp()  # [H, q, k]
+            probs = (_scores(q[rows], key, seqs, scale) - lse[:, rows, None]).exp()  # [H, q, k]
             d_probs = torch.einsum("qhd,khd->hqk", dout[rows], value)
             delta = (dout[rows] * out[rows]).sum(-1).T.unsqueeze(-1)  # [H, q, 1]
             d_scores = probs * (d_probs - delta)
@@ -334,12 +372,14 @@ def _ranges(seqs: Sequences) -> list[tuple[slice, slice]]:
     return [(slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])) for i in range(len(cu_q) - 1)]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """[H, q, k] scaled scores, -inf where a causal mask (aligned bottom-right) hides the key."""
+def _scores(q: torch.Tensor, k: torch.Tensor, seqs: Sequences, scale: float) -> torch.Tensor:
+    """[H, q, k] scaled scores, -inf where a causal mask or a sliding window (aligned bottom-right) hides the key."""
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if causal:
+    if seqs.causal:
         n_q, n_k = q.shape[0], k.shape[0]
         hidden = torch.ones(n_q, n_k, dtype=torch.bool).triu(diagonal=n_k - n_q + 1)
+        if seqs.window is not None:
+            hidden |= torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q - seqs.window)
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 

@@ -22,6 +22,36 @@ class Segment:
     kv_index: torch.Tensor
     """Layout positions this segment's queries may attend to, ending with its own q_start..q_end."""
 
+    def keys_within(self, window: int | None) -> torch.Tensor:
+        """The path keys some query sees under a sliding window (a query sees itself and the window - 1 tokens
+        before it; None: the whole path): its own tokens and at most window - 1 before them. A path holds one
+        token per position, so the window's reach is a suffix of it."""
+        if window is None:
+            return self.kv_index
+        reach = self.q_end - self.q_start + window - 1
+        return self.kv_index[max(0, int(self.kv_index.numel()) - reach) :]
+
+
+@dataclass(frozen=True)
+class PathKeys:
+    """Each segment's query and key counts as one varlen call lays them out, and where its keys come from."""
+
+    q_lens: list[int]
+    k_lens: list[int]
+    gather: torch.Tensor | None
+    """Layout positions of every segment's keys, concatenated; None where each segment's keys are its own tokens
+    (the layout as it is: flat rows, nothing to copy)."""
+
+
+def path_keys(segments: list[Segment], window: int | None = None) -> PathKeys:
+    """The keys of each segment's queries, within ``window`` (Segment.keys_within)."""
+    keys = [seg.keys_within(window) for seg in segments]
+    q_lens = [seg.q_end - seg.q_start for seg in segments]
+    k_lens = [int(k.numel()) for k in keys]
+    gather = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.long)
+    identity = q_lens == k_lens and bool(torch.equal(gather, torch.arange(gather.numel())))
+    return PathKeys(q_lens, k_lens, None if identity else gather)
+
 
 @dataclass
 class PackedRow:

@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncrl.config.schema import Config
-from asyncrl.packing.attention import attach_tree_attention, build_plan, unwrap_model
+from asyncrl.packing.attention import RowPlans, attach_tree_attention, attention_windows, unwrap_model
 from asyncrl.packing.deltanet import PLAN_KEYWORD, build_recurrent_plan, conv_kernel_size, deltanet_layers
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import compile_options
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LOGIT_CHUNK_TOKENS = 4096
 _COMPILED = "_asyncrl_layers_compiled"
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
-"""Config fields of models that change the LM head's output after it (Gemma, Granite, Cohere)."""
+_LOGIT_TRANSFORMS = ("logits_scaling", "logit_scale")
+"""Config fields of models that change the LM head's output after it (Granite, Cohere); Gemma's
+final_logit_softcapping is applied (trainer/token_logprobs.py)."""
 
 
 @dataclass
@@ -83,6 +84,7 @@ def packed_forward(
         compile_watch().row()
     inner = unwrap_model(model)
     check_head(inner.config)
+    softcap = final_softcap(inner.config)
     head = inner.get_output_embeddings()
     extra = {"output_router_logits": True} if router_aux else {}
     with _head_input(head) as captured:
@@ -91,7 +93,7 @@ def packed_forward(
             position_ids=row.position_ids[None].to(device),
             logits_to_keep=row.token_index.to(device),
             use_cache=False,
-            tree_plan=build_plan(attention, row, device),
+            tree_plan=RowPlans.build(attention, row, device, attention_windows(inner)),
             **recurrent_kwargs(inner, row, device),
             **extra,
         )
@@ -105,6 +107,7 @@ def packed_forward(
         chunk_tokens=logit_chunk_tokens,
         compute_dtype=captured["dtype"],
         compile_backend=backend,
+        softcap=softcap,
     )
     aux_loss = output.aux_loss if router_aux else None
     return ForwardOutput(out.logprobs, out.top_logprobs, out.entropy, time.perf_counter() - started, aux_loss)
@@ -118,13 +121,20 @@ def recurrent_kwargs(model: torch.nn.Module, row: PackedRow, device: torch.devic
 
 
 def check_head(config: object) -> None:
-    """The log-probabilities are computed from the LM head's input: refuse models that transform its output."""
+    """The log-probabilities are computed from the LM head's input: refuse models that transform its output
+    (other than by final_softcap)."""
     found = {key: getattr(config, key) for key in _LOGIT_TRANSFORMS if getattr(config, key, None) not in (None, 1.0)}
     if found:
         raise ValueError(
             f"packed_forward: {type(config).__name__} transforms the LM head's logits ({found}), which "
             "the chunked log-probabilities (trainer/token_logprobs.py) do not apply"
         )
+
+
+def final_softcap(config: Any) -> float | None:
+    """Gemma's cap on the LM head's logits (cap * tanh(logits / cap)), which its forward applies after the head:
+    its text config's final_logit_softcapping (None for Gemma 3's checkpoints, 30 for Gemma 2's)."""
+    return getattr(config.get_text_config(), "final_logit_softcapping", None)
 
 
 @contextmanager

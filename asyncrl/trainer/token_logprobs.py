@@ -3,7 +3,8 @@
 The LM head's [tokens x vocabulary] logits (152k columns for Qwen3) are the largest tensors of a step. Here only
 [chunk x vocabulary] exists at once: the forward keeps each token's log-normaliser, and the backward recomputes
 its chunk's logits to form d(loss)/d(logits) and pushes it into the hidden states and the head's weight.
-Temperature scaling and renormalisation over a sampler's candidate set are applied exactly as the sampler did.
+Gemma's final logit softcapping, temperature scaling and renormalisation over a sampler's candidate set are applied
+exactly as the sampler did.
 """
 
 from __future__ import annotations
@@ -51,11 +52,18 @@ class CandidateSets:
 
 
 def chunk_stats(
-    logits: torch.Tensor, keep: torch.Tensor | None, targets: torch.Tensor, top_ids: torch.Tensor, temperature: float
+    logits: torch.Tensor,
+    keep: torch.Tensor | None,
+    targets: torch.Tensor,
+    top_ids: torch.Tensor,
+    temperature: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One chunk's log-normaliser, target and top-K log-probabilities and entropy, from its raw head output
     (consumed: the float passes run in place, so eagerly at most three [chunk x vocabulary] buffers exist)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
     if temperature != 1.0:
         z.div_(temperature)
     if keep is not None:
@@ -77,10 +85,15 @@ def chunk_grad_logits(
     grad_logprobs: torch.Tensor,
     grad_top: torch.Tensor,
     temperature: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """d(loss)/d(raw head output) of one chunk, in its dtype: sum_j g_j (onehot(id_j) - p) / temperature, zero
-    outside the set (``logits`` consumed as in chunk_stats)."""
+    outside the set, times the softcap's derivative 1 - tanh^2 (``logits`` consumed as in chunk_stats)."""
     z = logits.to(log_z.dtype)
+    capped = None
+    if softcap is not None:
+        capped = z.div_(softcap).tanh_()
+        z = capped * softcap
     if temperature != 1.0:
         z.div_(temperature)
     grad_z = z.sub_(log_z[:, None]).exp_()  # probabilities (outside the set: zeroed below)
@@ -91,6 +104,8 @@ def chunk_grad_logits(
         grad_z.masked_fill_(~keep, 0.0)
     if temperature != 1.0:
         grad_z.div_(temperature)
+    if capped is not None:
+        grad_z.mul_(capped.square_().neg_().add_(1.0))
     return grad_z.to(logits.dtype)
 
 
@@ -118,6 +133,8 @@ class Chunking:
     sets: CandidateSets | None
     compile_backend: str | None = None
     """torch.compile backend of the epilogues (None = eager)."""
+    softcap: float | None = None
+    """The model's final_logit_softcapping: logits become softcap * tanh(logits / softcap) before the rest."""
 
     @property
     def float_dtype(self) -> torch.dtype:
@@ -167,7 +184,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         for index, lo, hi in chunking.ranges(length):
             z, keep = chunking.logits(hidden, w, bias, index, lo, hi)
             log_z[lo:hi], logprobs[lo:hi], top[lo:hi], entropy[lo:hi] = chunking.epilogue(chunk_stats, hi - lo)(
-                z, keep, targets[lo:hi], top_ids[lo:hi], chunking.temperature
+                z, keep, targets[lo:hi], top_ids[lo:hi], chunking.temperature, chunking.softcap
             )
         ctx.save_for_backward(hidden, weight, bias, targets, top_ids, log_z)
         ctx.chunking = chunking
@@ -200,6 +217,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_logprobs[lo:hi],
                 grad_top[lo:hi],
                 chunking.temperature,
+                chunking.softcap,
             )
             if grad_hidden is not None:
                 grad_hidden[lo:hi] = grad_z @ w
@@ -230,11 +248,12 @@ def compute_token_logprobs(
     chunk_tokens: int = 4096,
     compute_dtype: torch.dtype | None = None,
     compile_backend: str | None = None,
+    softcap: float | None = None,
 ) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature) at ``targets`` (and ``top_ids``), renormalised over each slot's
     candidate set; ``chunk_tokens`` 0 = all tokens in one chunk; ``compute_dtype``: the head matmul's dtype
     (the autocast dtype the model ran under; default the weight's); ``compile_backend``: torch.compile the
-    per-chunk epilogues with it (None = eager)."""
+    per-chunk epilogues with it (None = eager); ``softcap``: the model's final_logit_softcapping (None: none)."""
     if chunk_tokens < 0:
         raise ValueError(f"logit_chunk_tokens={chunk_tokens} must be >= 0 (0 = all trained tokens at once)")
     if temperature <= 0:
@@ -244,7 +263,7 @@ def compute_token_logprobs(
     size = chunk_tokens or max(length, 1)
     starts = [*range(0, length, size), length]
     sets = CandidateSets.build(sampling_masks, starts, device) if sampling_masks is not None else None
-    chunking = Chunking(size, temperature, compute_dtype or weight.dtype, sets, compile_backend)
+    chunking = Chunking(size, temperature, compute_dtype or weight.dtype, sets, compile_backend, softcap)
     ids = top_ids.to(device) if top_ids is not None else torch.zeros(length, 0, dtype=torch.long, device=device)
     logprobs, top, entropy = ChunkedTokenLogprobs.apply(hidden, weight, bias, targets.to(device), ids, chunking)
     return TokenLogprobs(logprobs, top if top_ids is not None else None, entropy)

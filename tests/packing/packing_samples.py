@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncrl.rollout.types import RolloutSample, TrainingSequence
@@ -97,3 +98,40 @@ def build_tiny_hybrid(seed: int = 0, vision: bool = False) -> torch.nn.Module:
                     module.A_log.uniform_(-3.0, -1.0)
                     module.dt_bias.uniform_(-1.0, 0.0)
     return model
+
+
+def build_tiny_gemma3(
+    seed: int = 0,
+    sliding_window: int = 6,
+    final_logit_softcapping: float | None = None,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.float64,
+) -> torch.nn.Module:
+    """Gemma 3's text model: sliding-window layers around a full-attention one (a window shorter than the
+    samples, so that it matters), grouped-query attention, tied embeddings, random weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, query_pre_attn_scalar=head_dim, max_position_embeddings=256,
+        sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=final_logit_softcapping, pad_token_id=0, bos_token_id=None, eos_token_id=1,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Gemma3ForCausalLM(config).to(dtype)
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):  # type: ignore[no-untyped-def]
+    """What a varlen flash kernel computes: per sequence, causal attention aligned bottom-right, each query seeing
+    at most window - 1 keys before its own (None: all)."""
+    out = []
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = (t[lo:hi].transpose(0, 1) for t, lo, hi in
+                      ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]), (v, cu_k[i], cu_k[i + 1])))  # fmt: skip
+        n_q, n_k = qs.shape[1], ks.shape[1]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
+        if window is not None:
+            mask &= torch.ones(n_q, n_k, dtype=torch.bool).triu(diagonal=n_k - n_q - window + 1)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True))
+    return torch.cat([o.transpose(0, 1) for o in out])

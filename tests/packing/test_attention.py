@@ -188,9 +188,8 @@ def test_model_check_rejects_layers_without_self_attention():
         attach_tree_attention(model)
 
 
-def test_model_check_rejects_sliding_windows_and_attention_dropout():
-    with pytest.raises(ValueError, match="sliding_attention"):
-        check_model(Qwen3ForCausalLM(tiny_config(use_sliding_window=True, sliding_window=4, max_window_layers=1)))
+def test_model_check_takes_sliding_windows_and_rejects_attention_dropout():
+    check_model(Qwen3ForCausalLM(tiny_config(use_sliding_window=True, sliding_window=4, max_window_layers=1)))
     with pytest.raises(ValueError, match="attention_dropout=0.1"):
         check_model(Qwen3ForCausalLM(tiny_config(attention_dropout=0.1)))
 

@@ -11,8 +11,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from packing_samples import build_tiny_qwen3, random_samples
+from packing_samples import build_tiny_qwen3, random_samples, reference_varlen
 
 from asyncrl.packing import FlatRow, TreeRow
 from asyncrl.packing.attention import ATTENTION, cascade_plan, flex_plan, varlen_plan
@@ -30,13 +29,15 @@ def pack(samples, row_cls=TreeRow):
 
 
 def alone_logprobs(model, samples) -> torch.Tensor:
-    """Each sample forwarded by itself with plain causal SDPA, in the row's loss-slot order."""
+    """Each sample forwarded by itself with plain causal SDPA, in the row's loss-slot order (on the model's
+    device, in float32 at least)."""
     out = []
     for sample in samples:
-        tokens = torch.tensor(sample.sequence.token_ids)
-        logits = model(input_ids=tokens[None], use_cache=False).logits[0] / TEMPERATURE
+        tokens = torch.tensor(sample.sequence.token_ids, device=model.device)
+        logits = model(input_ids=tokens[None], use_cache=False).logits[0]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / TEMPERATURE
         logprobs = logits.log_softmax(-1)[:-1].gather(1, tokens[1:, None]).squeeze(1)
-        out.append(logprobs[torch.tensor(sample.sequence.mask[1:], dtype=torch.bool)])
+        out.append(logprobs[torch.tensor(sample.sequence.mask[1:], dtype=torch.bool, device=model.device)])
     return torch.cat(out)
 
 
@@ -75,18 +76,6 @@ def test_flat_rows_take_the_same_path():
     model, reference = models(5)
     packed = packed_forward(model, row, TEMPERATURE, attention="sdpa").logprobs
     torch.testing.assert_close(packed, alone_logprobs(reference, row.samples), atol=1e-5, rtol=0)
-
-
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """What a varlen flash kernel computes: per sequence, causal attention aligned bottom-right."""
-    out = []
-    for i in range(len(cu_q) - 1):
-        qs, ks, vs = (t[lo:hi].transpose(0, 1) for t, lo, hi in
-                      ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]), (v, cu_k[i], cu_k[i + 1])))  # fmt: skip
-        n_q, n_k = qs.shape[1], ks.shape[1]
-        mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True))
-    return torch.cat([o.transpose(0, 1) for o in out])
 
 
 @pytest.mark.parametrize("seed", [6, 7])

@@ -12,7 +12,7 @@ import torch
 from packing.packing_samples import build_tiny_qwen3, random_samples  # tests/packing
 
 from asyncrl.packing import TreeRow
-from asyncrl.packing.attention import attach_tree_attention, build_plan
+from asyncrl.packing.attention import RowPlans, attach_tree_attention, attention_windows
 from asyncrl.trainer.forward import compile_decoder_layers, packed_forward, resolve_compile
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
 
@@ -121,7 +121,7 @@ def packed_row(seed: int, top_k: int = 2, with_sets: bool = True):
 def full_logits_reference(model, row, temperature):
     """packed_forward's result computed the unchunked way: the model's own [T, V] logits at the kept positions."""
     attach_tree_attention(model)
-    plan = build_plan("sdpa", row, torch.device("cpu"))
+    plan = RowPlans.build("sdpa", row, torch.device("cpu"), attention_windows(model))
     out = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
                 logits_to_keep=row.token_index, tree_plan=plan)  # fmt: skip
     return reference(out.logits[0], row.target_ids, row.top_ids, row.sampling_masks, temperature)
@@ -176,8 +176,8 @@ def test_packed_forward_through_a_peft_lora_model_with_tied_embeddings():
 
 def test_models_that_transform_the_head_output_are_refused():
     model = build_tiny_qwen3(3)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    model.config.logits_scaling = 8.0  # Granite's (Gemma's softcap is applied: tests/packing/test_gemma3.py)
+    with pytest.raises(ValueError, match="logits_scaling"):
         packed_forward(model, packed_row(seed=3), 1.0, attention="sdpa")
 
 
