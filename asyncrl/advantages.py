@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from enum import StrEnum
+from types import MappingProxyType
 from typing import ClassVar
 
 import numpy as np
@@ -37,6 +38,10 @@ class Estimator(Component, ABC):
     """
 
     step_rule: ClassVar[StepRule | None] = None
+    reward_weights: Mapping[str, float] = MappingProxyType({})
+    """Each reward function's weight (reward_weights), by name; set where the run's components are built. ``rewards``
+    carries them already; an estimator that reads ``components`` (unweighted) applies them itself. A source not named
+    (an environment's or a rollout's own reward) weighs 1."""
 
     @abstractmethod
     def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -84,11 +89,14 @@ def silent_rewards(components: Mapping[str, np.ndarray]) -> tuple[tuple[str, ...
 
 
 def over_scorable(rewards: np.ndarray, transform: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """``transform`` of the scorable rewards in place of them; 0 for unscorable rollouts."""
+    """``transform`` of the scorable rewards in place of them; 0 for unscorable rollouts, and exactly 0 for all of
+    them when the scorable ones are equal: their mean can differ from them by a rounding error (0.1 three times
+    averages to 0.1 - 1.4e-17), which a division by std + 1e-8 would turn into advantages of 1e-9 that a step's
+    z-score (gdpo) then blows up to about +-1."""
     rewards = np.asarray(rewards, dtype=np.float64)
     kept = scorable(rewards)
     advantages = np.zeros_like(rewards)
-    if kept.any():
+    if kept.any() and not np.all(rewards[kept] == rewards[kept][0]):
         advantages[kept] = transform(rewards[kept])
     return advantages
 
@@ -141,8 +149,11 @@ def rloo(rewards: np.ndarray) -> np.ndarray:
     return over_scorable(rewards, lambda v: v - (v.sum() - v) / (v.size - 1) if v.size > 1 else np.zeros_like(v))
 
 
-def gdpo(rewards: np.ndarray, *, components: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The sum over reward functions of each one's group z-score; 0 for an unscorable rollout (NaN sum).
+def gdpo(
+    rewards: np.ndarray, *, components: Mapping[str, np.ndarray], weights: Mapping[str, float] = MappingProxyType({})
+) -> np.ndarray:  # fmt: skip
+    """The sum over reward functions of each one's group z-score times its weight (1 where ``weights`` names it
+    not), as TRL's normalize_then_sum; 0 for an unscorable rollout (NaN sum).
 
     A function's NaN (not applicable) entries are left out of its own mean and std and contribute 0.
     """
@@ -153,7 +164,7 @@ def gdpo(rewards: np.ndarray, *, components: Mapping[str, np.ndarray]) -> np.nda
         values = np.asarray(values, dtype=np.float64)
         if values.shape != total.shape:
             raise ValueError(f"advantage 'gdpo': rewards of '{name}' have shape {values.shape}, expected {total.shape}")
-        total += group_zscore(values)
+        total += weights.get(name, 1.0) * group_zscore(values)
     return np.where(scorable(rewards), total, 0.0)
 
 
@@ -202,4 +213,4 @@ class Gdpo(Estimator):
     step_rule = StepRule.zscore
 
     def __call__(self, rewards: np.ndarray, components: Mapping[str, np.ndarray]) -> np.ndarray:
-        return gdpo(rewards, components=components)
+        return gdpo(rewards, components=components, weights=self.reward_weights)

@@ -205,7 +205,7 @@ def serve(ctx: typer.Context) -> None:
 
 @app.command(cls=_Command)
 def report(
-    run_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="A run directory or a multirun sweep.")],
+    run_dir: Annotated[Path, typer.Argument(help="A run directory or a multirun sweep.")],
 ) -> None:
     """Write plots and one self-contained HTML page into RUN_DIR/report/ and print the page's path."""
     from asyncrl.report import write_report

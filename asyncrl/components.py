@@ -48,13 +48,16 @@ def build_components(config: Config) -> Components:
     """Every component group of ``config``, built; a bad name or option raises ConfigError naming its key."""
     registries = component_registries()
     rewards = []
-    for index, spec in enumerate(config.reward_funcs):
+    weights = config.reward_weights or [1.0] * len(config.reward_funcs)
+    for index, (spec, weight) in enumerate(zip(config.reward_funcs, weights, strict=True)):
         fn = _build(registries["reward"], spec, f"reward_funcs[{index}]")
         name = spec["name"] if spec["name"] in registries["reward"] else reward_name(fn)
-        rewards.append(RewardSource(name, fn))
+        rewards.append(RewardSource(name, fn, float(weight)))
+    advantage = _build(registries["advantage"], config.advantage, "advantage")
+    advantage.reward_weights = {source.name: source.weight for source in rewards}
     return Components(
         loss=_build(registries["loss"], config.loss, "loss"),
-        advantage=_build(registries["advantage"], config.advantage, "advantage"),
+        advantage=advantage,
         packer=_build(registries["packing"], config.packing, "packing"),
         rewards=rewards,
     )

@@ -1,13 +1,16 @@
-"""Prompt datasets: a hub id, a local directory, or a json/jsonl/parquet file, with a conversational `prompt`.
+"""Prompt datasets: a hub id, a local directory, or a json/jsonl/parquet file, with a `prompt` column.
 
-Checked before anything starts: a missing `prompt` column or non-conversational prompts fail with a message
-saying what was found, and so does a row that carries an image (asyncrl trains on text only, vision-language
-models included: nothing would hand the image to the server or to the training forward pass).
+A prompt is conversational (a list of {role, content} messages: the chat template renders it) or standard, as TRL's
+GRPO page allows (plain text, tokenized as it is: no chat template; its completions are plain text too).
+Checked before anything starts: a missing `prompt` column or prompts of neither form fail with a message saying what
+was found, and so does a row that carries an image (asyncrl trains on text only, vision-language models included:
+nothing would hand the image to the server or to the training forward pass).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,17 +92,22 @@ def check_prompts(dataset: Dataset, source: str) -> None:
     if "prompt" not in dataset.column_names:
         raise DatasetError(
             f"dataset {source} has no 'prompt' column (columns: {', '.join(dataset.column_names)}); asyncrl needs "
-            "conversational prompts: a list of {'role', 'content'} messages per row"
+            "a prompt per row: a list of {'role', 'content'} messages, or a plain string"
         )
     if len(dataset) == 0:
         raise DatasetError(f"dataset {source} is empty")
     first = dataset[0]["prompt"]
-    if not _is_conversation(first):
+    if not (_is_text(dataset.features["prompt"]) or _is_conversation(first)):
         raise DatasetError(
-            f"dataset {source}: 'prompt' must be a list of {{'role', 'content'}} messages, found "
-            f"{type(first).__name__}: {str(first)[:80]!r}"
+            f"dataset {source}: 'prompt' must be a list of {{'role', 'content'}} messages (conversational) or a "
+            f"string (standard), found {type(first).__name__}: {str(first)[:80]!r}"
         )
     check_text_only(dataset, source)
+
+
+def standard_prompts(rows: Dataset | Sequence[dict[str, Any]]) -> bool:
+    """Whether the prompts are plain text (a string column: every row is one) rather than conversations."""
+    return len(rows) > 0 and isinstance(rows[0]["prompt"], str)
 
 
 def check_text_only(dataset: Dataset, source: str) -> None:
@@ -114,7 +122,7 @@ def check_text_only(dataset: Dataset, source: str) -> None:
                 f"dataset {source}: row {row} carries an image in its '{column}' column: {fix}; "
                 f"drop the column (dataset.remove_columns('{column}')) or those rows"
             )
-    if _plain_text_content(dataset.features["prompt"]):
+    if _is_text(dataset.features["prompt"]) or _plain_text_content(dataset.features["prompt"]):
         return
     for row, messages in enumerate(dataset["prompt"]):
         for message in messages:
@@ -135,11 +143,15 @@ def _first_present(values: pa.Array | pa.ChunkedArray) -> int | None:
     return None if index < 0 else index
 
 
+def _is_text(feature: Any) -> bool:
+    """Whether a feature is a string column (standard prompts)."""
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+
+
 def _plain_text_content(feature: Any) -> bool:
     """Whether the prompt feature's messages have string ``content`` (so no content part can be an image)."""
     message = getattr(feature, "feature", None)
-    content = message.get("content") if isinstance(message, dict) else None
-    return isinstance(content, Value) and content.dtype in ("string", "large_string")
+    return isinstance(message, dict) and _is_text(message.get("content"))
 
 
 def _media_part(content: Any) -> str | None:

@@ -13,6 +13,7 @@ on) refuses every request with temperature 0 or top_k 0.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,20 +21,37 @@ import numpy as np
 
 from asyncrl.client import GenerationClient
 from asyncrl.config.schema import Config
-from asyncrl.rollout.loop import render_prompt
+from asyncrl.prompts import completion_of, render_prompt
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import RolloutGroup
 from asyncrl.sampling import SamplingParams
 
+Progress = Callable[[str, int, int], None]
+"""Told after each completion: (the pass, greedy or sampled; prompts done; prompts in all)."""
+
+
+def _no_progress(label: str, done: int, total: int) -> None:
+    pass
+
 
 async def _complete_all(
-    client: GenerationClient, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
+    client: GenerationClient,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    concurrency: int,
+    done: Callable[[int], None] = lambda finished: None,
 ) -> list[Any]:
+    """Every prompt's completion, ``concurrency`` at a time; ``done`` gets the count as each comes back."""
     gate = asyncio.Semaphore(concurrency)
+    finished = 0
 
     async def one(ids: list[int], p: SamplingParams) -> Any:
+        nonlocal finished
         async with gate:
-            return await client.complete(ids, p)
+            out = await client.complete(ids, p)
+        finished += 1
+        done(finished)
+        return out
 
     return await asyncio.gather(*(one(i, p) for i, p in zip(prompts, params, strict=True)))
 
@@ -46,6 +64,7 @@ async def _evaluate(
     rows: list[dict[str, Any]],
     sources: list[RewardSource],
     max_model_len: int,
+    progress: Progress,
 ) -> dict[str, float]:
     s = config.sampling
     prompts = [render_prompt(tokenizer, row["prompt"], s.chat_template_kwargs) for row in rows]
@@ -65,7 +84,8 @@ async def _evaluate(
                 for i, ids in enumerate(prompts)
             ]
             concurrency = config.server.max_num_seqs * len(client.servers)  # each server's batch
-            outs = await _complete_all(client, prompts, params, concurrency=concurrency)
+            outs = await _complete_all(client, prompts, params, concurrency=concurrency,
+                                       done=lambda n, label=label: progress(label, n, len(prompts)))  # fmt: skip
             results[f"eval/{label}_reward"] = await _mean_reward(rows, outs, tokenizer, sources)
     return results
 
@@ -77,7 +97,8 @@ async def _mean_reward(
         prompts=[r["prompt"] for r in rows],
         reward_kwargs={k: [r[k] for r in rows] for k in rows[0] if k != "prompt"},
         completions=[
-            [{"role": "assistant", "content": tokenizer.decode(o.token_ids, skip_special_tokens=True)}] for o in outs
+            completion_of(r["prompt"], tokenizer.decode(o.token_ids, skip_special_tokens=True))
+            for r, o in zip(rows, outs, strict=True)
         ],
         completions_ids=[list(o.token_ids) for o in outs],
         completions_sequences=[[] for _ in rows],
@@ -102,11 +123,12 @@ def evaluate(
     dataset: Any,
     sources: list[RewardSource],
     max_model_len: int,
+    progress: Progress = _no_progress,
 ) -> dict[str, float]:
     """Mean reward of greedy and sampled completions on the first ``data.num_eval_prompts`` eval rows, spread over
-    the servers at ``base_urls``."""
+    the servers at ``base_urls``; ``progress`` is told as the completions come back (the console shows it)."""
     rows = [dataset[i] for i in range(min(len(dataset), config.data.num_eval_prompts))]
-    return asyncio.run(_evaluate(config, base_urls, model_name, tokenizer, rows, sources, max_model_len))
+    return asyncio.run(_evaluate(config, base_urls, model_name, tokenizer, rows, sources, max_model_len, progress))
 
 
 @dataclass

@@ -35,17 +35,30 @@ class FlowControl:
     num_generations: int = 1
     max_concurrent_rollouts: int = 512
     clock: Clock = field(default=time.monotonic, compare=False)
+    samples_per_step: int | None = None
+    """trainer.samples_per_step: a step's samples; in synchronous mode the worker's batch (``batch_groups``)."""
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock = time.monotonic) -> FlowControl:
         st = config.staleness
-        return cls(st.max_staleness, config.sampling.num_generations, st.max_concurrent_rollouts, clock)
+        return cls(st.max_staleness, config.sampling.num_generations, st.max_concurrent_rollouts, clock,
+                   config.trainer.samples_per_step)  # fmt: skip
 
     @property
     def synchronous(self) -> bool:
         """max_staleness=0: every step trains on the weights just synced, so the worker generates one batch, marks
         its end and waits for the sync; nothing is paced, no step waits for expiring groups."""
         return self.max_staleness == 0
+
+    @property
+    def batch_groups(self) -> int | None:
+        """Synchronous mode with trainer.samples_per_step=N: the groups each batch sends the trainer (N is a whole
+        number of groups, plan/assemble.py checks), so every step trains exactly N samples as TRL's batch size
+        gives; dropped groups are replaced under the same weights. None: the batch closes at the token allowance,
+        and its sample count follows the completions' lengths and the packing ratio."""
+        if not self.synchronous or self.samples_per_step is None:
+            return None
+        return self.samples_per_step // self.num_generations
 
     # ---- staleness -------------------------------------------------------------------------------------------
 

@@ -100,7 +100,10 @@ def _hydra_job(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from asyncrl.logs import quiet_progress_bars
+
     os.environ["ASYNCRL_STARTED_AT"] = str(time.time())  # trainer/loop.py's STARTED_ENV: perf/startup_* count from here
+    quiet_progress_bars()  # Hydra has set the job's logging up: libraries' bars would break its lines
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         plan = plan_run(cfg, run_dir)
@@ -342,7 +345,7 @@ def check_port(config: Config) -> None:
     """The port of a server to launch is free: otherwise the new server fails to bind, and the run would talk to
     whatever listens there."""
     from asyncrl.serving.command import replica_port
-    from asyncrl.serving.process import port_is_free
+    from asyncrl.serving.process import port_in_use, port_is_free
 
     sv = config.server
     for replica in range(sv.replicas if sv.launch else 0):
@@ -350,7 +353,7 @@ def check_port(config: Config) -> None:
         if not port_is_free(sv.host, port):
             which = f"server.port={sv.port}" if replica == 0 else f"server.port={sv.port} + replica {replica}"
             raise ConfigError(
-                f"{which}: {sv.host}:{port} is already in use (another server?); choose a free one with "
+                f"{which}: {port_in_use(sv.host, port)}; choose a free one with "
                 "server.port=N, or attach to it with server.launch=false"
             )
 

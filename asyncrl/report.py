@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.transforms import offset_copy
 
 from asyncrl.flow import FlowControl
 from asyncrl.metrics import read_jsonl
@@ -34,6 +36,8 @@ _QUEUE_METRICS = (
     "batch/samples_per_step",
     "sample/staleness_mean",
 )
+BOTTOM_IN, LEGEND_ROW_IN = 0.55, 0.2
+"""Inches under the axes for the tick labels and the axis label; for each row of a legend below them."""
 
 
 def series(records: Records, name: str) -> tuple[list[float], list[float]]:
@@ -73,31 +77,54 @@ def _figure(ncols: int = 1, left: float = 0.85) -> tuple[Figure, list[Axes]]:
     width, height = (6 * ncols if ncols > 1 else 8), 4
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
-    right, bottom, top, gap = 0.75, 0.55, 0.35, 0.85  # inches
+    right, top, gap = 0.75, 0.35, 0.85  # inches
     panel = (width - left - right - gap * (ncols - 1)) / ncols
-    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=BOTTOM_IN / height, top=1 - top / height,
                         wspace=gap / panel)  # fmt: skip
     return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
 
 
-def _finish(ax: Axes, title: str, ylabel: str, xlabel: str = "optimizer step") -> None:
+def _finish(ax: Axes, title: str, ylabel: str, xlabel: str = "optimizer step", twin: Axes | None = None) -> None:
+    """Title, labels, grid, and the legend of ``ax`` and its ``twin`` (a right axis) below the axes."""
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    handles = ax.get_legend_handles_labels()[0] + (twin.get_legend_handles_labels()[0] if twin else [])
+    _legend_below(ax, handles)
+
+
+def _legend_below(ax: Axes, handles: list[Artist]) -> None:
+    """The legend under the axes, in a band the figure grows by: inside them it hid lines (the reward plot's
+    dropped fraction, the lengths plot's minimum, the stacked step times), and matplotlib's "best" place does not
+    see a right axis's lines nor avoid a filled area."""
+    fig = ax.get_figure(root=True)
+    ncols = 2 if ax.get_position().width * fig.get_figwidth() > 4 else 1  # inches: room for two long names
+    _room_below(fig, BOTTOM_IN + 0.1 + math.ceil(len(handles) / ncols) * LEGEND_ROW_IN)
+    under_labels = offset_copy(ax.transAxes, fig=fig, y=-BOTTOM_IN, units="inches")
+    ax.legend(handles=handles, loc="upper center", ncols=ncols, fontsize="small", frameon=False,
+              bbox_to_anchor=(0.5, 0.0), bbox_transform=under_labels)  # fmt: skip
+
+
+def _room_below(fig: Figure, bottom_in: float) -> None:
+    """Grow ``fig`` at its bottom until its axes, their size in inches kept, sit ``bottom_in`` above its edge."""
+    width, height = fig.get_size_inches()
+    params = fig.subplotpars
+    below, above = params.bottom * height, (1 - params.top) * height
+    if bottom_in > below:
+        height += bottom_in - below
+        fig.set_size_inches(width, height)
+        fig.subplots_adjust(bottom=bottom_in / height, top=1 - above / height)
 
 
 def plot_reward(records: Records) -> Figure | None:
     fig, (ax,) = _figure()
     if not _lines(ax, records, ("reward", "reward_kept", "reward_dropped"), gaps=True):
         return None
-    _finish(ax, "Reward (`reward` includes dropped groups: follow it)", "reward")
     x, y = series(records, "frac_reward_zero_std")
-    if x:
-        twin = ax.twinx()
+    twin = ax.twinx() if x else None
+    if twin is not None:
         twin.plot(x, y, color="grey", linestyle="--", label="frac_reward_zero_std (right axis)")
         twin.set(ylabel="frac_reward_zero_std", ylim=(-0.02, 1.02))
-        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-        ax.legend(handles=handles, fontsize="small")
+    _finish(ax, "Reward (`reward` includes dropped groups: follow it)", "reward", twin=twin)
     return fig
 
 
@@ -178,18 +205,25 @@ def plot_evaluation(records: Records, evaluation: dict[str, Any]) -> Figure | No
 
 
 def plot_timeline(timeline: dict[str, Any]) -> Figure | None:
-    spans = timeline.get("spans", {})
+    """Busy spans from the launch to the end of training (the run's wall time), the training loop's start marked:
+    the busy fractions are of the loop."""
+    spans, summary = timeline.get("spans", {}), timeline.get("summary", {})
     busy = {name: merge([tuple(s) for s in spans.get(name, [])]) for name in ("generation", "training")}
     if not any(busy.values()):
         return None
-    origin = min(start for merged in busy.values() for start, _ in merged)
+    launched = timeline.get("start")  # an older timeline.json has none: its first span
+    origin = launched if _is_number(launched) else min(start for merged in busy.values() for start, _ in merged)
     fig, (ax,) = _figure(left=1.0)  # the rows' names as tick labels: "generation" is wider than six digits
     for row, (name, merged) in enumerate(busy.items()):
         ax.broken_barh([(s - origin, e - s) for s, e in merged], (row - 0.35, 0.7), color=f"C{row}", label=name)
     ax.set_yticks(range(len(busy)), list(busy))
-    overlap = timeline.get("summary", {}).get("overlap_frac")
-    title = "Busy spans" + ("" if overlap is None else f" (generation and training overlap {overlap:.0%} of wall time)")
-    _finish(ax, title, "", xlabel="seconds since start")
+    wall, loop = summary.get("wall_s"), summary.get("training_s")
+    if _is_number(launched) and _is_number(wall) and _is_number(loop):
+        ax.set_xlim(0, wall)
+        ax.axvline(wall - loop, color="black", linestyle=":", label="training loop starts")
+    overlap = summary.get("overlap_frac")
+    title = "Busy spans" + ("" if overlap is None else f" (generation and training overlap {overlap:.0%} of the loop)")
+    _finish(ax, title, "", xlabel="seconds since launch" if _is_number(launched) else "seconds since start")
     return fig
 
 
@@ -222,15 +256,18 @@ def _flow(run_dir: Path) -> FlowControl | None:
     return None if max_staleness is None else FlowControl(max_staleness)
 
 
-def run_summary(records: Records, run_dir: Path, timeline: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, value) rows of the summary table; rows whose metrics are missing are left out."""
+def run_summary(
+    records: Records, run_dir: Path, timeline: dict[str, Any], evaluation: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """(label, value) rows of the summary table; rows whose metrics are missing are left out. ``timeline`` and
+    ``evaluation``: the run's timeline.json and eval.json."""
     rows: list[tuple[str, str]] = [("steps", str(records[-1]["step"]) if records else "0")]
-    wall = series(records, "time_s")[1]
     rewards = series(records, "reward")[1]
     optional = {
-        "wall time": f"{wall[-1]:.0f} s" if wall else None,
+        "wall time": _wall_time(records, timeline),
         "final reward": f"{rewards[-1]:.4f}" if rewards else None,
         "best reward": f"{max(rewards):.4f}" if rewards else None,
+        **_held_out(evaluation),
     }
     for label, name, fmt in (
         ("mean generated tokens/s", "rollout/generated_tokens_per_s", "{:,.0f}"),
@@ -241,12 +278,41 @@ def run_summary(records: Records, run_dir: Path, timeline: dict[str, Any]) -> li
         value = _mean(records, name)
         optional[label] = None if value is None else fmt.format(value)
     for key, value in timeline.get("summary", {}).items():
-        optional[f"timeline {key}"] = f"{value:.1f}" if key == "wall_s" else f"{value:.1%}"
+        if key.endswith("_frac"):  # of the training loop's time
+            optional[f"timeline {key}"] = f"{value:.1%}"
     flow = _flow(run_dir)
     queue = {name: m for name in _QUEUE_METRICS if (m := _mean(records, name)) is not None}
     if flow is not None and queue:
         optional["bottleneck (run means)"] = diagnose_bottleneck(queue, flow)
     return rows + [(label, value) for label, value in optional.items() if value is not None]
+
+
+def _wall_time(records: Records, timeline: dict[str, Any]) -> str | None:
+    """The run's wall time as timeline.json records it (trainer/timeline.py: launch to end of training, the figure
+    the console's closing line gives); a resumed run's is its last launch's. Without one (an older or unfinished
+    run), the last step's time_s: from the training loop's start."""
+    summary = timeline.get("summary", {})
+    wall, launch_steps = summary.get("wall_s"), summary.get("launch_steps")
+    if not _is_number(wall):
+        times = series(records, "time_s")[1]
+        return f"{times[-1]:.0f} s (to the last logged step)" if times else None
+    steps = records[-1]["step"] if records else 0
+    if _is_number(launch_steps) and launch_steps < steps:
+        return f"{wall:.0f} s (the last launch: {launch_steps} of the {steps} steps, resumed)"
+    return f"{wall:.0f} s"
+
+
+def _held_out(evaluation: dict[str, Any]) -> dict[str, str]:
+    """eval.json's held-out rewards before and after training, a row per score."""
+    before, after = evaluation.get("before", {}), evaluation.get("after", {})
+    ends = ""
+    if _is_number(evaluation.get("after_step")):
+        ends = f" ({evaluation.get('before_model', 'start')} -> step {evaluation['after_step']})"
+    return {
+        f"held-out {name.removeprefix('eval/').replace('_', ' ')}": f"{before[name]:.3f} -> {after[name]:.3f}{ends}"
+        for name in EVAL_METRICS
+        if _is_number(before.get(name)) and _is_number(after.get(name))
+    }
 
 
 # ---- HTML ---------------------------------------------------------------------------------------------------
@@ -292,11 +358,11 @@ def _run_report(run_dir: Path) -> Path:
     out_dir = run_dir / "report"
     out_dir.mkdir(exist_ok=True)
     records = read_jsonl(run_dir / "metrics.jsonl")
-    timeline = _read_json(run_dir / "timeline.json")
+    timeline, evaluation = _read_json(run_dir / "timeline.json"), _read_json(run_dir / "eval.json")
     images = [_save(plot(records), out_dir, stem) for stem, plot in _PLOTS]
-    images.append(_save(plot_evaluation(records, _read_json(run_dir / "eval.json")), out_dir, "evaluation"))
+    images.append(_save(plot_evaluation(records, evaluation), out_dir, "evaluation"))
     images.append(_save(plot_timeline(timeline), out_dir, "timeline"))
-    summary = run_summary(records, run_dir, timeline)
+    summary = run_summary(records, run_dir, timeline, evaluation)
     sections = ["<h2>Summary</h2>", _table(None, [[html.escape(k), html.escape(v)] for k, v in summary])]
     sections += [_image(path) for path in images if path is not None]
     if not records:
@@ -349,7 +415,8 @@ def _sweep_report(sweep_dir: Path, jobs: list[Path]) -> Path:
     out_dir.mkdir(exist_ok=True)
     rows = []
     for job in jobs:
-        summary = dict(run_summary(read_jsonl(job / "metrics.jsonl"), job, {}))
+        timeline, evaluation = _read_json(job / "timeline.json"), _read_json(job / "eval.json")
+        summary = dict(run_summary(read_jsonl(job / "metrics.jsonl"), job, timeline, evaluation))
         link = f'<a href="../{html.escape(job.name)}/report/{_job_report(job).name}">report</a>'
         cells = [job.name, job_label(job)] + [
             summary.get(k, "-") for k in ("steps", "final reward", "best reward", "wall time")
@@ -368,9 +435,12 @@ def _sweep_report(sweep_dir: Path, jobs: list[Path]) -> Path:
 def write_report(run_dir: Path) -> Path:
     """Write `<run_dir>/report/` (PNGs + index.html) for a run or a multirun sweep; returns the HTML page."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        what = "not a directory" if run_dir.exists() else "no such directory"
+        raise FileNotFoundError(f"{run_dir}: {what}; name a run's directory (runs/<date>_<time>) or a sweep's")
     if (run_dir / "metrics.jsonl").is_file():
         return _run_report(run_dir)
-    jobs = sweep_jobs(run_dir) if run_dir.is_dir() else []
+    jobs = sweep_jobs(run_dir)
     if not jobs:
         raise FileNotFoundError(
             f"{run_dir}: no metrics.jsonl, and no multirun jobs (0/, 1/, ... with "

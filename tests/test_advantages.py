@@ -173,6 +173,23 @@ def test_gdpo_keeps_reward_combinations_apart_that_the_sum_merges():
     assert advantages[0] > advantages[1]
 
 
+def test_gdpo_gives_exactly_zero_for_a_function_whose_scorable_values_are_equal():
+    """Every group of the step: constant per function, a None in one, so the sums vary and each group trains. The
+    functions' rounding noise (1e-9 after the division by std + 1e-8) must not become the step's z-scored signal."""
+    rewards, advantages = [], []
+    for value in (0.1, 0.7, 0.3):
+        components = {"a": np.array([value, value, value, nan]), "b": np.array([0.2, 0.2, 0.2, 0.2])}
+        summed = np.nansum(np.stack(list(components.values())), axis=0)
+        assert group_drop_reason(summed) is None
+        rewards.append(summed)
+        advantages.append(gdpo(summed, components=components))
+    step_rewards, step_advantages = np.concatenate(rewards), np.concatenate(advantages)
+    assert not step_advantages.any()
+    shift, scale = step_affine(StepRule.zscore, step_rewards, step_advantages)
+    assert not ((step_advantages - shift) / scale).any()  # was +-0.58
+    assert not group_mean(np.array([0.1, 0.1, 0.1])).any() and not rloo(np.array([0.1, 0.1, 0.1])).any()
+
+
 def test_gdpo_needs_matching_components():
     with pytest.raises(ValueError, match="per-function rewards"):
         gdpo(np.array([1.0, 0.0]), components={})

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from asyncrl import __version__
 from asyncrl.cli import app
 from asyncrl.serving.process import free_port
+from asyncrl.serving.vllm import install_command
 
 runner = CliRunner()
 without_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
@@ -149,7 +150,7 @@ def test_the_quick_start_vllm_command_is_printed_without_vllm_a_gpu_or_the_hub(m
 def test_train_on_vllm_without_vllm_fails_in_one_line_before_the_run_starts(invoke, tmp_path):
     result = invoke(["train", "server=vllm", f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.exit_code == 2 and result.output.strip().splitlines() == [
-        "config error: server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26'), "
+        f"config error: server.backend=vllm but vllm is not installed here: install it ({install_command()}), "
         "or serve with the built-in server (server=builtin)"
     ]
     assert not (tmp_path / "run").exists()

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from asyncrl.data import DatasetError, check_prompts, load_prompts
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config
+from asyncrl.data import DatasetError, check_prompts, load_prompts, standard_prompts
 from asyncrl.rewards import REWARDS
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import RolloutGroup
+from asyncrl.trainer.setup import check_prompt_forms
 
 SAMPLE = Path(__file__).parent / "assets" / "deepmath_sample.jsonl"
 
@@ -52,7 +55,7 @@ def test_extra_columns_reach_the_reward_and_gold_answers_score(tmp_path):
     )  # fmt: skip
     per_source = asyncio.run(score_group(group, [RewardSource("accuracy", REWARDS.build("accuracy")),
                                                  RewardSource("spy", spy)]))  # fmt: skip
-    assert set(seen) == set(dataset.column_names) - {"prompt"}
+    assert set(seen) == set(dataset.column_names) - {"prompt"} | {"trainer_state", "log_metric", "log_extra"}
     parsable = [i for i, r in enumerate(rows) if r["solution"] not in ("", "?", "\\ldots", "\\text{}")]
     assert all(per_source["accuracy"][i] == 1.0 for i in parsable)
 
@@ -62,8 +65,9 @@ def test_extra_columns_reach_the_reward_and_gold_answers_score(tmp_path):
     [
         ([{"question": "1+1?", "solution": "2"}], "has no 'prompt' column (columns: question, solution)"),
         (
-            [{"prompt": "What is 1+1?", "solution": "2"}],
-            "'prompt' must be a list of {'role', 'content'} messages, found str",
+            [{"prompt": 7, "solution": "2"}],
+            "'prompt' must be a list of {'role', 'content'} messages (conversational) or a string (standard), found "
+            "int: '7'",
         ),
     ],
 )
@@ -73,6 +77,19 @@ def test_bad_datasets_say_what_was_found(tmp_path, rows, message):
     with pytest.raises(DatasetError) as info:
         load_prompts(str(path))
     assert message in str(info.value)
+
+
+def test_standard_plain_text_prompts_load_and_take_no_tools(tmp_path):
+    path = tmp_path / "plain.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"What is {i}+{i}?", "solution": str(2 * i)}) for i in range(3)))
+    dataset = load_prompts(str(path))
+    assert standard_prompts(dataset) and not standard_prompts(load_prompts(str(SAMPLE)))
+    config = to_config(compose([f"data.path={path}", "data.eval_path=null"]))
+    assert check_prompt_forms(config, dataset, None) is False  # no chat template needed
+    assert check_prompt_forms(config, dataset, load_prompts(str(SAMPLE))) is True
+    config.rollout.tools = ["asyncrl.environments.counter:increment"]
+    with pytest.raises(ConfigError, match=r"has standard \(plain-text\) prompts, which take no tools or environments"):
+        check_prompt_forms(config, dataset, None)
 
 
 def test_unsupported_file_type(tmp_path):

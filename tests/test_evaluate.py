@@ -1,19 +1,26 @@
-"""Held-out evaluation's requests: what every server asyncrl launches accepts."""
+"""Held-out evaluation's requests: what every server asyncrl launches accepts; its progress as it goes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from transformers import AutoTokenizer
 
 from asyncrl import evaluate
 from asyncrl.client import Completion
 from asyncrl.config.compose import compose, to_config
+from asyncrl.metrics import read_jsonl
+from asyncrl.serving.command import served_name
 
 
 def test_evaluation_never_asks_for_temperature_zero(monkeypatch):
     """vLLM >= 0.28 with --return-sampling-mask refuses temperature 0 and top_k 0: greedy is top-1 sampling."""
     sent: list[Any] = []
 
-    async def complete_all(client: Any, prompts: list[list[int]], params: list[Any], concurrency: int) -> list[Any]:
+    async def complete_all(
+        client: Any, prompts: list[list[int]], params: list[Any], concurrency: int, done: Callable[[int], None]
+    ) -> list[Any]:
         sent.extend(params)
         return [Completion([1], None, None, None, "stop", ids) for ids in prompts]
 
@@ -44,3 +51,18 @@ def test_the_closing_line_names_where_the_run_started_and_what_each_score_measur
     assert resumed.summary(200, 0.7).startswith("held-out reward on 200 prompts, checkpoint step 30 -> step 60")
     assert resumed.to_json() == {"before": before, "after": after, "before_model": "checkpoint step 30",
                                  "before_step": 30, "after_step": 60}  # fmt: skip
+
+
+def test_the_evaluation_tells_its_progress_as_completions_come_back(
+    tiny_server, random_tiny_model_dir, arithmetic_data_dir
+):
+    """Each pass counts its prompts as their completions return (the console shows it: a long evaluation was
+    silent for minutes)."""
+    config = to_config(compose(["sampling.max_completion_length=4", "data.num_eval_prompts=3",
+                                "server.max_num_seqs=2"]))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(random_tiny_model_dir)
+    rows = read_jsonl(arithmetic_data_dir / "eval.jsonl")
+    told: list[tuple[str, int, int]] = []
+    model = served_name(str(random_tiny_model_dir))
+    evaluate.evaluate(config, tiny_server.base_url, model, tokenizer, rows, [], 256, lambda *a: told.append(a))
+    assert told == [(label, done, 3) for label in ("greedy", "sampled") for done in (1, 2, 3)]

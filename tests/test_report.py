@@ -131,7 +131,7 @@ def test_sweep_report_compares_jobs_and_overlays_rewards(tmp_path):
     # one row per job, labelled by its overrides, with final and best reward, steps and wall time
     assert "<td>0</td><td>trainer.learning_rate=1e-6 seed=1</td><td>10</td><td>0.2000</td><td>0.2000</td>" in text
     assert "<td>1</td><td>trainer.learning_rate=3e-6 seed=1</td><td>10</td><td>0.6000</td><td>0.6000</td>" in text
-    assert "<td>10 s</td>" in text
+    assert "<td>10 s (to the last logged step)</td>" in text  # jobs without timeline.json: an unfinished run's
     for job in ("0", "1"):
         assert (sweep / job / "report" / "index.html").is_file()
         assert f'href="../{job}/report/index.html"' in text
@@ -169,6 +169,38 @@ def test_cli_report_on_a_dir_without_metrics_exits_2(tmp_path):
     assert "no metrics.jsonl" in result.output
 
 
+@pytest.mark.parametrize(("name", "what"), [("nope", "no such directory"), ("metrics.jsonl", "not a directory")])
+def test_cli_report_on_no_directory_says_so_in_one_line(tmp_path, name, what):
+    """Like every other bad input: one line and exit code 2, not Typer's five-line box."""
+    run = _write_run(tmp_path / "run", steps=2)
+    result = CliRunner().invoke(app, ["report", str(run / name)])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"report error: {run / name}: {what}; name a run's directory (runs/<date>_<time>) or a sweep's"
+    ]
+
+
+def test_the_summary_gives_the_runs_wall_time_and_its_held_out_rewards(tmp_path):
+    """The wall time is timeline.json's (from the launch: the console's closing line gives it too), not the last
+    step's time_s (12 s here); eval.json's held-out rewards before and after training get a row each."""
+    run = _write_run(tmp_path / "run")
+    timeline = json.loads((run / "timeline.json").read_text())
+    timeline["summary"].update(wall_s=14.2, launch_steps=12, training_s=12.0)
+    (run / "timeline.json").write_text(json.dumps(timeline))
+    evaluation = {"before": {"eval/sampled_reward": 0.05, "eval/greedy_reward": 1.0}, "before_step": 0,
+                  "before_model": "base model", "after": {"eval/sampled_reward": 0.6, "eval/greedy_reward": 1.0},
+                  "after_step": 12}  # fmt: skip
+    (run / "eval.json").write_text(json.dumps(evaluation))
+    text = write_report(run).read_text()
+    assert "wall time</td><td>14 s</td>" in text
+    assert "held-out sampled reward</td><td>0.050 -&gt; 0.600 (base model -&gt; step 12)</td>" in text
+    assert "held-out greedy reward</td><td>1.000 -&gt; 1.000 (base model -&gt; step 12)</td>" in text
+    assert "timeline wall_s" not in text and "timeline training_s" not in text and "launch_steps" not in text
+    timeline["summary"]["launch_steps"] = 4  # a resumed run: its last launch ran steps 9 to 12
+    (run / "timeline.json").write_text(json.dumps(timeline))
+    assert "wall time</td><td>14 s (the last launch: 4 of the 12 steps, resumed)</td>" in write_report(run).read_text()
+
+
 def _run_figures(tmp_path: Path) -> dict[str, Figure]:
     run = _write_run(tmp_path / "run")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -176,6 +208,22 @@ def _run_figures(tmp_path: Path) -> dict[str, Figure]:
     plots = {"reward": plot_reward, "lengths": plot_lengths, "throughput": plot_throughput,
              "staleness": plot_staleness, "step_time": plot_step_time}  # fmt: skip
     return {name: plot(records) for name, plot in plots.items()} | {"timeline": plot_timeline(timeline)}
+
+
+def test_legends_sit_below_the_axes_and_cover_nothing(tmp_path):
+    """Inside the axes a legend hid data: the reward plot's dropped fraction (a right axis, which matplotlib's
+    "best" place does not see), the lengths plot's minimum, the stacked step times."""
+    for name, fig in _run_figures(tmp_path).items():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+        assert legends, name
+        for legend in legends:
+            box = legend.get_window_extent(renderer)
+            assert box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.width, name  # whole, in the figure
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent(renderer)), name  # the plotting area
+                assert not box.overlaps(ax.xaxis.label.get_window_extent(renderer)), name
 
 
 def test_no_label_of_a_plot_is_cut_off(tmp_path):

@@ -214,7 +214,9 @@ class TrainerConfig:
     samples_per_step: int | None = None
     """null: a step is gradient_accumulation_steps micro-batches of token-budget rows, however many samples fill
     them (the spec's steps). N: a step trains exactly N samples (rollouts, not groups: a group may be cut by drops),
-    packed into as many rows as they take, gradients accumulated over them; asynchronous mode only."""
+    packed into as many rows as they take, gradients accumulated over them. Synchronous mode
+    (staleness.max_staleness=0): each batch is N / sampling.num_generations whole groups, as TRL's batch size gives
+    (N a multiple of the group size), dropped groups replaced under the same weights."""
     gradient_checkpointing: bool = True
     logit_chunk_tokens: int = 4096
     """Trained tokens whose LM-head logits exist at once (their [tokens x vocabulary] float32 buffers bound a
@@ -267,7 +269,9 @@ class TrainerConfig:
 @dataclass
 class DataConfig:
     path: str | None = None
-    """Hub id, local directory, or a .json/.jsonl/.parquet file with a conversational `prompt` column; None: each
+    """Hub id, local directory, or a .json/.jsonl/.parquet file with a `prompt` column: conversational (a list of
+    {role, content} messages, rendered with the chat template) or standard (plain text, tokenized as it is, its
+    completions plain text too; no tools or environments then), as TRL's GRPO page allows; None: each
     rollout's environment (a single rollout.environment_factory) returns its prompt from reset(), and
     trainer.max_steps sets the run's length."""
     name: str | None = None
@@ -282,6 +286,10 @@ class DataConfig:
     """Seeded shuffle per epoch (seed = trainer.seed + epoch), reproduced on resume."""
     max_prompt_length: int | None = None
     """Prompts longer than this (tokens) are skipped and counted."""
+    retire_solved_after: int | None = None
+    """Skip a prompt from now on once its last N groups were all solved (every rollout at the run's top reward:
+    rollout/solved.py), as POLARIS drops easy samples; counted as rollout/retired_prompt_count. An epoch whose every
+    prompt is retired ends the run as a success. null: keep every prompt."""
 
 
 @dataclass
@@ -293,7 +301,12 @@ class RolloutConfig:
     (rollout/score_block_s) and admission starts no new group until it has room."""
     max_consecutive_dropped_groups: int | None = 256
     """Stop the run, saying why (zero_std, too_few_scorable, failed, prompt_too_long, stale, oversize) and which
-    rewards, once this many groups in a row gave nothing to train; null: never stop."""
+    rewards, once this many groups in a row gave nothing to train, after saving the model and a checkpoint; null:
+    never stop."""
+    stop_when_solved: bool = True
+    """When those groups were all solved (every rollout scored the run's highest reward, and some rollout of the run
+    scored less: rollout/solved.py), the task is done: the run says so, saves the model, evaluates and exits 0.
+    false: end such a run as a stall like any other (exit 1)."""
     max_failed_group_fraction: float = 0.1
     """A group whose generation still fails after the client's retries is dropped (rollout/failed_group_count);
     the run stops, with the last error, once more than this fraction of the last 100 groups failed (0: at the
@@ -349,6 +362,10 @@ class Config:
     reward_funcs: list[dict[str, Any]] = field(default_factory=list)
     """Reward functions, each {name: registered-name-or-import-path, **kwargs}; their rewards are summed.
     The `reward` config group holds presets (reward=accuracy); set the list itself with reward_funcs=[...]."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function, in reward_funcs order (TRL's GRPOConfig.reward_weights): the weighted sum is
+    the reward the advantage and `reward` use; rewards/<name>/mean stay unweighted, gdpo weights each function's
+    group z-score. An environment's or a rollout's own reward weighs 1. null: every function weighs 1."""
     loss: dict[str, Any] = field(default_factory=lambda: {"name": "score_centering"})
     advantage: dict[str, Any] = field(default_factory=lambda: {"name": "group_zscore"})
     packing: dict[str, Any] = field(default_factory=lambda: {"name": "flat"})

@@ -8,6 +8,7 @@ environments) run where the run is planned, above all of those (asyncrl/plan/ass
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
@@ -227,6 +228,9 @@ def check_rollout_limits(config: Config) -> None:
         )
     if not 0 <= r.max_failed_group_fraction <= 1:
         raise ConfigError(f"rollout.max_failed_group_fraction={r.max_failed_group_fraction} must be in [0, 1]")
+    retire = config.data.retire_solved_after
+    if retire is not None and retire < 1:
+        raise ConfigError(f"data.retire_solved_after={retire} must be >= 1 (null: never retire a prompt)")
 
 
 def check_reward_funcs(config: Config) -> None:
@@ -235,6 +239,14 @@ def check_reward_funcs(config: Config) -> None:
             "reward_funcs is empty (and no rollout.environment_factory supplies a reward): choose a preset "
             "(reward=accuracy) or list functions (reward_funcs=[{name: accuracy}, {name: my_pkg.rewards:fn}])"
         )
+    weights = config.reward_weights
+    if weights is not None and len(weights) != len(config.reward_funcs):
+        raise ConfigError(
+            f"reward_weights={list(weights)} has {len(weights)} weights for {len(config.reward_funcs)} reward_funcs: "
+            "give one per function, in their order (or reward_weights=null: each weighs 1)"
+        )
+    if weights is not None and not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"reward_weights={list(weights)}: every weight must be a finite number")
 
 
 def check_data_source(config: Config) -> None:

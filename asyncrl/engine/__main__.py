@@ -22,6 +22,7 @@ from asyncrl.engine.core import Engine, EngineConfig
 from asyncrl.engine.lora import AdapterSet, LoraLimits
 from asyncrl.model_kind import auto_model_class
 from asyncrl.serving.command import VLLM_LORA_RANKS
+from asyncrl.serving.process import port_in_use, port_is_free
 
 logger = logging.getLogger("asyncrl.engine")
 
@@ -76,10 +77,13 @@ def is_loopback(host: str) -> bool:
 
 
 def check_access(args: argparse.Namespace) -> str:
-    """Before the model loads: --weights-dir must be a directory; warn off a non-loopback bind. Returns the token
-    that state-changing requests need: $ASYNCRL_SERVER_TOKEN, else a fresh one, logged for clients to send."""
+    """Before the model loads: --weights-dir must be a directory and the port free; warn off a non-loopback bind.
+    Returns the token that state-changing requests need: $ASYNCRL_SERVER_TOKEN, else a fresh one, logged for
+    clients to send."""
     if args.weights_dir is not None and not args.weights_dir.is_dir():
         raise SystemExit(f"--weights-dir {args.weights_dir} is not a directory: create it or pass another")
+    if not port_is_free(args.host, args.port):
+        raise SystemExit(f"--port {args.port}: {port_in_use(args.host, args.port)}; choose a free one with --port N")
     if not is_loopback(args.host):
         logger.warning(
             "binding to %s, not loopback: other machines can reach this server (state-changing "

@@ -6,14 +6,15 @@ histogram ``asyncrl:batch_size`` (rows per model forward) and the gauge ``asyncr
 ``--enable-lora`` it also serves vLLM's runtime LoRA endpoints (``lora.py``) and a ``/server_info`` that
 reports the LoRA limits where vLLM's does.
 
-Security. Every request that changes the server's state (every POST but the two generation routes: pause,
+Security. Every request that changes the server's state (every POST but the generation routes: pause,
 resume, the weight update sequence, LoRA load/unload) needs ``Authorization: Bearer <token>``, the token the
 server was started with in the environment variable ``ASYNCRL_SERVER_TOKEN`` (the environment, not argv, so
 ``ps`` does not show it; the CLI generates one per run, ``asyncrl serve`` prints it, and asyncrl's clients send
 it from the same variable); a missing or wrong one is a 401 before the body is read. GETs (/health, /v1/models,
-/metrics, ...) and generation (/v1/completions, /inference/v1/generate) stay open: they change no state, they
-are what monitoring and evaluation tools probe without the run's secret, the weights they expose are the
-model's the user served, and the server binds to loopback unless told otherwise (``__main__`` warns when not).
+/metrics, ...) and generation (/v1/completions, /v1/chat/completions, /inference/v1/generate) stay open: they
+change no state, they are what monitoring and evaluation tools probe without the run's secret, the weights they
+expose are the model's the user served, and the server binds to loopback unless told otherwise (``__main__``
+warns when not).
 Weights and adapters load only from ``--weights-dir`` (``weight_updates.py``).
 """
 
@@ -40,6 +41,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl import __version__
+from asyncrl.engine.chat import ChatCompletionRequest, chat_completion_response
+from asyncrl.engine.chat import as_completion_request as chat_as_completion
 from asyncrl.engine.core import Engine, EngineStats, EngineUnavailable
 from asyncrl.engine.generate import GenerateRequest, as_completion_request, generate_response
 from asyncrl.engine.lora import AdapterNotFound
@@ -64,7 +67,7 @@ _ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-OPEN_POSTS = frozenset({"/v1/completions", "/inference/v1/generate"})
+OPEN_POSTS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"})
 """The POST routes anyone may call: generation changes no server state (the module docstring says why)."""
 
 
@@ -170,6 +173,12 @@ class BuiltinServer:
     async def completions(self, request: Request, body: CompletionRequest) -> dict[str, Any]:
         result = await self._run(request, body)
         return completion_response(result, body, self.texts, self.served_model_name)
+
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> dict[str, Any]:
+        """OpenAI's chat endpoint: the messages through the model's chat template, then /v1/completions' path."""
+        completion = chat_as_completion(body, self.tokenizer, self.engine.config.max_model_len)
+        result = await self._run(request, completion)
+        return chat_completion_response(result, completion, self.texts, self.served_model_name)
 
     async def generate(self, request: Request, body: GenerateRequest) -> dict[str, Any]:
         """vLLM's tokens-in/tokens-out endpoint: the same request as /v1/completions, another response shape."""
@@ -366,6 +375,7 @@ def build_app(server: BuiltinServer) -> FastAPI:
         ("/weight_info", "GET", lambda: {"weight_version": server.weights.version}),
         ("/metrics", "GET", server.metrics),
         ("/v1/completions", "POST", server.completions),
+        ("/v1/chat/completions", "POST", server.chat_completions),
         ("/inference/v1/generate", "POST", server.generate),
         ("/pause", "POST", server.pause),
         ("/resume", "POST", server.resume),

@@ -166,13 +166,12 @@ def completion_response(
     result: GenerationResult, body: CompletionRequest, texts: TokenTexts, served_model_name: str
 ) -> dict[str, Any]:
     """vLLM's CompletionResponse for one finished (or aborted) request."""
-    text_ids = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
     logprobs = None
     if body.logprobs is not None:
         logprobs = _logprobs(result, texts, as_ids=bool(body.return_tokens_as_token_ids))
     choice: dict[str, Any] = {
         "index": 0,
-        "text": texts.tokenizer.decode(text_ids, skip_special_tokens=True),
+        "text": completion_text(result, texts),
         "logprobs": logprobs,
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
@@ -183,7 +182,6 @@ def completion_response(
     }
     if body.return_sampling_mask:
         choice["sampling_masks"] = result.sampling_masks
-    completion_tokens = len(result.token_ids)
     return {
         "id": f"cmpl-{result.request_id}",
         "object": "text_completion",
@@ -192,14 +190,26 @@ def completion_response(
         "choices": [choice],
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": {
-            "prompt_tokens": len(result.prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(result.prompt_ids) + completion_tokens,
-            "prompt_tokens_details": None,
-        },
+        "usage": usage(result),
         "kv_transfer_params": None,  # vLLM: disaggregated prefill's hand-over; none here
         "metrics": None,
+    }
+
+
+def completion_text(result: GenerationResult, texts: TokenTexts) -> str:
+    """The generated text, without the stop token that ended it."""
+    text_ids = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
+    return texts.tokenizer.decode(text_ids, skip_special_tokens=True)
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """The response's token counts (OpenAI's usage object)."""
+    completion_tokens = len(result.token_ids)
+    return {
+        "prompt_tokens": len(result.prompt_ids),
+        "completion_tokens": completion_tokens,
+        "total_tokens": len(result.prompt_ids) + completion_tokens,
+        "prompt_tokens_details": None,
     }
 
 

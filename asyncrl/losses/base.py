@@ -88,7 +88,10 @@ def masked_mean(values: Tensor, where: Tensor) -> Tensor:
 
 
 def masked_extreme(values: Tensor, where: Tensor, largest: bool) -> Tensor:
-    """Max (or min) of ``values`` where ``where`` is True; NaN when nothing is selected."""
+    """Max (or min) of ``values`` where ``where`` is True; NaN (no metric) when nothing is selected, a micro-batch
+    without trained tokens included (an empty tensor has no max)."""
+    if values.numel() == 0:
+        return values.new_tensor(math.nan)
     fill = -math.inf if largest else math.inf
     selected = torch.where(where, values, fill)
     extreme = selected.max() if largest else selected.min()

@@ -43,12 +43,14 @@ def check_synchronous_sync(config: Config, flow: FlowControl) -> None:
 
 
 def check_samples_per_step_mode(config: Config, flow: FlowControl) -> None:
-    """A fixed number of samples per step needs a step to end mid-batch, which a synchronous step never does."""
-    t = config.trainer
-    if t.samples_per_step is not None and flow.synchronous:
+    """A synchronous step trains the whole batch generated for it: with a fixed number of samples per step, that
+    batch is whole groups (``FlowControl.batch_groups``), as TRL's generation batch is."""
+    n, g = config.trainer.samples_per_step, flow.num_generations
+    if n is not None and flow.synchronous and n % g:
+        fits = max(g, n - n % g)
         raise ConfigError(
-            f"trainer.samples_per_step={t.samples_per_step} needs asynchronous mode: a synchronous step "
-            "(staleness.max_staleness=0) trains the whole batch generated for it; set staleness.max_staleness >= 1"
+            f"trainer.samples_per_step={n} with staleness.max_staleness=0 must be a multiple of sampling."
+            f"num_generations={g} (a synchronous step trains whole groups): try trainer.samples_per_step={fits}"
         )
 
 

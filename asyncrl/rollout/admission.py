@@ -16,6 +16,16 @@ is max_staleness x the last step's tokens and the next steps may take fewer (row
 and trains the overshoot. Until the first group completes, the size of a rollout is unknown, so groups
 start one at a time.
 
+Groups dropped for lack of signal (zero_std: near convergence most groups score the same for every rollout) send the
+trainer nothing: admission counts the tokens in flight, and those of finished rollouts waiting for their group, at the
+share that the last ``KEPT_WINDOW`` groups sent the trainer (``kept_fraction``), and a dropped group frees its share
+of the allowance as soon as it is scored. Counted at full size, a run dropping 70% of its groups would hold 70% of its
+allowance in groups the trainer never sees, and its steps would wait on generation 3.3x as long (benchmarks/
+drop_rate.py). Staleness is what the allowance bounds, and it still does: what reaches the queue is about the
+allowance; the caps on rollouts in flight (the server's load, the groups' lag) bound the larger generation.
+``MIN_KEPT_FRACTION`` bounds it too: a run that suddenly keeps every group again has at most 1 / MIN_KEPT_FRACTION
+allowances in flight, whose late samples go stale (and cut the staleness pacer's cap).
+
 ``WorkerFlow`` is the worker's side of the run's ``FlowControl`` (flow.py): it holds this bookkeeping and both
 caps on rollouts in flight, and gives the one answer the worker waits on.
 """
@@ -30,6 +40,10 @@ from asyncrl.rollout.concurrency import ConcurrencyController
 from asyncrl.rollout.pacing import StalenessPacer
 
 RECENT_GRANTS = 4
+KEPT_WINDOW = 32
+"""Groups over which the kept share of generated tokens is measured."""
+MIN_KEPT_FRACTION = 0.1
+"""At most 10x the allowance in flight: up to a 90% drop rate a step waits no longer than with none dropped."""
 
 
 @dataclass
@@ -50,6 +64,18 @@ class Admission:
     grants: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_GRANTS))
     """The trainer's recent grants; until its first, the initial allowance alone."""
     granted: bool = False
+    outcomes: deque[tuple[int, bool]] = field(default_factory=lambda: deque(maxlen=KEPT_WINDOW))
+    """(tokens generated, sent to the trainer) of the last groups."""
+    groups_sent: int = 0
+    """Groups whose samples went to the trainer (not dropped)."""
+
+    def kept_fraction(self) -> float:
+        """The share of generated tokens whose group the trainer got, over the last groups (1 before any)."""
+        generated = sum(tokens for tokens, _ in self.outcomes)
+        if not generated:
+            return 1.0
+        kept = sum(tokens for tokens, sent in self.outcomes if sent)
+        return max(MIN_KEPT_FRACTION, kept / generated)
 
     def inflight_tokens(self) -> float:
         """Expected tokens of the rollouts in flight, from the rollouts seen so far. A rollout caught in
@@ -79,11 +105,15 @@ class Admission:
         """None if a new group may start now, else what it waits on (the backpressure reason first)."""
         if self.completed_groups == 0 and self.inflight_groups > 0:
             return "first group"
-        allowance = self.holdable(allowance)
-        held = self.queued_tokens(tokens_consumed) + self.unqueued_tokens + self.inflight_tokens()
-        starting = self.num_generations * self.mean_rollout_tokens if self.asynchronous and held > 0 else 0.0
+        allowance, kept = self.holdable(allowance), self.kept_fraction()
+        held = self.queued_tokens(tokens_consumed) + kept * (self.unqueued_tokens + self.inflight_tokens())
+        starting = kept * self.num_generations * self.mean_rollout_tokens if self.asynchronous and held > 0 else 0.0
         if held >= allowance or held + starting > allowance:
             return "backpressure"
+        return self.concurrency_reason(concurrency_cap)
+
+    def concurrency_reason(self, concurrency_cap: int) -> str | None:
+        """Whether another group would take the rollouts in flight past the cap ("concurrency"), else None."""
         cap = min(concurrency_cap, self.max_concurrent_rollouts)
         if self.inflight_rollouts > 0 and self.inflight_rollouts + self.num_generations > cap:
             return "concurrency"
@@ -111,6 +141,8 @@ class Admission:
         self.completed_groups += 1
         self.unqueued_tokens -= rollout_tokens
         self.tokens_pushed += pushed_tokens
+        self.outcomes.append((rollout_tokens, pushed_tokens > 0))
+        self.groups_sent += pushed_tokens > 0
 
 
 class WorkerFlow:
@@ -126,6 +158,8 @@ class WorkerFlow:
         self.pacer = None if flow.synchronous else StalenessPacer(ceiling, flow)
         self.batch_start_tokens = 0
         """Synchronous mode: the tokens pushed before the current batch."""
+        self.batch_start_groups = 0
+        """Synchronous mode: the groups sent before the current batch (``FlowControl.batch_groups``)."""
 
     @property
     def pacing_cap(self) -> int:
@@ -140,8 +174,12 @@ class WorkerFlow:
     def wait_reason(self, allowance: int, tokens_consumed: int, scoring_full: bool) -> str | None:
         """None if a new group may start now, else what it waits on (the backpressure reason first)."""
         pacing = self.pacing_cap
-        reason = self.admission.wait_reason(allowance, self.released(tokens_consumed),
-                                            min(self.concurrency.cap, pacing))  # fmt: skip
+        cap = min(self.concurrency.cap, pacing)
+        if self.flow.batch_groups is None:
+            reason = self.admission.wait_reason(allowance, self.released(tokens_consumed), cap)
+        else:  # a batch of whole groups: the ones sent and those still generating or scoring make it up
+            full = self.batch_groups_sent() + self.admission.inflight_groups >= self.flow.batch_groups
+            reason = "backpressure" if full else self.admission.concurrency_reason(cap)
         if reason == "concurrency" and pacing < self.concurrency.cap:
             return "staleness pacing"  # finished groups came back too late: fewer rollouts in flight
         if reason is None and scoring_full:
@@ -154,11 +192,18 @@ class WorkerFlow:
 
     def batch_has_room(self, allowance: int) -> bool:
         """After the batch's groups finished: dropped groups may have left room for more under the same weights."""
+        if self.flow.batch_groups is not None:
+            return self.batch_groups_sent() < self.flow.batch_groups
         return self.admission.queued_tokens(self.batch_start_tokens) < allowance
+
+    def batch_groups_sent(self) -> int:
+        """Synchronous mode: the groups of the current batch sent to the trainer."""
+        return self.admission.groups_sent - self.batch_start_groups
 
     def start_batch(self) -> None:
         """The weights moved after a synchronous batch: the next one starts from the tokens pushed so far."""
         self.batch_start_tokens = self.admission.tokens_pushed
+        self.batch_start_groups = self.admission.groups_sent
 
     def on_group_queued(self, start_version: int, version: int) -> bool | None:
         """Feed a group's lag to the pacer before its samples join the queue; whether it was late (None when

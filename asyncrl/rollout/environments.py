@@ -3,7 +3,8 @@
 An environment is one instance per rollout, taken from a per-name pool (an expensive ``__init__`` is paid
 once, ``reset`` starts each episode). Its public methods other than ``reset``/``get_reward`` are the
 rollout's tools, next to the standalone ``rollout.tools``. ``__init__``, ``reset`` and ``get_reward`` run on
-the tool pool so a slow environment only delays its own rollout.
+the tool pool so a slow environment only delays its own rollout; an ``async def`` ``reset`` or ``get_reward`` is
+awaited on the rollout loop instead.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def environment_rows() -> list[dict[str, Any]]:
 class Episode:
     """One rollout's prompt and tools, and the environment instance it holds until ``Agents.end``."""
 
-    prompt: Messages
+    prompt: Messages | str
     tools: list[Callable[..., Any]]
     env: Any = None
     env_key: str | None = None
@@ -111,7 +112,10 @@ class Agents:
         return bool(self.tools or self.factories)
 
     async def begin(self, row: dict[str, Any]) -> Episode:
-        """Route the row, take an instance, ``reset(**row)``; a returned string extends the last user message."""
+        """Route the row, take an instance, ``reset(**row)``; a returned string extends the last user message. A
+        standard (plain-text) prompt has neither tools nor environments (trainer/setup.py checks): it goes as it is."""
+        if isinstance(row.get("prompt"), str):
+            return Episode(row["prompt"], [])
         prompt = [dict(m) for m in row.get("prompt") or []]
         if not self.factories:
             return Episode(prompt, list(self.tools))
@@ -119,7 +123,7 @@ class Agents:
         env = self._idle[key].pop() if self._idle[key] else await self._off_loop(self.factories[key])
         kwargs = {k: v for k, v in row.items() if k not in ("prompt", ROUTING_COLUMN)}
         started = time.monotonic()
-        text = await self._off_loop(functools.partial(env.reset, **kwargs))
+        text = await self._hook(functools.partial(env.reset, **kwargs))
         reset_s = time.monotonic() - started
         if text is not None:
             prompt = _append_to_user(prompt, str(text))
@@ -137,10 +141,7 @@ class Agents:
             if get_reward is None:
                 return None, None
             started = time.monotonic()
-            if inspect.iscoroutinefunction(get_reward):
-                value = await get_reward()
-            else:
-                value = await self._off_loop(get_reward)
+            value = await self._hook(get_reward)
             return (type(episode.env), float(value)), time.monotonic() - started
         finally:
             self._idle[episode.env_key].append(episode.env)
@@ -153,6 +154,13 @@ class Agents:
             raise KeyError(f"dataset column '{ROUTING_COLUMN}'={name!r} names no environment of "
                            f"rollout.environment_factory (known: {sorted(self.factories)})")  # fmt: skip
         return name
+
+    async def _hook(self, fn: Callable[[], Any]) -> Any:
+        """Call an environment hook: an ``async def`` one is awaited here (not its coroutine taken for its result),
+        a plain one runs on the tool pool."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn()
+        return await self._off_loop(fn)
 
     async def _off_loop(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)

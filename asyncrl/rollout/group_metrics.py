@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,8 @@ def group_metrics(group: RolloutGroup, per_source: dict[str, np.ndarray], drop: 
         out["reward_dropped"] = scored.tolist()
     for name, values in per_source.items():
         out[f"rewards/{name}/mean"] = values[~np.isnan(values)].tolist()
+    for name, values in group.reward_metrics.items():  # a reward's own log_metric, under the name it gave
+        out.setdefault(name, []).extend(values)
     out.update(_lengths(group))
     out.update(_reconciliation(group))
     out.update(tool_metrics([r.tool_stats for r in group.rollouts if r.tool_stats is not None]))
@@ -68,15 +71,22 @@ def tool_metrics(stats: list[ToolStats]) -> dict[str, list[float]]:
 
 
 def completion_records(group: RolloutGroup, advantages: np.ndarray) -> list[dict[str, object]]:
-    """Rows for the console's completion table: last prompt message, completion text, reward, advantage."""
+    """Rows for the console's completion table: last prompt message, completion text, reward, advantage, and the
+    columns the reward functions added (``log_extra``)."""
     assert group.rewards is not None
     return [
-        {"prompt": str(prompt[-1].get("content", "")) if prompt else "",
-         "completion": str(completion[-1].get("content", "")) if completion else "",
-         "reward": float(reward), "advantage": float(advantage)}
-        for prompt, completion, reward, advantage in zip(
-            group.prompts, group.completions, group.rewards, advantages, strict=True)
+        {"prompt": _last_text(prompt), "completion": _last_text(completion), "reward": float(reward),
+         "advantage": float(advantage), **{column: values[i] for column, values in group.extra_columns.items()}}
+        for i, (prompt, completion, reward, advantage) in enumerate(zip(
+            group.prompts, group.completions, group.rewards, advantages, strict=True))
     ]  # fmt: skip
+
+
+def _last_text(conversation: Any) -> str:
+    """A plain text as it is; a conversation's last message's content."""
+    if isinstance(conversation, str):
+        return conversation
+    return str(conversation[-1].get("content", "")) if conversation else ""
 
 
 def _lengths(group: RolloutGroup) -> dict[str, list[float]]:

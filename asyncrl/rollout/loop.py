@@ -20,6 +20,7 @@ import numpy as np
 from asyncrl.advantages import Estimator, estimate_advantages
 from asyncrl.client import GenerationClient, SamplingParams
 from asyncrl.config.schema import Config
+from asyncrl.prompts import Messages, completion_of, render_prompt
 from asyncrl.rollout.reconcile import reconcile
 from asyncrl.rollout.tools import (
     ToolStats,
@@ -30,19 +31,7 @@ from asyncrl.rollout.tools import (
     tool_name,  # fmt: skip
     tool_schemas,
 )
-from asyncrl.rollout.types import Messages, Rollout, RolloutGroup, TurnRecord
-
-
-def render_prompt(
-    tokenizer: Any, messages: Messages, chat_template_kwargs: dict[str, Any], tools: list[dict[str, Any]] | None = None
-) -> list[int]:
-    """Token ids of the conversation with the generation prompt appended (the model's chat template)."""
-    if tools:
-        chat_template_kwargs = {**chat_template_kwargs, "tools": tools}
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **chat_template_kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+from asyncrl.rollout.types import Rollout, RolloutGroup, TurnRecord
 
 
 class PromptTooLong(ValueError):
@@ -75,9 +64,12 @@ class AsyncRolloutLoop:
         """Whether to generate for this prompt; a rejected prompt still counts as consumed for the epoch."""
         return True
 
-    async def generate_one(self, prompt: Messages, tools: list[Callable[..., Any]], group_id: int = 0) -> Rollout:
+    async def generate_one(self, prompt: Messages | str, tools: list[Callable[..., Any]], group_id: int = 0) -> Rollout:
         """One rollout, the tool loop: render the whole conversation, sample a turn, run the tools it calls,
-        append their results, repeat until a turn calls none (or the iteration cap or the context is hit)."""
+        append their results, repeat until a turn calls none (or the iteration cap or the context is hit). A
+        standard (plain-text) prompt gets one turn, its completion the text (no tools: trainer/setup.py checks)."""
+        if isinstance(prompt, str):
+            return await self.complete_text(prompt)
         by_name = {tool_name(fn): fn for fn in tools}
         schemas = tool_schemas(tools) if tools else None
         cap = self.config.sampling.max_tool_calling_iterations
@@ -106,6 +98,14 @@ class AsyncRolloutLoop:
             tool_call_count=len(stats.calls) if stats else 0, tool_failure_count=stats.failures if stats else 0,
             tool_stats=stats,
         )  # fmt: skip
+
+    async def complete_text(self, prompt: str) -> Rollout:
+        """One turn after a plain-text prompt: the completion is the decoded text, as TRL's for a standard dataset."""
+        prompt_ids = self.render(prompt)
+        self.check_prompt_length(prompt_ids)
+        turn = await self.generate_one_turn(prompt_ids)
+        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        return Rollout(completion=completion_of(prompt, text), completion_ids=list(turn.output_ids), turns=[turn])
 
     def check_prompt_length(self, prompt_ids: list[int]) -> None:
         """Raise PromptTooLong for a prompt over data.max_prompt_length, or without room in the server's context
@@ -161,7 +161,7 @@ class AsyncRolloutLoop:
 
     # ---- helpers the driver uses ----------------------------------------------------------------------------
 
-    def render(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def render(self, messages: Messages | str, tools: list[dict[str, Any]] | None = None) -> list[int]:
         return render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs, tools)
 
     @functools.cached_property
@@ -171,7 +171,7 @@ class AsyncRolloutLoop:
         return detect_format(getattr(self.tokenizer, "chat_template", None)) if fmt == "auto" else fmt
 
     def build_group(
-        self, prompt: Messages, row: dict[str, Any], rollouts: list[Rollout], *, group_id: int, row_index: int,
+        self, prompt: Messages | str, row: dict[str, Any], rollouts: list[Rollout], *, group_id: int, row_index: int,
         model_version: int,
     ) -> RolloutGroup:  # fmt: skip
         n = len(rollouts)

@@ -1,10 +1,15 @@
-"""Scoring a group: every reward source runs concurrently; their sum is the rollout's reward.
+"""Scoring a group: every reward source runs concurrently; their sum, weighted by reward_weights, is the rollout's
+reward.
 
 Sync reward functions run in threads, `async def` ones are gathered on the loop. `None` means "not
 applicable"; a rollout no source scored gets NaN. A function that raises, returns the wrong number of rewards or
 a value that is not a number stops the run with a one-line error naming it and the dataset row. A group nothing
 scored is dropped (too_few_scorable), and the trainer's group watch stops a run where that goes on
 (trainer/group_watch.py).
+
+Beside the dataset's columns, a function gets what TRL's GRPOTrainer hands its reward functions, where it takes them
+(by name or through ``**kwargs``): ``trainer_state`` (rollout/trainer_state.py), ``log_metric(name, value)`` (a
+scalar for the run's metrics) and ``log_extra(column, values)`` (a column of the completions table).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import functools
 import inspect
 import math
 import numbers
+import threading
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +38,53 @@ class RewardFunctionError(RuntimeError):
 class RewardSource:
     name: str
     fn: Callable[..., Any]
+    weight: float = 1.0
+    """Its reward_weights entry: how much its rewards count in the rollout's reward."""
+
+
+TABLE_COLUMNS = ("prompt", "completion", "reward", "advantage")
+"""The completions table's own columns, which ``log_extra`` cannot replace."""
+
+
+class RewardLog:
+    """The ``log_metric`` and ``log_extra`` a group's reward functions get; sync ones call them from threads."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.columns: dict[str, list[Any]] = {}
+        self._lock = threading.Lock()
+
+    def log_metric(self, name: str, value: float) -> None:
+        """A scalar for the run's metrics under ``name``, reduced over the logging window as every metric is."""
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"log_metric({name!r}, {value!r:.40}): the value must be a number")
+        with self._lock:
+            self.metrics[str(name)].append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """A column of the completions table (logging.log_completions): one value per completion of the group."""
+        if column in TABLE_COLUMNS:
+            raise ValueError(f"log_extra({column!r}, ...): '{column}' is a column of the completions table already")
+        values = list(values)
+        if len(values) != self.group_size:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values; expected {self.group_size}, one "
+                             "per completion")  # fmt: skip
+        with self._lock:
+            self.columns[str(column)] = values
+
+
+def taken(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The ``offered`` arguments that ``fn`` takes: those it names, or all of them through a ``**kwargs``. A
+    function written before they existed, naming its columns alone, keeps working."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return offered
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return offered
+    names = {p.name for p in parameters}
+    return {key: value for key, value in offered.items() if key in names}
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
@@ -65,18 +119,28 @@ async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int, row
     return [None if r is None else float(r) for r in result]
 
 
-async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> dict[str, np.ndarray]:
-    """Per source, one reward per rollout (NaN = not applicable): sets ``group.reward_components`` to them and
-    ``group.rewards`` to their sum."""
+async def score_group(
+    group: RolloutGroup, sources: Sequence[RewardSource], trainer_state: Any = None
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Per source, one reward per rollout (NaN = not applicable): sets ``group.reward_components`` to them,
+    ``group.rewards`` to their weighted sum, and what the functions logged. ``trainer_state``: what the functions
+    get as theirs (rollout/trainer_state.py); a blank one where none is given (evaluation)."""
     n = len(group.completions)
+    log = RewardLog(n)
+    if trainer_state is None:
+        from asyncrl.rollout.trainer_state import RolloutState
+
+        trainer_state = RolloutState()
     kwargs = {
         "prompts": group.prompts,
         "completions": group.completions,
         "completion_ids": group.completions_ids,
         **group.reward_kwargs,
     }
-    results = await asyncio.gather(*(_call(s, kwargs, n, group.row_index) for s in sources))
+    offered = {"trainer_state": trainer_state, "log_metric": log.log_metric, "log_extra": log.log_extra}
+    results = await asyncio.gather(*(_call(s, kwargs | taken(s.fn, offered), n, group.row_index) for s in sources))
     per_source = {s.name: _as_array(r) for s, r in zip(sources, results, strict=True)}
+    weights = {s.name: s.weight for s in sources}
     if any(r is not None for r in group.rollout_rewards):
         per_source["rollout"] = _as_array(group.rollout_rewards)
     for cls in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
@@ -84,9 +148,11 @@ async def score_group(group: RolloutGroup, sources: Sequence[RewardSource]) -> d
         per_source[cls.__name__] = _as_array(scores)
     stacked = np.stack(list(per_source.values())) if per_source else np.full((1, n), np.nan)
     scored = ~np.isnan(stacked)
-    total = np.where(scored, stacked, 0.0).sum(axis=0)
+    weight = np.array([weights.get(name, 1.0) for name in per_source] or [1.0])[:, None]  # 1: env and rollout
+    total = (np.where(scored, stacked, 0.0) * weight).sum(axis=0)
     group.rewards = np.where(scored.any(axis=0), total, np.nan)
     group.reward_components = per_source
+    group.reward_metrics, group.extra_columns = dict(log.metrics), log.columns
     return per_source
 
 

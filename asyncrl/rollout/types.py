@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-Messages = list[dict[str, Any]]
+from asyncrl.prompts import Messages
 
 
 @dataclass
@@ -36,7 +36,8 @@ class TurnRecord:
 class Rollout:
     """One finished conversation. Produced by ``generate_one``; consumed by group scoring."""
 
-    completion: Messages
+    completion: Messages | str
+    """The assistant's messages; the text alone for a standard (string) prompt."""
     completion_ids: list[int]
     turns: list[TurnRecord]
     tool_call_count: int = 0
@@ -80,9 +81,10 @@ class TrainingSequence:
 class RolloutGroup:
     """The num_generations rollouts of one prompt, scored together (one entry per rollout in each list)."""
 
-    prompts: list[Messages]
+    prompts: list[Messages] | list[str]
+    """Conversations, or plain texts for a dataset of standard (string) prompts, whose completions are texts."""
     reward_kwargs: dict[str, list[Any]]
-    completions: list[Messages]
+    completions: list[Messages] | list[str]
     completions_ids: list[list[int]]
     completions_sequences: list[list[TrainingSequence]]
     tool_call_counts: list[int]
@@ -95,8 +97,13 @@ class RolloutGroup:
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
     reward_components: dict[str, np.ndarray] = field(default_factory=dict)
-    """Per reward source, one reward per rollout (NaN = not applicable); ``rewards`` is their sum."""
+    """Per reward source, one reward per rollout (NaN = not applicable), unweighted; ``rewards`` is their sum,
+    weighted by reward_weights."""
     rollouts: list[Rollout] = field(default_factory=list)
+    reward_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """What the reward functions logged through their ``log_metric`` argument, by name (the run's metrics)."""
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    """What they logged through ``log_extra``: one value per rollout, by column (the completions table)."""
 
 
 @dataclass
@@ -132,9 +139,12 @@ class RolloutSample:
 
 @dataclass(frozen=True)
 class EndOfBatch:
-    """Queue marker from the worker in synchronous mode (max_staleness=0): the step's samples are all queued."""
+    """Queue marker from the worker in synchronous mode (max_staleness=0): the step's samples are all queued. Also
+    the last item when the worker's prompts end."""
 
     model_version: int
+    solved: str = ""
+    """Set when the prompts ended because every one was retired (data.retire_solved_after): the line saying so."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +153,10 @@ class PromptDone:
 
     prompt_index: int
     reason: str
-    """filtered | zero_std | too_few_scorable | failed | prompt_too_long"""
+    """filtered | retired | zero_std | too_few_scorable | failed | prompt_too_long"""
     rewards: tuple[str, ...] = ()
     """The reward sources that left the group without signal (constant, or None for its rollouts)."""
     detail: str = ""
     """What happened, for the error that stops a run whose groups all drop (trainer/group_watch.py)."""
+    reward: float | None = None
+    """zero_std: the reward every rollout scored (whether the task is solved: rollout/solved.py)."""

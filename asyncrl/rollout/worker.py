@@ -45,6 +45,8 @@ from asyncrl.rollout.environments import Agents
 from asyncrl.rollout.group_metrics import completion_records, group_metrics
 from asyncrl.rollout.loop import AsyncRolloutLoop, PromptTooLong
 from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, score_group
+from asyncrl.rollout.solved import RetireSolved, common_reward
+from asyncrl.rollout.trainer_state import rollout_state
 from asyncrl.rollout.types import EndOfBatch, PromptDone, Rollout, RolloutGroup, RolloutSample
 
 if TYPE_CHECKING:
@@ -171,14 +173,19 @@ class WorkerDriver:
         """Set when a rollout or group of this worker ends, or the scorer takes a group: admission may move."""
         self.stopping = asyncio.Event()
         """Set when the trainer's stop request arrives (``_listen_for_stop``)."""
+        self.retire = RetireSolved(self.config.data.retire_solved_after)
 
     async def run(self) -> None:
         """prompt -> admit -> generate -> score -> queue, until the prompts end or the trainer stops the worker."""
         async with self._running() as tasks:
-            accepted = 0
+            accepted, retired, solved = 0, 0, ""
             for prompt in prompts(self.spec):
                 if prompt.index in self.spec.skip_prompt_indices:
                     accepted += 1  # trained before the checkpoint this run resumed from
+                elif self.retire.retired(prompt.row_index):
+                    retired += 1
+                    self.metrics["rollout/retired_prompt_count"].append(1.0)
+                    self.channels.send(PromptDone(prompt.index, "retired"))
                 elif not self.loop.filter_prompt(prompt.row_index, prompt.row, prompt.epoch):
                     self.channels.send(PromptDone(prompt.index, "filtered"))
                 else:
@@ -187,12 +194,15 @@ class WorkerDriver:
                     self.admission.on_group_start()
                     tasks.create_task(self._generate(prompt))
                 if prompt.ends_epoch:
+                    if not accepted and retired:
+                        solved = self._all_retired(prompt.epoch)
+                        break
                     if not accepted:
                         raise RuntimeError(f"filter_prompt rejected every prompt of epoch {prompt.epoch}: no batch "
                                            "can be trained")  # fmt: skip
-                    accepted = 0
+                    accepted = retired = 0
             await self._wait_idle()
-            self.channels.send(EndOfBatch(self.channels.model_version))
+            self.channels.send(EndOfBatch(self.channels.model_version, solved))
             self.channels.beat("all prompts generated; waiting for the trainer to stop")
 
     @contextlib.asynccontextmanager
@@ -250,6 +260,13 @@ class WorkerDriver:
         await self.stopping.wait()
         raise StopRequested
 
+    def _all_retired(self, epoch: int) -> str:
+        """The prompts end: every one of ``epoch`` was retired (or filtered). The line the trainer ends with."""
+        after = self.config.data.retire_solved_after
+        return (f"the task is solved for this model: every prompt of epoch {epoch} is retired, its last {after} "
+                f"group(s) scored {self.retire.rewards.highest:g} for every rollout, the highest reward of the run "
+                f"(data.retire_solved_after={after}); training ends here")  # fmt: skip
+
     # ---- admit -----------------------------------------------------------------------------------------------
 
     async def _admit(self) -> None:
@@ -271,10 +288,13 @@ class WorkerDriver:
 
     async def _wait_for_change(self, poll_s: float | None) -> None:
         """Until a rollout or group of this worker ends or the scorer takes a group, or at most ``poll_s``: the
-        trainer's counters change with no signal, so a wait on them reads them again after that long."""
+        trainer's counters change with no signal, so a wait on them reads them again after that long. Not
+        ``wait_for``: on Python 3.11 it swallows a stop's cancellation that comes with the wake-up, and the main
+        loop would then start a group on a task group that is shutting down (a coroutine never awaited)."""
         self.changed.clear()  # set before this wait: already taken into account by the caller's check
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.changed.wait(), poll_s)
+            async with asyncio.timeout(poll_s):
+                await self.changed.wait()
 
     async def _end_sync_batch(self) -> None:
         """max_staleness=0: finish in-flight groups, mark the batch, wait for the trainer's weight sync."""
@@ -358,10 +378,12 @@ class WorkerDriver:
         """Score the group, compute its advantages, feed its lag to the pacer, and queue it."""
         group = job.group
         started = time.monotonic()
-        per_source = await score_group(group, self.spec.reward_sources)
+        state = rollout_state(self.config, job.version, job.prompt_index, len(self.spec.dataset))
+        per_source = await score_group(group, self.spec.reward_sources, state)
         self.metrics["rollout/score_s"].append(time.monotonic() - started)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         drop = group_drop_reason(group.rewards)
+        self.retire.on_group(group.row_index, group.rewards)
         self._record_group(group, per_source, drop, advantages)
         self._pace(job.version)
         self._queue(job, per_source, advantages, drop)
@@ -371,7 +393,8 @@ class WorkerDriver:
         """Send the group's samples to the trainer, or a PromptDone saying why it was dropped."""
         if drop is not None:
             self.admission.on_group_done(0, job.generated)
-            self.channels.send(PromptDone(job.prompt_index, drop, *silent_rewards(per_source)))
+            common = common_reward(job.group.rewards) if drop == "zero_std" else None
+            self.channels.send(PromptDone(job.prompt_index, drop, *silent_rewards(per_source), reward=common))
         else:
             samples = build_samples(job.group, advantages, per_source, job.prompt_index, job.epoch)
             self.admission.on_group_done(sum(s.num_tokens for s in samples), job.generated)

@@ -35,6 +35,11 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def port_in_use(host: str, port: int) -> str:
+    """The one wording of a port another process holds: a run's check, a server's start and the engine's own."""
+    return f"{host}:{port} is already in use (another server?)"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -136,8 +141,8 @@ class ServerProcess:
         host, port = listen_address(self.argv, self.base_url)
         if not port_is_free(host, port):
             raise ServerStartError(
-                f"port {port} on {host} is busy: another server is running there. Stop it, choose another "
-                f"port (server.port=...), or attach to it with server.launch=false server.base_url={self.base_url}"
+                f"{port_in_use(host, port)}: stop it, choose a free port with server.port=N, or attach to it "
+                f"with server.launch=false server.base_url={self.base_url}"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its whole life

@@ -24,9 +24,11 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -80,16 +82,26 @@ def installed_vllm_version() -> str | None:
         return str(__version__)
 
 
+def install_command() -> str:
+    """How to install vLLM: asyncrl's ``vllm`` extra, pinned to the releases it was tested with (a bare
+    ``vllm>=0.26`` also takes the untested ones). From a source checkout, the README's install, its path: right
+    wherever the user runs."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file():
+        return f"pip install -e {shlex.quote(f'{checkout}[vllm]')}"
+    return "pip install 'asyncrl[vllm]'"
+
+
 def target_version(config: Config, version: str | None = None) -> str:
     """The release the command is written for: ``version``, server.vllm_version, else the installed vllm."""
     version = version or config.server.vllm_version or installed_vllm_version()
     if version is None:
         raise ConfigError(
-            "server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26') or set "
+            f"server.backend=vllm but vllm is not installed here: install it ({install_command()}) or set "
             "server.vllm_version=X.Y.Z to only build the command"
         )
     if parse_version(version)[:2] < MIN_VERSION:
-        raise ConfigError(f"vLLM {version} is too old: asyncrl needs vLLM >= 0.26 (pip install -U 'vllm>=0.26')")
+        raise ConfigError(f"vLLM {version} is too old: asyncrl needs vLLM >= 0.26 ({install_command()})")
     return version
 
 
@@ -105,7 +117,7 @@ def check_launchable(config: Config) -> None:
     installed = installed_vllm_version()
     if installed is None:
         raise ConfigError(
-            "server.backend=vllm but vllm is not installed here: install it (pip install 'vllm>=0.26'), or serve "
+            f"server.backend=vllm but vllm is not installed here: install it ({install_command()}), or serve "
             "with the built-in server (server=builtin)"
         )
     target_version(config, installed)
@@ -419,7 +431,7 @@ def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: obj
 
 
 def _rendered_length(tokenizer: object, messages: list[dict[str, str]], config: Config) -> int:
-    from asyncrl.rollout.loop import render_prompt
+    from asyncrl.prompts import render_prompt
 
     return len(render_prompt(tokenizer, messages, config.sampling.chat_template_kwargs))
 

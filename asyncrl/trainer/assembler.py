@@ -127,6 +127,8 @@ class StepAssembler:
         self._arrivals = itertools.count()
         self._sync_follows = True
         self._received = 0  # items taken off the rollout queue (the worker counts those it sent)
+        self.solved = ""
+        """The worker's line when its prompts ended because every one was retired (data.retire_solved_after)."""
 
     @property
     def held(self) -> int:
@@ -150,8 +152,10 @@ class StepAssembler:
                 continue
             if isinstance(item, EndOfBatch):
                 self._close(micro_batches, self.planner.flush())
-                if micro_batches or not self.flow.synchronous:
-                    return self._step(micro_batches, wait_s, final=not self.flow.synchronous, overflow=overflow)
+                self.solved = item.solved
+                final = not self.flow.synchronous or bool(item.solved)  # synchronous mode: the last batch's marker
+                if micro_batches or final:
+                    return self._step(micro_batches, wait_s, final=final, overflow=overflow)
                 continue
             if self._dropped(item):
                 continue
@@ -269,9 +273,9 @@ class StepAssembler:
     def _watch(self, item: object) -> None:
         """Each group's fate, in the order the worker sent them, to the watch that stops a run that cannot train."""
         if isinstance(item, RolloutSample):
-            self.watch.on_sample(item.group_id, self._drop_reason(item))
-        elif isinstance(item, PromptDone) and item.reason != "filtered":
-            self.watch.on_dropped(item.reason, item.rewards, item.detail)
+            self.watch.on_sample(item.group_id, self._drop_reason(item), item.reward)
+        elif isinstance(item, PromptDone) and item.reason not in ("filtered", "retired"):  # never generated
+            self.watch.on_dropped(item.reason, item.rewards, item.detail, item.reward)
 
     def _drain_sent(self) -> None:
         """Receive every item the worker had sent by now (bounded by IN_TRANSIT_TIMEOUT_S)."""

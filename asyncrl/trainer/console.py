@@ -1,7 +1,8 @@
 """What the user sees while training: a live rich display on a terminal, else one plain line per logging step.
 
 The trainer calls `log_step` once per logging window. `diagnose_bottleneck` reads the rollout-queue metrics as
-the spec's "Rollout queue" section does and names the side that limits throughput.
+the spec's "Rollout queue" section does and names the side that limits throughput. Off a terminal nothing wraps: a
+line that rich broke at 80 columns would start new lines that are no step lines to a reader or a script.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from rich.table import Table
 
 from asyncrl.config.schema import Config
 from asyncrl.flow import FlowControl
+from asyncrl.rollout.scoring import TABLE_COLUMNS
 
 HIGH_WAIT_FRAC = 0.1
 """A wait counts as high above this fraction of the step time (of one second when no step time was logged)."""
@@ -46,6 +49,10 @@ _PLAIN_COLUMNS = (  # (metric, label, format) in display order
     ("perf/step_s", "step_s", "{:.2f}"),
 )
 _COLOURS = {GENERATION_BOUND: "yellow", TRAINER_BOUND: "cyan", TOO_TIGHT: "red", BALANCED: "green"}
+EVAL_LINE_EVERY_S = 30.0
+"""Off a terminal, a held-out evaluation's progress line comes at most this often (one that ends sooner prints none)."""
+EvalProgress = Callable[[str, int, int], None]
+"""Called by a held-out evaluation as its completions come back: (pass: greedy or sampled, done, total)."""
 
 
 def _value(metrics: Mapping[str, Any], key: str) -> float | None:
@@ -140,16 +147,22 @@ def _text(value: Any) -> str:
 class Console:
     """Live display (progress, numbers, bottleneck) on a terminal; one plain line per logging step elsewhere."""
 
-    def __init__(self, config: Config, flow: FlowControl) -> None:
+    def __init__(
+        self, config: Config, flow: FlowControl, start_step: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``start_step``: the step a resumed run starts from (the closing line counts this launch's steps);
+        ``clock`` paces the plain evaluation lines (a test's own clock)."""
         mode = config.logging.console
         if mode not in ("auto", "live", "plain"):
             raise ValueError(f"logging.console={mode!r} must be one of auto, live, plain")
         self.live_mode = mode == "live" or (mode == "auto" and sys.stdout.isatty())
-        self.console = RichConsole(highlight=False, force_terminal=True if mode == "live" else None)
+        self.console = RichConsole(
+            highlight=False, force_terminal=True if mode == "live" else None, soft_wrap=not self.live_mode
+        )
         self.config = config
         self.max_steps = config.trainer.max_steps
         self.flow = flow
-        self.started = time.monotonic()
+        self.start_step, self.clock = start_step, clock
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -160,9 +173,12 @@ class Console:
         )
         by_steps = self.max_steps > 0
         self.task = self.progress.add_task(
-            self._position(0, 0.0), total=self.max_steps if by_steps else config.trainer.num_train_epochs
+            self._position(start_step, 0.0),
+            total=self.max_steps if by_steps else config.trainer.num_train_epochs,
+            completed=start_step if by_steps else 0,
         )
         self.live: Live | None = None
+        self.view: Group = Group(self.progress)
 
     def _position(self, step: int, epoch: float) -> str:
         if self.max_steps > 0:
@@ -176,12 +192,46 @@ class Console:
         epoch = _value(metrics, "epoch") or 0.0
         done = step if self.max_steps > 0 else epoch
         self.progress.update(self.task, completed=done, description=self._position(step, epoch))
-        view = Group(self.progress, self._stats(metrics))
+        self._show(Group(self.progress, self._stats(metrics)))
+
+    def _show(self, view: Group) -> None:
+        """The live display shows ``view`` from now on; it starts with the first."""
+        self.view = view
         if self.live is None:
             self.live = Live(view, console=self.console, refresh_per_second=4)
             self.live.start()
         else:
             self.live.update(view)
+
+    @contextmanager
+    def evaluating(self) -> Iterator[EvalProgress]:
+        """A held-out evaluation's progress (a 135M model's 200 prompts took over 10 minutes on a CPU, silent until
+        now): a bar under training's on a terminal, else a line at most every EVAL_LINE_EVERY_S seconds."""
+        if not self.live_mode:
+            yield self._eval_line(self.clock())
+            return
+        task = self.progress.add_task("held-out evaluation", total=None)
+        self._show(self.view)
+
+        def show(label: str, done: int, total: int) -> None:
+            self.progress.update(task, description=f"held-out evaluation, {label}", completed=done, total=total)
+
+        try:
+            yield show
+        finally:
+            self.progress.remove_task(task)
+
+    def _eval_line(self, started: float) -> EvalProgress:
+        last = started
+
+        def line(label: str, done: int, total: int) -> None:
+            nonlocal last
+            now = self.clock()
+            if now - last >= EVAL_LINE_EVERY_S:
+                last = now
+                self.note(f"held-out evaluation, {label}: {done}/{total} prompts")
+
+        return line
 
     def _plain_line(self, step: int, metrics: Mapping[str, Any]) -> str:
         parts = [f"[bold]{self._position(step, _value(metrics, 'epoch') or 0.0)}[/bold]"]
@@ -224,7 +274,8 @@ class Console:
         return Group(*lines, f"[{colour}]{escape(diagnose_bottleneck(metrics, self.flow))}[/]")
 
     def log_completions(self, records: list[dict[str, Any]]) -> None:
-        """A table of (prompt, completion, reward, advantage), when logging.log_completions asks for it."""
+        """A table of (prompt, completion, reward, advantage) and the columns reward functions added through
+        ``log_extra``, when logging.log_completions asks for it."""
         if not self.config.logging.log_completions or not records:
             return
         limit = self.config.logging.num_completions_to_print
@@ -234,12 +285,16 @@ class Console:
             table.add_column(name, overflow="fold")
         table.add_column("reward", justify="right")
         table.add_column("advantage", justify="right")
+        extra = list(dict.fromkeys(k for r in shown for k in r if k not in TABLE_COLUMNS))
+        for name in extra:
+            table.add_column(escape(name), overflow="fold")
         for r in shown:
             table.add_row(
                 escape(_text(r["prompt"])),
                 escape(_text(r["completion"])),
                 _fmt(r, "reward", "{:.3f}"),
                 _fmt(r, "advantage", "{:+.3f}"),
+                *(escape(str(r[name])) if name in r else "-" for name in extra),
             )
         self.console.print(table)
 
@@ -247,11 +302,13 @@ class Console:
         """A line outside the live display (evaluation results, warnings)."""
         self.console.print(text)
 
-    def finish(self, step: int, model_dir: Path) -> None:
+    def finish(self, step: int, model_dir: Path, wall_s: float) -> None:
+        """The closing line: the run's steps (and this launch's, after a resume) and its wall time (timeline.json's
+        wall_s, the figure the report gives too)."""
         self.close()
-        elapsed = time.monotonic() - self.started
+        launch = f" ({step - self.start_step} in this launch)" if self.start_step else ""
         saved = escape(str(model_dir))
-        self.console.print(f"[green]done[/green] after {step} steps in {elapsed:.0f} s; model saved to {saved}")
+        self.console.print(f"[green]done[/green] after {step} steps{launch} in {wall_s:.0f} s; model saved to {saved}")
 
     def close(self) -> None:
         if self.live is not None:

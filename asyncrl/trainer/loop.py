@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from asyncrl.client import policy_model
 from asyncrl.config.schema import Config
@@ -28,6 +29,7 @@ from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.restart import restart_count
 from asyncrl.rollout.channels import WorkerChannels
+from asyncrl.rollout.solved import RewardRange
 from asyncrl.rollout.spawn import send_spec, spawn_worker
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.serving.command import served_model_name
@@ -48,7 +50,7 @@ from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows, w
 from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.forward import report_last_row, resolve_compile
 from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
-from asyncrl.trainer.group_watch import GroupWatch
+from asyncrl.trainer.group_watch import GenerationFailingError, GroupWatch, TaskSolved, TrainingStalledError
 from asyncrl.trainer.lora import is_peft
 from asyncrl.trainer.memory import GIB, TrainerMemory, TrainerOutOfMemoryError, measure, out_of_memory_line
 from asyncrl.trainer.model import use_cpu_threads
@@ -151,7 +153,7 @@ class Trainer:
         if resume is not None:
             self._drop_abandoned_rows()
         self.restarts = restart_count(self.run_dir)
-        self.console = Console(c, self.flow)
+        self.console = Console(c, self.flow, start_step=self.state.step)
         self.trackers = build_trackers(c, self.run_dir)
         self.completions: list[dict[str, Any]] = []
         self.sync = build_weight_sync(c, self.control, self.run_dir, self.prepared)
@@ -170,11 +172,9 @@ class Trainer:
             step_started = time.perf_counter()
             with profiled_step(self.state.step + 1, self.config.logging.profile_steps, self.run_dir / "profile"):
                 with phase("rollout_wait"):
-                    step = self.assembler.next_step(
-                        sync_follows=(self.state.step + 1) % self.config.staleness.weight_sync_steps == 0
-                    )
+                    step = self._next_step()
                 self.window.add("rollout/queue_size", _qsize(self.channels.rollout_queue) + self.assembler.held)
-                if not step.rows:
+                if step is None or not step.rows:
                     break
                 rows = self._optimize(step)
                 self.state.step += 1
@@ -205,6 +205,38 @@ class Trainer:
         if self.evaluations is not None:
             self.console.note(self.evaluations.summary(self._num_eval_prompts(), self.config.sampling.temperature))
         self.ranks.command("stop")
+
+    def _next_step(self) -> Step | None:
+        """The next step from the rollout queue; None when the task is solved (a line says so, and the run ends as
+        any run does). A stall ends the run with its error, after saving what was trained (``_save_after_stall``)."""
+        try:
+            step = self.assembler.next_step(
+                sync_follows=(self.state.step + 1) % self.config.staleness.weight_sync_steps == 0
+            )
+        except TaskSolved as solved:
+            self.console.note(escape(str(solved)))
+            return None
+        except TrainingStalledError as stall:
+            saved = self._save_after_stall(stall)
+            if saved is None:
+                raise
+            raise type(stall)(f"{stall}; {saved}") from stall
+        if self.assembler.solved:  # the worker's prompts ended: every one was retired (data.retire_solved_after)
+            self.console.note(escape(self.assembler.solved))
+        return step
+
+    def _save_after_stall(self, stall: TrainingStalledError) -> str | None:
+        """Save what the run trained before a stall ends it: a checkpoint (save_strategy=steps) and the model, as a
+        finished run's; where, for the error line (which adds the command that resumes). None when nothing was
+        trained, or when a generation failure will restart the run (trainer.max_restarts): it resumes from the
+        checkpoint, and a model/ directory would mark a finished run."""
+        if self.state.step == 0:
+            return None
+        if self.config.trainer.save_strategy == "steps" and not self._should_save():  # else saved at this step
+            self._save()
+        if isinstance(stall, GenerationFailingError) and self.config.trainer.max_restarts > 0:
+            return None
+        return f"the model of step {self.state.step} is saved in {self._write_final_model()}"
 
     def _report_startup(self) -> None:
         """Once, with the first step: seconds from the CLI's start to the model, the warm-up, the server's health
@@ -410,7 +442,8 @@ class Trainer:
             self.channels, self.row_factory, self.token_budget, c.trainer.gradient_accumulation_steps,
             self.flow, self.progress, self.window, self._check_processes,
             c.staleness.rollout_worker_timeout, dp=self.world,
-            watch=GroupWatch(c.rollout.max_consecutive_dropped_groups, c.rollout.max_failed_group_fraction),
+            watch=GroupWatch(c.rollout.max_consecutive_dropped_groups, c.rollout.max_failed_group_fraction,
+                             c.rollout.stop_when_solved, RewardRange.from_json(self.state.extra.get("reward_range"))),
             samples_per_step=c.trainer.samples_per_step,
         )  # fmt: skip
 
@@ -457,8 +490,9 @@ class Trainer:
         self.sync.settle()  # the server generates again after the last sync
         p = self.prepared
         model = policy_model(served_model_name(self.config), self.sync.adapter_prefix, self.state.model_version)
-        results = evaluate(self.config, self.server.base_urls, model, p.tokenizer,
-                           p.eval_dataset, p.components.rewards, self.max_model_len)  # fmt: skip
+        with self.console.evaluating() as progress:
+            results = evaluate(self.config, self.server.base_urls, model, p.tokenizer,
+                               p.eval_dataset, p.components.rewards, self.max_model_len, progress)  # fmt: skip
         self.last_evaluation = (self.state.step, results)
         return results
 
@@ -529,6 +563,7 @@ class Trainer:
         self.state.done_after_index = sorted(self.progress.done)
         self.state.extra["num_tokens"] = self.num_tokens
         self.state.extra["loss"] = self.loss.state_dict()
+        self.state.extra["reward_range"] = self.assembler.watch.rewards.to_json()  # which reward solves the task
         step, results = self.last_evaluation or (-1, {})
         self.state.extra["evaluation"] = results if step == self.state.step else {}  # a resume's "before"
         path = save_checkpoint(self.output_dir, self.state, self.prepared.tokenizer, self.scheduler,
@@ -536,7 +571,8 @@ class Trainer:
                                self.world, self.processor_files)  # fmt: skip
         log.info("checkpoint %s", path)
 
-    def _save_final_model(self) -> None:
+    def _write_final_model(self) -> Path:
+        """``model/``: the weights (in the serving dtype), the tokenizer and processor files, published whole."""
         final = self.output_dir / "model"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -544,9 +580,15 @@ class Trainer:
         self.prepared.tokenizer.save_pretrained(tmp)
         save_processor_files(self.processor_files, tmp)
         publish(tmp, final)
+        return final
+
+    def _save_final_model(self) -> None:
+        final = self._write_final_model()
         self._drain_worker_metrics()
-        self.timeline.write(self.run_dir / "timeline.json", self.run_started, time.time())
-        self.console.finish(self.state.step, final)
+        launch_steps = self.state.step - self.console.start_step
+        summary = self.timeline.write(self.run_dir / "timeline.json", self.started_at, self.run_started, time.time(),
+                                      launch_steps)  # fmt: skip
+        self.console.finish(self.state.step, final, summary["wall_s"])
 
     def _write_sharded(self, directory: Path, command: str) -> None:
         """With every rank: ``save`` the resume shards and the consolidated model, or the ``final`` model only."""

@@ -96,8 +96,9 @@ def prepare(plan: RunPlan) -> Prepared:
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
         raise TypeError(f"rollout.loop_cls={config.rollout.loop_cls} is not a subclass of AsyncRolloutLoop")
     check_components_pickle(plan.components)
+    conversational = check_prompt_forms(config, dataset, eval_dataset)
     tokenizer = load_tokenizer(config)
-    check_agents(config, tokenizer)
+    check_agents(config, tokenizer, conversational)
     check_router_aux_coef(config)
     check_routing(dataset, config.rollout.environment_factory)
     return Prepared(dataset, eval_dataset, tokenizer, plan, loop_cls)
@@ -112,9 +113,24 @@ def check_components_pickle(components: Components) -> None:
     check_picklable(components.advantage, "advantage estimator (advantage.name)")
 
 
-def check_agents(config: Config, tokenizer: Any) -> None:
-    """Tools and environments: picklable, schemas buildable; the chat template per rollout.chat_template, and a
-    warning when it is still not prefix-preserving for a tool turn (every turn would then fork a new sample)."""
+def check_prompt_forms(config: Config, dataset: Any, eval_dataset: Any | None) -> bool:
+    """Standard (plain-text) prompts have no chat template to render tools or a tool loop's turns with; whether any
+    of the datasets is conversational (and so needs the tokenizer's chat template)."""
+    from asyncrl.config.errors import ConfigError
+    from asyncrl.data import standard_prompts
+
+    standard = standard_prompts(dataset)
+    if standard and (config.rollout.tools or config.rollout.environment_factory is not None):
+        raise ConfigError(f"data.path={config.data.path} has standard (plain-text) prompts, which take no tools or "
+                          "environments (rollout.tools, rollout.environment_factory): give conversational prompts "
+                          "(a list of {role, content} messages per row) or drop those keys")  # fmt: skip
+    return not standard or (eval_dataset is not None and not standard_prompts(eval_dataset))
+
+
+def check_agents(config: Config, tokenizer: Any, conversational: bool = True) -> None:
+    """Tools and environments: picklable, schemas buildable; the chat template per rollout.chat_template (required
+    for ``conversational`` prompts), and a warning when it is still not prefix-preserving for a tool turn (every turn
+    would then fork a new sample)."""
     import warnings
 
     from asyncrl.rollout.environments import load_factories, load_tools
@@ -132,7 +148,7 @@ def check_agents(config: Config, tokenizer: Any) -> None:
     kwargs = config.sampling.chat_template_kwargs
     use_chat_template(tokenizer, config.rollout.chat_template, agentic=agentic, chat_template_kwargs=kwargs,
                       model=config.model.name_or_path)  # fmt: skip
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None and conversational:
         from asyncrl.config.errors import ConfigError
 
         raise ConfigError(f"model.name_or_path={config.model.name_or_path}: its tokenizer has no chat template "

@@ -1,4 +1,5 @@
-"""Busy spans of generation and training, to measure how much they overlap (the point of asyncrl)."""
+"""Busy spans of generation and training, to measure how much they overlap (the point of asyncrl), and the run's
+wall time (timeline.json)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     return sum(stop - start for start, stop in merge(spans))
 
 
+def clip(spans: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The parts of ``spans`` between ``start`` and ``end``."""
+    return [(max(s, start), min(e, end)) for s, e in spans if e > start and s < end]
+
+
 def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Seconds during which both span sets are busy."""
     total = 0.0
@@ -38,16 +44,23 @@ class Timeline:
         self.spans[name].append((start, end))
 
     def summary(self, start: float, end: float) -> dict[str, float]:
-        wall = max(end - start, 1e-9)
-        gen, train = self.spans.get("generation", []), self.spans.get("training", [])
+        """Busy fractions of the training loop, ``start`` to ``end`` (training_s): spans are clipped to it, since the
+        rollout worker generates during the startup too."""
+        window = max(end - start, 1e-9)
+        gen, train = (clip(self.spans.get(name, []), start, end) for name in ("generation", "training"))
         return {
-            "wall_s": wall,
-            "generation_busy_frac": union_length(gen) / wall,
-            "training_busy_frac": union_length(train) / wall,
-            "overlap_frac": overlap_length(gen, train) / wall,
+            "training_s": window,
+            "generation_busy_frac": union_length(gen) / window,
+            "training_busy_frac": union_length(train) / window,
+            "overlap_frac": overlap_length(gen, train) / window,
         }
 
-    def write(self, path: Path, start: float, end: float) -> dict[str, float]:
-        summary = self.summary(start, end)
-        path.write_text(json.dumps({"summary": summary, "spans": self.spans}, indent=1))
+    def write(self, path: Path, launched: float, start: float, end: float, launch_steps: int) -> dict[str, float]:
+        """timeline.json: the spans and their summary, which holds the run's wall time, ``wall_s``: from the job's
+        launch (``launched``: launch.py's ASYNCRL_STARTED_AT, where perf/startup_* count from; a resumed run counts
+        from its own launch, whose steps are ``launch_steps``) to the end of training (``end``: the final model
+        saved). It is the one wall time: the console's closing line and the report's summary give it too. The busy
+        fractions are of the training loop (``summary``)."""
+        summary = {"wall_s": end - launched, "launch_steps": launch_steps, **self.summary(start, end)}
+        path.write_text(json.dumps({"summary": summary, "start": launched, "spans": self.spans}, indent=1))
         return summary

@@ -48,3 +48,13 @@ def soak() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def ipc_release() -> Iterator[ModuleType]:
     yield from script_module("ipc_release")
+
+
+@pytest.fixture(scope="module")
+def time_to_accuracy() -> Iterator[ModuleType]:
+    yield from script_module("time_to_accuracy")
+
+
+@pytest.fixture(scope="module")
+def real_checkpoints() -> Iterator[ModuleType]:
+    yield from script_module("real_checkpoints")

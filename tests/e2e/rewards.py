@@ -39,3 +39,17 @@ def eval_waits_for_the_worker_reward(prompts, completions, completion_ids, **col
             time.sleep(0.1)
         (signals / f"{me}.{'met' if met else 'alone'}").touch()
     return [float(len(ids)) for ids in completion_ids]
+
+
+TURNS_CONSTANT_CALLS: list[int] = []
+"""The calls of ``turns_constant`` in this process (the worker scores one group a call)."""
+
+
+def turns_constant(prompts, completions, completion_ids, *, after: int = 6, value: float = 1.0, **columns):
+    """Spread over (0, 1) for this process's first ``after`` calls (groups that train), then ``value`` for every
+    rollout: at 1.0 the model has solved the task (above every earlier reward), at 0.0 its groups have stopped carrying
+    signal below it."""
+    TURNS_CONSTANT_CALLS.append(len(completion_ids))
+    if len(TURNS_CONSTANT_CALLS) > after:
+        return [value] * len(completion_ids)
+    return [(i + 1) / (len(completion_ids) + 1) for i in range(len(completion_ids))]

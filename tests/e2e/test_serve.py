@@ -1,6 +1,6 @@
-"""`asyncrl serve RUN_DIR`: the server answers vLLM's completion API with the run's final model under a short name
-and the run's overrides, its state-changing routes need the token it prints, and no process outlives the CLI,
-whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
+"""`asyncrl serve RUN_DIR`: the server answers vLLM's completion API and OpenAI's chat completions with the run's
+final model under a short name and the run's overrides, its state-changing routes need the token it prints, and no
+process outlives the CLI, whether it is interrupted (SIGINT) or killed outright (SIGKILL)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def test_serve_answers_then_leaves_nothing_running(random_tiny_model_dir, tmp_pa
         choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
         tokens = choice["token_ids"]
         assert 1 <= len(tokens) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(tokens)
+        chat = {"model": "run-a/model", "messages": [{"role": "user", "content": "1 + 2 ="}], "max_tokens": 4}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()  # OpenAI clients' route
+        assert answer["choices"][0]["message"]["role"] == "assistant" and answer["usage"]["completion_tokens"] >= 1
         assert httpx.post(f"{url}/resume").status_code == 401  # the CLI's token: the test session's, inherited
         assert httpx.post(f"{url}/resume", headers=auth_headers()).status_code == 200
         printed = _lines_until(proc, "attach with: ")  # the CLI prints them once it saw the server healthy itself

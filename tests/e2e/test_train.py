@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +121,21 @@ def test_async_run_trains_every_step_within_its_staleness_bound_and_overlaps(asy
     assert any(not math.isnan(u) for u in usage)
 
 
+def test_the_console_has_whole_lines_no_progress_bars_and_the_runs_wall_time(async_run):
+    """Without a terminal nothing wraps (a line starting with "step" is a step line; the startup and held-out
+    lines are whole), no library's progress bar shows, and the closing line's wall time is timeline.json's."""
+    run, run_dir = async_run.run, async_run.run_dir
+    assert run.returncode == 0, run.output[-3000:]
+    lines = run.output.splitlines()
+    assert "Generating train split" not in run.output and "Loading weights" not in run.output
+    assert all(re.match(rf"step \d+/{STEPS}  reward ", line) for line in lines if line.startswith("step"))
+    assert any(line.startswith("startup (seconds since launch): model loaded") and "first step" in line
+               for line in lines)  # fmt: skip
+    assert any(line.startswith("held-out reward on") and line.endswith("preferred answer changes)") for line in lines)
+    wall = json.loads((run_dir / "timeline.json").read_text())["summary"]["wall_s"]
+    assert f"done after {STEPS} steps in {wall:.0f} s; model saved to" in run.output
+
+
 def test_the_chosen_step_is_profiled_with_its_phases_labelled(async_run):
     profile = async_run.run_dir / "profile"
     assert sorted(p.name for p in profile.iterdir()) == ["step_3.trace.json", "step_3.txt"]
@@ -176,6 +192,7 @@ def test_resume_continues_at_the_recorded_prompt_and_version(resumed_run):
     assert resumed[0]["entropy_coef"] == pytest.approx(0.01 + ENTROPY_DELTA * STEPS)  # and the loss state
     final = json.loads((run_dir / "checkpoints" / f"step_{RESUMED[-1]:06d}" / "rollout_state.json").read_text())
     assert final["prompt_index"] > saved["prompt_index"]
+    assert f"done after {RESUMED[-1]} steps ({len(RESUMED)} in this launch) in " in run.output
 
 
 def test_held_out_evaluation_runs_every_eval_steps_and_a_resume_starts_from_its_checkpoints(async_run,

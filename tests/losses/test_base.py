@@ -72,3 +72,13 @@ def test_metrics_are_nan_without_trained_tokens():
     assert out.loss_sum.item() == 0.0
     assert math.isnan(out.metrics["sampling/importance_sampling_ratio/mean"])
     assert math.isnan(out.metrics["clip_ratio/high_max"])
+
+
+@pytest.mark.parametrize("name", ["clipped", "cispo", "gspo", "sapo", "vespo", "luspo"])
+def test_a_micro_batch_without_trained_tokens_gives_no_metric(name):
+    empty = torch.zeros(0, dtype=torch.float64)
+    batch = LossBatch(empty.clone().requires_grad_(), empty, empty, empty, torch.zeros(0, dtype=torch.long))
+    out = LOSSES.build({"name": name})(batch)
+    assert out.loss_sum.item() == 0.0
+    assert math.isnan(out.metrics["clip_ratio/low_min"]) and math.isnan(out.metrics["clip_ratio/high_max"])
+    assert math.isnan(out.metrics["sampling/importance_sampling_ratio/max"])

@@ -28,7 +28,8 @@ from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import MetricWindow
 from asyncrl.packing.flat import FlatRow
 from asyncrl.plan.assemble import plan_run
-from asyncrl.rollout.loop import AsyncRolloutLoop, render_prompt
+from asyncrl.prompts import render_prompt
+from asyncrl.rollout.loop import AsyncRolloutLoop
 from asyncrl.rollout.types import Rollout, RolloutSample, TrainingSequence, TurnRecord
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.loop import Trainer

@@ -8,10 +8,13 @@ import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
+from asyncrl.flow import FlowControl
 from asyncrl.plan.assemble import build_plan, plan_run
 
 BAD_INPUTS = [
-    (["trainer.samples_per_step=64", "staleness.max_staleness=0"], "needs asynchronous mode"),
+    (["trainer.samples_per_step=63", "staleness.max_staleness=0", "sampling.num_generations=8"],
+     "must be a multiple of sampling.num_generations=8 (a synchronous step trains whole groups): try "
+     "trainer.samples_per_step=56"),
     (["staleness.max_staleness=0", "staleness.weight_sync_steps=2"], "staleness.weight_sync_steps"),
     (["server.max_lora_rank=4"], "server.max_lora_rank"),
     (["lora=default", "lora.sync=adapter", "server.max_loras=3"], "server.max_loras"),
@@ -40,6 +43,12 @@ def test_bad_input_fails_naming_the_key(overrides, named):
     with pytest.raises(ConfigError) as info:
         plan_run(compose(overrides))
     assert named in str(info.value)
+
+
+def test_a_synchronous_run_trains_whole_groups_of_samples_per_step():
+    config = plan_run(compose(["trainer.samples_per_step=16", "staleness.max_staleness=0",
+                               "sampling.num_generations=8"])).config  # fmt: skip
+    assert FlowControl.from_config(config).batch_groups == 2
 
 
 def test_reward_by_import_path():

@@ -29,6 +29,13 @@ def test_final_answer_text_reads_the_last_assistant_message():
     assert final_answer_text([{"role": "user", "content": "hi"}]) == ""
 
 
+def test_built_in_rewards_score_a_standard_prompts_plain_text_completion():
+    accuracy = REWARDS.build("accuracy")
+    assert final_answer_text(r" so \boxed{4}") == r" so \boxed{4}"
+    texts = [r" so \boxed{4}", r" \boxed{5}"]
+    assert accuracy(["What is 2+2?"] * 2, texts, [[1], [1]], solution=["4", "4"]) == [1.0, 0.0]
+
+
 def test_message_text_joins_text_parts():
     message = {
         "role": "assistant",

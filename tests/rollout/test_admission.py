@@ -2,7 +2,7 @@
 side of flow control combining it with the two caps, the scoring queue and synchronous batches."""
 
 from asyncrl.flow import FlowControl
-from asyncrl.rollout.admission import Admission, WorkerFlow
+from asyncrl.rollout.admission import MIN_KEPT_FRACTION, Admission, WorkerFlow
 
 
 def test_one_group_at_a_time_until_the_first_completes():
@@ -146,9 +146,48 @@ def test_a_synchronous_worker_closes_its_batch_at_the_allowance_and_counts_token
     assert flow.batch_has_room(100)
 
 
+def test_a_synchronous_batch_of_samples_per_step_is_whole_groups_sent_whatever_the_allowance():
+    flow = WorkerFlow(FlowControl(0, num_generations=2, max_concurrent_rollouts=8, samples_per_step=6))
+    assert flow.flow.batch_groups == 3 and FlowControl(2, 2, samples_per_step=6).batch_groups is None
+    for _ in range(3):  # no "first group" wait, and an allowance of one token does not close the batch
+        assert flow.wait_reason(allowance=1, tokens_consumed=0, scoring_full=False) is None
+        flow.admission.on_group_start()
+    reason = flow.wait_reason(allowance=1, tokens_consumed=0, scoring_full=False)
+    assert reason == "backpressure" and flow.closes_batch(reason)  # three groups in flight make the batch
+    for pushed in (40, 0, 40):  # the second group is dropped (zero_std): the batch has room for one more
+        for _ in range(2):
+            flow.admission.on_rollout_done(20)
+        flow.admission.on_group_done(pushed, 40)
+    assert flow.batch_has_room(1) and flow.wait_reason(1, 0, scoring_full=False) is None
+    started_and_done(flow, tokens=20)
+    assert not flow.batch_has_room(1) and flow.batch_groups_sent() == 3
+    flow.start_batch()  # the weights moved
+    assert flow.batch_groups_sent() == 0 and flow.wait_reason(1, 0, scoring_full=False) is None
+
+
 def test_an_asynchronous_worker_waits_for_the_trainer_to_consume():
     flow = WorkerFlow(FlowControl(2, num_generations=2, max_concurrent_rollouts=8))
     started_and_done(flow, tokens=50)
     reason = flow.wait_reason(allowance=100, tokens_consumed=0, scoring_full=False)
     assert reason == "backpressure" and not flow.closes_batch(reason)
     assert flow.wait_reason(allowance=100, tokens_consumed=100, scoring_full=False) is None
+
+
+def test_groups_dropped_for_zero_spread_count_at_the_share_of_tokens_the_trainer_kept():
+    """Near convergence most groups are dropped: the tokens in flight count at the kept share of the last groups
+    (at least MIN_KEPT_FRACTION), so the worker starts enough groups to feed the trainer the allowance."""
+    a = one_group_queued()  # kept: 100 tokens queued
+    assert a.kept_fraction() == 1.0
+    a.on_group_start()  # consumed: 100 in flight and the next group's 100 count whole
+    assert a.wait_reason(allowance=199, tokens_consumed=100, concurrency_cap=512) == "backpressure"
+    for _ in range(4):
+        a.on_rollout_done(num_tokens=25)
+    a.on_group_done(pushed_tokens=0, rollout_tokens=100)  # dropped: zero_std
+    assert a.kept_fraction() == 0.5
+    for _ in range(2):  # 2 x 100 tokens in flight count as 100 (and the next group as 50)
+        a.on_group_start()
+    assert a.wait_reason(allowance=150, tokens_consumed=100, concurrency_cap=512) is None
+    assert a.wait_reason(allowance=149, tokens_consumed=100, concurrency_cap=512) == "backpressure"
+    for _ in range(40):  # a window of drops: the share never falls below the floor
+        a.outcomes.append((100, False))
+    assert a.kept_fraction() == MIN_KEPT_FRACTION

@@ -113,3 +113,28 @@ def test_an_unknown_environment_in_the_data_fails_at_startup_naming_its_row():
         check_routing(rows.remove_columns("environment"), spec)
     check_routing(rows.select([0, 2]), spec)
     check_routing(rows, "asyncrl.environments.counter:IncrementEnv")  # one environment: no routing
+
+
+class AsyncGameEnv:
+    """Hooks that await their own I/O."""
+
+    async def reset(self, level: int, **kwargs: object) -> str:
+        await asyncio.sleep(0)
+        self.level = level
+        return f"Reach level {level}."
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0)
+        return float(self.level)
+
+
+def test_async_reset_and_get_reward_are_awaited():
+    agents = Agents([], {None: AsyncGameEnv}, None)
+
+    async def main():
+        episode = await agents.begin({"level": 2})
+        return episode, await agents.end(episode)
+
+    episode, (reward, _) = asyncio.run(main())
+    assert episode.prompt == [{"role": "user", "content": "Reach level 2."}]  # not the str() of a coroutine
+    assert reward == (AsyncGameEnv, 2.0)

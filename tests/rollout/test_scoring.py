@@ -9,13 +9,18 @@ import time
 
 import numpy as np
 import pytest
+from transformers import TrainerState
 
+from asyncrl.advantages import ADVANTAGES, group_zscore
+from asyncrl.config.schema import Config
+from asyncrl.rollout.group_metrics import completion_records, group_metrics
 from asyncrl.rollout.scoring import (
     RewardFunctionError,
     RewardSource,
     _is_async,
     score_group,
 )
+from asyncrl.rollout.trainer_state import rollout_state
 from asyncrl.rollout.types import RolloutGroup
 
 
@@ -101,3 +106,72 @@ def test_async_callable_objects_and_partials_count_as_async():
 
     assert _is_async(AsyncScorer()) and _is_async(functools.partial(AsyncScorer()))
     assert not _is_async(SyncScorer()) and not _is_async(functools.partial(len))
+
+
+def test_reward_weights_weigh_the_sum_and_leave_the_components_unweighted():
+    group = make_group(rollout_rewards=[None, 0.5, None])
+    sources = [RewardSource("len", by_length, 2.0), RewardSource("first", only_first, -0.5)]
+    per_source = asyncio.run(score_group(group, sources))
+    assert np.allclose(group.rewards, [2 * 1 - 0.5, 2 * 2 + 0.5, 2 * 3])  # the rollout's own reward weighs 1
+    assert np.allclose(per_source["len"], [1.0, 2.0, 3.0]) and per_source["first"][0] == 1.0
+
+
+def test_reward_weights_reach_the_sum_and_gdpo_from_the_config():
+    from asyncrl.components import build_components
+    from asyncrl.config.compose import compose, to_config
+
+    config = to_config(compose(["advantage=gdpo", "reward_funcs=[{name: length}, {name: format}]",
+                                "reward_weights=[0.5,3.0]"]))  # fmt: skip
+    components = build_components(config)
+    assert [(s.name, s.weight) for s in components.rewards] == [("length", 0.5), ("format", 3.0)]
+    rewards = np.array([0.5 * 1.0 + 3.0, 0.5 * 3.0, 0.5 * 2.0])
+    parts = {"length": np.array([1.0, 3.0, 2.0]), "format": np.array([1.0, 0.0, 0.0])}
+    unweighted = ADVANTAGES.build("gdpo")(rewards, parts)
+    weighted = components.advantage(rewards, parts)
+    assert np.allclose(weighted, 0.5 * group_zscore(parts["length"]) + 3.0 * group_zscore(parts["format"]))
+    assert not np.allclose(weighted, unweighted)
+
+
+def test_a_reward_gets_the_trainer_state_and_logs_metrics_and_completion_columns_as_trl_gives_them():
+    seen = {}
+
+    def judged(completions, trainer_state, log_metric, log_extra, **columns):
+        seen["state"] = trainer_state
+        log_extra("judge_note", [f"note {i}" for i in range(len(completions))])
+        log_metric("judge/agreement", 0.75)
+        return [1.0, 0.0, 1.0]
+
+    def by_columns(prompts, completions, completion_ids, solution):  # takes none of them, so it gets none
+        return [0.0] * len(completion_ids)
+
+    config = Config()
+    config.staleness.weight_sync_steps, config.trainer.max_steps = 2, 100
+    group = make_group()
+    state = rollout_state(config, model_version=3, prompt_index=15, num_rows=10)
+    sources = [RewardSource("judged", judged), RewardSource("by_columns", by_columns)]
+    asyncio.run(score_group(group, sources, state))
+    assert isinstance(seen["state"], TrainerState)
+    assert (seen["state"].global_step, seen["state"].max_steps, seen["state"].epoch) == (6, 100, 1.5)
+    assert (seen["state"].model_version, seen["state"].prompts_seen) == (3, 15)
+    assert group.reward_metrics == {"judge/agreement": [0.75]}
+    assert group_metrics(group, group.reward_components, None)["judge/agreement"] == [0.75]
+    records = completion_records(group, np.zeros(3))
+    assert [r["judge_note"] for r in records] == ["note 0", "note 1", "note 2"] and records[0]["reward"] == 1.0
+
+
+def test_a_bad_log_call_names_the_reward_function():
+    def wrong_column(completions, log_extra, **_):
+        log_extra("notes", ["only one"])
+        return [0.0] * len(completions)
+
+    def wrong_metric(completions, log_metric, **_):
+        log_metric("judge", "high")
+        return [0.0] * len(completions)
+
+    cases = {wrong_column: r"^reward function 'wrong_column' on row 0 raised ValueError: log_extra\('notes', \.\.\.\) "
+                           r"got 1 values; expected 3, one per completion$",
+             wrong_metric: r"^reward function 'wrong_metric' on row 0 raised TypeError: log_metric\('judge', "
+                           r"'high'\): the value must be a number$"}  # fmt: skip
+    for fn, message in cases.items():
+        with pytest.raises(RewardFunctionError, match=message):
+            asyncio.run(score_group(make_group(), [RewardSource(fn.__name__, fn)]))

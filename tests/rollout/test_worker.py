@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.loop import AsyncRolloutLoop
 from asyncrl.rollout.scoring import RewardSource
 from asyncrl.rollout.spawn import send_spec, spawn_worker
-from asyncrl.rollout.types import EndOfBatch, RolloutSample, TurnRecord
+from asyncrl.rollout.types import EndOfBatch, PromptDone, RolloutSample, TurnRecord
 from asyncrl.rollout.worker import WorkerDriver, WorkerSpec, run_worker
 from asyncrl.serving.command import served_model_name
 from asyncrl.trainer.setup import prepare
@@ -204,6 +206,59 @@ def test_a_synchronous_driver_closes_its_batch_and_waits_for_the_weight_sync():
     asyncio.run(scenario())
 
 
+def test_a_synchronous_batch_holds_samples_per_step_samples_whatever_their_tokens():
+    """trainer.samples_per_step=4 with groups of 2: each batch is two groups, though one token is the allowance."""
+    channels = WorkerChannels.create(1, in_process=True)
+    spec = local_spec(max_staleness=0, total_prompts=3)
+    spec.config.trainer.samples_per_step = 4
+    spec.flow = FlowControl.from_config(spec.config)
+    driver = WorkerDriver(spec, channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: hasattr(driver, "loop") and hasattr(driver.loop, "gate"), "its setup")
+        driver.loop.gate.set()
+        await until(lambda: "waiting for weight sync to version 1" in channels.get_status(), "the batch's end")
+        assert [getattr(item, "prompt_index", None) for item in sent(channels)] == [0, 0, 1, 1, None]
+        channels.model_version = 1
+        await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
+        assert [getattr(item, "prompt_index", None) for item in sent(channels)] == [2, 2, None]  # the prompts ended
+        channels.stop()
+        await run
+
+    asyncio.run(scenario())
+
+
+def text_reward(prompts, completions, completion_ids, answer, **_):
+    assert all(isinstance(text, str) for text in [*prompts, *completions, *answer])  # TRL's standard format
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def test_a_standard_prompt_is_tokenized_as_it_is_and_its_rewards_get_texts():
+    channels = WorkerChannels.create(10**6, in_process=True)
+    spec = local_spec(reward=text_reward, total_prompts=1)
+    spec.dataset = [{"prompt": f"{i} + {i} =", "answer": str(2 * i)} for i in range(3)]
+    spec.config.logging.log_completions = True
+    driver = WorkerDriver(spec, channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: hasattr(driver, "loop") and hasattr(driver.loop, "gate"), "its setup")
+        driver.loop.gate.set()
+        await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
+        samples = [item for item in sent(channels) if isinstance(item, RolloutSample)]
+        prompt_ids = tokenizer()("0 + 0 =", add_special_tokens=False)["input_ids"]  # no chat template around it
+        assert [s.sequence.token_ids for s in samples] == [prompt_ids + [11] * 2, prompt_ids + [11] * 4]
+        channels.stop()
+        await run
+
+    asyncio.run(scenario())
+    records = []
+    while not channels.metrics_queue.empty():
+        records.extend(channels.metrics_queue.get_nowait()["completions"])
+    assert [r["prompt"] for r in records] == ["0 + 0 ="] * 2 and all(isinstance(r["completion"], str) for r in records)
+
+
 def test_a_failing_reward_reaches_the_trainer_as_one_line_with_the_traceback():
     channels = WorkerChannels.create(10**6, in_process=True)
     spec = local_spec(reward=failing)
@@ -230,3 +285,61 @@ def test_a_resumed_worker_skips_the_prompts_its_checkpoint_had_already_trained()
         await run
 
     asyncio.run(scenario())
+
+
+def test_a_stop_that_meets_a_wakeup_ends_the_driver_without_starting_a_group():
+    """The stop arrives in the same turn of the event loop as the wake-up its main loop waited for, and admission
+    has room again: the main loop still ends there, creating no group (a coroutine nobody awaits warns at exit)."""
+    channels = WorkerChannels.create(1, in_process=True)
+    driver = WorkerDriver(local_spec(), channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: hasattr(driver, "loop") and hasattr(driver.loop, "gate"), "its setup")
+        driver.loop.gate.set()
+        await until(lambda: "backpressure" in channels.get_status(), "backpressure")
+        channels.token_allowance = 10**6  # room again, which the main loop reads when it wakes up
+        driver.changed.set()
+        driver.stopping.set()  # as the stop listener does, in the same turn
+        await run
+        assert channels.items_sent == 2  # the first group only
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(scenario())
+        gc.collect()
+    channels.stop()  # the stop listener's thread ends too
+
+
+def test_prompts_solved_k_times_in_a_row_retire_and_an_epoch_of_them_ends_the_prompts_saying_so():
+    """data.retire_solved_after=1: the first group scores 0 and 1, every later one 1 for each rollout (solved). A
+    solved prompt is not generated again (a PromptDone "retired"); once a whole epoch is, the prompts end with the
+    line that says the task is solved."""
+    channels = WorkerChannels.create(10**6, in_process=True)
+    spec = local_spec(total_prompts=None)
+    spec.loop_cls, spec.config.data.retire_solved_after = OpenLoop, 1
+    spec.config.staleness.max_concurrent_rollouts = 2  # one group at a time: no racing through epochs
+    spec.flow = FlowControl.from_config(spec.config)
+    calls = iter(range(10**6))
+
+    def learns_at_once(completion_ids: list[list[int]], **_: object) -> list[float]:
+        return [0.0, 1.0] if next(calls) == 0 else [1.0] * len(completion_ids)
+
+    spec.reward_sources = [RewardSource("learns_at_once", learns_at_once)]
+    driver = WorkerDriver(spec, channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
+        items = sent(channels)
+        retired = [item for item in items if isinstance(item, PromptDone) and item.reason == "retired"]
+        assert len(retired) >= 3 and isinstance(items[-1], EndOfBatch)
+        assert items[-1].solved.startswith("the task is solved for this model: every prompt of epoch ")
+        line = items[-1].solved
+        assert line.endswith("is retired, its last 1 group(s) scored 1 for every rollout, the highest reward of the "
+                             "run (data.retire_solved_after=1); training ends here")  # fmt: skip
+        channels.stop()
+        await run
+
+    asyncio.run(scenario())
+    assert sum(drained_metrics(channels)["rollout/retired_prompt_count"]) >= 3

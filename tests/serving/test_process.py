@@ -86,7 +86,7 @@ def test_waits_for_health_then_stops_the_whole_group(tmp_path):
 def test_busy_port_is_a_clear_error(tmp_path):
     port = free_port()
     with _server(tmp_path, port):
-        with pytest.raises(ServerStartError, match=rf"port {port} on 127.0.0.1 is busy"):
+        with pytest.raises(ServerStartError, match=rf"127.0.0.1:{port} is already in use"):
             _server(tmp_path / "second", port).start()
 
 
@@ -100,7 +100,7 @@ def test_a_proxy_at_base_url_is_not_the_port_the_server_takes(tmp_path):
         assert server.is_alive()
         server.stop()
         busy = ServerProcess([sys.executable, "-c", "pass"], base_url=base_url, log_path=tmp_path / "log")
-        with pytest.raises(ServerStartError, match="is busy"):  # without --port, base_url's port is the server's
+        with pytest.raises(ServerStartError, match="is already in use"):  # no --port: base_url's port is the server's
             busy.start()
 
 

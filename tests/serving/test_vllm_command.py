@@ -4,7 +4,10 @@ checkpoint's kind, read from its config.json, included)."""
 from __future__ import annotations
 
 import importlib
+import re
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ from asyncrl.serving.vllm import (
     CheckpointKind,
     api_server_count,
     checkpoint_kind,
+    install_command,
     longest_prompt_tokens,
     parse_version,
     required_model_len,
@@ -285,6 +289,16 @@ def test_server_command_dispatches_and_needs_a_version(monkeypatch):
     with pytest.raises(ConfigError, match="too old"):
         command([], version="0.25.1")
     assert parse_version("v0.27.1.dev3+cu130") == (0, 27, 1)
+
+
+def test_vllm_is_installed_through_the_projects_pinned_extra():
+    """The extra leaves out the releases asyncrl was not tested with; from the checkout (the README's install) its
+    path makes the command right wherever the user runs it."""
+    checkout = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"][0].startswith("vllm>=0.26,!=") and install_command() == f"pip install -e '{checkout}[vllm]'"
+    with pytest.raises(ConfigError, match=re.escape(f"asyncrl needs vLLM >= 0.26 ({install_command()})")):
+        command([], version="0.25.1")
 
 
 def test_a_launch_needs_vllm_and_a_gpu_on_this_machine(monkeypatch):

@@ -131,6 +131,18 @@ def test_synchronous_mode_takes_everything_up_to_the_end_of_batch():
     assert len(step.samples) == 3 and not step.final
 
 
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_the_worker_ending_its_prompts_because_every_one_is_retired_ends_the_run_saying_so(max_staleness):
+    """Retired prompts never generated: the watch ignores them. The end marker's line reaches the trainer, and ends
+    a synchronous run too (whose batch markers otherwise never end it)."""
+    channels, _ = scripted_channels()
+    asm, progress, _ = assembler(channels, rows=1, max_staleness=max_staleness)
+    put(channels, sample(0), PromptDone(1, "retired"), PromptDone(2, "retired"), EndOfBatch(0, solved="solved!"))
+    step = asm.next_step()
+    assert len(step.samples) == 1 and step.final and asm.solved == "solved!"
+    assert progress.cursor == 3 and asm.watch.dropped == {}
+
+
 def test_worker_failure_is_raised_as_its_line_with_the_traceback_as_details():
     channels, _ = scripted_channels()
     asm, _, _ = assembler(channels)

@@ -10,6 +10,7 @@ from asyncrl.config.schema import Config
 from asyncrl.flow import FlowControl
 from asyncrl.trainer.console import (
     BALANCED,
+    EVAL_LINE_EVERY_S,
     GENERATION_BOUND,
     TOO_TIGHT,
     TRAINER_BOUND,
@@ -85,7 +86,7 @@ def test_plain_output_is_one_line_per_step_with_the_numbers(capsys):
                "sample/staleness_mean": 1.25, "rollout/queue_size": 12.0, **_queue(0.0, 0.9)}  # fmt: skip
     console.log_step(3, metrics)
     console.log_step(4, {"reward": 0.75, "frac_reward_zero_std": 0.25, "reward_dropped": 1.0})
-    console.finish(4, "/tmp/model")
+    console.finish(4, "/tmp/model", 12.4)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
     assert lines[0].startswith("step 3/10")
@@ -94,7 +95,54 @@ def test_plain_output_is_one_line_per_step_with_the_numbers(capsys):
         assert text in lines[0]
     assert "dropped" not in lines[0]  # NaN is left out, not printed as nan
     assert lines[1] == "step 4/10  reward 0.750  dropped 25%  dropped_reward 1.000"  # a fraction, then a reward
-    assert "done after 4 steps" in lines[2] and "/tmp/model" in lines[2]
+    assert lines[2] == "done after 4 steps in 12 s; model saved to /tmp/model"
+
+
+@pytest.mark.parametrize("mode", ["plain", "auto"])  # auto: pytest's captured stdout is no terminal
+def test_output_without_a_terminal_never_wraps(capsys, mode):
+    """rich broke lines at 80 columns off a terminal: the startup line's tail became a line of its own, the
+    held-out summary four."""
+    console = Console(_config(console=mode), FlowControl(4))
+    long = "startup (seconds since launch): " + ", ".join(f"phase {i} {i}.5 s" for i in range(20))
+    console.note(long)
+    console.log_step(1, {"reward": 0.5, "rollout/server_0_request_count": 3.0, "rollout/server_1_request_count": 1.0,
+                         **_queue(0.0, 0.9, **{"rollout/queue_size": 4.0, "sample/staleness_mean": 1.0})})  # fmt: skip
+    console.finish(1, "/tmp/" + "a-long-directory-name/" * 6 + "model", 3.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[0] == long and len(lines[1]) > 80, lines
+    assert lines[1].startswith("step 1/10") and lines[2].startswith("done after 1 steps in 3 s")
+
+
+def test_the_closing_line_after_a_resume_counts_this_launchs_steps_too(capsys):
+    Console(_config(), FlowControl(4), start_step=30).finish(60, "/tmp/model", 125.2)
+    assert capsys.readouterr().out == "done after 60 steps (30 in this launch) in 125 s; model saved to /tmp/model\n"
+
+
+def test_a_long_evaluation_prints_its_progress_every_so_often_without_a_terminal(capsys):
+    now = [100.0]
+    console = Console(_config(), FlowControl(4), clock=lambda: now[0])
+    with console.evaluating() as progress:
+        for done in range(1, 201):
+            now[0] += 0.5  # a completion every half second: 100 s for the greedy pass
+            progress("greedy", done, 200)
+        now[0] += EVAL_LINE_EVERY_S - 11  # the last line came at prompt 180, 10 s ago
+        progress("sampled", 1, 200)  # 29 s after it: none yet
+    with console.evaluating() as progress:  # a short evaluation prints nothing
+        progress("greedy", 4, 4)
+    assert capsys.readouterr().out.splitlines() == [
+        f"held-out evaluation, greedy: {done}/200 prompts" for done in (60, 120, 180)
+    ]
+
+
+def test_an_evaluation_on_a_terminal_shows_a_bar_that_goes_when_it_ends(capsys):
+    console = Console(_config(console="live"), FlowControl(4))
+    with console.evaluating() as progress:
+        progress("sampled", 3, 8)
+        console.live.refresh()
+        assert len(console.progress.tasks) == 2  # training's and the evaluation's
+    assert len(console.progress.tasks) == 1
+    console.close()
+    assert "held-out evaluation, sampled" in capsys.readouterr().out
 
 
 def test_plain_output_counts_epochs_without_max_steps(capsys):
@@ -140,6 +188,13 @@ def test_log_completions_respects_num_completions_to_print(capsys, limit, shown)
     out = capsys.readouterr().out
     assert [i for i in range(5) if f"answer-{i}" in out] == list(range(shown))
     assert "user: q0" in out and "+0.500" in out and f"{shown} of 5" in out
+
+
+def test_log_completions_shows_the_columns_reward_functions_added(capsys):
+    records = [{**record, "golden_answer": f"gold-{i}"} for i, record in enumerate(_records(2))]
+    Console(_config(log_completions=True), FlowControl(4)).log_completions(records)
+    out = capsys.readouterr().out
+    assert "golden_answer" in out and "gold-0" in out and "gold-1" in out
 
 
 def test_log_completions_prints_nothing_unless_enabled(capsys):

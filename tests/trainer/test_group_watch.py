@@ -1,10 +1,21 @@
-"""The watch that stops a run whose groups cannot train: counts in arrival order, reasons, rewards, failure rate."""
+"""The watch that stops a run whose groups cannot train: counts in arrival order, reasons, rewards, failure rate;
+and the one that ends a run whose groups are all solved as a success."""
 
 from __future__ import annotations
 
+import itertools
+import json
+
 import pytest
 
-from asyncrl.trainer.group_watch import FAILURE_WINDOW, GenerationFailingError, GroupWatch, TrainingStalledError
+from asyncrl.rollout.solved import RewardRange
+from asyncrl.trainer.group_watch import (
+    FAILURE_WINDOW,
+    GenerationFailingError,
+    GroupWatch,
+    TaskSolved,
+    TrainingStalledError,
+)
 
 
 def test_consecutive_drops_stop_the_run_naming_reasons_and_rewards():
@@ -66,3 +77,74 @@ def test_zero_fraction_stops_at_the_first_failure_and_one_early_failure_is_not_a
     with pytest.raises(TrainingStalledError, match="1 of the last 1 groups"):
         GroupWatch(None, 0.0).on_dropped("failed", detail="x")
     GroupWatch(None, 0.1).on_dropped("failed", detail="x")
+
+
+GROUP_IDS = itertools.count(1000)
+
+
+def learned_then(watch: GroupWatch, *rewards: float) -> None:
+    """A trainable group whose rollouts scored ``rewards``, as its samples arrive."""
+    group_id = next(GROUP_IDS)
+    for reward in rewards:
+        watch.on_sample(group_id=group_id, drop_reason=None, reward=reward)
+
+
+def test_a_window_of_groups_all_at_the_highest_reward_of_the_run_is_a_solved_task():
+    watch = GroupWatch(max_consecutive_dropped=3, max_failed_fraction=1.0)
+    learned_then(watch, 0.0, 1.0, 2.0, 1.0)  # the rewards had spread: the model had something to learn
+    watch.on_dropped("zero_std", ("accuracy", "format"), "accuracy=1, format=1", reward=2.0)
+    watch.on_dropped("zero_std", ("accuracy", "format"), "accuracy=1, format=1", reward=2.0)
+    with pytest.raises(TaskSolved) as info:
+        watch.on_dropped("zero_std", ("accuracy", "format"), "accuracy=1, format=1", reward=2.0)
+    assert str(info.value) == (
+        "the task is solved for this model: 3 groups in a row scored 2 for every rollout (accuracy=1, format=1), the "
+        "highest reward of the run; training ends here (rollout.stop_when_solved=false: end as a stall)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("before", "window", "why"),
+    [
+        ((), [("zero_std", 0.0)] * 3, "constant from the first group: no lower score beside it"),
+        ((), [("zero_std", 1.0)] * 3, "a constant 1 the run never rose to: nothing says it is the top"),
+        ((0.0, 1.0), [("zero_std", 0.0)] * 3, "all wrong after learning: below the top"),
+        ((0.0, 1.0), [("zero_std", 0.5)] * 3, "stuck at a middle value"),
+        ((0.0, 1.0), [("zero_std", 1.0), ("zero_std", 1.0), ("too_few_scorable", None)], "one group unscored"),
+        ((0.0, 1.0), [("zero_std", 1.0), ("zero_std", 1.0), ("stale", None)], "one group too stale"),
+        ((0.0, 0.5), [("zero_std", 0.5), ("zero_std", 0.5), ("zero_std", 0.0)], "two levels"),
+    ],
+)
+def test_any_other_window_is_a_stall(before, window, why):
+    watch = GroupWatch(max_consecutive_dropped=3, max_failed_fraction=1.0)
+    learned_then(watch, *before)
+    for reason, reward in window[:-1]:
+        watch.on_dropped(reason, reward=reward)
+    reason, reward = window[-1]
+    with pytest.raises(TrainingStalledError, match="no trainable group in the last 3"):
+        watch.on_dropped(reason, reward=reward)
+
+
+def test_a_solved_window_is_a_stall_when_stop_when_solved_is_false_and_a_trainable_group_resets_it():
+    watch = GroupWatch(max_consecutive_dropped=3, max_failed_fraction=1.0, stop_when_solved=False)
+    learned_then(watch, 0.0, 1.0)
+    watch.on_dropped("zero_std", reward=1.0)
+    watch.on_dropped("zero_std", reward=1.0)
+    learned_then(watch, 1.0, 0.0)  # a group with signal: the window starts again
+    assert watch.levels == {} and watch.solved_line() is None
+    watch.on_dropped("zero_std", reward=1.0)
+    watch.on_dropped("zero_std", reward=1.0)
+    assert watch.solved_line() is not None  # every drop so far is solved, the window is not full yet
+    with pytest.raises(TrainingStalledError, match="zero_std 3"):
+        watch.on_dropped("zero_std", reward=1.0)
+
+
+def test_the_reward_range_survives_a_resume():
+    """A checkpoint keeps the rewards seen: a resumed run whose groups are all solved at once still says so."""
+    watch = GroupWatch(max_consecutive_dropped=2, max_failed_fraction=1.0)
+    learned_then(watch, 0.0, 1.0)
+    saved = json.loads(json.dumps(watch.rewards.to_json()))
+    assert saved == [0.0, 1.0] and RewardRange().to_json() is None
+    resumed = GroupWatch(max_consecutive_dropped=2, max_failed_fraction=1.0, rewards=RewardRange.from_json(saved))
+    resumed.on_dropped("zero_std", reward=1.0)
+    with pytest.raises(TaskSolved):
+        resumed.on_dropped("zero_std", reward=1.0)

@@ -1,0 +1,111 @@
+"""OpenAI's ``POST /v1/chat/completions`` on the built-in server, so that OpenAI clients and evaluation tools talk
+to a served run's model as they talk to vLLM.
+
+The messages go through the model's chat template as a rollout's prompt does (``render_prompt``: the served model
+sees the tokens it was trained on), and the request then takes /v1/completions' path: the same sampling fields,
+validation, generation and refusals (streaming, ``n > 1`` and stop strings are a 400 there, so here too). Tools
+are a 400 as well: their calls would come back as text, not parsed into ``tool_calls``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.engine.protocol import CompletionRequest, TokenTexts, completion_text, usage
+from asyncrl.engine.rows import GenerationResult
+from asyncrl.prompts import render_prompt
+
+
+class ChatCompletionRequest(BaseModel):
+    """The chat fields the built-in server reads; the rest (model, max_tokens, temperature, seed, ...) are
+    /v1/completions' and validated there."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def as_completion_request(
+    body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+) -> CompletionRequest:
+    """The conversation rendered by the chat template, as a /v1/completions request of token ids. Without a
+    token limit it may fill the context, as OpenAI's and vLLM's chat routes do."""
+    if body.tools:
+        raise ValueError("the built-in server does not support tools in chat completions (it does not parse tool "
+                         "calls): send the conversation without them")  # fmt: skip
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ValueError("top_logprobs needs logprobs: true")
+    if tokenizer.chat_template is None:
+        raise ValueError("the served model's tokenizer has no chat template: send a prompt to /v1/completions")
+    messages = [{**message, "content": _text(message.get("content"))} for message in body.messages]
+    try:
+        prompt = render_prompt(tokenizer, messages, body.chat_template_kwargs or {})
+    except TemplateError as error:
+        raise ValueError(f"messages: the chat template refused them: {error}") from error
+    fields = body.model_extra or {}
+    limit = fields.get("max_tokens") if body.max_completion_tokens is None else body.max_completion_tokens
+    return CompletionRequest.model_validate({
+        **fields,
+        "prompt": prompt,
+        "max_tokens": max_model_len if limit is None else limit,  # capped to the context's room
+        "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+    })  # fmt: skip
+
+
+def _text(content: Any) -> Any:
+    """A message's content as the template expects it: OpenAI's list of text parts joined (vLLM's "string"
+    format); anything but text is a 400, as the built-in server serves text only."""
+    if not isinstance(content, list):
+        return content
+    kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+    if kinds - {"text"}:
+        raise ValueError(f"messages: content parts of type {sorted(map(str, kinds - {'text'}))}: the built-in server "
+                         "serves text only")  # fmt: skip
+    return "\n".join(part["text"] for part in content)
+
+
+def chat_completion_response(
+    result: GenerationResult, body: CompletionRequest, texts: TokenTexts, served_model_name: str
+) -> dict[str, Any]:
+    """OpenAI's ChatCompletion for one finished (or aborted) request, with vLLM's ``stop_reason``."""
+    logprobs = None
+    if body.logprobs is not None:
+        tops = result.top_logprobs or [[] for _ in result.token_ids]
+        content = [
+            {**_token(texts, token_id, logprob), "top_logprobs": [_token(texts, c, v) for c, v in top]}
+            for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
+        ]
+        logprobs = {"content": content, "refusal": None}
+    message = {"role": "assistant", "content": completion_text(result, texts), "refusal": None, "tool_calls": []}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
+    }
+    return {
+        "id": f"chatcmpl-{result.request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model or served_model_name,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(result),
+    }
+
+
+def _token(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    text = texts.texts[token_id]
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
