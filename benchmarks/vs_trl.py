@@ -354,16 +354,21 @@ def failure(rc: int | None, rows: list[dict[str, Any]], stderr: Path, lines: int
     return "\n".join(stderr.read_text(errors="replace").splitlines()[-lines:]) if stderr.is_file() else "no stderr"
 
 
-def run_trl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """TRL's GRPOTrainer in a child Python process (``--trl-child``); its log history and timings."""
+def run_trl(
+    shape: str, model: Path, work: Workload, args: argparse.Namespace, typed: list[str] | None = None,
+    save_steps: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """TRL's GRPOTrainer in a child Python process (``--trl-child``); its log history and timings. ``typed``: the
+    asyncrl command TRL's settings are read from (default ``asyncrl_args``); ``save_steps``: save the model (only)
+    every that many steps, each save's end in ``saves`` (benchmarks/time_to_accuracy.py)."""
     run_dir = args.work / "runs" / f"{shape}-trl"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     run_dir.mkdir(parents=True)
     gpu = GpuPeak()
     spec = {
-        "model": str(model), "asyncrl_args": asyncrl_args(model, work, args.rehearse)[1:],
+        "model": str(model), "asyncrl_args": (typed or asyncrl_args(model, work, args.rehearse))[1:],
         "steps": work.steps, "trl_batch": list(work.trl_batch), "use_vllm": not args.rehearse,
-        "output_dir": str(run_dir), "launched": time.time(),
+        "output_dir": str(run_dir), "launched": time.time(), "save_steps": save_steps,
     }  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     rc = execute([sys.executable, str(Path(__file__).resolve()), "--trl-child", str(run_dir / "spec.json")],
@@ -385,21 +390,25 @@ def run_trl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -
     return {
         "tool": "trl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
         "versions": result.get("versions", {}), "command": "see --trl-child; spec.json",
+        "launched": spec["launched"], "saves": [(step, t - spec["launched"]) for step, t in result.get("saves", [])],
         "failure": failure(rc, rows, run_dir / "console.err"),
     }  # fmt: skip
 
 
-def run_asyncrl(shape: str, model: Path, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """``python -m asyncrl train ...`` as typed, its metrics.jsonl and the wall time each step appeared at."""
+def run_asyncrl(
+    shape: str, model: Path, work: Workload, args: argparse.Namespace, typed: list[str] | None = None
+) -> dict[str, Any]:
+    """``python -m asyncrl train ...`` as typed (``typed``, default ``asyncrl_args``), its metrics.jsonl and the wall
+    time each step appeared at."""
     run_dir = args.work / "runs" / f"{shape}-asyncrl"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     cwd = args.work / "runs"
     cwd.mkdir(parents=True, exist_ok=True)
-    typed = asyncrl_args(model, work, args.rehearse)
+    typed = typed or asyncrl_args(model, work, args.rehearse)
     argv = [sys.executable, "-m", "asyncrl", *typed, f"hydra.run.dir={run_dir}"]
     seen: dict[int, float] = {}
     gpu = GpuPeak()
-    launched = time.monotonic()
+    launched, launched_at = time.monotonic(), time.time()
 
     def poll() -> None:
         metrics = run_dir / "metrics.jsonl"
@@ -423,7 +432,7 @@ def run_asyncrl(shape: str, model: Path, work: Workload, args: argparse.Namespac
     syncs = [float(r["perf/weight_sync_s"]) for r in records[1:] if r.get("perf/weight_sync_s") is not None]
     return {
         "tool": "asyncrl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
-        "command": "asyncrl " + shlex.join(typed),
+        "command": "asyncrl " + shlex.join(typed), "launched": launched_at,
         "failure": failure(rc, rows, cwd / f"{shape}-asyncrl.err"),
     }  # fmt: skip
 
@@ -458,7 +467,9 @@ def trl_child(spec_path: Path) -> None:
         return score
 
     grpo = GRPOConfig(
-        output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to="none",
+        output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
+        save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
+        save_only_model=True,
         seed=t.seed, learning_rate=t.learning_rate, lr_scheduler_type=str(t.lr_scheduler_type),
         warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
         adam_epsilon=t.adam_epsilon, max_grad_norm=t.max_grad_norm, gradient_checkpointing=t.gradient_checkpointing,
@@ -473,18 +484,24 @@ def trl_child(spec_path: Path) -> None:
     dataset = datasets.load_dataset("json", data_files=config.data.path, split="train")
     step_ends: list[tuple[int, float]] = []
     syncs: list[tuple[int, float]] = []
+    saves: list[tuple[int, float]] = []
     versions = {m.__name__: getattr(m, "__version__", "?") for m in (trl, transformers, torch, datasets)}
 
     class StepEnds(transformers.TrainerCallback):
-        """Each step's end, and after each step's log the results so far (a run stopped at its time limit keeps
-        its steps)."""
+        """Each step's end and each save's, and after each step's log or save the results so far (a run stopped at
+        its time limit keeps its steps)."""
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             step_ends.append((state.global_step, time.time()))
 
         def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            out = {"log_history": state.log_history, "step_ends": step_ends, "syncs": syncs, "versions": versions}
+            out = {"log_history": state.log_history, "step_ends": step_ends, "syncs": syncs, "saves": saves,
+                   "versions": versions}  # fmt: skip
             (Path(spec["output_dir"]) / "trl.json").write_text(json.dumps(out, indent=1))
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            saves.append((state.global_step, time.time()))
+            self.on_log(args, state, control)
 
     if spec["use_vllm"]:
         import vllm

@@ -1,0 +1,125 @@
+"""Step time against the share of groups dropped for zero spread (issue 53, item 4): near convergence most groups
+score the same for every rollout and are dropped, and a step waits for a token budget of kept groups.
+
+The reward (``drop_some``) gives every rollout of a chosen fraction of prompts the same value (the group is dropped,
+zero_std) and the others their closeness to a target length, which varies within a group (benchmarks/e2e.py's
+length-controlled loop draws each rollout's length). Which prompts drop is a hash of the prompt, so the fraction is
+the same at every speed. Each fraction is one `asyncrl train` run on the e2e benchmark's tiny random model with the
+server it launches (the built-in one on a CPU); the figure is the median ``perf/step_s`` after the first steps.
+
+    python benchmarks/drop_rate.py                                # 0% and 70% dropped, 30 steps each, on the CPU
+    python benchmarks/drop_rate.py --fractions 0,0.7 --prompts 64 --steps 40 -- data.retire_solved_after=2
+    python benchmarks/drop_rate.py --shape 0.6b --device cuda     # the 0.6B shape (a GPU)
+
+Anything after ``--`` is passed to every run as overrides. Prints one line per fraction and the ratio of each to the
+first; writes drop_rate.json under --out.
+
+On 2 CPU cores shared with other jobs (issue 53, medians of steps 6-30; before = admission counting every token in
+flight, after = at the kept share), 70% dropped took 2.1-4.6x the step of 0% before (4 runs: the trainer waited
+0.36-0.78 s a step for rollouts, ~45-50 in flight under a cap of 80: the allowance bound them) and 1.7-2.0x after
+(4 runs: 0.14-0.38 s of waiting, the cap full: the CPU's generation rate bounds it, as 70% dropped needs 3.3x the
+tokens generated a step); with data.retire_solved_after=2 on 64 prompts, 1.47x over steps 11-40.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncrl.serving.process import free_port  # noqa: E402
+from benchmarks.e2e import GROUP_SIZE, WORKLOAD, build_assets  # noqa: E402
+
+
+def drop_some(prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]], *,
+              drop_fraction: float = 0.0, target: int = 12, **columns: Any) -> list[float]:  # fmt: skip
+    """1.0 for every rollout of ``drop_fraction`` of the prompts (chosen by a hash of the prompt: its group is dropped
+    for zero spread); elsewhere minus the distance of the completion's length to ``target``, scaled to (-1, 0]."""
+    if zlib.crc32(repr(prompts[0]).encode()) % 10_000 < drop_fraction * 10_000:
+        return [1.0] * len(completion_ids)
+    return [-abs(len(ids) - target) / (1 + target + len(ids)) for ids in completion_ids]
+
+
+def overrides(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float) -> list[str]:
+    _, median, sigma, max_len, budget = WORKLOAD[args.shape]
+    return [
+        f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_path=null",
+        f"reward_funcs=[{{name: benchmarks.drop_rate:drop_some, drop_fraction: {fraction}, target: {median}}}]",
+        "loss=clipped", f"sampling.num_generations={GROUP_SIZE}", f"sampling.max_completion_length={max_len}",
+        "sampling.num_sampler_logprobs=0", "rollout.loop_cls=benchmarks.e2e:LengthControlledLoop",
+        f"++rollout.options={{median_tokens: {median}, sigma: {sigma}}}", "rollout.max_consecutive_dropped_groups=null",
+        "server.backend=builtin", f"server.device={args.device}", f"server.port={free_port()}",
+        f"server.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
+        f"packing.token_budget={budget}", f"trainer.max_steps={args.steps}", "trainer.save_strategy=no",
+        "trainer.learning_rate=1e-6", "logging.console=plain", "logging.report=false",
+    ]  # fmt: skip
+
+
+def run(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float) -> dict[str, Any]:
+    """One `asyncrl train` at ``fraction`` dropped: its median step time after --skip steps and what bounded it."""
+    run_dir = args.work / f"drop{fraction:g}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    argv = [sys.executable, "-m", "asyncrl", "train", *overrides(args, model_dir, data, fraction),
+            f"hydra.run.dir={run_dir}", *args.extra]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.run_timeout)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-3000:], flush=True)
+        raise SystemExit(f"the run at {fraction:g} dropped failed (exit {proc.returncode})")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][args.skip :]
+
+    def median(key: str) -> float:
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        return statistics.median(values) if values else float("nan")
+
+    return {
+        "drop_fraction": fraction, "wall_s": time.perf_counter() - started, "steps": len(rows) + args.skip,
+        "step_s": median("perf/step_s"), "rollout_wait_s": median("perf/rollout_wait_s"),
+        "zero_std_frac": median("frac_reward_zero_std"), "concurrency": median("rollout/concurrency"),
+        "backpressure_s": median("rollout/backpressure_s"), "samples_per_step": median("batch/samples_per_step"),
+        "staleness_mean": median("sample/staleness_mean"),
+        "generated_tokens_per_s": median("rollout/generated_tokens_per_s"),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fractions", default="0,0.7", help="shares of prompts whose groups are dropped")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians (start-up)")
+    parser.add_argument("--shape", choices=sorted(WORKLOAD), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompts", type=int, default=512, help="prompts in the data (fewer: more epochs)")
+    parser.add_argument("--work", type=Path, default=None, help="assets and runs (default: a temporary directory)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--run-timeout", type=float, default=900.0)
+    parser.add_argument("extra", nargs="*", help="overrides for every run (after --)")
+    args = parser.parse_args()
+    args.work = args.work or Path(tempfile.mkdtemp(prefix="drop_rate-"))
+    model_dir, data = build_assets(args.work / f"assets{args.prompts}", args.shape, args.prompts)
+    results = [run(args, model_dir, data, float(f)) for f in args.fractions.split(",")]
+    base = results[0]["step_s"]
+    for r in results:
+        print(f"dropped {r['drop_fraction']:.0%} (zero_std_frac {r['zero_std_frac']:.2f}): {r['step_s']:.3f} s/step "
+              f"({r['step_s'] / base:.2f}x), rollout wait {r['rollout_wait_s']:.3f} s, in flight "
+              f"{r['concurrency']:.0f}, {r['generated_tokens_per_s']:.0f} generated tok/s, staleness "
+              f"{r['staleness_mean']:.2f}", flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "drop_rate.json").write_text(json.dumps({"extra": args.extra, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
