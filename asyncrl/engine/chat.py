@@ -9,14 +9,13 @@ are a 400 as well: their calls would come back as text, not parsed into ``tool_c
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine.protocol import CompletionRequest, TokenTexts, completion_text, usage
+from asyncrl.engine.protocol import CompletionRequest, TokenTexts, completion_text, response_envelope, usage
 from asyncrl.engine.rows import GenerationResult
 from asyncrl.prompts import render_prompt
 
@@ -94,14 +93,9 @@ def chat_completion_response(
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
     }
+    model = body.model or served_model_name
     return {
-        "id": f"chatcmpl-{result.request_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.model or served_model_name,
-        "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": None,
+        **response_envelope("chat.completion", f"chatcmpl-{result.request_id}", model, choice),
         "usage": usage(result),
     }
 

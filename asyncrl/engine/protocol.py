@@ -183,16 +183,23 @@ def completion_response(
     if body.return_sampling_mask:
         choice["sampling_masks"] = result.sampling_masks
     return {
-        "id": f"cmpl-{result.request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.model or served_model_name,
-        "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": None,
+        **response_envelope("text_completion", f"cmpl-{result.request_id}", body.model or served_model_name, choice),
         "usage": usage(result),
         "kv_transfer_params": None,  # vLLM: disaggregated prefill's hand-over; none here
         "metrics": None,
+    }
+
+
+def response_envelope(kind: str, response_id: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """The fields every OpenAI-style response shares around its one choice (completions and chat)."""
+    return {
+        "id": response_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
     }
 
 
