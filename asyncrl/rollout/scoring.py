@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.rollout.trainer_state import state_class
 from asyncrl.rollout.types import RolloutGroup
 
 
@@ -120,25 +121,26 @@ async def _call(source: RewardSource, kwargs: dict[str, Any], expected: int, row
 
 
 async def score_group(
-    group: RolloutGroup, sources: Sequence[RewardSource], trainer_state: Any = None
+    group: RolloutGroup, sources: Sequence[RewardSource], trainer_state: Callable[[], Any] | None = None
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Per source, one reward per rollout (NaN = not applicable): sets ``group.reward_components`` to them,
-    ``group.rewards`` to their weighted sum, and what the functions logged. ``trainer_state``: what the functions
-    get as theirs (rollout/trainer_state.py); a blank one where none is given (evaluation)."""
+    ``group.rewards`` to their weighted sum, and what the functions logged. ``trainer_state``: makes what the
+    functions that take one get as theirs (rollout/trainer_state.py); a blank one where none is given (evaluation)."""
     n = len(group.completions)
     log = RewardLog(n)
-    if trainer_state is None:
-        from asyncrl.rollout.trainer_state import RolloutState
-
-        trainer_state = RolloutState()
     kwargs = {
         "prompts": group.prompts,
         "completions": group.completions,
         "completion_ids": group.completions_ids,
         **group.reward_kwargs,
     }
-    offered = {"trainer_state": trainer_state, "log_metric": log.log_metric, "log_extra": log.log_extra}
-    results = await asyncio.gather(*(_call(s, kwargs | taken(s.fn, offered), n, group.row_index) for s in sources))
+    offered = {"trainer_state": None, "log_metric": log.log_metric, "log_extra": log.log_extra}
+    extra = [taken(s.fn, offered) for s in sources]
+    if any("trainer_state" in e for e in extra):
+        state = trainer_state() if trainer_state is not None else state_class()()
+        extra = [e | {"trainer_state": state} if "trainer_state" in e else e for e in extra]
+    calls = (_call(s, kwargs | e, n, group.row_index) for s, e in zip(sources, extra, strict=True))
+    results = await asyncio.gather(*calls)
     per_source = {s.name: _as_array(r) for s, r in zip(sources, results, strict=True)}
     weights = {s.name: s.weight for s in sources}
     if any(r is not None for r in group.rollout_rewards):

@@ -7,33 +7,39 @@ curriculum written for TRL reads ``global_step``, ``max_steps`` and ``epoch`` as
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from transformers import TrainerState
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
 
 
-@dataclass
-class RolloutState(TrainerState):
+@functools.cache
+def state_class() -> type:
     """transformers' TrainerState, with ``global_step`` the optimizer step whose weights generated the group (its
     weight version x staleness.weight_sync_steps: the trainer may be up to staleness.max_staleness steps further)
-    and ``epoch`` the group's place in the prompt stream in epochs (1.5: half-way through the second)."""
+    and ``epoch`` the group's place in the prompt stream in epochs (1.5: half-way through the second). Made on first
+    use: ``transformers.TrainerState`` imports the Trainer's stack (peft among it), 9 s of the rollout worker's start
+    on a CPU when imported with the module, for rewards that mostly never ask for it."""
+    from transformers import TrainerState
 
-    model_version: int = 0
-    """The weight version that generated the group (weight syncs done when it started)."""
-    prompts_seen: int = 0
-    """Prompts of the stream before the group's own, earlier epochs and launches included (x num_generations:
-    the samples generated before it, dropped groups included)."""
+    @dataclass
+    class RolloutState(TrainerState):
+        model_version: int = 0
+        """The weight version that generated the group (weight syncs done when it started)."""
+        prompts_seen: int = 0
+        """Prompts of the stream before the group's own, earlier epochs and launches included (x num_generations:
+        the samples generated before it, dropped groups included)."""
+
+    return RolloutState
 
 
-def rollout_state(config: Config, model_version: int, prompt_index: int, num_rows: int) -> RolloutState:
+def rollout_state(config: Config, model_version: int, prompt_index: int, num_rows: int) -> Any:
     """The state a group generated under ``model_version`` for the ``prompt_index``-th prompt of a stream of
     ``num_rows``-row epochs gives its reward functions."""
     t = config.trainer
-    return RolloutState(
+    return state_class()(
         epoch=prompt_index / max(num_rows, 1),
         global_step=model_version * config.staleness.weight_sync_steps,
         max_steps=max(t.max_steps, 0),

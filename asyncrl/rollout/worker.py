@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 import traceback
@@ -378,7 +379,7 @@ class WorkerDriver:
         """Score the group, compute its advantages, feed its lag to the pacer, and queue it."""
         group = job.group
         started = time.monotonic()
-        state = rollout_state(self.config, job.version, job.prompt_index, len(self.spec.dataset))
+        state = functools.partial(rollout_state, self.config, job.version, job.prompt_index, len(self.spec.dataset))
         per_source = await score_group(group, self.spec.reward_sources, state)
         self.metrics["rollout/score_s"].append(time.monotonic() - started)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
