@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.rollout.trainer_state import state_class
+from asyncrl.rollout.trainer_state import RolloutState
 from asyncrl.rollout.types import RolloutGroup
 
 
@@ -137,7 +137,7 @@ async def score_group(
     offered = {"trainer_state": None, "log_metric": log.log_metric, "log_extra": log.log_extra}
     extra = [taken(s.fn, offered) for s in sources]
     if any("trainer_state" in e for e in extra):
-        state = trainer_state() if trainer_state is not None else state_class()()
+        state = trainer_state() if trainer_state is not None else RolloutState()
         extra = [e | {"trainer_state": state} if "trainer_state" in e else e for e in extra]
     calls = (_call(s, kwargs | e, n, group.row_index) for s, e in zip(sources, extra, strict=True))
     results = await asyncio.gather(*calls)

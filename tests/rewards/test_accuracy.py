@@ -34,13 +34,13 @@ ANSWERS = {
     r"\frac{\sqrt{3}}{2}": (r"\frac{1}{2}\sqrt{3}", r"\frac{1}{2}"),
     "e^{2}": ("e^2", "2e"),
     r"\ln 4": (r"2\ln 2", r"\ln 2"),
-    "x^2 + 2x + 1": ("(x+1)^2", "x^2 + 1"),
+    "x^2 + 2x + 1": ("1 + 2x + x^2", "x^2 + 1"),  # "(x+1)^2" copies "Expand $(x+1)^2$": restated, 0.0
     r"3x^2 \sin x + x^3 \cos x": (r"x^2(3\sin x + x\cos x)", r"3x^2 \cos x"),
     "(-1, 3)": (r"\left(-1, 3\right)", "[-1, 3]"),
     r"[2, \infty)": (r"[2,\infty)", r"(2, \infty)"),
     r"\{1, 2, 3\}": (r"\{3, 2, 1\}", r"\{1, 2\}"),
     "12": ("12.0", "1.2"),
-    "1048576": ("2^{20}", "1048567"),
+    "1048576": ("1,048,576", "1048567"),  # "2^{20}" copies the question: restated, 0.0
     "120": (r"\binom{10}{3}", "720"),
     r"-\infty": (r"-\infty", r"\infty"),
 }
@@ -154,3 +154,20 @@ def test_a_pathological_answer_scores_zero_quickly(in_thread):
     else:
         run()
     assert result["rewards"] == [0.0]
+
+
+def test_an_answer_copied_from_the_prompt_scores_nothing_unless_allowed():
+    """SmolLM2-135M learned ``\\boxed{36 - 25}`` for "What is 36 - 25?" (math-verify evaluates it to the gold)."""
+    prompt = [{"role": "user", "content": r"What is 36 - 25? Put your final answer within \boxed{}."}]
+    texts = [r"\boxed{36 - 25}", r"\boxed{36-25}", r"\boxed{11}", r"\boxed{25 + 11 - 25}", r"\boxed{12}"]
+    common = dict(prompts=[prompt] * 5, completions=[assistant(t) for t in texts], completion_ids=[[0]] * 5)
+    assert accuracy(**common, solution=["11"] * 5) == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert accuracy(**common, solution=["11"] * 5, reject_restated=False) == [1.0, 1.0, 1.0, 1.0, 0.0]
+    options = REWARDS.build({"name": "accuracy", "reject_restated": False})
+    assert options(**common, solution=["11"] * 5) == [1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_a_right_number_or_the_gold_itself_found_in_the_prompt_still_counts():
+    prompt = "What is 5 * 1? Then write x^2 + 1 as given."
+    rewards = accuracy([prompt] * 2, [r"\boxed{5}", r"\boxed{x^2 + 1}"], [[0]] * 2, solution=["5", "x^2 + 1"])
+    assert rewards == [1.0, 1.0]
