@@ -52,8 +52,10 @@ VARIANTS: dict[str, list[str]] = {
 }
 STARTUP = re.compile(r"startup \(seconds since launch\): (.*)")
 PHASE = re.compile(r"([a-z ]+?) ([\d.]+) s")
-VLLM_TIMINGS = re.compile(r"(torch\.compile takes [\d.]+ s in total|Graph capturing finished in [\d.]+ secs"
-                          r"|init engine .*? took [\d.]+ seconds|Model loading took [\d.]+ \w+ .*? [\d.]+ s\w*)")  # fmt: skip
+VLLM_TIMINGS = re.compile(
+    r"(torch\.compile takes [\d.]+ s in total|Graph capturing finished in [\d.]+ secs"
+    r"|init engine .*? took [\d.]+ seconds|Model loading took [\d.]+ \w+ .*? [\d.]+ s\w*)"
+)
 
 
 def startup_phases(console: str) -> dict[str, float]:
@@ -92,8 +94,11 @@ def run_variant(name: str, model: Path, args: argparse.Namespace) -> dict[str, A
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| variant | caches | model loaded | warm-up done | server healthy | first step | median step s "
-             "(step 3+) | gen tok/s (median) | vLLM's own timings |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| variant | caches | model loaded | warm-up done | server healthy | first step | median step s (step 3+) "
+        "| gen tok/s (median) | vLLM's own timings |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         s = r["startup"]
         cells = [s.get(k) for k in ("model loaded", "warm up", "server healthy", "first step")]
