@@ -111,12 +111,14 @@ def _check_before_loading(plan: RunPlan) -> str | None:
     slowly (a load waiting through the Hub's retries, then a traceback). Returns a note when the Hub does not answer
     and the cache serves."""
     from asyncrl.hub import check_hub_sources
+    from asyncrl.hub_push import check_hub_push
 
     config = plan.config
     if config.server.launch and plan.server_backend == "vllm":
         from asyncrl.serving.vllm import check_launchable
 
         check_launchable(config)
+    check_hub_push(config)
     return check_hub_sources(config)
 
 

@@ -91,12 +91,16 @@ def _retryable(status: int) -> bool:
 
 
 def completion_fields(params: SamplingParams) -> dict[str, Any]:
-    """``params`` as /v1/completions fields, every one explicit so server defaults never apply."""
+    """``params`` as /v1/completions fields, every one explicit so server defaults never apply; a regex goes as vLLM's
+    ``structured_outputs``, and generation_kwargs join as they are (config validation kept them off the others)."""
     fields = asdict(params)
+    extra, regex = fields.pop("generation_kwargs"), fields.pop("structured_outputs_regex")
     fields["stop_token_ids"] = list(params.stop_token_ids)
     if not params.return_sampling_mask:
         del fields["return_sampling_mask"]  # vLLM's /v1/completions ignores it, logging a warning per request
-    return fields
+    if regex is not None:
+        fields["structured_outputs"] = {"regex": regex}
+    return {**fields, **extra}
 
 
 def generate_fields(params: SamplingParams) -> dict[str, Any]:

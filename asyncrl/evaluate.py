@@ -3,11 +3,11 @@
 Runs before training (the server holds the initial weights, or a resumed run's checkpoint), at
 logging.eval_steps and checkpoint steps if asked (trainer/loop.py), and after the last weight sync, greedy and
 sampled at the training temperature (pass@1), so a run ends with a before/after comparison. The two answer
-different questions: sampled is one completion drawn as in training, the pass@1 GRPO raises; greedy is the
-completion the model finds most likely, which moves only when that answer changes (a model that already answers
-right greedily stays at its ceiling while sampled climbs to it). Greedy is top-1 sampling at temperature 1: a
-vLLM >= 0.28 that returns sampling masks (--return-sampling-mask, which asyncrl passes when top-k/top-p/min-p are
-on) refuses every request with temperature 0 or top_k 0.
+different questions: sampled is a completion drawn as in training (sampling.num_generations_eval of them per
+prompt, averaged), the pass@1 GRPO raises; greedy is the completion the model finds most likely, which moves only
+when that answer changes (a model that already answers right greedily stays at its ceiling while sampled climbs to
+it). Greedy is top-1 sampling at temperature 1: a vLLM >= 0.28 that returns sampling masks (--return-sampling-mask,
+which asyncrl passes when top-k/top-p/min-p are on) refuses every request with temperature 0 or top_k 0.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from asyncrl.rollout.types import RolloutGroup
 from asyncrl.sampling import SamplingParams
 
 Progress = Callable[[str, int, int], None]
-"""Told after each completion: (the pass, greedy or sampled; prompts done; prompts in all)."""
+"""Told after each completion: (the pass, greedy or sampled; completions done; completions in all)."""
 
 
 def _no_progress(label: str, done: int, total: int) -> None:
@@ -71,7 +71,10 @@ async def _evaluate(
     results: dict[str, float] = {}
     async with GenerationClient(base_urls, model_name, timeout_s=config.server.timeout) as client:
         # greedy as top-1 sampling: vLLM >= 0.28 started with --return-sampling-mask refuses temperature 0
-        for label, temperature, top_k in (("greedy", 1.0, 1), ("sampled", s.temperature, s.top_k)):
+        passes = (("greedy", 1.0, 1, 1), ("sampled", s.temperature, s.top_k, s.num_generations_eval))
+        for label, temperature, top_k, copies in passes:
+            asked = [ids for ids in prompts for _ in range(copies)]  # each prompt's copies side by side
+            total = len(asked)
             params = [
                 SamplingParams.of(
                     s,
@@ -81,12 +84,13 @@ async def _evaluate(
                     seed=config.trainer.seed + i,
                     max_tokens=max(1, min(s.max_completion_length, max_model_len - len(ids))),
                 )
-                for i, ids in enumerate(prompts)
+                for i, ids in enumerate(asked)
             ]
             concurrency = config.server.max_num_seqs * len(client.servers)  # each server's batch
-            outs = await _complete_all(client, prompts, params, concurrency=concurrency,
-                                       done=lambda n, label=label: progress(label, n, len(prompts)))  # fmt: skip
-            results[f"eval/{label}_reward"] = await _mean_reward(rows, outs, tokenizer, sources)
+            outs = await _complete_all(client, asked, params, concurrency=concurrency,
+                                       done=lambda n, label=label, total=total: progress(label, n, total))  # fmt: skip
+            copied = [row for row in rows for _ in range(copies)]
+            results[f"eval/{label}_reward"] = await _mean_reward(copied, outs, tokenizer, sources)
     return results
 
 

@@ -39,6 +39,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     """Failures whose message says everything (bad data, a failed server or worker): no Python traceback."""
     from asyncrl.client import ServerError
     from asyncrl.data import DatasetError
+    from asyncrl.hub_push import HubPushError
     from asyncrl.registry import RegistryError
     from asyncrl.rollout.spawn import UnpicklableError
     from asyncrl.serving.process import ServerStartError
@@ -62,6 +63,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         ConfigError,
         WeightSyncError,
         TrainerOutOfMemoryError,
+        HubPushError,
     )
 
 
@@ -262,6 +264,7 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
     """One training job in ``run_dir`` as ``plan`` (composed from ``cfg``) says: the server is stopped however the
     job ends."""
     config = plan.config
+    from asyncrl.hub_push import pushing
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
@@ -269,21 +272,22 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
     if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
         claim_server_access(plan)
     terminate_on_sigterm()
-    prepared = prepare(plan)  # data, picklability: fail before the server starts
-    write_provenance(config, cfg, run_dir)  # a run refused until here leaves the directory as it was
-    log.info(dtype_line(plan))
-    warn_cpu_oversubscribed(plan)
-    with start_server(plan, run_dir, wait=False) as server:  # it boots while the trainer builds its model
-        if plan.world_size > 1:
-            from asyncrl.trainer.launcher import run_ranks
+    with pushing(config, run_dir):  # its Hub repository first: a token that cannot write there refuses the run
+        prepared = prepare(plan)  # data, picklability: fail before the server starts
+        write_provenance(config, cfg, run_dir)  # a run refused until here leaves the directory as it was
+        log.info(dtype_line(plan))
+        warn_cpu_oversubscribed(plan)
+        with start_server(plan, run_dir, wait=False) as server:  # it boots while the trainer builds its model
+            if plan.world_size > 1:
+                from asyncrl.trainer.launcher import run_ranks
 
-            run_ranks(run_dir, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and waits for
-            # the server's health after building its shard of the model
-        else:
-            from asyncrl.trainer.ranks import Ranks
+                run_ranks(run_dir, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and waits
+                # for the server's health after building its shard of the model
+            else:
+                from asyncrl.trainer.ranks import Ranks
 
-            with Ranks.alone() as ranks:
-                run_training(config, run_dir, server, prepared, ranks)
+                with Ranks.alone() as ranks:
+                    run_training(config, run_dir, server, prepared, ranks)
     if config.logging.report:
         from asyncrl.report import write_report
 

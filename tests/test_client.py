@@ -19,6 +19,8 @@ from asyncrl.client import (
     ServerError,
     ServerLoad,
     choose_server,
+    completion_fields,
+    generate_fields,
     metric_labels,
     parse_metrics,
 )
@@ -127,6 +129,15 @@ def test_every_sampling_field_is_sent_and_token_ids_are_parsed(stub):
                                     top_logprobs=[{7: -0.5, 9: -1.5}, {8: -0.25}], sampling_masks=[[7, 9], [8]],
                                     finish_reason="length", prompt_token_ids=[1, 2, 3])  # fmt: skip
     assert retries == 0
+
+
+def test_structured_outputs_and_generation_kwargs_join_either_endpoints_request():
+    """vLLM's structured_outputs field, and the generation_kwargs as they are, at the top of /v1/completions' body and
+    in /inference/v1/generate's sampling_params (both vLLM's SamplingParams fields)."""
+    params = SamplingParams(structured_outputs_regex="[0-9]+", generation_kwargs={"stop": ["END"]}, top_k=5)
+    for fields in (completion_fields(params), generate_fields(params)):
+        assert fields["structured_outputs"] == {"regex": "[0-9]+"} and fields["stop"] == ["END"]
+        assert fields["top_k"] == 5 and not {"structured_outputs_regex", "generation_kwargs"} & fields.keys()
 
 
 def test_a_4xx_is_raised_at_once_with_the_server_message(stub):

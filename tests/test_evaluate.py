@@ -39,6 +39,32 @@ def test_evaluation_never_asks_for_temperature_zero(monkeypatch):
     assert {(p.temperature, p.top_k) for p in sampled} == {(0.7, 20)} and len(sampled) == 2
 
 
+def test_num_generations_eval_samples_each_prompt_that_many_times(monkeypatch):
+    """TRL's num_generations_eval: the sampled reward averages N seeded completions per prompt; greedy draws one."""
+    sent: list[list[Any]] = []
+    scored: list[list[str]] = []
+
+    async def complete_all(
+        client: Any, prompts: list[list[int]], params: list[Any], concurrency: int, done: Callable[[int], None]
+    ) -> list[Any]:
+        sent.append(params)
+        return [Completion([1], None, None, None, "stop", ids) for ids in prompts]
+
+    async def mean_reward(rows: list[dict[str, Any]], *args: Any) -> float:
+        scored.append([row["answer"] for row in rows])
+        return 0.5
+
+    monkeypatch.setattr(evaluate, "render_prompt", lambda tokenizer, messages, kwargs: [3, 4, 5])
+    monkeypatch.setattr(evaluate, "_complete_all", complete_all)
+    monkeypatch.setattr(evaluate, "_mean_reward", mean_reward)
+    config = to_config(compose(["sampling.num_generations_eval=3", "data.num_eval_prompts=2"]))
+    rows = [{"prompt": [{"role": "user", "content": "1+1"}], "answer": answer} for answer in ("a", "b")]
+    evaluate.evaluate(config, "http://unused", "m", None, rows, [], max_model_len=64)
+    greedy, sampled = sent
+    assert len(greedy) == 2 and len(sampled) == 6 and len({p.seed for p in sampled}) == 6
+    assert scored == [["a", "b"], ["a", "a", "a", "b", "b", "b"]]  # each completion scored against its own row
+
+
 def test_the_closing_line_names_where_the_run_started_and_what_each_score_measures():
     before, after = {"eval/greedy_reward": 1.0, "eval/sampled_reward": 0.325}, {"eval/greedy_reward": 1.0,
                                                                                "eval/sampled_reward": 0.9}  # fmt: skip

@@ -7,9 +7,11 @@ from asyncrl.sampling import SamplingParams
 
 
 def test_a_request_takes_the_configs_knobs_and_its_own_fields():
-    config = to_config(compose(["sampling.temperature=0.7", "sampling.top_k=5", "sampling.repetition_penalty=1.1"]))
+    config = to_config(compose(["sampling.temperature=0.7", "sampling.top_k=5", "sampling.structured_outputs_regex=ab",
+                                "+sampling.generation_kwargs.stop=[END]"]))  # fmt: skip
     params = SamplingParams.of(config.sampling, temperature=0.0, max_tokens=9, seed=3)
-    assert params == SamplingParams(temperature=0.0, top_k=5, repetition_penalty=1.1, max_tokens=9, seed=3)
+    assert params == SamplingParams(temperature=0.0, top_k=5, structured_outputs_regex="ab",
+                                    generation_kwargs={"stop": ["END"]}, max_tokens=9, seed=3)  # fmt: skip
     assert params.greedy and params.truncates and config.sampling.truncates and not config.sampling.greedy
 
 

@@ -56,6 +56,15 @@ class LoraSync(str, Enum):
     adapter = "adapter"
 
 
+class HubStrategy(StrEnum):
+    """transformers' hub_strategy: what goes to the Hub besides the final model (asyncrl/hub_push.py)."""
+
+    end = "end"
+    every_save = "every_save"
+    checkpoint = "checkpoint"
+    all_checkpoints = "all_checkpoints"
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str = MISSING
@@ -74,11 +83,14 @@ class ModelConfig:
 
 @dataclass
 class SamplingConfig(Decoding):
-    """The decoding knobs (temperature, top_p, top_k, min_p, repetition_penalty: asyncrl/sampling.py) and the
-    run's other sampling settings."""
+    """The decoding knobs (temperature, top_p, top_k, min_p, repetition_penalty, structured_outputs_regex,
+    generation_kwargs: asyncrl/sampling.py) and the run's other sampling settings."""
 
     num_generations: int = 8
     """Rollouts per prompt (the group size)."""
+    num_generations_eval: int = 1
+    """Sampled completions per held-out prompt, averaged in eval/sampled_reward (TRL's num_generations_eval); the
+    greedy pass draws one."""
     max_completion_length: int = 2048
     """Tokens generated per server request, i.e. per turn."""
     num_sampler_logprobs: int = 8
@@ -211,6 +223,10 @@ class TrainerConfig:
     gradient_accumulation_steps: int = 1
     """Micro-batches (one row per rank each) per optimizer step. An asynchronous step that is full takes one more
     when samples at their last trainable version would otherwise be dropped (batch/overflow_micro_batch_count)."""
+    num_iterations: int = 1
+    """Optimizer passes over each step's samples (TRL's num_iterations, GRPO's mu), each pass's ratio against the
+    sampler's log-probabilities (pi_old). A step is still one batch: max_steps, save_steps, warmup_steps, the
+    learning-rate schedule and weight syncs count steps, not passes."""
     samples_per_step: int | None = None
     """null: a step is gradient_accumulation_steps micro-batches of token-budget rows, however many samples fill
     them (the spec's steps). N: a step trains exactly N samples (rollouts, not groups: a group may be cut by drops),
@@ -349,6 +365,25 @@ class LoggingConfig:
 
 
 @dataclass
+class HubConfig:
+    """Pushing the trained model to the Hugging Face Hub as transformers' TrainingArguments do (asyncrl/hub_push.py)."""
+
+    push_to_hub: bool = False
+    """Push the final model (<output_dir>/model) to hub_model_id at the end of training, with a model card (README.md)
+    holding the run's config and its held-out evaluation; the repository is created as the run starts. Needs a token
+    with write access (hf auth login, or HF_TOKEN)."""
+    hub_model_id: str | None = None
+    """owner/name, or name in the token's user's namespace; null: the run's name (run_name, else its directory's)."""
+    hub_strategy: HubStrategy = HubStrategy.every_save
+    """end: the final model only. every_save: also each checkpoint's model, at the repository's root, as it is saved.
+    checkpoint: that, and the newest checkpoint whole in last-checkpoint/ (resumable). all_checkpoints: that, and every
+    checkpoint whole in checkpoints/step_N/, as in the run directory. Checkpoints upload beside training, never
+    holding it up; one saved during an upload goes after it (under every_save and checkpoint only the newest)."""
+    hub_private_repo: bool | None = None
+    """Create the repository private; null: the Hub's default for the namespace (public for a user)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -359,6 +394,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
     reward_funcs: list[dict[str, Any]] = field(default_factory=list)
     """Reward functions, each {name: registered-name-or-import-path, **kwargs}; their rewards are summed.
     The `reward` config group holds presets (reward=accuracy); set the list itself with reward_funcs=[...]."""

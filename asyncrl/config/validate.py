@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync
+from asyncrl.sampling import REQUEST_FIELD_KEYS, REWEIGHTING_FIELDS
 
 
 def check_sampling_ranges(config: Config) -> None:
@@ -32,10 +33,10 @@ def check_sampling_ranges(config: Config) -> None:
         raise ConfigError(f"sampling.min_p={s.min_p} must be in [0, 1)")
     if s.top_k < 0:
         raise ConfigError(f"sampling.top_k={s.top_k} must be >= 0 (0 = off)")
-    if s.repetition_penalty <= 0:
-        raise ConfigError(f"sampling.repetition_penalty={s.repetition_penalty} must be > 0")
     if s.num_sampler_logprobs < 0:
         raise ConfigError(f"sampling.num_sampler_logprobs={s.num_sampler_logprobs} must be >= 0")
+    if s.num_generations_eval < 1:
+        raise ConfigError(f"sampling.num_generations_eval={s.num_generations_eval} must be >= 1 (1 = one per prompt)")
 
 
 def check_truncation_needs_top_k(config: Config) -> None:
@@ -47,6 +48,42 @@ def check_truncation_needs_top_k(config: Config) -> None:
         )
     if s.min_p > 0 and s.top_k <= 0:
         raise ConfigError(f"sampling.min_p={s.min_p} needs sampling.top_k > 0 (try sampling.top_k=512)")
+
+
+def check_sampler_matches_trainer(config: Config) -> None:
+    """Refuse a sampler that moves single tokens' probabilities by a rule the trainer's log-probs do not apply.
+
+    Every loss compares the trainer's probability of each token with the sampler's, its behaviour policy (the
+    importance ratio; loss.importance_sampling=none only stops masking or truncating it). A repetition, presence or
+    frequency penalty, or a logit bias, would then train as off-policy drift on exactly the tokens it moved, their
+    ratios unbounded above. TRL refuses repetition_penalty only with its importance-sampling correction on, because
+    without it TRL recomputes the old log-probs on the trainer; asyncrl's behaviour policy is always the sampler.
+    Modelling a penalty instead would take each position's set of tokens seen so far into the packed forward (a
+    vocabulary-wide mask per position). Masks are not refused (structured outputs, bad_words, allowed_token_ids):
+    renormalising over the allowed tokens scales every ratio at a position by one factor of at most 1."""
+    s = config.sampling
+    if s.repetition_penalty != 1.0:
+        raise ConfigError(
+            f"sampling.repetition_penalty={s.repetition_penalty}: the trainer's log-probs do not apply the penalty, so "
+            "every loss's importance ratio against the sampler (whatever loss.importance_sampling says, none included) "
+            "would train it as off-policy drift: set sampling.repetition_penalty=1.0"
+        )
+    reweighting = sorted(REWEIGHTING_FIELDS & s.generation_kwargs.keys())
+    if reweighting:
+        raise ConfigError(
+            f"sampling.generation_kwargs.{reweighting[0]} moves single tokens' probabilities, which the trainer's "
+            "log-probs do not apply (every loss's importance ratio would train it as off-policy drift): remove it"
+        )
+
+
+def check_generation_kwargs(config: Config) -> None:
+    """generation_kwargs adds fields to each request and replaces none that asyncrl sets: the trainer computes its
+    log-probs, and reads each response, from those values (TRL lets a conflicting key win instead)."""
+    owned = [key for key in config.sampling.generation_kwargs if key in REQUEST_FIELD_KEYS]
+    if owned:
+        key, source = owned[0], REQUEST_FIELD_KEYS[owned[0]]
+        how = f"on every request from {source}: set that instead" if source else "itself, on every request: remove it"
+        raise ConfigError(f"sampling.generation_kwargs.{key}: asyncrl sets {key} {how}")
 
 
 def check_staleness(config: Config) -> None:
@@ -69,6 +106,8 @@ def check_trainer_rates(config: Config) -> None:
             raise ConfigError(f"trainer.{key}={value} must be >= 0")
     if t.gradient_accumulation_steps < 1:
         raise ConfigError(f"trainer.gradient_accumulation_steps={t.gradient_accumulation_steps} must be >= 1")
+    if t.num_iterations < 1:
+        raise ConfigError(f"trainer.num_iterations={t.num_iterations} must be >= 1 (1 = one optimizer pass per step)")
     if t.max_steps <= 0 and t.num_train_epochs <= 0:
         raise ConfigError(
             f"trainer.max_steps={t.max_steps} and trainer.num_train_epochs={t.num_train_epochs}: "
@@ -249,6 +288,22 @@ def check_reward_funcs(config: Config) -> None:
         raise ConfigError(f"reward_weights={list(weights)}: every weight must be a finite number")
 
 
+def check_hub(config: Config) -> None:
+    """hub.hub_model_id is a repository id by huggingface_hub's own rule, checked before training, not at the first
+    push (a null one, the run's name, is checked as the repository is created: hub_push.py)."""
+    repo_id = config.hub.hub_model_id
+    if not config.hub.push_to_hub or repo_id is None:
+        return
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"hub.hub_model_id={repo_id}: {reason} (e.g. hub.hub_model_id=my-org/my-model)") from exc
+
+
 def check_data_source(config: Config) -> None:
     """No dataset: a single environment supplies every prompt from reset(), and there are no epochs to count."""
     if config.data.num_eval_prompts < 0:
@@ -272,6 +327,8 @@ def check_data_source(config: Config) -> None:
 CHECKS: tuple[Callable[[Config], None], ...] = (
     check_sampling_ranges,
     check_truncation_needs_top_k,
+    check_sampler_matches_trainer,
+    check_generation_kwargs,
     check_staleness,
     check_trainer_rates,
     check_samples_per_step,
@@ -283,6 +340,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_rollout_limits,
     check_reward_funcs,
     check_data_source,
+    check_hub,
 )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from itertools import accumulate
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.engine.rows import GenerationRequest, GenerationResult
@@ -94,6 +94,20 @@ def _check_supported(body: CompletionRequest) -> None:
     named = [name for name, used in unsupported.items() if used]
     if named:
         raise ValueError(f"the built-in server does not support {', '.join(named)}")
+
+
+def check_request_field(name: str, value: Any) -> None:
+    """Raise ValueError saying why a request's field ``name`` set to ``value`` would not apply here: unknown fields
+    are ignored (as vLLM ignores them), so a client adding fields to every request (sampling.generation_kwargs) asks
+    before it sends any."""
+    if name not in CompletionRequest.model_fields:
+        known = ", ".join(CompletionRequest.model_fields)
+        raise ValueError(f"not a field the built-in server reads (it reads: {known})")
+    try:
+        body = CompletionRequest.model_validate({"prompt": [0], name: value})
+    except ValidationError as exc:
+        raise ValueError(exc.errors()[0]["msg"]) from exc
+    _check_supported(body)
 
 
 def _prompt_ids(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:

@@ -38,12 +38,14 @@ class LossBatch:
     entropy bonus)."""
     truncated: Tensor | None = None
     """[T] bool: the slot's completion ended on the length budget (mask_truncated_completions)."""
+    ref_logprobs: Tensor | None = None
+    """[T] reference log pi_ref(o_t) at the sampling temperature, for the KL penalty (beta > 0); no grad."""
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
         if len(shape) != 1:
             raise ValueError(f"LossBatch.logprobs must be 1-D [T], got shape {tuple(shape)}")
-        given = [name for name in ("entropy", "truncated") if getattr(self, name) is not None]
+        given = [name for name in ("entropy", "truncated", "ref_logprobs") if getattr(self, name) is not None]
         for name in ("sampler_logprobs", "advantages", "mask", "sequence_index", *given):
             if getattr(self, name).shape != shape:
                 raise ValueError(

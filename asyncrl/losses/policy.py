@@ -22,6 +22,7 @@ from asyncrl.losses.base import (
     LossBatch,
     LossOutput,
     importance_mask,
+    masked_mean,
     sampling_metrics,
     to_floats,
 )
@@ -47,6 +48,14 @@ class Normalization(StrEnum):
     micro_batch = "micro_batch"
 
 
+class ImportanceSamplingLevel(StrEnum):
+    """The ratio a loss's objective sees: each token's r_t, or on every token its sequence's exp(mean_t log r_t)
+    over the kept slots (GSPO; TRL's importance_sampling_level)."""
+
+    token = "token"
+    sequence = "sequence"
+
+
 IS_MODES = tuple(ImportanceSampling)
 
 
@@ -69,9 +78,20 @@ class PolicyOptions:
     entropy_coef_delta: float = 0.005
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
+    importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.token
+    beta: float = 0.0
+    """Weight of the KL penalty to a frozen reference model (TRL's beta); 0 = none, and no reference is loaded."""
+    use_bias_correction_kl: bool = True
+    """Multiply each token's KL by the loss's ratio pi_theta / pi_sampler (DeepSeek-V3.2's unbiased estimate)."""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps steps, ref = ref_model_mixup_alpha * policy + (1 - alpha) * ref."""
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
 
     def __post_init__(self) -> None:
-        for name, kind in (("importance_sampling", ImportanceSampling), ("normalization", Normalization)):
+        kinds = (("importance_sampling", ImportanceSampling), ("normalization", Normalization),
+                 ("importance_sampling_level", ImportanceSamplingLevel))  # fmt: skip
+        for name, kind in kinds:
             if getattr(self, name) not in set(kind):  # set directly rather than by the registry
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(kind)}")
         if not 0 <= self.is_clip_min <= self.is_clip_max:
@@ -88,6 +108,19 @@ class PolicyOptions:
                 f"entropy_coef={self.entropy_coef} must lie in [entropy_coef_min={self.entropy_coef_min}, "
                 f"entropy_coef_max={self.entropy_coef_max}] (with 0 <= min) when entropy_target is set"
             )
+        self._check_reference()
+
+    def _check_reference(self) -> None:
+        """The KL penalty's options: a reference exists only with beta > 0, so only then can it be synced."""
+        if not self.beta >= 0:
+            raise ValueError(f"beta={self.beta} must be >= 0 (0 = no KL penalty and no reference model)")
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("sync_ref_model=true needs beta > 0: without the KL penalty there is no reference "
+                             "model to sync (try beta=0.001, or sync_ref_model=false)")  # fmt: skip
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1] (TR-DPO uses 0.6)")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1 (TR-DPO uses 512)")
 
     @property
     def entropy_bonus(self) -> bool:
@@ -117,7 +150,8 @@ class PolicyView:
     """Slots inside the token importance bounds (all True unless importance_sampling=token_mask)."""
     log_ratio: Tensor
     """log pi_theta / mu as the loss must use it: clamped in value under token_truncate, 0 in value (gradient
-    of log pi_theta) under the sequence modes, whose weight carries the correction."""
+    of log pi_theta) under the sequence modes, whose weight carries the correction; at
+    importance_sampling_level=sequence, its sequence's mean over the kept slots on each slot."""
     logprobs: Tensor
     advantages: Tensor
     weight: Tensor
@@ -127,14 +161,15 @@ class PolicyView:
     """Trained slots the importance correction dropped or clamped (sampling/masked_mean)."""
     entropy_set: Tensor
     """Slots the entropy bonus averages over: trained, not dropped as truncated, in the top-entropy set."""
+    policy: Tensor
+    """Trained slots of completions not dropped as truncated: those the KL penalty covers."""
     slot: Tensor
     lengths: Tensor
     """Trained slots of each sequence."""
 
     def sequence_sum(self, values: Tensor) -> Tensor:
         """[S] sum of ``values`` over each sequence's kept slots."""
-        kept = torch.where(self.keep, values, 0)
-        return torch.zeros(len(self.lengths), dtype=values.dtype, device=values.device).index_add(0, self.slot, kept)
+        return sequence_sum(values, self.keep, self.slot, len(self.lengths))
 
     def sequence_mean(self, values: Tensor) -> Tensor:
         """[S] mean of ``values`` over each sequence's kept slots (0 for a sequence with none kept)."""
@@ -180,6 +215,19 @@ class PolicyLoss(Component, ABC):
 
 
 LOSSES: ComponentRegistry[PolicyLoss] = ComponentRegistry("loss", PolicyLoss)
+
+
+def sequence_sum(values: Tensor, where: Tensor, slot: Tensor, sequences: int) -> Tensor:
+    """[S] sum of ``values`` over each sequence's slots in ``where``."""
+    kept = torch.where(where, values, 0)
+    return torch.zeros(sequences, dtype=values.dtype, device=values.device).index_add(0, slot, kept)
+
+
+def sequence_level(log_ratio: Tensor, keep: Tensor, slot: Tensor, sequences: int) -> Tensor:
+    """[T] each slot's sequence's mean log-ratio over its kept slots (GSPO's length-normalised sequence ratio), with
+    the gradient of that mean: importance_sampling_level=sequence."""
+    count = sequence_sum(torch.ones_like(log_ratio), keep, slot, sequences).clamp(min=1)
+    return (sequence_sum(log_ratio, keep, slot, sequences) / count)[slot]
 
 
 def log_bounds(options: PolicyOptions) -> tuple[float, float]:
@@ -228,6 +276,8 @@ def build_view(batch: LossBatch, options: PolicyOptions, masks_own_ratio: bool) 
             keep = keep & sequence_inside[slot]
     if not masks_own_ratio:
         keep = keep & inside
+    if options.importance_sampling_level == "sequence":
+        log_ratio = sequence_level(log_ratio, keep, slot, len(sequences))
     if options.normalization == "sequence":
         weight = weight / lengths.clamp(min=1)[slot]
     zero = torch.zeros((), dtype=dtype, device=raw.device)
@@ -235,7 +285,7 @@ def build_view(batch: LossBatch, options: PolicyOptions, masks_own_ratio: bool) 
         batch=batch, options=options, keep=keep, inside=inside, log_ratio=torch.where(keep, log_ratio, zero),
         logprobs=torch.where(keep, batch.logprobs, zero), advantages=torch.where(keep, batch.advantages, zero),
         weight=torch.where(keep, weight, zero), raw_log_ratio=raw.detach(), corrected=corrected,
-        entropy_set=policy & top, slot=slot, lengths=lengths,
+        entropy_set=policy & top, policy=policy, slot=slot, lengths=lengths,
     )  # fmt: skip
 
 
@@ -300,8 +350,32 @@ def entropy_term(view: PolicyView) -> Tensor | None:
     return torch.where(selected, per_slot, zero).sum() / selected.sum().clamp(min=1)
 
 
+def kl_penalty(view: PolicyView) -> tuple[Tensor | float, dict[str, Tensor]]:
+    """beta x the KL to the reference summed over ``view.policy``, and its ``kl`` metric (their mean KL); nothing
+    at beta = 0.
+
+    Per slot the k3 estimate exp(d) - d - 1, d = log pi_ref - log pi_theta (Schulman), which TRL adds after
+    every other mask: the top-entropy, off-policy and importance-sampling masks do not drop it, nor does the
+    sampler correction's weight scale it; sequence normalisation weighs it 1/|o_i| as the policy term. Under
+    use_bias_correction_kl it is multiplied by the loss's own ratio exp(view.log_ratio) (the sequence ratio at
+    importance_sampling_level=sequence; 1 on slots the loss drops), gradient included.
+    """
+    options = view.options
+    if options.beta == 0:
+        return 0.0, {}
+    reference = required(view.batch.ref_logprobs, "ref_logprobs", "beta")
+    gap = torch.where(view.policy, reference - view.batch.logprobs, 0)
+    kl = gap.exp() - gap - 1
+    if options.use_bias_correction_kl:
+        kl = kl * view.log_ratio.exp()
+    weight = 1 / view.lengths.clamp(min=1)[view.slot] if options.normalization == "sequence" else 1
+    total = torch.where(view.policy, weight * kl, 0).sum()
+    return options.beta * total, {"kl": masked_mean(kl, view.policy)}
+
+
 def finish(view: PolicyView, terms: Terms) -> LossOutput:
-    """Weight and sum the kept per-slot objective; add the spec's sampling metrics."""
-    loss_sum = torch.where(view.keep, view.weight * terms.loss, 0).sum()
-    metrics = sampling_metrics(view.batch, view.raw_log_ratio, ~view.corrected) | terms.metrics
+    """Weight and sum the kept per-slot objective, add the KL penalty; add the spec's sampling metrics."""
+    penalty, kl_metrics = kl_penalty(view)
+    loss_sum = torch.where(view.keep, view.weight * terms.loss, 0).sum() + penalty
+    metrics = sampling_metrics(view.batch, view.raw_log_ratio, ~view.corrected) | terms.metrics | kl_metrics
     return LossOutput(loss_sum=loss_sum, metrics=to_floats(metrics), entropy_mean=entropy_term(view))

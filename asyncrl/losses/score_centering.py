@@ -24,6 +24,12 @@ class ScoreCenteringOptions(ClippedOptions):
                 f"loss 'score_centering' centres each position: importance_sampling="
                 f"{self.importance_sampling} must be token_mask, token_truncate or none"
             )
+        if self.importance_sampling_level == "sequence":
+            raise ValueError("loss 'score_centering' centres each position on its own ratio: "
+                             "importance_sampling_level=sequence must be token (or use loss=clipped)")  # fmt: skip
+        if self.delta is not None:
+            raise ValueError(f"loss 'score_centering' clips nothing: delta={self.delta} is loss=clipped's "
+                             "(set delta=null)")  # fmt: skip
 
 
 @LOSSES.register("score_centering")
@@ -60,8 +66,7 @@ class ScoreCentering(PolicyLoss):
                 "loss 'score_centering' needs LossBatch.top_logprobs and sampler_top_logprobs "
                 "(set sampling.num_sampler_logprobs > 0, or use loss=clipped)"
             )
-        epsilon = options.epsilon
-        epsilon_high = epsilon if options.epsilon_high is None else options.epsilon_high
+        epsilon, epsilon_high = options.epsilon, options.clip_high
         # where() before exp(): excluded and padding slots become exp(-inf) = 0 with an exactly zero gradient.
         sampled_term = torch.where(view.keep & view.inside, view.log_ratio, -math.inf).exp()
 

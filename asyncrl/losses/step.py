@@ -107,8 +107,9 @@ class StepLoss:
             shift, scale = step_affine(self.advantage_rule, rewards, advantages)
         return StepNorm(counts, shift, scale, self.entropy_coef)
 
-    def batch(self, row: PackedRow, forward: Any, norm: StepNorm) -> LossBatch:
-        """The LossBatch of one packed row from the trainer's forward (``logprobs``, ``top_logprobs``, ``entropy``)."""
+    def batch(self, row: PackedRow, forward: Any, norm: StepNorm, reference: Tensor | None = None) -> LossBatch:
+        """The LossBatch of one packed row from the trainer's forward (``logprobs``, ``top_logprobs``, ``entropy``)
+        and the reference model's log-probabilities of its tokens (the KL penalty's: trainer/reference.py)."""
         device = forward.logprobs.device
         truncated = torch.tensor([s.sequence.truncated for s in row.samples], dtype=torch.bool)
         return LossBatch(
@@ -121,6 +122,7 @@ class StepLoss:
             sampler_top_logprobs=None if row.sampler_top_logprobs is None else row.sampler_top_logprobs.to(device),
             entropy=forward.entropy,
             truncated=truncated[row.sequence_index].to(device),
+            ref_logprobs=reference,
         )
 
     def loss(
@@ -206,4 +208,5 @@ def check_loss(loss_fn: PolicyLoss, top_k: int) -> None:
         dtype=torch.float64), advantages=torch.tensor([1.0, -1.0], dtype=torch.float64), mask=torch.ones(2,
         dtype=torch.float64), sequence_index=torch.tensor([0, 1]), top_logprobs=top, sampler_top_logprobs=top,
         entropy=torch.tensor([1.0, 0.5], dtype=torch.float64), truncated=torch.tensor([False, False]),
+        ref_logprobs=torch.tensor([-1.05, -1.95], dtype=torch.float64),
     ))  # fmt: skip

@@ -166,6 +166,39 @@ def check_quantization(config: Config, backend: str) -> None:
         )
 
 
+def check_generation_kwargs_fields(config: Config, backend: str) -> None:
+    """Each sampling.generation_kwargs key is a field the chosen server reads, with a value it applies: both servers
+    ignore an unknown field, so a misspelt one would change nothing, silently. vLLM's are its documented sampling
+    parameters (VLLM_SAMPLING_FIELDS); the built-in server answers for its own (engine/protocol.py)."""
+    from asyncrl.sampling import REQUEST_FIELD_KEYS, REWEIGHTING_FIELDS, VLLM_SAMPLING_FIELDS
+
+    kwargs = config.sampling.generation_kwargs
+    if backend == "builtin" and kwargs:
+        from asyncrl.engine.protocol import check_request_field  # imports transformers: only for such a run
+
+        for key, value in kwargs.items():
+            try:
+                check_request_field(key, value)
+            except ValueError as exc:
+                raise ConfigError(f"sampling.generation_kwargs.{key}: {exc}") from exc
+    unknown = sorted(kwargs.keys() - VLLM_SAMPLING_FIELDS)
+    if backend == "vllm" and unknown:
+        usable = sorted(VLLM_SAMPLING_FIELDS - REQUEST_FIELD_KEYS.keys() - REWEIGHTING_FIELDS)
+        raise ConfigError(
+            f"sampling.generation_kwargs.{unknown[0]}: not one of vLLM's sampling parameters that asyncrl passes on "
+            f"(those: {', '.join(usable)})"
+        )
+
+
+def check_structured_outputs(config: Config, backend: str) -> None:
+    """Structured outputs are vLLM's guided decoding, which the built-in server's sampler does not implement."""
+    if config.sampling.structured_outputs_regex is not None and backend == "builtin":
+        raise ConfigError(
+            "sampling.structured_outputs_regex is vLLM's guided decoding: the built-in server cannot hold its sampling "
+            "to a regular expression; set server=vllm, or drop sampling.structured_outputs_regex"
+        )
+
+
 def check_loss_requirements(config: Config, components: Components) -> None:
     if "sampler_top_logprobs" in components.loss.requires and config.sampling.num_sampler_logprobs < 1:
         raise ConfigError(
@@ -184,10 +217,26 @@ def check_loss_options(config: Config, components: Components) -> None:
         raise ConfigError(f"loss={config.loss['name']}: {exc}") from exc
 
 
+def check_reference_model(config: Config, components: Components) -> None:
+    """Under LoRA the KL penalty's reference is the base model with the adapters off (trainer/reference.py): there
+    is no copy of it to mix the policy into."""
+    if components.loss.options.sync_ref_model and config.lora.enabled:
+        raise ConfigError(
+            "loss.sync_ref_model=true mixes the policy into a copy of the reference, which a LoRA run does not keep "
+            "(its reference is the base with the adapters off): set loss.sync_ref_model=false, or lora.enabled=false"
+        )
+
+
 FLOW_CHECKS: tuple[Callable[[Config, FlowControl], None], ...] = (
     check_synchronous_sync,
     check_samples_per_step_mode,
     check_adapter_slots,
+)
+BACKEND_CHECKS: tuple[Callable[[Config, str], None], ...] = (
+    check_vllm_context_without_data,
+    check_quantization,
+    check_generation_kwargs_fields,
+    check_structured_outputs,
 )
 CHECKS: tuple[Callable[[Config], None], ...] = (
     check_lora_rank_choice,
@@ -196,7 +245,11 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_trainer_forward,
     check_agent_config,
 )
-COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (check_loss_requirements, check_loss_options)
+COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (
+    check_loss_requirements,
+    check_loss_options,
+    check_reference_model,
+)
 
 
 def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: bool = False) -> RunPlan:
@@ -210,8 +263,8 @@ def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: 
     for check in CHECKS:
         check(config)
     backend = resolve_backend(config)
-    check_vllm_context_without_data(config, backend)
-    check_quantization(config, backend)
+    for backend_check in BACKEND_CHECKS:
+        backend_check(config, backend)
     if job:
         fetch_checkpoint_config(config, backend)
     components = build_components(config)

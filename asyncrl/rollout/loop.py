@@ -120,16 +120,12 @@ class AsyncRolloutLoop:
     def sampling_params(self, prompt_ids: list[int]) -> SamplingParams:
         """Every sampling setting of one turn, sent explicitly, with a unique seed (override to vary per turn)."""
         s = self.config.sampling
-        return SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty,
+        return SamplingParams.of(
+            s,
             max_tokens=max(1, min(s.max_completion_length, self.max_model_len - len(prompt_ids))),
             logprobs=s.num_sampler_logprobs,
             seed=next(self._seeds) % (2**31 - 1),
-            return_sampling_mask=s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0,
+            return_sampling_mask=s.truncates,
         )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:

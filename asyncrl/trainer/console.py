@@ -229,7 +229,7 @@ class Console:
             now = self.clock()
             if now - last >= EVAL_LINE_EVERY_S:
                 last = now
-                self.note(f"held-out evaluation, {label}: {done}/{total} prompts")
+                self.note(f"held-out evaluation, {label}: {done}/{total} completions")
 
         return line
 

@@ -2,12 +2,12 @@
 
 Rank 0 alone owns the rollout worker, the queue, the server's control client, logging, evaluation and
 checkpoint metadata. At each collective point it scatters a command to the followers: ``step`` (this rank's
-rows of the step), ``sync`` (take part in the weight gathers), ``save``/``final`` (write the sharded
-checkpoint / take part in the consolidated model) or ``stop``. A step is micro-batches of one row per rank,
-balanced by attention cost (packing/planner.py); a rank whose row in one is empty runs a copy of another row
-with a zero loss, because every rank must run the same forwards for FSDP's collectives to pair up. Each rank
-divides its loss by the step's trained tokens summed over all ranks, so the summed gradient is the
-single-process one.
+rows of the step, trained trainer.num_iterations times), ``sync`` (take part in the weight gathers),
+``save``/``final`` (write the sharded checkpoint / take part in the consolidated model) or ``stop``. A step is
+micro-batches of one row per rank, balanced by attention cost (packing/planner.py); a rank whose row in one is
+empty runs a copy of another row with a zero loss, because every rank must run the same forwards for FSDP's
+collectives to pair up. Each rank divides its loss by the step's trained tokens summed over all ranks, so the
+summed gradient is the single-process one.
 
 ``python -m asyncrl.trainer.rank_main RUN_DIR`` is one rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in its
 environment); torch's launcher starts them (asyncrl/trainer/launcher.py; torchrun on other nodes). Their process group
@@ -37,6 +37,7 @@ from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, wait_for_device
 from asyncrl.trainer.ranks import Ranks
+from asyncrl.trainer.reference import Reference, build_reference, reference_logprobs
 
 if TYPE_CHECKING:
     from asyncrl.plan.run_plan import RunPlan
@@ -77,19 +78,24 @@ class RowsResult:
     """This rank's part of the step's totals; rank 0 adds the ranks' (``StepLoss.end_step``)."""
 
 
-def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config) -> RowsResult:
-    """This rank's forwards and backwards of one step, its loss normalised by the step's ``StepNorm`` (all ranks'
-    trained tokens)."""
+def train_rows(
+    model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config,
+    reference: list[torch.Tensor] | None = None,
+) -> RowsResult:  # fmt: skip
+    """This rank's forwards and backwards of one pass over a step's rows, its loss normalised by the step's
+    ``StepNorm`` (all ranks' trained tokens); ``reference``: each row's reference log-probabilities (the KL
+    penalty's, trainer/reference.py)."""
     forward_s = forward_backward_s = 0.0
     metrics, totals = [], StepTotals()
-    for row, weight in work.rows:
+    for index, (row, weight) in enumerate(work.rows):
         started = time.perf_counter()
         with phase("forward"):
             out = trainer_forward(model, row, config, router_aux=bool(loss.router_aux_coef))
             if weight == 0:
                 value = out.logprobs.sum() * 0.0
             else:
-                value, row_metrics, part = loss.loss(loss.batch(row, out, work.norm), work.norm, out.aux_loss)
+                batch = loss.batch(row, out, work.norm, None if reference is None else reference[index])
+                value, row_metrics, part = loss.loss(batch, work.norm, out.aux_loss)
                 totals = totals + part
                 entropy = float(out.entropy.mean()) if out.entropy.numel() else float("nan")
                 metrics.append({**row_metrics, "entropy": entropy})
@@ -101,10 +107,47 @@ def train_rows(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ra
     return RowsResult(forward_s, forward_backward_s, metrics, totals.on_host())
 
 
-def warm_up_step(model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config) -> None:
-    """The warm-up's forward, backward and gradient clipping on every rank (trainer/memory.py throws the update
-    away)."""
-    train_rows(model, loss, work, ranks, config)
+@dataclass
+class PassResult:
+    """One optimizer pass of a step on this rank, and on rank 0 every rank's (metrics, totals) of it."""
+
+    rows: RowsResult
+    grad_norm: float
+    optimizer_s: float
+    gathered: list[tuple[list[dict[str, float]], StepTotals]]
+
+
+def train_step(
+    model: torch.nn.Module, optimizer: Any, scheduler: Any, loss: StepLoss, work: RankWork, ranks: Ranks,
+    config: Config, reference: Reference | None,
+) -> list[PassResult]:  # fmt: skip
+    """This rank's share of one step: trainer.num_iterations optimizer passes over its rows (GRPO's mu). Every
+    pass's ratio is against the sampler's log-probabilities the rows carry (pi_old), and the reference's are
+    computed once; the learning-rate schedule and the reference's TR-DPO mixing advance once per step."""
+    logprobs = reference_logprobs(reference, [row for row, _ in work.rows], config)
+    passes = []
+    for _ in range(config.trainer.num_iterations):
+        result = train_rows(model, loss, work, ranks, config, logprobs)
+        started = time.perf_counter()
+        with phase("optimizer"):
+            grad_norm = fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        optimizer_s = time.perf_counter() - started
+        passes.append(PassResult(result, float(grad_norm), optimizer_s, ranks.gather((result.metrics, result.totals))))
+    scheduler.step()
+    if reference is not None:
+        reference.end_step()
+    return passes
+
+
+def warm_up_step(
+    model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config,
+    reference: Reference | None = None,
+) -> None:  # fmt: skip
+    """The warm-up's reference and policy forwards, backward and gradient clipping on every rank (trainer/memory.py
+    throws the update away)."""
+    train_rows(model, loss, work, ranks, config, reference_logprobs(reference, [row for row, _ in work.rows], config))
     fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
 
 
@@ -119,6 +162,7 @@ class Follower:
         use_cpu_threads(config, ranks.world, plan.server_backend)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
         self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
+        self.reference = build_reference(config, self.model, components.loss.options)
         if resume is not None:
             load_checkpoint(resume, self.scheduler)  # the loss's state is rank 0's: it comes in each StepNorm
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
@@ -144,16 +188,12 @@ class Follower:
     def _warm_up(self, work: RankWork) -> None:
         from asyncrl.trainer.memory import warm_up
 
-        warm_up(lambda: warm_up_step(self.model, self.loss, work, self.ranks, self.config), self.model, self.optimizer)
+        warm_up(lambda: warm_up_step(self.model, self.loss, work, self.ranks, self.config, self.reference),
+                self.model, self.optimizer)  # fmt: skip
 
     def _step(self, work: RankWork) -> None:
         self.model.train()
-        result = train_rows(self.model, self.loss, work, self.ranks, self.config)
-        fsdp.clip_grad_norm(self.model, self.config.trainer.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.ranks.gather((result.metrics, result.totals))
+        train_step(self.model, self.optimizer, self.scheduler, self.loss, work, self.ranks, self.config, self.reference)
 
 
 def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any, Any, Path | None]:

@@ -46,10 +46,10 @@ from asyncrl.trainer.checkpoint import (
     source_processor_files,
 )
 from asyncrl.trainer.console import Console
-from asyncrl.trainer.distributed import build_sharded, split_rows, train_rows, warm_up_step
+from asyncrl.trainer.distributed import PassResult, build_sharded, split_rows, train_step, warm_up_step
 from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.forward import report_last_row, resolve_compile
-from asyncrl.trainer.fsdp import GatheredModel, clip_grad_norm, save_weights
+from asyncrl.trainer.fsdp import GatheredModel, save_weights
 from asyncrl.trainer.group_watch import GenerationFailingError, GroupWatch, TaskSolved, TrainingStalledError
 from asyncrl.trainer.lora import is_peft
 from asyncrl.trainer.memory import GIB, TrainerMemory, TrainerOutOfMemoryError, measure, out_of_memory_line
@@ -57,6 +57,7 @@ from asyncrl.trainer.model import use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step
 from asyncrl.trainer.ranks import Ranks
+from asyncrl.trainer.reference import build_reference
 from asyncrl.trainer.setup import Prepared
 from asyncrl.trainer.step_metrics import batch_metrics, perf_metrics, sample_events
 from asyncrl.trainer.timeline import Timeline
@@ -135,6 +136,7 @@ class Trainer:
         components = self.prepared.components
         self.loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
         self.loss.router_aux_coef = router_aux_coef(c, self.model.config)
+        self.reference = build_reference(c, self.model, components.loss.options)
         self.top_k = c.sampling.num_sampler_logprobs if "sampler_top_logprobs" in self.loss.requires else 0
         self.memory = self._warm_up()  # a vLLM waiting for the measured split starts in it
         self.server.ready()
@@ -271,7 +273,7 @@ class Trainer:
         known = cached_memory(c, shape)
 
         def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
-            return measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c), self.model,
+            return measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c, self.reference), self.model,
                            self.optimizer, alone=alone, known=known)  # fmt: skip
 
         if self.server.waits_for_warm_up and self._compiles():
@@ -332,46 +334,39 @@ class Trainer:
         return total is not None and self.progress.cursor >= total
 
     def _optimize(self, step: Step) -> list[Any]:
+        """The step's optimizer passes (trainer.num_iterations), each micro-batch's row r on rank r: the loss of
+        each row is its share of the step's, so the gradients add up to the step's."""
         rows = [row.pack(self.top_k) for row in step.rows]
         self.model.train()
         started = time.time()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        fwd_s, fwd_bwd_s, mine = self._forward_backward(rows, step)
-        t1 = time.perf_counter()
-        with phase("optimizer"):
-            grad_norm = clip_grad_norm(self.model, self.config.trainer.max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        optimizer_s = time.perf_counter() - t1
+        work = split_rows(rows, step.placement, self.loss.norm(rows))  # the step's norm, decided here once
+        mine = self.ranks.command("step", work)
+        self.step_flops = self.mfu.flops(rows) if self.mfu is not None else 0.0
+        passes = train_step(self.model, self.optimizer, self.scheduler, self.loss, mine, self.ranks, self.config,
+                            self.reference)  # fmt: skip
+        for one in passes:
+            self._record_pass(one, rows, step)
         if torch.cuda.is_available():
             self.window.add("perf/trainer_peak_memory_gib", torch.cuda.max_memory_reserved() / GIB)
-        ranks_results = self.ranks.gather(mine)  # each rank's per-row metrics and totals
-        self.window.update(self.loss.end_step(sum((totals for _, totals in ranks_results), StepTotals())))
-        for metrics in (m for rank_metrics, _ in ranks_results for m in rank_metrics):
-            self.window.add("entropy", metrics.pop("entropy"))
-            self.window.update(metrics)
         self.timeline.add("training", started, time.time())
-        self.window.add("grad_norm", float(grad_norm))
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
         self.window.update(batch_metrics(step, rows, self.token_budget))
         self.window.extend(sample_events(step))
-        self.step_flops = self.mfu.flops(rows) if self.mfu is not None else 0.0
-        self.window.update(perf_metrics(rows, fwd_s, fwd_bwd_s, optimizer_s, step.wait_s, self.mfu, self.step_flops))
         self.num_tokens += sum(r.num_forwarded for r in rows)
         return rows
 
-    def _forward_backward(
-        self, rows: list[Any], step: Step
-    ) -> tuple[float, float, tuple[list[dict[str, float]], StepTotals]]:
-        """Forward and backward of the step's rows, each micro-batch's row r on rank r (the loss of each row is its
-        share of the step's, so the gradients add up to the step's). Returns the forward and forward+backward
-        seconds and this rank's per-row metrics and totals (the others' come with the step's end)."""
-        work = split_rows(rows, step.placement, self.loss.norm(rows))  # the step's norm, decided here once
-        mine = self.ranks.command("step", work)
-        result = train_rows(self.model, self.loss, mine, self.ranks, self.config)
-        return result.forward_s, result.forward_backward_s, (result.metrics, result.totals)
+    def _record_pass(self, one: PassResult, rows: list[Any], step: Step) -> None:
+        """One optimizer pass's metrics: every rank's per-row loss metrics and the step loss (the entropy
+        coefficient moves with each pass), its gradient norm and its compute (perf/* are per pass)."""
+        self.window.update(self.loss.end_step(sum((totals for _, totals in one.gathered), StepTotals())))
+        for metrics in (m for rank_metrics, _ in one.gathered for m in rank_metrics):
+            self.window.add("entropy", metrics.pop("entropy"))
+            self.window.update(metrics)
+        self.window.add("grad_norm", one.grad_norm)
+        self.window.update(perf_metrics(rows, one.rows.forward_s, one.rows.forward_backward_s, one.optimizer_s,
+                                        step.wait_s, self.mfu, self.step_flops))  # fmt: skip
 
     def _record_step_time(self, step: Step, seconds: float) -> None:
         tokens = sum(s.num_tokens for s in step.samples)

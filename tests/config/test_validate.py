@@ -18,6 +18,8 @@ BAD_INPUTS = [
     (["trainer.learning_rate=-1e-6"], "trainer.learning_rate"),
     (["trainer.weight_decay=-0.1"], "trainer.weight_decay"),
     (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
+    (["trainer.num_iterations=0"], "trainer.num_iterations=0 must be >= 1"),
+    (["sampling.num_generations_eval=0"], "sampling.num_generations_eval=0 must be >= 1"),
     (["trainer.samples_per_step=0"], "trainer.samples_per_step=0 must be >= 1"),
     (["trainer.samples_per_step=64", "trainer.gradient_accumulation_steps=2"], "trainer.gradient_accumulation_steps"),
     (["logging.eval_steps=3", "staleness.weight_sync_steps=2"], "logging.eval_steps=3 must be a multiple"),
@@ -56,6 +58,12 @@ BAD_INPUTS = [
     (["trainer.nnodes=0"], "trainer.nnodes=0 must be >= 1"),
     (["trainer.nnodes=2"], "trainer.nnodes=2 needs trainer.rdzv_endpoint=HOST:PORT"),
     (["trainer.nnodes=2", "trainer.rdzv_endpoint=node001"], "trainer.rdzv_endpoint=node001 must be HOST:PORT"),
+    (["sampling.repetition_penalty=1.1"], "(whatever loss.importance_sampling says, none included) would train it"),
+    (["+sampling.generation_kwargs.frequency_penalty=0.5"], "generation_kwargs.frequency_penalty moves single tokens'"),
+    (["+sampling.generation_kwargs.top_k=5"], "kwargs.top_k: asyncrl sets top_k on every request from sampling.top_k"),
+    (["+sampling.generation_kwargs.max_tokens=5"], "from sampling.max_completion_length: set that instead"),
+    (["+sampling.generation_kwargs.seed=5"], "kwargs.seed: asyncrl sets seed itself, on every request: remove it"),
+    (["hub.push_to_hub=true", "hub.hub_model_id=a/b/c"], "hub.hub_model_id=a/b/c: Repo id must be in the form"),
     (
         [
             "data.path=null",

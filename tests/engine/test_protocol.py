@@ -1,10 +1,12 @@
-"""/v1/completions responses built from an engine result: vLLM's legacy logprobs object, token names memoised."""
+"""/v1/completions responses built from an engine result: vLLM's legacy logprobs object, token names memoised; and
+which extra request fields the server would apply."""
 
 from __future__ import annotations
 
+import pytest
 from tiny import build_tokenizer
 
-from asyncrl.engine.protocol import CompletionRequest, TokenTexts, completion_response
+from asyncrl.engine.protocol import CompletionRequest, TokenTexts, check_request_field, completion_response
 from asyncrl.engine.rows import GenerationResult
 
 TOKENS = [40, 7, 40, 12]
@@ -33,3 +35,15 @@ def test_logprobs_name_tokens_by_text_or_id_and_start_with_the_sampled_one():
         assert logprobs["top_logprobs"][0] == {name(40): -0.5, name(7): -0.1}
         assert list(logprobs["top_logprobs"][2]) == [name(40), name(3)]
     assert set(texts.texts) == {3, 7, 12, 40} and set(texts.id_labels) == {3, 7, 12, 40}
+
+
+def test_an_extra_request_field_is_refused_unless_the_server_reads_and_applies_it():
+    check_request_field("presence_penalty", 0.0)  # read, and neutral
+    for name, value, why in (
+        ("stopp", ["x"], "stopp: not a field the built-in server reads (it reads: prompt, model, max_tokens,"),
+        ("stop", ["x"], "stop: the built-in server does not support stop strings (use stop_token_ids)"),
+        ("presence_penalty", "high", "presence_penalty: Input should be a valid number"),
+    ):
+        with pytest.raises(ValueError) as info:
+            check_request_field(name, value)
+        assert f"{name}: {info.value}".startswith(why)

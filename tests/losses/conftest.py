@@ -22,6 +22,7 @@ def build_batch(
     dtype: torch.dtype = torch.float64,
     entropy: Sequence[float] | None = None,
     truncated: Sequence[bool] | None = None,
+    ref_logprobs: Sequence[float] | None = None,
 ) -> LossBatch:
     """A LossBatch from plain lists; trainer-side tensors require grad (entropy does not: the trainer's has none)."""
 
@@ -39,6 +40,7 @@ def build_batch(
         sampler_top_logprobs=tensor(sampler_top_logprobs),
         entropy=tensor(entropy),
         truncated=None if truncated is None else torch.tensor(truncated, dtype=torch.bool),
+        ref_logprobs=tensor(ref_logprobs),
     )
 
 
@@ -101,11 +103,13 @@ def random_sequences(seed: int, num_sequences: int = 7, max_length: int = 6, ext
             "sequence_index": sequence, "entropy": entropy}  # fmt: skip
 
 
-def batch_of(inputs: dict, truncated: Sequence[bool] | None = None) -> LossBatch:
+def batch_of(
+    inputs: dict, truncated: Sequence[bool] | None = None, ref_logprobs: np.ndarray | None = None
+) -> LossBatch:
     return build_batch(
         inputs["logprobs"].tolist(), inputs["sampler_logprobs"].tolist(), inputs["advantages"].tolist(),
         inputs["mask"].tolist(), inputs["sequence_index"].tolist(), entropy=inputs["entropy"].tolist(),
-        truncated=truncated,
+        truncated=truncated, ref_logprobs=None if ref_logprobs is None else ref_logprobs.tolist(),
     )  # fmt: skip
 
 

@@ -55,21 +55,35 @@ def test_drops_tokens_outside_importance_bounds_and_uses_epsilon_high(make_batch
     assert out.metrics["clip_ratio/high_max"] == pytest.approx(0.5)
 
 
-def reference(logprobs, sampler_logprobs, advantages, mask, eps_low, eps_high, c_min, c_max):
-    """Loss and d loss / d logprob in float64, token by token from the spec's formula."""
+def test_delta_caps_the_ratio_of_a_negative_advantage(make_batch):
+    batch = make_batch(logprobs=[-0.5, -0.5], sampler_logprobs=[-2.0, -2.0], advantages=[-1.0, 1.0], mask=[1, 1])
+    # ratio e^1.5 = 4.48 on both; A < 0: -min(min(r, 3) A, clip(r) A) = -(3 * -1) = 3, flat above delta (no gradient);
+    # A > 0: the clip at 1.2 already binds below delta -> -1.2
+    out = run_loss("clipped", batch, delta=3.0)
+    torch.testing.assert_close(out.loss_sum, torch.tensor(3.0 - 1.2, dtype=torch.float64))
+    out.loss_sum.backward()
+    torch.testing.assert_close(batch.logprobs.grad, torch.zeros(2, dtype=torch.float64))
+    uncapped = run_loss("clipped", make_batch(logprobs=[-0.5], sampler_logprobs=[-2.0], advantages=[-1.0], mask=[1]))
+    torch.testing.assert_close(uncapped.loss_sum, torch.tensor(math.exp(1.5), dtype=torch.float64))
+
+
+def reference(logprobs, sampler_logprobs, advantages, mask, eps_low, eps_high, c_min, c_max, delta=None):
+    """Loss and d loss / d logprob in float64, token by token from the spec's formula (TRL's delta cap)."""
     value, grad = 0.0, np.zeros(len(logprobs))
     for t, (lp, slp, a, m) in enumerate(zip(logprobs, sampler_logprobs, advantages, mask, strict=True)):
         r = math.exp(lp - slp)
         if not m or not c_min <= r <= c_max:
             continue
-        unclipped, clipped = r * a, min(max(r, 1 - eps_low), 1 + eps_high) * a
+        capped = r if delta is None else min(r, delta)
+        unclipped, clipped = capped * a, min(max(r, 1 - eps_low), 1 + eps_high) * a
         value -= min(unclipped, clipped)
-        grad[t] = -r * a if unclipped <= clipped else 0.0
+        grad[t] = -r * a if unclipped <= clipped and capped == r else 0.0
     return value, grad
 
 
+@pytest.mark.parametrize("delta", [None, 1.5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_float64_reference_with_masks_and_extreme_ratios(make_batch, seed):
+def test_matches_float64_reference_with_masks_and_extreme_ratios(make_batch, seed, delta):
     rng = np.random.default_rng(seed)
     T = 40
     sampler = -rng.random(T) * 4
@@ -80,9 +94,9 @@ def test_matches_float64_reference_with_masks_and_extreme_ratios(make_batch, see
     advantages[mask == 0] = -1e6
     batch = make_batch(logprobs.tolist(), sampler.tolist(), advantages.tolist(), mask.tolist())
 
-    out = run_loss("clipped", batch, epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0)
+    out = run_loss("clipped", batch, epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0, delta=delta)
     out.loss_sum.backward()
-    value, grad = reference(logprobs, sampler, advantages, mask, 0.2, 0.28, 0.5, 5.0)
+    value, grad = reference(logprobs, sampler, advantages, mask, 0.2, 0.28, 0.5, 5.0, delta)
     torch.testing.assert_close(out.loss_sum, torch.tensor(value, dtype=torch.float64))
     torch.testing.assert_close(batch.logprobs.grad, torch.tensor(grad))
 

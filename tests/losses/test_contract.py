@@ -46,6 +46,8 @@ def random_batch(dtype: torch.dtype = torch.float64, seed: int = 0, T: int = 24,
     sampler[padding] = -math.inf
     entropy = torch.rand(T, generator=generator, dtype=torch.float64) * 3
     entropy[padding] = math.nan
+    reference = logprobs + 0.3 * torch.randn(T, generator=generator, dtype=torch.float64)
+    reference[padding] = math.nan
     return LossBatch(
         logprobs=logprobs.to(dtype).requires_grad_(),
         sampler_logprobs=sampler.to(dtype),
@@ -56,6 +58,7 @@ def random_batch(dtype: torch.dtype = torch.float64, seed: int = 0, T: int = 24,
         sampler_top_logprobs=sampler_top.to(dtype),
         entropy=entropy.to(dtype),
         truncated=torch.arange(T) < 4,
+        ref_logprobs=reference.to(dtype),
     )
 
 
@@ -76,6 +79,9 @@ ALL_OPTIONS = [
      "top_entropy_quantile": 0.6, "normalization": "sequence", "entropy_coef": 0.1}
     for mode in IS_MODES
 ]  # fmt: skip
+# The KL penalty (bias-corrected) on each loss's sequence-level ratio.
+KL_OPTIONS = {"beta": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
+              "normalization": "sequence"}  # fmt: skip
 
 
 @pytest.fixture(params=LOSSES.names())
@@ -83,9 +89,15 @@ def loss_name(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=[{}, *ALL_OPTIONS], ids=lambda o: o.get("importance_sampling", "defaults"))
+@pytest.fixture(
+    params=[{}, *ALL_OPTIONS, KL_OPTIONS], ids=lambda o: o.get("importance_sampling", "kl" if o else "defaults")
+)
 def options(request, loss_name) -> dict:
-    if loss_name == "score_centering" and request.param.get("importance_sampling", "").startswith("sequence"):
+    sequence = (
+        request.param.get("importance_sampling", "").startswith("sequence")
+        or "importance_sampling_level" in request.param
+    )
+    if loss_name == "score_centering" and sequence:
         pytest.skip("score centering rejects sequence-level corrections (tested in test_score_centering)")
     return request.param
 

@@ -213,3 +213,121 @@ def test_options_are_typed_with_per_loss_defaults():
     assert LOSSES.build({"name": "gspo"}).options.normalization is Normalization.sequence
     assert LOSSES.build({"name": "cispo"}).options.importance_sampling is ImportanceSampling.none
     assert LOSSES.build({"name": "clipped"}).options.importance_sampling is ImportanceSampling.token_mask
+
+
+def kl_reference(inputs, ref, truncated, *, beta, bias_correction, mode, normalization, mask_truncated, level):
+    """beta x the k3 KL term (TRL's per_token_kl, times coef_1 under bias correction): value, d/d logprob and the
+    `kl` metric, slot by slot; ``mode`` none or token_mask (bounds [0.5, 5])."""
+    lp, mu, mask, seq = (inputs[k] for k in ("logprobs", "sampler_logprobs", "mask", "sequence_index"))
+    value, grad, kls = 0.0, np.zeros(len(lp)), []
+    for i in np.unique(seq):
+        slots = [t for t in np.flatnonzero((seq == i) & (mask > 0)) if not (mask_truncated and truncated[t])]
+        if not slots:
+            continue
+        weight = beta / len(slots) if normalization == "sequence" else beta
+        s = math.exp(sum(lp[t] - mu[t] for t in slots) / len(slots))  # GSPO's ratio; every slot kept (mode none)
+        spread = 0.0  # at level=sequence: d(the sequence's terms) / d(log s), which reaches each slot / |o|
+        for t in slots:
+            d = ref[t] - lp[t]
+            kl, dkl = math.exp(d) - d - 1, 1 - math.exp(d)
+            r = s if level == "sequence" else math.exp(lp[t] - mu[t])
+            corrected = bias_correction and (mode == "none" or 0.5 <= r <= 5.0)  # token_mask drops r outside
+            factor = r if corrected else 1.0
+            kls.append(factor * kl)
+            value += weight * factor * kl
+            grad[t] += weight * factor * dkl  # d(factor)/d(log r) = factor where corrected:
+            if corrected and level == "token":
+                grad[t] += weight * factor * kl
+            if corrected and level == "sequence":
+                spread += weight * factor * kl
+        for t in slots:
+            grad[t] += spread / len(slots)
+    return value, grad, float(np.mean(kls))
+
+
+KL_CASES = [
+    {"mode": "token_mask", "normalization": "token", "mask_truncated": False, "level": "token"},
+    {"mode": "none", "normalization": "sequence", "mask_truncated": True, "level": "token"},
+    {"mode": "none", "normalization": "token", "mask_truncated": False, "level": "sequence"},
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("bias_correction", [False, True])
+@pytest.mark.parametrize("case", KL_CASES, ids=lambda c: f"{c['mode']}-{c['normalization']}-{c['level']}")
+def test_kl_penalty_matches_reference(seed, bias_correction, case):
+    """The KL part of the loss (the loss at beta minus the loss at 0) against TRL's per-token formula in float64,
+    extreme sampler ratios included: on every trained slot of a completion that trains (truncated ones dropped),
+    the IS mask leaving it alone, times the loss's ratio under bias correction (a sequence's at level=sequence)."""
+    inputs = random_sequences(seed)
+    ref = inputs["logprobs"] + np.random.default_rng(seed + 10).normal(scale=0.5, size=len(inputs["logprobs"]))
+    truncated = [i == 0 for i in inputs["sequence_index"]]
+    options = {"importance_sampling": case["mode"], "normalization": case["normalization"],
+               "mask_truncated_completions": case["mask_truncated"],
+               "importance_sampling_level": case["level"], "use_bias_correction_kl": bias_correction}  # fmt: skip
+    with_kl, without = batch_of(inputs, truncated, ref), batch_of(inputs, truncated, ref)
+    out = run_loss("clipped", with_kl, beta=0.04, epsilon=EPS, epsilon_high=EPS_HIGH, **options)
+    base = run_loss("clipped", without, epsilon=EPS, epsilon_high=EPS_HIGH, **options)
+    out.loss_sum.backward()
+    base.loss_sum.backward()
+    value, grad, mean_kl = kl_reference(inputs, ref, truncated, beta=0.04, bias_correction=bias_correction, **case)
+    assert_float64_close(out.loss_sum - base.loss_sum, value)
+    assert_float64_close(with_kl.logprobs.grad - without.logprobs.grad, grad)
+    assert out.metrics["kl"] == pytest.approx(mean_kl, rel=1e-12)
+    assert "kl" not in base.metrics  # logged only with a KL term, as TRL's
+
+
+def test_the_kl_penalty_needs_the_reference_logprobs(make_batch):
+    batch = make_batch(logprobs=[-1.0], sampler_logprobs=[-1.0], advantages=[1.0], mask=[1])
+    with pytest.raises(ValueError, match="LossBatch.ref_logprobs"):
+        run_loss("clipped", batch, beta=0.1)
+
+
+def sequence_level_reference(inputs):
+    """Clipped loss on each sequence's ratio s = exp(mean_t log r_t) placed on its slots (no IS correction, token
+    normalisation): value and d/d logprob, whose per-slot part is the sequence's d/ds times ds/dlogprob = s/|o|."""
+    lp, mu, adv, mask, seq = (inputs[k] for k in ("logprobs", "sampler_logprobs", "advantages", "mask",
+                                                  "sequence_index"))  # fmt: skip
+    value, grad = 0.0, np.zeros(len(lp))
+    for i in np.unique(seq):
+        slots = np.flatnonzero((seq == i) & (mask > 0))
+        if slots.size == 0:
+            continue
+        s, a = math.exp(sum(lp[t] - mu[t] for t in slots) / slots.size), adv[slots[0]]
+        unclipped, clipped = s * a, min(max(s, 1 - EPS), 1 + EPS_HIGH) * a
+        value -= slots.size * min(unclipped, clipped)
+        grad[slots] = -a * s if unclipped <= clipped else 0.0
+    return value, grad
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sequence_level_ratio_matches_reference_and_is_gspo(seed):
+    inputs = random_sequences(seed)
+    batch, gspo = batch_of(inputs), batch_of(inputs)
+    options = {"importance_sampling": "none", "epsilon": EPS, "epsilon_high": EPS_HIGH}
+    out = run_loss("clipped", batch, importance_sampling_level="sequence", **options)
+    out.loss_sum.backward()
+    value, grad = sequence_level_reference(inputs)
+    assert_float64_close(out.loss_sum, value)
+    assert_float64_close(batch.logprobs.grad, grad)
+    # TRL's GSPO is its grpo loss at importance_sampling_level=sequence: so is asyncrl's, per sequence
+    per_sequence = run_loss("clipped", batch_of(inputs), importance_sampling_level="sequence",
+                            normalization="sequence", **options)  # fmt: skip
+    assert_float64_close(per_sequence.loss_sum, run_loss("gspo", gspo, **options).loss_sum)
+
+
+def test_sequence_level_reaches_every_loss_that_takes_a_ratio(make_batch):
+    """cispo's capped weight and sapo's gate see the sequence's ratio s = e^((0.2 + 0.6) / 2) = e^0.4 on each
+    slot; vespo's product of ratios and gspo's mean are the same at either level."""
+    args = dict(logprobs=[-1.0, -1.0, -2.0], sampler_logprobs=[-1.2, -1.6, -2.0], advantages=[1.0, 1.0, -1.0],
+                mask=[1, 1, 1], sequence_index=[0, 0, 1])  # fmt: skip
+    s = math.exp(0.4)
+    cispo = run_loss("cispo", make_batch(**args), importance_sampling_level="sequence", epsilon_high=1.3)
+    assert_float64_close(cispo.loss_sum, -1.3 * (-1.0 - 1.0) + 1.0 * -2.0)  # min(s, 1.3) = 1.3; sequence 1: s = 1
+    sapo = run_loss("sapo", make_batch(**args), importance_sampling_level="sequence", normalization="token")
+    gate = torch.sigmoid(torch.tensor((s - 1.0) * 1.0, dtype=torch.float64)) * 4
+    assert_float64_close(sapo.loss_sum, -2 * gate + torch.sigmoid(torch.tensor(0.0, dtype=torch.float64)) * 4 / 1.05)
+    for name in ("vespo", "gspo", "luspo"):
+        levels = [run_loss(name, make_batch(**args), importance_sampling_level=level).loss_sum
+                  for level in ("token", "sequence")]  # fmt: skip
+        assert_float64_close(levels[1], levels[0].detach())

@@ -34,6 +34,7 @@ from asyncrl.rollout.types import Rollout, RolloutSample, TrainingSequence, Turn
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.loop import Trainer
 from asyncrl.trainer.ranks import Ranks
+from asyncrl.trainer.reference import build_reference
 from asyncrl.trainer.timeline import Timeline
 
 
@@ -221,6 +222,14 @@ def test_rollouts_that_hit_the_length_budget_are_flagged_for_the_loss():
         (["loss=gspo", "loss.epsilon=1.5"], "epsilon"),
         (["loss=clipped", "loss.entropy_target=1.0", "loss.entropy_coef=2.0"], "entropy_coef"),
         (["loss=cispo", "loss.top_entropy_quantile=2"], "top_entropy_quantile"),
+        (["loss=clipped", "loss.delta=1.1"], r"delta=1.1 must be > 1 \+ epsilon_high = 1.2"),
+        (["loss=score_centering", "+loss.delta=4"], "delta=4 is loss=clipped"),
+        (["loss=score_centering", "loss.importance_sampling_level=sequence"], "importance_sampling_level=sequence"),
+        (["loss.importance_sampling_level=sentence"], "importance_sampling_level='sentence' must be one of"),
+        (["loss.beta=-0.1"], "beta=-0.1 must be >= 0"),
+        (["loss.sync_ref_model=true"], "sync_ref_model=true needs beta > 0"),
+        (["loss.beta=0.1", "loss.ref_model_mixup_alpha=1.5"], "ref_model_mixup_alpha=1.5 must be in"),
+        (["loss.beta=0.1", "loss.ref_model_sync_steps=0"], "ref_model_sync_steps=0 must be >= 1"),
     ],
 )
 def test_config_validation_runs_the_loss(overrides, named):
@@ -247,6 +256,7 @@ def trainer_for(overrides: list[str], model: torch.nn.Module, ranks: Ranks) -> T
     trainer.config, trainer.ranks, trainer.world = config, ranks, 1
     trainer.model, trainer.optimizer, trainer.scheduler = sharded(config, model)
     trainer.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
+    trainer.reference = build_reference(config, trainer.model, components.loss.options)
     trainer.top_k = config.sampling.num_sampler_logprobs if "sampler_top_logprobs" in trainer.loss.requires else 0
     trainer.window, trainer.timeline = MetricWindow(), Timeline()
     trainer.token_budget = 256
@@ -321,6 +331,16 @@ def test_every_option_at_once_through_the_trainer(model_and_samples, one_rank):
     assert math.isfinite(metrics["policy_loss"]) and metrics["entropy_coef"] == pytest.approx(0.01)
     # the tiny model's entropy is below the target of 100 nats: the adaptive coefficient went up for the next step
     assert trainer.loss.state_dict() == {"entropy_coef": pytest.approx(0.015)}
+
+
+def test_the_kl_to_the_reference_is_logged_on_every_pass_of_a_step(model_and_samples, one_rank):
+    """loss.beta > 0 loads the reference (model.name_or_path: the shipped tiny model, not the random one trained
+    here) and logs `kl`, over trainer.num_iterations passes whose schedule counts one step; at beta 0, no `kl`."""
+    overrides = ["loss=clipped", "loss.beta=0.1", "trainer.num_iterations=2"]
+    trainer, metrics, moved = run_step(overrides, model_and_samples, one_rank)
+    assert trainer.reference is not None and trainer.reference.steps == 1 and trainer.scheduler.last_epoch == 1
+    assert metrics["kl"] > 0 and moved > 0
+    assert "kl" not in run_step(["loss=clipped"], model_and_samples, one_rank)[1]
 
 
 @pytest.mark.parametrize("normalization", ["token", "sequence"])

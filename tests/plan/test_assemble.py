@@ -30,11 +30,21 @@ BAD_INPUTS = [
     (["+packing.compile_layers=false"], "packing.compile_layers is now trainer.compile_layers"),
     (["loss.importance_sampling=tokn_mask"], "loss: loss 'clipped': importance_sampling='tokn_mask' must be one of"),
     (["packing.token_budget=0"], "packing: packing 'tree': token_budget=0 must be >= 1"),
+    (["lora=default", "loss.beta=0.01", "loss.sync_ref_model=true"], "loss.sync_ref_model=true mixes the policy into"),
     (["rollout.loop_cls=nope"], "rollout.loop_cls"),
     (["server.weight_transfer=ipc", "trainer.num_processes=2"], "server.weight_transfer=ipc with 2 trainer ranks"),
     (["server=builtin", "server.quantization=fp8"], "server.quantization=fp8 is vLLM's: the built-in server cannot"),
     (["server=vllm", "server.max_model_len=512", "server.quantization=fp8", "server.dtype=float32"],
      "server.quantization=fp8 needs 16-bit serving (vLLM's quantized layers refuse server.dtype=float32)"),
+    (["server=builtin", "+sampling.generation_kwargs.stop=[x]"],
+     "sampling.generation_kwargs.stop: the built-in server does not support stop strings"),
+    (["server=builtin", "+sampling.generation_kwargs.stopp=1"],
+     "sampling.generation_kwargs.stopp: not a field the built-in server reads (it reads: prompt, model,"),
+    (["server=vllm", "server.max_model_len=512", "+sampling.generation_kwargs.stopp=1"],
+     "sampling.generation_kwargs.stopp: not one of vLLM's sampling parameters that asyncrl passes on (those: "
+     "allowed_token_ids, bad_words, include_stop_str_in_output, prompt_logprobs, skip_special_tokens,"),
+    (["server=builtin", "sampling.structured_outputs_regex='[0-9]+'"],
+     "sampling.structured_outputs_regex is vLLM's guided decoding: the built-in server cannot hold its sampling"),
 ]  # fmt: skip
 
 
@@ -54,6 +64,14 @@ def test_a_synchronous_run_trains_whole_groups_of_samples_per_step():
 def test_reward_by_import_path():
     config = plan_run(compose(["reward_funcs=[{name: 'asyncrl.rewards.accuracy:accuracy'}, {name: length}]"])).config
     assert [f["name"] for f in config.reward_funcs] == ["asyncrl.rewards.accuracy:accuracy", "length"]
+
+
+def test_vllm_takes_its_sampling_parameters_and_a_regex_as_trl_users_set_them():
+    overrides = ["server=vllm", "server.max_model_len=512", "sampling.structured_outputs_regex='[0-9]+'",
+                 "+sampling.generation_kwargs={stop: [END], skip_special_tokens: false, bad_words: [um]}"]  # fmt: skip
+    sampling = plan_run(compose(overrides)).config.sampling
+    assert sampling.generation_kwargs == {"stop": ["END"], "skip_special_tokens": False, "bad_words": ["um"]}
+    assert sampling.structured_outputs_regex == "[0-9]+"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the ranks of a machine without CUDA")

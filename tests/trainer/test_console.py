@@ -130,7 +130,7 @@ def test_a_long_evaluation_prints_its_progress_every_so_often_without_a_terminal
     with console.evaluating() as progress:  # a short evaluation prints nothing
         progress("greedy", 4, 4)
     assert capsys.readouterr().out.splitlines() == [
-        f"held-out evaluation, greedy: {done}/200 prompts" for done in (60, 120, 180)
+        f"held-out evaluation, greedy: {done}/200 completions" for done in (60, 120, 180)
     ]
 
 

@@ -34,6 +34,7 @@ from asyncrl.serving.command import served_model_name
 from asyncrl.serving.process import free_port
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
+from asyncrl.trainer.distributed import split_rows, train_step
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_optimizer, load_model
 from asyncrl.trainer.ranks import SERVER_URL_ENV
@@ -271,3 +272,30 @@ def test_lora_on_two_ranks_makes_the_single_process_update(two_lora_ranks):
     assert set(adapter) == set(trained) and any("lora_B" in name for name in adapter)
     assert max(float((adapter[name] - trained[name]).abs().max()) for name in trained) <= 1e-5
     assert max(float(trained[name].abs().max()) for name in trained if "lora_B" in name) > 1e-4  # it moved
+
+
+def test_num_iterations_makes_that_many_optimizer_passes_over_the_step(
+    random_tiny_model_dir, arithmetic_data_dir, one_rank
+):
+    """trainer.num_iterations=2 (GRPO's mu): two optimizer steps on the same rows, the second one's ratio taken
+    with the policy the first moved against the same sampler log-probabilities (pi_old); the learning-rate
+    schedule counts the step once."""
+    rows, _ = make_step(random_tiny_model_dir)
+
+    def step(iterations: int) -> tuple[list, object]:
+        config = make_config(random_tiny_model_dir, arithmetic_data_dir, f"trainer.num_iterations={iterations}",
+                             "trainer.lr_scheduler_type=linear", "trainer.max_steps=4")  # fmt: skip
+        set_seed(config.trainer.seed)
+        model, optimizer, scheduler = sharded(config, load_model(config, config.model.name_or_path))
+        loss = StepLoss(LOSSES.build(config.loss))
+        work = split_rows(rows, [[index] for index in range(len(rows))], loss.norm(rows))[0]
+        return train_step(model, optimizer, scheduler, loss, work, one_rank, config, None), scheduler
+
+    def ratios(one_pass) -> list[float]:
+        return [metrics["sampling/importance_sampling_ratio/mean"] for metrics in one_pass.rows.metrics]
+
+    (once,), _ = step(1)
+    twice, scheduler = step(2)
+    assert len(twice) == 2 and scheduler.last_epoch == 1
+    assert ratios(twice[0]) == pytest.approx(ratios(once))  # the first pass is the one-pass step
+    assert ratios(twice[1]) != pytest.approx(ratios(twice[0]), rel=1e-4)  # the second sees the moved policy
