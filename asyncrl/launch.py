@@ -297,10 +297,11 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
 def dtype_line(plan: RunPlan) -> str:
     """Which dtype each side uses, for the startup log: a gap between the sampler's and the trainer's
     log-probabilities starts there."""
-    from asyncrl.trainer.model import use_bf16
+    from asyncrl.trainer.model import mixed_precision_dtype
 
     config = plan.config
-    mixed = ", computes in bfloat16 mixed precision" if use_bf16(config) else ""
+    half = mixed_precision_dtype(config)
+    mixed = f", computes in {str(half).removeprefix('torch.')} mixed precision" if half is not None else ""
     why = "server.dtype" if config.server.dtype is not None else "default: 16 bits on a GPU, model.dtype on a CPU"
     return (
         f"dtypes: the trainer keeps {config.model.dtype} weights (model.dtype){mixed}; the {plan.server_backend} "

@@ -1,7 +1,9 @@
 """Experiment trackers named in `logging.report_to`, driven through accelerate's tracker classes.
 
 The trainer writes each logging step here as well as to metrics.jsonl; NaN (a metric with no event in the
-window) is left out rather than plotted as a gap or a zero.
+window) is left out rather than plotted as a gap or a zero. With `logging.log_completions` the step's completions
+go to each tracker as a table named `completions`: a wandb Table, a trackio Table, a Markdown table in TensorBoard's
+text tab.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from accelerate.tracking import GeneralTracker, TensorBoardTracker, TrackioTrack
 from omegaconf import OmegaConf
 
 from asyncrl.config.schema import Config
+from asyncrl.rollout.scoring import table_columns
 
 
 def _tensorboard(config: Config, run_dir: Path, run_name: str) -> GeneralTracker:
@@ -35,6 +38,44 @@ TRACKERS: dict[str, Callable[[Config, Path, str], GeneralTracker]] = {
     "wandb": _wandb,
     "trackio": _trackio,
 }
+
+
+COMPLETIONS = "completions"
+
+
+def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table (TensorBoard's text tab renders one): each cell's pipes escaped, its lines joined by <br>, a
+    missing value shown as -."""
+
+    def line(cells: list[Any]) -> str:
+        texts = ("-" if cell is None else str(cell).replace("|", "\\|").replace("\n", "<br>") for cell in cells)
+        return "| " + " | ".join(texts) + " |"
+
+    return "\n".join([line(columns), line(["---"] * len(columns)), *map(line, rows)])
+
+
+def _tensorboard_table(tracker: GeneralTracker, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+    tracker.log({COMPLETIONS: markdown_table(columns, rows)}, step=step)
+
+
+def _wandb_table(tracker: GeneralTracker, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+    tracker.log_table(COMPLETIONS, columns=columns, data=rows, step=step)  # type: ignore[attr-defined]
+
+
+def _trackio_table(tracker: GeneralTracker, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+    """trackio's Table takes its column names from a DataFrame only."""
+    import trackio
+    from pandas import DataFrame
+
+    tracker.log({COMPLETIONS: trackio.Table(dataframe=DataFrame(rows, columns=columns))}, step=step)
+
+
+TABLES: dict[str, Callable[[GeneralTracker, int, list[str], list[list[Any]]], None]] = {
+    "tensorboard": _tensorboard_table,
+    "wandb": _wandb_table,
+    "trackio": _trackio_table,
+}
+"""How each tracker of TRACKERS shows a table."""
 
 
 def _plain(config: Config) -> dict[str, Any]:
@@ -66,6 +107,14 @@ class Trackers:
             return
         for tracker in self.trackers:
             tracker.log(values, step=step)
+
+    def write_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        """logging.log_completions' table of a logging step's completions, all of them (the console prints
+        logging.num_completions_to_print), with the columns reward functions added (``log_extra``)."""
+        columns = table_columns(records)
+        rows = [[record.get(column) for column in columns] for record in records]
+        for tracker in self.trackers:
+            TABLES[tracker.name](tracker, step, columns, rows)
 
     def close(self) -> None:
         for tracker in self.trackers:

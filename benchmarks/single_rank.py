@@ -85,7 +85,7 @@ def main() -> None:
     del model
     with Ranks.alone():
         config = to_config(compose([]))
-        sharded = fsdp.shard(sharded_copy, config, mixed_precision=gpu)
+        sharded = fsdp.shard(sharded_copy, config, torch.bfloat16 if gpu else None)
         shard_s = seconds_per_step(sharded, args.tokens, args.steps, args.warmup, autocast=False)
     where = torch.cuda.get_device_name() if gpu else f"CPU, {args.threads} thread(s)"
     print("| model | tokens/row | where | plain s/step | sharded (world of one) s/step | sharded / plain |")

@@ -18,7 +18,7 @@ from asyncrl.trainer.ranks import Ranks
 def sharded(config: Config, model: torch.nn.Module) -> tuple[torch.nn.Module, Any, Any]:
     """``model`` sharded in place (a process group must be up: the ``one_rank`` fixture), its optimizer and
     scheduler."""
-    model = fsdp.shard(model, config, mixed_precision=False)
+    model = fsdp.shard(model, config, None)
     optimizer, scheduler = build_optimizer(config, model)
     return model, optimizer, scheduler
 

@@ -47,7 +47,8 @@ def test_a_sweep_value_that_cannot_compose_fails_in_one_line_before_any_job(tmp_
                                  f"hydra.sweep.dir={sweep}"])  # fmt: skip
     assert result.exit_code == 2 and result.output.strip().splitlines() == [
         "config error: trainer.lr_scheduler_type: Invalid value 'cosinee', expected one of [constant, "
-        "constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, inverse_sqrt]"
+        "constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, inverse_sqrt, cosine_with_min_lr, "
+        "cosine_warmup_with_min_lr, warmup_stable_decay]"
     ]
     assert not sweep.exists()
 

@@ -1,14 +1,19 @@
-"""Trackers: metrics reach tensorboard's event file (read back with tensorboard itself); bad names fail early."""
+"""Trackers: metrics and logging.log_completions' table reach tensorboard's event file (read back and rendered with
+tensorboard itself) and wandb's and trackio's tables; bad names fail early."""
 
 from __future__ import annotations
 
 import math
+import sys
+from types import SimpleNamespace
 
 import pytest
+from accelerate.tracking import TrackioTracker, WandBTracker
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugin_util import markdown_to_safe_html
 
 from asyncrl.config.schema import Config
-from asyncrl.trackers import build_trackers, scalars
+from asyncrl.trackers import Trackers, build_trackers, scalars
 
 
 def _config(report_to: list[str]) -> Config:
@@ -55,3 +60,51 @@ def test_no_trackers_write_nothing(tmp_path):
 
 def test_scalars_keep_numbers_only():
     assert scalars({"a": 1, "b": 0.5, "c": math.nan, "d": None, "e": "text", "f": True}) == {"a": 1, "b": 0.5}
+
+
+RECORDS = [  # rollout/group_metrics.py's rows; a reward function's log_extra column on the first only
+    {"prompt": "2+2?", "completion": "4 | four\nfinal", "reward": 1.0, "advantage": 0.5, "judge": "ok"},
+    {"prompt": "3+3?", "completion": "7", "reward": 0.0, "advantage": -0.5},
+]
+COLUMNS = ["prompt", "completion", "reward", "advantage", "judge"]
+ROWS = [["2+2?", "4 | four\nfinal", 1.0, 0.5, "ok"], ["3+3?", "7", 0.0, -0.5, None]]
+
+
+def test_completions_reach_tensorboards_text_tab_as_a_table(tmp_path):
+    trackers = build_trackers(_config(["tensorboard"]), tmp_path)
+    trackers.write_completions(3, RECORDS)
+    trackers.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "tb-run"), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("completions/text_summary")
+    html = markdown_to_safe_html(event.tensor_proto.string_val[0])  # as the text tab renders it
+    assert event.step == 3 and html.count("<tr>") == 3 and all(f"<th>{c}</th>" in html for c in COLUMNS)
+    assert "<td>4 | four<br>final</td>" in html and "<td>-0.5</td>\n<td>-</td>" in html
+
+
+class FakeRun:
+    """The run object wandb.init and trackio.init return: what was logged."""
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict, int]] = []
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((values, step))
+
+
+def test_completions_reach_wandb_and_trackio_as_their_tables(monkeypatch):
+    """Through accelerate's trackers, on stand-ins for the two packages (not installed here): a wandb.Table of the
+    columns and rows, and a trackio.Table built from a DataFrame (its only way to take column names)."""
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(Table=lambda **table: ("wandb.Table", table)))
+    monkeypatch.setitem(sys.modules, "trackio", SimpleNamespace(Table=lambda **table: ("trackio.Table", table)))
+    wandb, trackio = WandBTracker("run"), TrackioTracker("project")
+    wandb.run, trackio.run = FakeRun(), FakeRun()
+    Trackers([wandb, trackio]).write_completions(3, RECORDS)
+    ((logged, step),) = wandb.run.logged
+    assert step == 3 and logged["completions"] == ("wandb.Table", {"columns": COLUMNS, "data": ROWS, "dataframe": None})
+    ((logged, step),) = trackio.run.logged
+    kind, table = logged["completions"]
+    frame = table["dataframe"]
+    assert step == 3 and kind == "trackio.Table" and list(frame.columns) == COLUMNS
+    assert frame.astype(object).where(frame.notna(), None).values.tolist() == ROWS  # pandas reads None as NaN

@@ -7,7 +7,7 @@ The transcripts call the tool `--p-tool` of the time (else answer with no call: 
 right step only `--p-correct` of the time, so sampling succeeds at most p_tool * p_correct of the time
 (less while the copy of the target is not fully learned) and RL has room to raise it. The tokenizer is
 tiny-arith's plus two tokens, `<tool_call>` and `</tool_call>`, and a chat template that renders tool calls
-in the `tiny` format (asyncrl/rollout/tools.py).
+in the `tiny` format (asyncrl/rollout/tool_formats.py).
 """
 
 from __future__ import annotations

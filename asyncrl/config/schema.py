@@ -39,7 +39,8 @@ class ModelDtype(StrEnum):
 
 
 class LrSchedulerType(StrEnum):
-    """The transformers schedulers that need no arguments beyond warmup and training steps."""
+    """transformers' schedulers (get_scheduler) that follow the optimizer steps alone; their own arguments come in
+    trainer.lr_scheduler_kwargs (reduce_lr_on_plateau and greedy read a metric each step: not offered)."""
 
     constant = "constant"
     constant_with_warmup = "constant_with_warmup"
@@ -48,6 +49,19 @@ class LrSchedulerType(StrEnum):
     cosine_with_restarts = "cosine_with_restarts"
     polynomial = "polynomial"
     inverse_sqrt = "inverse_sqrt"
+    cosine_with_min_lr = "cosine_with_min_lr"
+    cosine_warmup_with_min_lr = "cosine_warmup_with_min_lr"
+    warmup_stable_decay = "warmup_stable_decay"
+
+
+class OptimizerName(StrEnum):
+    """trainer.optim: transformers' names (OptimizerNames) of the optimizers that step FSDP2's sharded (DTensor)
+    parameters, which asyncrl trains at every world size (asyncrl/trainer/model.py builds them). Not offered, as
+    they fail on them: Adafactor (torch's and transformers'), bitsandbytes' 8-bit AdamW (bitsandbytes 0.50)."""
+
+    adamw_torch = "adamw_torch"
+    adamw_torch_fused = "adamw_torch_fused"
+    sgd = "sgd"
 
 
 class LoraSync(str, Enum):
@@ -214,6 +228,9 @@ class TrainerConfig:
     num_train_epochs: float = 3.0
     learning_rate: float = 1e-6
     lr_scheduler_type: LrSchedulerType = LrSchedulerType.constant
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The schedule's own arguments, passed to transformers' get_scheduler (its scheduler_specific_kwargs), e.g.
+    {min_lr_rate: 0.1} for cosine_with_min_lr, {num_cycles: 2} for cosine_with_restarts."""
     warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -234,6 +251,9 @@ class TrainerConfig:
     (staleness.max_staleness=0): each batch is N / sampling.num_generations whole groups, as TRL's batch size gives
     (N a multiple of the group size), dropped groups replaced under the same weights."""
     gradient_checkpointing: bool = True
+    gradient_checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of torch.utils.checkpoint.checkpoint for every layer (through transformers'
+    gradient_checkpointing_enable), over asyncrl's {use_reentrant: false}."""
     logit_chunk_tokens: int = 4096
     """Trained tokens whose LM-head logits exist at once (their [tokens x vocabulary] float32 buffers bound a
     step's memory); 0 = all of a row's at once."""
@@ -247,7 +267,14 @@ class TrainerConfig:
     compile_layers: str = "auto"
     """torch.compile the decoder layers: true | false | auto (on CUDA) | a torch.compile backend's name."""
     bf16: bool | None = None
-    """None: bf16 mixed precision on GPU, off on CPU."""
+    """None: bf16 mixed precision on GPU (unless trainer.fp16), off on CPU."""
+    fp16: bool = False
+    """float16 mixed precision for GPUs without bfloat16: forward and backward in float16 over float32 master weights,
+    the loss scaled by torch.amp's GradScaler (a step whose gradients overflow is skipped and the scale lowered). GPU
+    only, and not with trainer.bf16=true."""
+    optim: OptimizerName = OptimizerName.adamw_torch
+    """adamw_torch | adamw_torch_fused (torch's fused kernel) | sgd (torch's, no momentum): each takes learning_rate and
+    weight_decay, AdamW the adam_* keys too."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one training device at the training precision, for perf/*_mfu; None: asyncrl's table
     of GPUs (trainer/flops.py); MFU is not logged where neither knows the device."""
@@ -270,6 +297,10 @@ class TrainerConfig:
     fsdp_cpu_offload: bool = False
     """With several ranks: keep the sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
     logging_steps: int = 1
+    callbacks: list[str] = field(default_factory=list)
+    """Import paths ('pkg.module:Class') of classes, each instantiated with no arguments, whose hooks the trainer calls
+    on rank 0 only: on_step_end, on_log, on_evaluate, on_save (asyncrl/trainer/callbacks.py). A hook may set
+    control.should_training_stop, and the run then ends as at max_steps."""
     save_strategy: str = "steps"
     """steps|no"""
     save_steps: int = 500
@@ -335,11 +366,13 @@ class RolloutConfig:
     """Import path of an environment class/factory, or a mapping name -> import path routed by the dataset's
     `environment` column; one instance per rollout, its public methods are tools."""
     tool_call_format: str = "auto"
-    """auto|hermes|llama3|tiny: how tool calls are parsed from the model's output; auto reads the chat template."""
+    """auto|hermes|llama3|deepseek_v3|glm4|functiongemma|tiny: how tool calls are parsed from the model's output;
+    auto reads the chat template."""
     chat_template: str = "auto"
-    """auto|keep|path to a .jinja file. auto: with tools or environments, a known family (Qwen3) whose stock template
-    is not prefix-preserving gets asyncrl's training-safe one, which checkpoints and the final model keep; keep:
-    never swap (warn); a path: use that template."""
+    """auto|keep|path to a .jinja file. auto: with tools or environments, a known family (Qwen3, DeepSeek-V3/R1) whose
+    stock template is not prefix-preserving gets asyncrl's training-safe one, which checkpoints and the final model
+    keep; keep: never swap (warn); a path: use that template. A template that cannot render a tool call and its
+    result is refused at startup."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, LoraSync
+from asyncrl.config.schema import Config, LoraSync, LrSchedulerType
 from asyncrl.sampling import REQUEST_FIELD_KEYS, REWEIGHTING_FIELDS
 
 
@@ -136,6 +136,32 @@ def check_trainer_rates(config: Config) -> None:
         raise ConfigError(
             f"trainer.lr_scheduler_type={t.lr_scheduler_type} decays over optimizer steps, which an epoch-based "
             "run cannot know in advance: set trainer.max_steps too"
+        )
+
+
+def check_mixed_precision(config: Config) -> None:
+    t = config.trainer
+    if t.fp16 and t.bf16:
+        raise ConfigError(
+            "trainer.fp16=true and trainer.bf16=true ask for two mixed precisions: keep one (fp16 for a GPU without "
+            "bfloat16, else trainer.fp16=false)"
+        )
+
+
+def check_ignored_kwargs(config: Config) -> None:
+    """Keyword arguments that nothing would receive are refused rather than dropped: transformers' get_scheduler
+    passes none to the constant schedules."""
+    t = config.trainer
+    if t.gradient_checkpointing_kwargs and not t.gradient_checkpointing:
+        raise ConfigError(
+            f"trainer.gradient_checkpointing_kwargs={dict(t.gradient_checkpointing_kwargs)} with "
+            "trainer.gradient_checkpointing=false: set trainer.gradient_checkpointing=true, or drop the kwargs"
+        )
+    constant = t.lr_scheduler_type in (LrSchedulerType.constant, LrSchedulerType.constant_with_warmup)
+    if t.lr_scheduler_kwargs and constant:
+        raise ConfigError(
+            f"trainer.lr_scheduler_kwargs={dict(t.lr_scheduler_kwargs)}: trainer.lr_scheduler_type="
+            f"{t.lr_scheduler_type} takes none; drop them, or choose a schedule that does (e.g. cosine_with_min_lr)"
         )
 
 
@@ -331,6 +357,8 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_generation_kwargs,
     check_staleness,
     check_trainer_rates,
+    check_mixed_precision,
+    check_ignored_kwargs,
     check_samples_per_step,
     check_eval_steps,
     check_server_config,

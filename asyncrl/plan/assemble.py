@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from asyncrl.components import Components, build_components
 from asyncrl.config.compose import to_config
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, LoraSync, ModelDtype
+from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, ModelDtype
 from asyncrl.flow import FlowControl
 from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
 from asyncrl.serving.command import (
@@ -107,6 +107,56 @@ def check_trainer_forward(config: Config) -> None:
         resolve_compile(config.trainer.compile_layers, torch.device("cpu"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def check_mixed_precision_device(config: Config) -> None:
+    import torch
+
+    if config.trainer.fp16 and not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.fp16=true: float16 mixed precision with loss scaling runs on a CUDA GPU, and this machine has "
+            "none (the CPU trains in float32): drop trainer.fp16"
+        )
+
+
+def check_lr_scheduler(config: Config) -> None:
+    """The schedule built once with trainer.lr_scheduler_kwargs on a throwaway optimizer, so that a misspelt or
+    missing argument (cosine_with_min_lr needs min_lr or min_lr_rate) fails here, not after the model loaded. The
+    constant schedules take none (config/validate.py), and need no transformers import to say so."""
+    import torch
+
+    from asyncrl.trainer.model import build_scheduler
+
+    t = config.trainer
+    if t.lr_scheduler_type in (LrSchedulerType.constant, LrSchedulerType.constant_with_warmup):
+        return
+    try:
+        build_scheduler(config, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.learning_rate))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"trainer.lr_scheduler_kwargs={dict(t.lr_scheduler_kwargs)} for trainer.lr_scheduler_type="
+                          f"{t.lr_scheduler_type}: {str(exc).splitlines()[0]}") from exc  # fmt: skip
+
+
+def check_gradient_checkpointing_kwargs(config: Config) -> None:
+    """The keys must be torch.utils.checkpoint.checkpoint's own: it hands any other to the layer's forward."""
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint
+
+    parameters = inspect.signature(checkpoint).parameters.values()
+    allowed = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY] + ["preserve_rng_state"]
+    unknown = [key for key in config.trainer.gradient_checkpointing_kwargs if key not in allowed]
+    if unknown:
+        raise ConfigError(f"trainer.gradient_checkpointing_kwargs.{unknown[0]}: torch.utils.checkpoint.checkpoint "
+                          f"takes no such argument (it takes {', '.join(allowed)})")  # fmt: skip
+
+
+def check_callbacks(config: Config) -> None:
+    """Each trainer.callbacks entry imports as a class with a hook; the trainer instantiates them as it starts."""
+    from asyncrl.trainer.callbacks import resolve_callback
+
+    for path in config.trainer.callbacks:
+        resolve_callback(path)
 
 
 def check_agent_config(config: Config) -> None:
@@ -243,6 +293,10 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_ipc_ranks,
     check_rollout_loop,
     check_trainer_forward,
+    check_mixed_precision_device,
+    check_lr_scheduler,
+    check_gradient_checkpointing_kwargs,
+    check_callbacks,
     check_agent_config,
 )
 COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (

@@ -25,6 +25,7 @@ from asyncrl.rollout.reconcile import reconcile
 from asyncrl.rollout.tools import (
     ToolStats,
     assistant_message,
+    decode_turn,
     detect_format,
     parse_tool_calls,
     run_tool_calls,
@@ -80,8 +81,8 @@ class AsyncRolloutLoop:
         while True:
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
-            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            content, calls = parse_tool_calls(text, self.tool_call_format) if tools else (text, [])
+            text = decode_turn(self.tokenizer, turn.output_ids, self.tool_call_format if tools else None)
+            content, calls = parse_tool_calls(text, self.tool_call_format, schemas) if tools else (text, [])
             completion.append(assistant_message(content, calls) if calls else {"role": "assistant", "content": text})
             if stats is None or not calls or turn.finish_reason != "stop":
                 break

@@ -47,6 +47,12 @@ TABLE_COLUMNS = ("prompt", "completion", "reward", "advantage")
 """The completions table's own columns, which ``log_extra`` cannot replace."""
 
 
+def table_columns(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The completions table's columns for ``records`` (rollout/group_metrics.py's rows): its own, then the
+    ``log_extra`` columns in the order they first appear (a record may lack one)."""
+    return [*TABLE_COLUMNS, *dict.fromkeys(key for r in records for key in r if key not in TABLE_COLUMNS)]
+
+
 class RewardLog:
     """The ``log_metric`` and ``log_extra`` a group's reward functions get; sync ones call them from threads."""
 

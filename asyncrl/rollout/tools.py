@@ -1,40 +1,28 @@
-"""Tools the model calls during a rollout: schemas, parsing the model's calls, running them off the event loop.
+"""Tools the model calls during a rollout: schemas, running the calls off the event loop, the prefix check.
 
-Formats: ``hermes`` (Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks), ``llama3``
-(the whole reply is ``{"name": ..., "parameters": {...}}``, several joined by ``;``, optionally after
-``<|python_tag|>``) and ``tiny`` (``<tool_call>name(key=json, ...)</tool_call>``, short enough for the
-character-level embedded model). Failures never raise: they become tool messages and are counted.
+Reading the calls out of a completion is rollout/tool_formats.py's (one parser per model family); its names are
+re-exported here. Failures never raise: they become tool messages and are counted.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import functools
 import inspect
 import json
-import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.rollout.tool_formats import FORMATS as FORMATS
+from asyncrl.rollout.tool_formats import TINY_MARKER as TINY_MARKER
+from asyncrl.rollout.tool_formats import ToolCall
+from asyncrl.rollout.tool_formats import decode_turn as decode_turn
+from asyncrl.rollout.tool_formats import detect_format as detect_format
+from asyncrl.rollout.tool_formats import parse_tool_calls as parse_tool_calls
 from asyncrl.rollout.types import Messages
-
-FORMATS = ("hermes", "llama3", "tiny")
-TINY_MARKER = "tool-call format: tiny"
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_TINY_CALL = re.compile(r"^\s*([A-Za-z_]\w*)\((.*)\)\s*$", re.DOTALL)
-
-
-@dataclass
-class ToolCall:
-    """One call the model emitted; ``error`` is set when it could not be parsed (then it fails as a tool result)."""
-
-    name: str
-    arguments: dict[str, Any]
-    error: str | None = None
 
 
 @dataclass
@@ -68,91 +56,6 @@ def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
     from transformers.utils import get_json_schema
 
     return [get_json_schema(fn) for fn in tools]
-
-
-def detect_format(chat_template: str | None) -> str:
-    """The tool-call format a chat template speaks; ``hermes`` unless it is Llama 3's or the tiny model's."""
-    template = chat_template or ""
-    if TINY_MARKER in template:
-        return "tiny"
-    if "<|python_tag|>" in template or "<|start_header_id|>" in template:
-        return "llama3"
-    return "hermes"
-
-
-def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
-    """(the text without the well-formed calls, the calls in emitted order) for format ``fmt``."""
-    if fmt == "llama3":
-        return _parse_llama3(text)
-    if fmt not in ("hermes", "tiny"):
-        raise ValueError(f"rollout.tool_call_format={fmt!r}: expected one of {FORMATS} or auto")
-    parse_block = _parse_hermes_block if fmt == "hermes" else _parse_tiny_block
-    calls: list[ToolCall] = []
-
-    def take(match: re.Match[str]) -> str:
-        call = parse_block(match.group(1))
-        calls.append(call)
-        return match.group(0) if call.error else ""
-
-    content = _BLOCK.sub(take, text)
-    return content.strip(), calls
-
-
-def _parse_hermes_block(body: str) -> ToolCall:
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return ToolCall("", {}, f"tool call is not valid JSON ({exc.msg})")
-    return _from_mapping(data, "arguments")
-
-
-def _parse_tiny_block(body: str) -> ToolCall:
-    match = _TINY_CALL.match(body)
-    if match is None:
-        return ToolCall("", {}, "tool call is not of the form name(key=value, ...)")
-    try:
-        node = ast.parse(f"f({match.group(2)})", mode="eval").body
-        assert isinstance(node, ast.Call)
-        if node.args:
-            raise ValueError("positional arguments are not allowed")
-        arguments = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
-    except (SyntaxError, ValueError) as exc:
-        return ToolCall(match.group(1), {}, f"bad arguments for {match.group(1)}: {exc}")
-    return ToolCall(match.group(1), arguments)
-
-
-def _literal(node: ast.expr) -> Any:
-    """A JSON literal: Python literals plus true/false/null."""
-    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
-        return {"true": True, "false": False, "null": None}[node.id]
-    return ast.literal_eval(node)
-
-
-def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return text.strip(), []
-    calls = []
-    for part in (p for p in body.split(";") if p.strip()):
-        try:
-            calls.append(_from_mapping(json.loads(part), "parameters"))
-        except json.JSONDecodeError as exc:
-            calls.append(ToolCall("", {}, f"tool call is not valid JSON ({exc.msg})"))
-    return "", calls
-
-
-def _from_mapping(data: Any, key: str) -> ToolCall:
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return ToolCall("", {}, 'tool call needs a string "name"')
-    arguments = data.get(key, data.get("arguments", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return ToolCall(data["name"], {}, f"arguments of {data['name']} are not valid JSON")
-    if not isinstance(arguments, dict):
-        return ToolCall(data["name"], {}, f"arguments of {data['name']} are not an object")
-    return ToolCall(data["name"], arguments)
 
 
 def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
@@ -203,14 +106,21 @@ async def _run_one(
     return result if isinstance(result, str) else json.dumps(result, default=str), False
 
 
-def template_preserves_prefix(tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> bool:
-    """Whether rendering a conversation after a tool round starts with the tokens of the turn that called it."""
+def render_tool_round(tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> tuple[str, str]:
+    """(a user turn and a tool-calling turn, the same plus the tool's result and the next generation prompt) as the
+    chat template renders them; raises whatever the template raises."""
     call = {"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
     before = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     after = [*before, {"role": "tool", "name": "probe", "content": "1"}]
+    held = tokenizer.apply_chat_template(before, tokenize=False, **chat_template_kwargs)
+    full = tokenizer.apply_chat_template(after, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+    return held, full
+
+
+def template_preserves_prefix(tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> bool:
+    """Whether rendering a conversation after a tool round starts with the tokens of the turn that called it."""
     try:
-        held = tokenizer.apply_chat_template(before, tokenize=False, **chat_template_kwargs)
-        full = tokenizer.apply_chat_template(after, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+        held, full = render_tool_round(tokenizer, chat_template_kwargs)
     except Exception:
         return False
     return full.startswith(held.rstrip())

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from asyncrl.config.schema import Config
 from asyncrl.flow import FlowControl
-from asyncrl.rollout.scoring import TABLE_COLUMNS
+from asyncrl.rollout.scoring import TABLE_COLUMNS, table_columns
 
 HIGH_WAIT_FRAC = 0.1
 """A wait counts as high above this fraction of the step time (of one second when no step time was logged)."""
@@ -285,7 +285,7 @@ class Console:
             table.add_column(name, overflow="fold")
         table.add_column("reward", justify="right")
         table.add_column("advantage", justify="right")
-        extra = list(dict.fromkeys(k for r in shown for k in r if k not in TABLE_COLUMNS))
+        extra = table_columns(shown)[len(TABLE_COLUMNS) :]
         for name in extra:
             table.add_column(escape(name), overflow="fold")
         for r in shown:

@@ -17,6 +17,7 @@ is ``Ranks`` (trainer/ranks.py).
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import time
@@ -33,7 +34,7 @@ from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import trainer_forward
-from asyncrl.trainer.model import use_cpu_threads
+from asyncrl.trainer.model import build_grad_scaler, use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, wait_for_device
 from asyncrl.trainer.ranks import Ranks
@@ -41,9 +42,12 @@ from asyncrl.trainer.reference import Reference, build_reference, reference_logp
 
 if TYPE_CHECKING:
     from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.trainer.checkpoint import TrainerState
 
 ORPHAN_GRACE_S = 10.0
 """How long a rank whose CLI died may take to end by itself before ``exit_with_parent`` ends it."""
+NO_LOSS_SCALING = torch.amp.GradScaler("cpu", enabled=False)
+"""A disabled GradScaler (it keeps no state): its calls pass the loss and the optimizer step through unchanged."""
 
 
 @dataclass
@@ -80,11 +84,11 @@ class RowsResult:
 
 def train_rows(
     model: torch.nn.Module, loss: StepLoss, work: RankWork, ranks: Ranks, config: Config,
-    reference: list[torch.Tensor] | None = None,
+    reference: list[torch.Tensor] | None = None, scaler: torch.amp.GradScaler = NO_LOSS_SCALING,
 ) -> RowsResult:  # fmt: skip
     """This rank's forwards and backwards of one pass over a step's rows, its loss normalised by the step's
     ``StepNorm`` (all ranks' trained tokens); ``reference``: each row's reference log-probabilities (the KL
-    penalty's, trainer/reference.py)."""
+    penalty's, trainer/reference.py); ``scaler``: trainer.fp16's loss scaling."""
     forward_s = forward_backward_s = 0.0
     metrics, totals = [], StepTotals()
     for index, (row, weight) in enumerate(work.rows):
@@ -101,7 +105,7 @@ def train_rows(
                 metrics.append({**row_metrics, "entropy": entropy})
         forward_s += time.perf_counter() - started
         with phase("backward"):
-            (value * ranks.world).backward()  # FSDP averages over ranks; the step's gradient is their sum
+            scaler.scale(value * ranks.world).backward()  # FSDP averages over ranks; the step's gradient is their sum
             wait_for_device()
         forward_backward_s += time.perf_counter() - started
     return RowsResult(forward_s, forward_backward_s, metrics, totals.on_host())
@@ -119,23 +123,29 @@ class PassResult:
 
 def train_step(
     model: torch.nn.Module, optimizer: Any, scheduler: Any, loss: StepLoss, work: RankWork, ranks: Ranks,
-    config: Config, reference: Reference | None,
+    config: Config, reference: Reference | None, scaler: torch.amp.GradScaler = NO_LOSS_SCALING,
 ) -> list[PassResult]:  # fmt: skip
     """This rank's share of one step: trainer.num_iterations optimizer passes over its rows (GRPO's mu). Every
     pass's ratio is against the sampler's log-probabilities the rows carry (pi_old), and the reference's are
-    computed once; the learning-rate schedule and the reference's TR-DPO mixing advance once per step."""
+    computed once; the learning-rate schedule and the reference's TR-DPO mixing advance once per step. With
+    trainer.fp16's ``scaler`` the gradients are unscaled before clipping, and a pass whose gradients overflowed
+    skips its optimizer step (its grad_norm is then inf or nan); a step all of whose passes did leaves the schedule
+    where it was, as transformers' Trainer does."""
     logprobs = reference_logprobs(reference, [row for row, _ in work.rows], config)
     passes = []
     for _ in range(config.trainer.num_iterations):
-        result = train_rows(model, loss, work, ranks, config, logprobs)
+        result = train_rows(model, loss, work, ranks, config, logprobs, scaler)
         started = time.perf_counter()
         with phase("optimizer"):
+            scaler.unscale_(optimizer)
             grad_norm = fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - started
         passes.append(PassResult(result, float(grad_norm), optimizer_s, ranks.gather((result.metrics, result.totals))))
-    scheduler.step()
+    if not scaler.is_enabled() or any(math.isfinite(one.grad_norm) for one in passes):
+        scheduler.step()
     if reference is not None:
         reference.end_step()
     return passes
@@ -161,10 +171,11 @@ class Follower:
         self.config, self.ranks = config, ranks
         use_cpu_threads(config, ranks.world, plan.server_backend)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
+        self.scaler = build_grad_scaler(config)
         self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
         self.reference = build_reference(config, self.model, components.loss.options)
-        if resume is not None:
-            load_checkpoint(resume, self.scheduler)  # the loss's state is rank 0's: it comes in each StepNorm
+        if resume is not None:  # the loss's state is rank 0's: it comes in each StepNorm
+            load_grad_scaler(self.scaler, load_checkpoint(resume, self.scheduler))
         self.loss.router_aux_coef = router_aux_coef(config, unwrap_model(self.model).config)
         self.dtype = torch_dtype(plan.serving_dtype)
 
@@ -193,7 +204,16 @@ class Follower:
 
     def _step(self, work: RankWork) -> None:
         self.model.train()
-        train_step(self.model, self.optimizer, self.scheduler, self.loss, work, self.ranks, self.config, self.reference)
+        train_step(self.model, self.optimizer, self.scheduler, self.loss, work, self.ranks, self.config, self.reference,
+                   self.scaler)  # fmt: skip
+
+
+def load_grad_scaler(scaler: torch.amp.GradScaler, state: TrainerState) -> None:
+    """A resumed trainer.fp16 run's loss scale (``Trainer._save`` keeps it), which every rank needs the same; a
+    checkpoint without one (saved without fp16) leaves the scale at its start."""
+    saved = state.extra.get("grad_scaler")  # a checkpoint's JSON, not a config
+    if saved:
+        scaler.load_state_dict(saved)
 
 
 def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any, Any, Path | None]:
@@ -203,14 +223,14 @@ def build_sharded(config: Config, run_dir: Path, ranks: Ranks) -> tuple[Any, Any
     from transformers import set_seed
 
     from asyncrl.trainer.checkpoint import resolve_checkpoint
-    from asyncrl.trainer.model import build_optimizer, load_model, use_bf16
+    from asyncrl.trainer.model import build_optimizer, load_model, mixed_precision_dtype
 
     output_dir = Path(config.trainer.output_dir or run_dir)
     spec = config.trainer.resume_from_checkpoint
     resume = resolve_checkpoint(spec, output_dir) if spec else None
     set_seed(config.trainer.seed)  # every rank initialises new weights (LoRA's A) alike: each keeps its own shard
     model = load_model(config, str(resume) if resume else config.model.name_or_path)
-    model = fsdp.shard(model, config, mixed_precision=use_bf16(config) and torch.cuda.is_available())
+    model = fsdp.shard(model, config, mixed_precision_dtype(config))
     optimizer, scheduler = build_optimizer(config, model)
     if resume is not None:
         fsdp.load_sharded(resume, model, optimizer)

@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.packing.row import PackedRow
-from asyncrl.trainer.model import use_bf16
+from asyncrl.trainer.model import mixed_precision_dtype
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ class MfuMeter:
 
 
 def mfu_meter(config: Config, model_config: Any, devices: int) -> MfuMeter | None:
-    """The run's meter: the current CUDA device (else the CPU: none), bf16 when the step computes in bf16."""
+    """The run's meter: the current CUDA device (else the CPU: none), the bf16 peak when the step computes in 16 bits
+    (fp16's dense tensor-core peak is bf16's on the GPUs listed)."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    bf16 = use_bf16(config) or config.model.dtype in (ModelDtype.bfloat16, ModelDtype.float16)
-    return MfuMeter.for_run(model_config, config.trainer.peak_tflops, device, "bf16" if bf16 else "fp32", devices)
+    half = mixed_precision_dtype(config) is not None or config.model.dtype in (ModelDtype.bfloat16, ModelDtype.float16)
+    return MfuMeter.for_run(model_config, config.trainer.peak_tflops, device, "bf16" if half else "fp32", devices)

@@ -10,9 +10,10 @@ one costs 3-10% on a CPU: the embedded model's fwd+bwd+step of a 1024-token row 
 (``python benchmarks/single_rank.py``, five runs on a 2-core machine); the GPU figure is for the next H200 session.
 
 Each decoder layer (the model's ``_no_split_modules`` classes) and the root are ``fully_shard``ed. On GPU the
-master weights are fp32 and forward/backward run in bf16 with fp32 gradient reduction (MixedPrecisionPolicy);
-on CPU everything stays float32. FSDP averages gradients over the ranks (gloo cannot sum with a pre-scale),
-so each rank's loss is multiplied by the number of ranks (trainer/distributed.py::train_rows).
+master weights are fp32 and forward/backward run in bf16 (fp16 with trainer.fp16, its loss scaled) with fp32
+gradient reduction (MixedPrecisionPolicy); on CPU everything stays float32. FSDP averages gradients over the ranks
+(gloo cannot sum with a pre-scale), so each rank's loss is multiplied by the number of ranks
+(trainer/distributed.py::train_rows).
 
 A checkpoint's ``sharded/`` files are torch.distributed.checkpoint's, which record each tensor's global shape:
 they load on any number of ranks. With LoRA they hold the adapter and its optimizer state only, and the
@@ -36,17 +37,18 @@ from asyncrl.trainer.ranks import Ranks
 log = logging.getLogger(__name__)
 
 
-def shard(model: torch.nn.Module, config: Config, mixed_precision: bool) -> torch.nn.Module:
+def shard(model: torch.nn.Module, config: Config, param_dtype: torch.dtype | None) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root; the model is changed in place and returned. A model
-    that names no decoder layer class is sharded as one unit (gathered whole for each forward)."""
+    that names no decoder layer class is sharded as one unit (gathered whole for each forward). ``param_dtype``:
+    the mixed-precision dtype forward and backward run in (model.py's mixed_precision_dtype); None: as loaded."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {}
-    if mixed_precision:  # fp32 master weights and optimizer state whatever model.dtype loaded, for what trains:
-        for param in model.parameters():  # a frozen LoRA base or vision tower stays as loaded (half the memory)
+    if param_dtype is not None:  # fp32 master weights and optimizer state whatever model.dtype loaded, for what
+        for param in model.parameters():  # trains: a frozen LoRA base or vision tower stays as loaded (half the memory)
             if param.requires_grad:
                 param.data = param.data.float()
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if config.trainer.fsdp_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     elif torch.cuda.is_available():

@@ -37,6 +37,7 @@ from asyncrl.serving.handle import check_alive
 from asyncrl.serving.watchdog import ServerWatch
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
+from asyncrl.trainer.callbacks import Callbacks
 from asyncrl.trainer.checkpoint import (
     TrainerState,
     load_checkpoint,
@@ -46,14 +47,21 @@ from asyncrl.trainer.checkpoint import (
     source_processor_files,
 )
 from asyncrl.trainer.console import Console
-from asyncrl.trainer.distributed import PassResult, build_sharded, split_rows, train_step, warm_up_step
+from asyncrl.trainer.distributed import (
+    PassResult,
+    build_sharded,
+    load_grad_scaler,
+    split_rows,
+    train_step,
+    warm_up_step,
+)
 from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.forward import report_last_row, resolve_compile
 from asyncrl.trainer.fsdp import GatheredModel, save_weights
 from asyncrl.trainer.group_watch import GenerationFailingError, GroupWatch, TaskSolved, TrainingStalledError
 from asyncrl.trainer.lora import is_peft
 from asyncrl.trainer.memory import GIB, TrainerMemory, TrainerOutOfMemoryError, measure, out_of_memory_line
-from asyncrl.trainer.model import use_cpu_threads
+from asyncrl.trainer.model import build_grad_scaler, use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step
 from asyncrl.trainer.ranks import Ranks
@@ -131,6 +139,7 @@ class Trainer:
         the loss, packing, logging, the weight-sync channel, the worker's spec and the first evaluation."""
         c = self.config
         self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
+        self.scaler = build_grad_scaler(c)
         self.startup = {"perf/startup_model_loaded_s": time.time() - self.started_at}
         self.processor_files = source_processor_files(c, self.model.config)
         components = self.prepared.components
@@ -146,6 +155,7 @@ class Trainer:
         self.state = TrainerState(step=0, model_version=0, prompt_index=0, prompts_consumed=0, extra={})
         if resume is not None:
             self.state = load_checkpoint(resume, self.scheduler)
+            load_grad_scaler(self.scaler, self.state)
             log.info("resumed from %s at step %d, prompt %d", resume, self.state.step, self.state.prompt_index)
         self.loss.load_state_dict(self.state.extra.get("loss", {}))
         self.mfu, self.step_flops = mfu_meter(c, self.model.config, self.world), 0.0
@@ -157,6 +167,7 @@ class Trainer:
         self.restarts = restart_count(self.run_dir)
         self.console = Console(c, self.flow, start_step=self.state.step)
         self.trackers = build_trackers(c, self.run_dir)
+        self.callbacks = Callbacks(c)
         self.completions: list[dict[str, Any]] = []
         self.sync = build_weight_sync(c, self.control, self.run_dir, self.prepared)
         self.sync.init(self._sync_view())
@@ -190,6 +201,7 @@ class Trainer:
                 if not self.flow.grant_before_sync():
                     self._grant_allowance(step, rows)
             self._record_step_time(step, time.perf_counter() - step_started)
+            self.callbacks.call("on_step_end", self.state)
             evaluated = self._evaluate_if_due()
             if self.state.step % self.config.trainer.logging_steps == 0 or evaluated:
                 self._log()
@@ -197,6 +209,9 @@ class Trainer:
                 self._save()
             if step.final:
                 break
+        if self.callbacks.stopped_by is not None:
+            self.console.note(f"{escape(self.callbacks.stopped_by)} (trainer.callbacks) set "
+                              f"control.should_training_stop at step {self.state.step}")  # fmt: skip
         if self.state.step % self.config.staleness.weight_sync_steps != 0:
             self._sync_weights()  # the server, and the evaluation below, get the final weights
         if self.evaluations is not None:
@@ -328,6 +343,8 @@ class Trainer:
 
     def _finished(self) -> bool:
         t = self.config.trainer
+        if self.callbacks.control.should_training_stop:
+            return True
         if t.max_steps > 0:
             return self.state.step >= t.max_steps
         total = self.prepared.total_prompts(self.config)
@@ -345,7 +362,7 @@ class Trainer:
         mine = self.ranks.command("step", work)
         self.step_flops = self.mfu.flops(rows) if self.mfu is not None else 0.0
         passes = train_step(self.model, self.optimizer, self.scheduler, self.loss, mine, self.ranks, self.config,
-                            self.reference)  # fmt: skip
+                            self.reference, self.scaler)  # fmt: skip
         for one in passes:
             self._record_pass(one, rows, step)
         if torch.cuda.is_available():
@@ -458,9 +475,11 @@ class Trainer:
         metrics["time_s"] = time.time() - self.run_started
         self.sink.write(self.state.step, metrics)
         self.trackers.write(self.state.step, metrics)
+        self.callbacks.call("on_log", self.state, logs=dict(metrics))
         self.console.log_step(self.state.step, metrics)
         if self.completions:
             self.console.log_completions(self.completions)
+            self.trackers.write_completions(self.state.step, self.completions)
             self.completions = []
 
     def _drain_worker_metrics(self) -> None:
@@ -489,6 +508,7 @@ class Trainer:
             results = evaluate(self.config, self.server.base_urls, model, p.tokenizer,
                                p.eval_dataset, p.components.rewards, self.max_model_len, progress)  # fmt: skip
         self.last_evaluation = (self.state.step, results)
+        self.callbacks.call("on_evaluate", self.state, metrics=dict(results))
         return results
 
     def _first_evaluation(self, resumed: bool) -> EvalRecord | None:
@@ -561,10 +581,13 @@ class Trainer:
         self.state.extra["reward_range"] = self.assembler.watch.rewards.to_json()  # which reward solves the task
         step, results = self.last_evaluation or (-1, {})
         self.state.extra["evaluation"] = results if step == self.state.step else {}  # a resume's "before"
+        if self.scaler.is_enabled():
+            self.state.extra["grad_scaler"] = self.scaler.state_dict()  # the loss scale every rank resumes with
         path = save_checkpoint(self.output_dir, self.state, self.prepared.tokenizer, self.scheduler,
                                self.config.trainer.save_total_limit, lambda tmp: self._write_sharded(tmp, "save"),
                                self.world, self.processor_files)  # fmt: skip
         log.info("checkpoint %s", path)
+        self.callbacks.call("on_save", self.state, checkpoint=path)
 
     def _write_final_model(self) -> Path:
         """``model/``: the weights (in the serving dtype), the tokenizer and processor files, published whole."""

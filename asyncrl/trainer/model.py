@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import Config, OptimizerName, TrainerConfig
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
 from asyncrl.serving.command import resolve_backend
@@ -18,7 +20,26 @@ log = logging.getLogger(__name__)
 
 
 def use_bf16(config: Config) -> bool:
-    return bool(config.trainer.bf16) if config.trainer.bf16 is not None else torch.cuda.is_available()
+    """trainer.bf16, else bf16 on a GPU unless trainer.fp16 asks for float16 (as TRL's default)."""
+    t = config.trainer
+    return bool(t.bf16) if t.bf16 is not None else torch.cuda.is_available() and not t.fp16
+
+
+def mixed_precision_dtype(config: Config) -> torch.dtype | None:
+    """The dtype forward and backward compute in over the float32 master weights (FSDP2's param_dtype): float16 with
+    trainer.fp16, bfloat16 with bf16 on; None on the CPU, which trains as loaded."""
+    if not torch.cuda.is_available():
+        return None
+    if config.trainer.fp16:
+        return torch.float16
+    return torch.bfloat16 if use_bf16(config) else None
+
+
+def build_grad_scaler(config: Config) -> torch.amp.GradScaler:
+    """trainer.fp16's loss scaler; disabled otherwise, where its calls pass straight through (the step unchanged).
+    Every rank holds one: FSDP2's gradients are DTensors, whose overflow check all ranks share, so their scales move
+    together."""
+    return torch.amp.GradScaler("cuda", enabled=config.trainer.fp16)
 
 
 def trainer_cpu_threads(config: Config, world: int, cores: int, backend: str | None = None) -> int:
@@ -100,19 +121,42 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
     # keeps the source's use_cache (the packed forward passes use_cache=False itself)
     freeze_non_text(model)
     if config.trainer.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False, **config.trainer.gradient_checkpointing_kwargs}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return lora.wrap(config, model, adapter_path) if adapter_path is not None else model
 
 
-def build_optimizer(config: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+def _adamw(t: TrainerConfig, params: list[torch.nn.Parameter], **extra: Any) -> torch.optim.Optimizer:
+    betas = (t.adam_beta1, t.adam_beta2)
+    return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, eps=t.adam_epsilon, weight_decay=t.weight_decay,
+                             **extra)  # fmt: skip
+
+
+def _sgd(t: TrainerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+
+
+OPTIMIZERS: dict[str, Callable[[TrainerConfig, list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    OptimizerName.adamw_torch: _adamw,
+    OptimizerName.adamw_torch_fused: partial(_adamw, fused=True),
+    OptimizerName.sgd: _sgd,
+}
+"""trainer.optim -> its optimizer over the trainable parameters, with the arguments transformers' Trainer gives it, in
+one parameter group: weight_decay applies to every trainable parameter (transformers' Trainer exempts biases and
+norms)."""
+
+
+def build_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> Any:
+    """transformers' schedule trainer.lr_scheduler_type over trainer.max_steps optimizer steps."""
     from transformers import get_scheduler
 
     t = config.trainer
+    return get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.warmup_steps,
+                         num_training_steps=max(t.max_steps, 1),
+                         scheduler_specific_kwargs=dict(t.lr_scheduler_kwargs))  # fmt: skip
+
+
+def build_optimizer(config: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, weight_decay=t.weight_decay
-    )
-    scheduler = get_scheduler(
-        t.lr_scheduler_type, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=max(t.max_steps, 1)
-    )
-    return optimizer, scheduler
+    optimizer = OPTIMIZERS[config.trainer.optim](config.trainer, params)
+    return optimizer, build_scheduler(config, optimizer)

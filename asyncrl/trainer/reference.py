@@ -19,7 +19,7 @@ from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.lora import is_peft
-from asyncrl.trainer.model import load_model, use_bf16
+from asyncrl.trainer.model import load_model, mixed_precision_dtype
 
 
 class Reference:
@@ -71,8 +71,7 @@ def build_reference(config: Config, policy: torch.nn.Module, options: PolicyOpti
         return Reference(policy, None, options)
     model = load_model(config, config.model.name_or_path)
     model.requires_grad_(False).eval()
-    mixed_precision = use_bf16(config) and torch.cuda.is_available()
-    return Reference(policy, fsdp.shard(model, config, mixed_precision=mixed_precision), options)
+    return Reference(policy, fsdp.shard(model, config, mixed_precision_dtype(config)), options)
 
 
 def reference_logprobs(reference: Reference | None, rows: list[PackedRow], config: Config) -> list[torch.Tensor] | None:

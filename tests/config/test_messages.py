@@ -43,9 +43,13 @@ def test_a_key_appended_to_a_settings_group_is_refused():
 
 
 def test_every_scheduler_choice_builds_and_dtypes_format_as_their_value():
+    """Each with the trainer.lr_scheduler_kwargs it cannot do without."""
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    needed = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "cosine_warmup_with_min_lr": {"min_lr_rate": 0.1},
+              "warmup_stable_decay": {"num_decay_steps": 2}}  # fmt: skip
     for choice in LrSchedulerType:
-        get_scheduler(choice, optimizer, num_warmup_steps=1, num_training_steps=10)
+        get_scheduler(choice, optimizer, num_warmup_steps=1, num_training_steps=10,
+                      scheduler_specific_kwargs=needed.get(choice))  # fmt: skip
     assert f"--dtype={ModelDtype.bfloat16}" == "--dtype=bfloat16"
 
 

@@ -64,6 +64,12 @@ BAD_INPUTS = [
     (["+sampling.generation_kwargs.max_tokens=5"], "from sampling.max_completion_length: set that instead"),
     (["+sampling.generation_kwargs.seed=5"], "kwargs.seed: asyncrl sets seed itself, on every request: remove it"),
     (["hub.push_to_hub=true", "hub.hub_model_id=a/b/c"], "hub.hub_model_id=a/b/c: Repo id must be in the form"),
+    (["trainer.fp16=true", "trainer.bf16=true"], "trainer.fp16=true and trainer.bf16=true ask for two mixed"),
+    (
+        ["trainer.gradient_checkpointing=false", "+trainer.gradient_checkpointing_kwargs={use_reentrant: true}"],
+        "trainer.gradient_checkpointing_kwargs={'use_reentrant': True} with trainer.gradient_checkpointing=false",
+    ),
+    (["+trainer.lr_scheduler_kwargs={num_cycles: 2}"], "trainer.lr_scheduler_type=constant takes none; drop them"),
     (
         [
             "data.path=null",

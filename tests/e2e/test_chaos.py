@@ -16,7 +16,8 @@ import pytest
 
 from .helpers import REPO, cli_env, free_port_pair
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]
+# 444-552 s on a quiet 2-core CI machine (sessions 29-30), 600 s under load: its own limit, above the suite's 600
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(900)]
 
 
 def test_a_run_survives_four_faults_in_turn_losing_nothing(tmp_path):
@@ -25,7 +26,7 @@ def test_a_run_survives_four_faults_in_turn_losing_nothing(tmp_path):
                "--kinds", "corrupt_checkpoint,server_kill,net_stall,launcher_kill", "--gap", "0", "1",
                "--finish-steps", "1", "--health-timeout", "20",
                "--prompts", "60", "--port", str(free_port_pair()), "--out", str(out)]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, env=cli_env("chaos"), timeout=600, cwd=REPO)
+    run = subprocess.run(command, capture_output=True, text=True, env=cli_env("chaos"), timeout=870, cwd=REPO)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     faults = json.loads((out / "faults.json").read_text())
     assert [(f["kind"], f["outcome"], f["orphans"]) for f in faults] == [

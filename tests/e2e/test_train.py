@@ -8,6 +8,7 @@ coefficient, so that its checkpoint and resume carry loss state too (the other l
 real trainer step in tests/losses/test_trainer_step.py, which costs no server or worker start), and steps of a fixed
 number of samples (trainer.samples_per_step) spanning several rows. Both runs evaluate every 2 steps (at checkpoints,
 then by logging.eval_steps); the resumed one finds the abandoned steps an interrupted run leaves in metrics.jsonl.
+A one-step run checks that generation starts beside the first evaluation and that a callback's stop ends a run.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from asyncrl.client import ControlClient
 from asyncrl.metrics import read_jsonl
 from asyncrl.serving.process import ServerProcess, free_port
 
+from .callbacks import LOG_ENV as CALLBACK_LOG_ENV
 from .helpers import CliRun, run_cli, served_vs_trained, wait_no_marked
 
 pytestmark = pytest.mark.e2e
@@ -238,18 +240,44 @@ def test_mfu_is_logged_where_the_peak_is_known(async_run, resumed_run):
     assert not any("perf/fwd_bwd_mfu" in s or "perf/wall_clock_mfu" in s for s in resumed)
 
 
-def test_the_first_groups_generate_beside_the_first_evaluation(
-    random_tiny_model_dir, arithmetic_data_dir, session_server, tmp_path, monkeypatch
-):
+@pytest.fixture(scope="module")
+def one_step_run(random_tiny_model_dir, arithmetic_data_dir, session_server, tmp_path_factory) -> tuple[CliRun, Path]:
+    """A run of trainer.max_steps=2 that a callback stops after its first step (tests/e2e/callbacks.py), whose reward
+    leaves signals in <root>/signals; returns the run and that root."""
+    root = tmp_path_factory.mktemp("one-step")
+    (root / "signals").mkdir()
+    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, root / "run"), "trainer.max_steps=2",
+            "reward_funcs=[{name: 'tests.e2e.rewards:eval_waits_for_the_worker_reward'}]",
+            "trainer.callbacks=[tests.e2e.callbacks:StopAfterFirstStep]", *attach(session_server)]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ASYNCRL_TEST_SIGNAL_DIR", str(root / "signals"))
+        patch.setenv(CALLBACK_LOG_ENV, str(root / "callbacks.jsonl"))
+        return run_cli(args), root
+
+
+def test_the_first_groups_generate_beside_the_first_evaluation(one_step_run):
     """The rollout worker starts before the "before" evaluation, so the first step's groups need not wait for it:
     the evaluation's reward calls meet the worker's (tests/e2e/rewards.py)."""
-    signals = tmp_path / "signals"
-    signals.mkdir()
-    monkeypatch.setenv("ASYNCRL_TEST_SIGNAL_DIR", str(signals))
-    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, tmp_path / "run"), "trainer.max_steps=1",
-            "reward_funcs=[{name: 'tests.e2e.rewards:eval_waits_for_the_worker_reward'}]",
-            *attach(session_server)]  # fmt: skip
-    run = run_cli(args)
+    run, root = one_step_run
     assert run.returncode == 0, run.output[-3000:]
-    outcomes = sorted(path.suffix for path in signals.glob("*.*"))
+    outcomes = sorted(path.suffix for path in (root / "signals").glob("*.*"))
     assert outcomes == [".met", ".met"], outcomes  # the trainer's and the worker's
+
+
+def test_a_callback_sees_each_hook_and_its_stop_ends_the_run_as_max_steps_would(one_step_run):
+    """Stopped after step 1 of 2 by control.should_training_stop: the run still evaluates, checkpoints and saves its
+    model as at trainer.max_steps, and the callback saw each of those in order."""
+    run, root = one_step_run
+    assert run.returncode == 0, run.output[-3000:]
+    events = read_jsonl(root / "callbacks.jsonl")
+    assert [(e["hook"], e["step"]) for e in events] == [
+        ("on_evaluate", 0), ("on_step_end", 1), ("on_log", 1), ("on_evaluate", 1), ("on_save", 1),
+    ]  # fmt: skip
+    assert events[0]["metrics"] == sorted(EVALS) and events[2]["has_reward"]
+    assert (events[-1]["checkpoint"], events[-1]["whole"]) == ("step_000001", True)
+    assert [s["step"] for s in steps_of(root / "run")] == [1]
+    assert (root / "run" / "model" / "model.safetensors").is_file()
+    assert "tests.e2e.callbacks:StopAfterFirstStep (trainer.callbacks) set control.should_training_stop at step 1" in (
+        run.output
+    )
+    assert "done after 1 steps in " in run.output

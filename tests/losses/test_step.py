@@ -33,6 +33,7 @@ from asyncrl.rollout.loop import AsyncRolloutLoop
 from asyncrl.rollout.types import Rollout, RolloutSample, TrainingSequence, TurnRecord
 from asyncrl.trainer.assembler import Step
 from asyncrl.trainer.loop import Trainer
+from asyncrl.trainer.model import build_grad_scaler
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.reference import build_reference
 from asyncrl.trainer.timeline import Timeline
@@ -257,6 +258,7 @@ def trainer_for(overrides: list[str], model: torch.nn.Module, ranks: Ranks) -> T
     trainer.model, trainer.optimizer, trainer.scheduler = sharded(config, model)
     trainer.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
     trainer.reference = build_reference(config, trainer.model, components.loss.options)
+    trainer.scaler = build_grad_scaler(config)
     trainer.top_k = config.sampling.num_sampler_logprobs if "sampler_top_logprobs" in trainer.loss.requires else 0
     trainer.window, trainer.timeline = MetricWindow(), Timeline()
     trainer.token_budget = 256

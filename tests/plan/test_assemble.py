@@ -45,6 +45,15 @@ BAD_INPUTS = [
      "allowed_token_ids, bad_words, include_stop_str_in_output, prompt_logprobs, skip_special_tokens,"),
     (["server=builtin", "sampling.structured_outputs_regex='[0-9]+'"],
      "sampling.structured_outputs_regex is vLLM's guided decoding: the built-in server cannot hold its sampling"),
+    (["trainer.lr_scheduler_type=cosine_with_min_lr", "trainer.max_steps=10"],
+     "trainer.lr_scheduler_kwargs={} for trainer.lr_scheduler_type=cosine_with_min_lr: One of min_lr or min_lr_rate"),
+    (["trainer.lr_scheduler_type=cosine", "trainer.max_steps=10", "+trainer.lr_scheduler_kwargs={min_lr_rate: 0.1}"],
+     "trainer.lr_scheduler_kwargs={'min_lr_rate': 0.1} for trainer.lr_scheduler_type=cosine: "
+     "get_cosine_schedule_with_warmup() got an unexpected keyword argument 'min_lr_rate'"),
+    (["trainer.gradient_checkpointing=true", "+trainer.gradient_checkpointing_kwargs={reentrant: false}"],
+     "trainer.gradient_checkpointing_kwargs.reentrant: torch.utils.checkpoint.checkpoint takes no such argument "
+     "(it takes use_reentrant, context_fn, determinism_check, debug, early_stop, preserve_rng_state)"),
+    (["trainer.callbacks=[my_pkg.callbacks:Stop]"], "trainer.callbacks: cannot import module 'my_pkg.callbacks'"),
 ]  # fmt: skip
 
 
@@ -151,3 +160,10 @@ def test_a_jobs_plan_fetches_the_config_json_its_serving_dtype_reads(tmp_path, m
     monkeypatch.setattr("asyncrl.hub.unreachable", lambda: "no answer")  # no wait through the Hub's retries
     plan_run(compose(vllm), tmp_path / "offline")
     assert fetched == ["nobody/uncached/config.json"]
+
+
+def test_fp16_on_a_machine_without_a_gpu_fails_naming_the_key(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        plan_run(compose(["trainer.fp16=true"]))
+    assert str(info.value).startswith("trainer.fp16=true: float16 mixed precision with loss scaling runs on a CUDA GPU")

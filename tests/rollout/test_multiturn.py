@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from transformers import AutoTokenizer
 
 from asyncrl.assets.counter import build_counter_tokenizer
 from asyncrl.config.schema import Config
@@ -81,3 +83,21 @@ def test_without_tools_the_loop_is_single_turn_and_logs_no_tool_metrics():
     rollout = asyncio.run(loop.generate_one([{"role": "user", "content": "hi"}], []))
     assert len(rollout.turns) == 1 and rollout.tool_stats is None
     assert rollout.completion == [{"role": "assistant", "content": "<tool_call>increment(step=1)</tool_call>"}]
+
+
+def test_calls_whose_markers_the_tokenizer_marks_special_still_run():
+    """GLM-4.5's template with its call markers as special tokens: the loop's decoding keeps them, so the call is
+    parsed (its integer argument typed by the tool's schema) and run, not erased with the other special tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "asyncrl" / "assets" / "tiny-counter")
+    markers = ["<|user|>", "<|assistant|>", "<|observation|>", "<tool_call>", "</tool_call>", "<arg_key>",
+               "</arg_key>", "<arg_value>", "</arg_value>"]  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures" / "glm4_5.jinja").read_text()
+    client = ScriptedClient(tokenizer, ["\n<think></think>\n<tool_call>increment\n<arg_key>step</arg_key>\n"
+                                        "<arg_value>2</arg_value>\n</tool_call><|observation|>", "Done."])  # fmt: skip
+    loop = AsyncRolloutLoop(Config(), tokenizer, client, advantage_fn=None, max_model_len=1024)
+    assert loop.tool_call_format == "glm4"
+    rollout = asyncio.run(episode(loop, 2))
+    assert rollout.tool_call_count == 1 and rollout.tool_failure_count == 0
+    assert rollout.env_reward == (IncrementEnv, 1.0) and rollout.completion[1]["content"] == "2"
+    assert rollout.completion[0]["tool_calls"][0]["function"] == {"name": "increment", "arguments": {"step": 2}}

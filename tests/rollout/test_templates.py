@@ -7,11 +7,13 @@ import json
 import logging
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 from asyncrl.rollout.templates import QWEN3_TEMPLATE, detect_family, use_chat_template
 from asyncrl.rollout.tools import assistant_message, detect_format, parse_tool_calls, template_preserves_prefix
@@ -163,3 +165,88 @@ def test_unknown_family_warns_without_swapping():
     with pytest.warns(UserWarning, match="rollout.chat_template=auto swaps one in"):
         check_agents(agent_config("auto"), tokenizer)
     assert tokenizer.chat_template == template
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DEEPSEEK_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                   "<｜tool▁calls▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>",
+                   "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>")  # fmt: skip
+DEEPSEEK_SPECIAL = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
+# DeepSeek-V3's own generation prompt has no <think> (R1's, the fixture's, opens one); otherwise the same template.
+DEEPSEEK_R1_STOCK = (FIXTURES / "deepseek_v3.jinja").read_text()
+DEEPSEEK_V3_STOCK = DEEPSEEK_R1_STOCK.replace("<｜Assistant｜><think>\\n", "<｜Assistant｜>")
+
+
+@pytest.mark.parametrize(
+    "fixture, preserves", [("llama3_2.jinja", True), ("glm4_5.jinja", True), ("functiongemma.jinja", True),
+                           ("deepseek_v3.jinja", False)],
+)  # fmt: skip
+def test_family_templates_on_the_tool_round_prefix_check(fixture, preserves):
+    """The published templates as they are: DeepSeek's concatenates the arguments as text, so the object the
+    parser yields crashes it (asyncrl swaps its own in, below); the others keep the tool round's prefix."""
+    tokenizer = build_tokenizer(special=("<s>",), added=(), template=(FIXTURES / fixture).read_text())
+    assert template_preserves_prefix(tokenizer, {}) is preserves
+
+
+def deepseek_calls(*pairs: tuple[int, int]) -> str:
+    """Calls as DeepSeek-V3 and R1 emit them."""
+    body = "\n".join("<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n" + json.dumps({"a": a, "b": b})
+                     + "\n```<｜tool▁call▁end｜>" for a, b in pairs)  # fmt: skip
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+def deepseek_loop_prompts(tokenizer: PreTrainedTokenizerFast, think: bool) -> list[tuple[str, str]]:
+    """(text held after a turn, the next turn's rendered prompt) for: (reasoning +) 2 calls, results, 1 more call
+    right after the results, its result, the answer, a user reply."""
+    reasoning = "I should add both.\n</think>\n\n" if think else ""
+    replies = [f"{reasoning}Adding.{deepseek_calls((1, 2), (3, 4))}", f"Now the sum.{deepseek_calls((3, 7))}", "10."]
+    results = [["3", "7"], ["10"], []]
+    messages = [{"role": "user", "content": "1+2 and 3+4, then their sum?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    pairs = []
+    for reply, outputs in zip(replies, results, strict=True):
+        held = prompt + reply + "<｜end▁of▁sentence｜>"
+        content, calls = parse_tool_calls(reply, "deepseek_v3")
+        messages.append(assistant_message(content, calls) if calls else {"role": "assistant", "content": reply})
+        messages += [{"role": "tool", "name": "add", "content": out} for out in outputs] or [
+            {"role": "user", "content": "Thanks."}]  # fmt: skip
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pairs.append((held, prompt))
+    return pairs
+
+
+@pytest.mark.parametrize(
+    "stock, family, think",
+    [(DEEPSEEK_R1_STOCK, "deepseek_r1", True), (DEEPSEEK_V3_STOCK, "deepseek_v3", False)],
+    ids=["r1", "v3"],
+)
+def test_deepseek_swap_keeps_every_tool_round_prefix_preserving(stock, family, think):
+    tokenizer = build_tokenizer(special=DEEPSEEK_SPECIAL, added=DEEPSEEK_TOKENS, template=stock)
+    assert detect_family(tokenizer).name == family and detect_format(stock) == "deepseek_v3"
+    assert use_chat_template(tokenizer, "auto", agentic=True, chat_template_kwargs={}, model="m") == family
+    assert template_preserves_prefix(tokenizer, {}) and detect_format(tokenizer.chat_template) == "deepseek_v3"
+    for held, prompt in deepseek_loop_prompts(tokenizer, think):
+        assert prompt.startswith(held)
+    assert prompt.endswith("<｜User｜>Thanks.<｜Assistant｜>" + ("<think>\n" if think else ""))
+    assert prompt.count("<｜tool▁outputs▁begin｜>") == prompt.count("<｜tool▁outputs▁end｜>") == 2
+
+
+def test_stock_deepseek_kept_with_tools_is_refused_in_one_line():
+    """keep leaves DeepSeek's stock template, which cannot render the calls the loop appends: refused at startup,
+    not at the second turn of the first rollout."""
+    tokenizer = build_tokenizer(special=DEEPSEEK_SPECIAL, added=DEEPSEEK_TOKENS,
+                                template=DEEPSEEK_R1_STOCK)  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot render a tool call and its result") as error:
+        check_agents(agent_config("keep"), tokenizer)
+    assert "rollout.chat_template=auto" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_template_without_a_tool_role_is_refused_under_auto():
+    """Like Gemma 3's stock template: roles must alternate user/assistant, so a tool result raises."""
+    template = ("{%- for m in messages -%}{%- if (m.role == 'user') != (loop.index0 % 2 == 0) -%}"
+                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+                "{%- endif -%}{{ '<start_of_turn>' + m.role + '\\n' + m.content + '<end_of_turn>\\n' }}"
+                "{%- endfor -%}")  # fmt: skip
+    tokenizer = build_tokenizer(special=("<start_of_turn>", "<end_of_turn>"), added=(), template=template)
+    with pytest.raises(ConfigError, match="Conversation roles must alternate"):
+        check_agents(agent_config("auto"), tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import math
 import os
 import sys
 import threading
@@ -34,7 +35,8 @@ from asyncrl.serving.command import served_model_name
 from asyncrl.serving.process import free_port
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.assembler import Step
-from asyncrl.trainer.distributed import split_rows, train_step
+from asyncrl.trainer.checkpoint import TrainerState
+from asyncrl.trainer.distributed import load_grad_scaler, split_rows, train_step
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_optimizer, load_model
 from asyncrl.trainer.ranks import SERVER_URL_ENV
@@ -299,3 +301,37 @@ def test_num_iterations_makes_that_many_optimizer_passes_over_the_step(
     assert len(twice) == 2 and scheduler.last_epoch == 1
     assert ratios(twice[0]) == pytest.approx(ratios(once))  # the first pass is the one-pass step
     assert ratios(twice[1]) != pytest.approx(ratios(twice[0]), rel=1e-4)  # the second sees the moved policy
+
+
+def test_fp16_loss_scaling_unscales_before_clipping_and_skips_an_overflowing_step(
+    random_tiny_model_dir, arithmetic_data_dir, one_rank
+):
+    """trainer.fp16's GradScaler (on the CPU here, where the run refuses fp16): a scaled step's gradient norm and
+    update are the unscaled step's, the clip acting on true gradients; an overflowing one leaves the weights and the
+    schedule as they were; the scale a checkpoint keeps is the one a resumed rank starts from."""
+    rows, _ = make_step(random_tiny_model_dir)
+    config = make_config(random_tiny_model_dir, arithmetic_data_dir)
+
+    def step(scaler: torch.amp.GradScaler | None) -> tuple[float, list[torch.Tensor], int]:
+        set_seed(config.trainer.seed)
+        model, optimizer, scheduler = sharded(config, load_model(config, config.model.name_or_path))
+        loss = StepLoss(LOSSES.build(config.loss))
+        work = split_rows(rows, [[index] for index in range(len(rows))], loss.norm(rows))[0]
+        extra = () if scaler is None else (scaler,)
+        (one,) = train_step(model, optimizer, scheduler, loss, work, one_rank, config, None, *extra)
+        return one.grad_norm, [p.detach().full_tensor() for p in model.parameters()], scheduler.last_epoch
+
+    plain_norm, plain, _ = step(None)
+    scaled_norm, scaled, scheduled = step(torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    assert scaled_norm == pytest.approx(plain_norm, rel=1e-4) and plain_norm > config.trainer.max_grad_norm
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, scaled, strict=True)) <= 1e-6 and scheduled == 1
+    set_seed(config.trainer.seed)
+    initial = [p.detach() for p in load_model(config, config.model.name_or_path).parameters()]
+    overflow_norm, kept, scheduled = step(torch.amp.GradScaler("cpu", init_scale=float("inf")))
+    assert not math.isfinite(overflow_norm) and all(torch.equal(a, b) for a, b in zip(initial, kept, strict=True))
+    assert scheduled == 0  # nothing was updated: the schedule waits
+    saved = json.loads(json.dumps(torch.amp.GradScaler("cpu", init_scale=2.0**11).state_dict()))  # trainer_state.json
+    resumed, fresh = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    load_grad_scaler(resumed, TrainerState(1, 1, 0, 0, {"grad_scaler": saved}))
+    load_grad_scaler(fresh, TrainerState(1, 1, 0, 0, {}))  # saved without fp16
+    assert (resumed.get_scale(), fresh.get_scale()) == (2.0**11, 2.0**16)

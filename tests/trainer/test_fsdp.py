@@ -73,7 +73,7 @@ def test_mixed_precision_keeps_a_frozen_base_as_loaded_and_trains_fp32_adapters(
 
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8"]))
     base = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
-    model = shard(lora.wrap(config, base, str(random_tiny_model_dir)), config, mixed_precision=True)
+    model = shard(lora.wrap(config, base, str(random_tiny_model_dir)), config, torch.bfloat16)
     dtypes = {(p.dtype, p.requires_grad) for p in model.parameters()}
     assert dtypes == {(torch.bfloat16, False), (torch.float32, True)}
     model(input_ids=torch.arange(1, 33)[None]).logits.float().log_softmax(-1).mean().backward()
@@ -92,7 +92,7 @@ def test_a_world_of_one_gathers_every_parameter_as_it_is(random_tiny_model_dir, 
 
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))
     plain = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32)
-    view = GatheredModel(shard(copy.deepcopy(plain), config, mixed_precision=False), one_rank, torch.bfloat16)
+    view = GatheredModel(shard(copy.deepcopy(plain), config, None), one_rank, torch.bfloat16)
     expected = dict(serving_parameters(plain, torch.bfloat16))
     gathered = dict(serving_parameters(view, torch.bfloat16))
     view.done()

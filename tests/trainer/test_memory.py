@@ -192,7 +192,7 @@ def test_after_the_warm_up_a_steps_row_compiles_nothing(random_tiny_vlm_dir, one
                                 "trainer.compile_layers=aot_eager", "sampling.max_completion_length=24",
                                 "packing.token_budget=160"]))  # fmt: skip
     components = build_components(config)
-    model = fsdp.shard(load_model(config, str(random_tiny_vlm_dir)), config, mixed_precision=False)
+    model = fsdp.shard(load_model(config, str(random_tiny_vlm_dir)), config, None)
     optimizer, _ = build_optimizer(config, model)
     row_factory, _ = components.packer.rows(40)
     top_k = config.sampling.num_sampler_logprobs

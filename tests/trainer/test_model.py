@@ -1,7 +1,8 @@
 """The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves, and more ranks
 than cores is one warning. A
 vision-language checkpoint loads whole and trains its text model only: the tower gets no gradient and no
-optimizer state."""
+optimizer state. TRL's training-loop options reach torch and transformers: trainer.optim, lr_scheduler_kwargs,
+gradient_checkpointing_kwargs, fp16."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import pytest
 import torch
 from packing.packing_samples import random_samples  # tests/packing
+from sharded import sharded
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.assets.model_families import build_model, hybrid_vlm_config
@@ -23,11 +25,14 @@ from asyncrl.trainer.checkpoint import source_processor_files
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import (
     available_cores,
+    build_grad_scaler,
     build_optimizer,
     freeze_non_text,
     load_model,
+    mixed_precision_dtype,
     oversubscribed_cores,
     trainer_cpu_threads,
+    use_bf16,
     use_cpu_threads,
 )
 from asyncrl.trainer.setup import load_tokenizer
@@ -117,3 +122,64 @@ def test_the_packed_forward_trains_a_vision_language_models_text_model_only():
     out.logprobs.sum().backward()
     for name, param in model.named_parameters():
         assert (param.grad is None) == name.startswith("model.visual."), name
+
+
+@pytest.mark.parametrize(
+    ("optim", "kind", "options"),
+    [
+        ("adamw_torch", torch.optim.AdamW, {"betas": (0.8, 0.9), "eps": 1e-6, "fused": None, "foreach": None}),
+        ("adamw_torch_fused", torch.optim.AdamW, {"betas": (0.8, 0.9), "eps": 1e-6, "fused": True}),
+        ("sgd", torch.optim.SGD, {"momentum": 0}),
+    ],
+)
+def test_trainer_optim_takes_transformers_names_and_steps_the_sharded_model(
+    optim, kind, options, random_tiny_model_dir, one_rank
+):
+    """Each choice is torch's optimizer with the trainer's rates, over FSDP2's sharded parameters (the default,
+    adamw_torch, is the AdamW asyncrl always built)."""
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", f"trainer.optim={optim}",
+                                "trainer.learning_rate=1e-3", "trainer.weight_decay=0.01", "trainer.adam_beta1=0.8",
+                                "trainer.adam_beta2=0.9", "trainer.adam_epsilon=1e-6"]))  # fmt: skip
+    model, optimizer, _ = sharded(config, load_model(config, str(random_tiny_model_dir)))
+    assert type(optimizer) is kind and len(optimizer.param_groups) == 1
+    assert optimizer.defaults["lr"] == 1e-3 and optimizer.defaults["weight_decay"] == 0.01
+    assert {key: optimizer.defaults[key] for key in options} == options
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    ids = torch.tensor([[4, 30, 31, 32, 5, 6, 40, 41]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    after = [p.detach().full_tensor() for p in model.parameters()]
+    assert all(not torch.equal(old, new) for old, new in zip(before, after, strict=True))
+
+
+def test_lr_scheduler_kwargs_reach_transformers_schedule():
+    """cosine_with_min_lr decays to min_lr_rate x the learning rate by trainer.max_steps (TRL's open-r1 recipes)."""
+    config = to_config(compose(["trainer.learning_rate=1e-3", "trainer.lr_scheduler_type=cosine_with_min_lr",
+                                "+trainer.lr_scheduler_kwargs={min_lr_rate: 0.1}",
+                                "trainer.max_steps=10"]))  # fmt: skip
+    optimizer, scheduler = build_optimizer(config, torch.nn.Linear(2, 2))
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.get_last_lr() == pytest.approx([1e-4])
+
+
+@pytest.mark.parametrize(("overrides", "keywords"), [
+    ([], {"use_reentrant": False}),
+    (["+trainer.gradient_checkpointing_kwargs={use_reentrant: true, preserve_rng_state: false}"],
+     {"use_reentrant": True, "preserve_rng_state": False}),
+])  # fmt: skip
+def test_gradient_checkpointing_kwargs_reach_every_layers_checkpoint(overrides, keywords, random_tiny_model_dir):
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "trainer.gradient_checkpointing=true",
+                                *overrides]))  # fmt: skip
+    model = load_model(config, str(random_tiny_model_dir))
+    checkpoints = [m._gradient_checkpointing_func for m in model.modules() if getattr(m, "gradient_checkpointing", 0)]
+    assert checkpoints and all(func.keywords == keywords for func in checkpoints)
+
+
+def test_fp16_mixed_precision_replaces_the_default_bf16_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    default, fp16 = to_config(compose([])), to_config(compose(["trainer.fp16=true"]))
+    assert (use_bf16(default), mixed_precision_dtype(default)) == (True, torch.bfloat16)
+    assert (use_bf16(fp16), mixed_precision_dtype(fp16)) == (False, torch.float16)
+    assert build_grad_scaler(fp16).is_enabled() and not build_grad_scaler(default).is_enabled()
