@@ -116,3 +116,28 @@ def batch_of(
 def assert_float64_close(actual: torch.Tensor, expected) -> None:
     """The issue's bar: float64 values at most 1e-10 apart."""
     torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float64), rtol=0, atol=1e-10)
+
+
+def kept_sequences(inputs: dict):
+    """(slots, advantage) of each sequence that keeps a token: the loop of the float64 sequence-level references."""
+    seq, mask, adv = inputs["sequence_index"], inputs["mask"], inputs["advantages"]
+    for i in np.unique(seq):
+        slots = np.flatnonzero((seq == i) & (mask > 0))
+        if slots.size:
+            yield slots, adv[slots[0]]
+
+
+def sequence_clip_reference(inputs: dict, epsilon: float, epsilon_high: float, by_length: bool):
+    """GSPO (LUSPO with ``by_length``: each sequence's loss times its length) in float64: value and d/d logprob,
+    whose per-slot part is the sequence's d/ds times ds/dlogprob = s/|o|."""
+    lp, mu = inputs["logprobs"], inputs["sampler_logprobs"]
+    value, grad = 0.0, np.zeros(len(lp))
+    for slots, a in kept_sequences(inputs):
+        n = slots.size
+        s = float(np.exp(sum(lp[t] - mu[t] for t in slots) / n))
+        unclipped, clipped = s * a, min(max(s, 1 - epsilon), 1 + epsilon_high) * a
+        scale = n if by_length else 1.0
+        value -= scale * min(unclipped, clipped)
+        if unclipped <= clipped:
+            grad[slots] = -scale * a * s / n
+    return value, grad

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from asyncrl.losses import LossBatch
 
-from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
+from .conftest import assert_float64_close, batch_of, random_sequences, run_loss, sequence_clip_reference
 
 
 def test_one_ratio_per_sequence(make_batch):
@@ -26,24 +25,6 @@ def test_one_ratio_per_sequence(make_batch):
     assert_float64_close(run_loss("luspo", batch, epsilon=0.2, epsilon_high=0.28).loss_sum, -2.0 + math.e)
 
 
-def reference(inputs, epsilon, epsilon_high, by_length):
-    lp, mu, adv, mask, seq = (inputs[k] for k in ("logprobs", "sampler_logprobs", "advantages", "mask",
-                                                  "sequence_index"))  # fmt: skip
-    value, grad = 0.0, np.zeros(len(lp))
-    for i in np.unique(seq):
-        slots = np.flatnonzero((seq == i) & (mask > 0))
-        if slots.size == 0:
-            continue
-        n, a = slots.size, adv[slots[0]]
-        s = math.exp(sum(lp[t] - mu[t] for t in slots) / n)
-        unclipped, clipped = s * a, min(max(s, 1 - epsilon), 1 + epsilon_high) * a
-        scale = n if by_length else 1.0
-        value -= scale * min(unclipped, clipped)
-        if unclipped <= clipped:
-            grad[slots] = -scale * a * s / n
-    return value, grad
-
-
 @pytest.mark.parametrize("by_length", [False, True], ids=["gspo", "luspo"])
 @pytest.mark.parametrize(("epsilon", "epsilon_high"), [(3e-4, 4e-4), (0.2, 0.28)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -52,7 +33,7 @@ def test_matches_float64_reference_with_masks_and_extreme_ratios(seed, epsilon, 
     batch = batch_of(inputs)
     out = run_loss("luspo" if by_length else "gspo", batch, epsilon=epsilon, epsilon_high=epsilon_high)
     out.loss_sum.backward()
-    value, grad = reference(inputs, epsilon, epsilon_high, by_length)
+    value, grad = sequence_clip_reference(inputs, epsilon, epsilon_high, by_length)
     assert_float64_close(out.loss_sum, value)
     assert_float64_close(batch.logprobs.grad, grad)
 

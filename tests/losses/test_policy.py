@@ -12,7 +12,7 @@ import torch
 from asyncrl.losses import LOSSES, LossBatch
 from asyncrl.losses.policy import IS_MODES, ImportanceSampling, Normalization, PolicyOptions
 
-from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
+from .conftest import assert_float64_close, batch_of, random_sequences, run_loss, sequence_clip_reference
 
 EPS, EPS_HIGH = 0.2, 0.28
 
@@ -283,23 +283,6 @@ def test_the_kl_penalty_needs_the_reference_logprobs(make_batch):
         run_loss("clipped", batch, beta=0.1)
 
 
-def sequence_level_reference(inputs):
-    """Clipped loss on each sequence's ratio s = exp(mean_t log r_t) placed on its slots (no IS correction, token
-    normalisation): value and d/d logprob, whose per-slot part is the sequence's d/ds times ds/dlogprob = s/|o|."""
-    lp, mu, adv, mask, seq = (inputs[k] for k in ("logprobs", "sampler_logprobs", "advantages", "mask",
-                                                  "sequence_index"))  # fmt: skip
-    value, grad = 0.0, np.zeros(len(lp))
-    for i in np.unique(seq):
-        slots = np.flatnonzero((seq == i) & (mask > 0))
-        if slots.size == 0:
-            continue
-        s, a = math.exp(sum(lp[t] - mu[t] for t in slots) / slots.size), adv[slots[0]]
-        unclipped, clipped = s * a, min(max(s, 1 - EPS), 1 + EPS_HIGH) * a
-        value -= slots.size * min(unclipped, clipped)
-        grad[slots] = -a * s if unclipped <= clipped else 0.0
-    return value, grad
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sequence_level_ratio_matches_reference_and_is_gspo(seed):
     inputs = random_sequences(seed)
@@ -307,7 +290,7 @@ def test_sequence_level_ratio_matches_reference_and_is_gspo(seed):
     options = {"importance_sampling": "none", "epsilon": EPS, "epsilon_high": EPS_HIGH}
     out = run_loss("clipped", batch, importance_sampling_level="sequence", **options)
     out.loss_sum.backward()
-    value, grad = sequence_level_reference(inputs)
+    value, grad = sequence_clip_reference(inputs, EPS, EPS_HIGH, by_length=True)  # token-normalised = LUSPO's
     assert_float64_close(out.loss_sum, value)
     assert_float64_close(batch.logprobs.grad, grad)
     # TRL's GSPO is its grpo loss at importance_sampling_level=sequence: so is asyncrl's, per sequence

@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.losses import LossBatch
 
-from .conftest import assert_float64_close, batch_of, random_sequences, run_loss
+from .conftest import assert_float64_close, batch_of, kept_sequences, random_sequences, run_loss
 
 
 def phi(w, k, lam):
@@ -30,14 +30,9 @@ def test_weight_is_one_on_policy_and_shrinks_off_policy(make_batch):
 
 
 def reference(inputs, k_pos, lambda_pos, k_neg, lambda_neg):
-    lp, mu, adv, mask, seq = (inputs[k] for k in ("logprobs", "sampler_logprobs", "advantages", "mask",
-                                                  "sequence_index"))  # fmt: skip
+    lp, mu = inputs["logprobs"], inputs["sampler_logprobs"]
     value, grad = 0.0, np.zeros(len(lp))
-    for i in np.unique(seq):
-        slots = np.flatnonzero((seq == i) & (mask > 0))
-        if slots.size == 0:
-            continue
-        a = adv[slots[0]]
+    for slots, a in kept_sequences(inputs):
         k, lam = (k_pos, lambda_pos) if a >= 0 else (k_neg, lambda_neg)
         weight = phi(math.exp(sum(lp[t] - mu[t] for t in slots)), k, lam)
         value -= sum(weight * a * lp[t] for t in slots)
