@@ -291,11 +291,7 @@ class Trainer:
             return measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c, self.reference), self.model,
                            self.optimizer, alone=alone, known=known)  # fmt: skip
 
-        if self.server.waits_for_warm_up and self._compiles():
-            memory = self._measure_eagerly_then_compile(step, shape, started)
-        else:
-            memory = step(alone=self.server.waits_for_warm_up or known is None, known=known)
-            self._launch_with(memory, shape)
+        memory = self._measure_and_launch(step, shape, known, started)
         self.startup["perf/startup_warm_up_s"] = time.time() - started
         log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
                  time.time() - started, memory.describe())  # fmt: skip
@@ -318,6 +314,22 @@ class Trainer:
     def _compiles(self) -> bool:
         return resolve_compile(self.config.trainer.compile_layers, next(self.model.parameters()).device) is not None
 
+    def _measure_and_launch(self, step: Any, shape: int, known: TrainerMemory | None, started: float) -> TrainerMemory:
+        """The warm-up step(s) and a waiting vLLM's launch, in the order that starts vLLM soonest: at once where this
+        shape's figure is cached from an earlier run (its boot overlaps the whole warm-up), else after the first
+        measuring step."""
+        if self.server.waits_for_warm_up and known is not None:
+            self.server.start()
+            memory = step(alone=False, known=known)
+            self._warn_if_outgrown(memory, known, "this shape's recorded figure")
+            self._launch_with(memory, shape)  # the figure for the next run; the server is up already
+            return memory
+        if self.server.waits_for_warm_up and self._compiles():
+            return self._measure_eagerly_then_compile(step, shape, started)
+        memory = step(alone=self.server.waits_for_warm_up or known is None, known=known)
+        self._launch_with(memory, shape)
+        return memory
+
     def _launch_with(self, memory: TrainerMemory, shape: int) -> None:
         """Record the figure (a waiting vLLM's launch command reads it), then launch the servers that waited."""
         from asyncrl.trainer.memory import record_memory
@@ -335,11 +347,16 @@ class Trainer:
                  time.time() - started, memory.describe())  # fmt: skip
         self._launch_with(memory, shape)
         compiled = step(alone=False, known=memory)
-        if compiled.footprint_bytes > memory.need_bytes:
-            log.warning("the compiled warm-up step takes %.1f GiB, more than the %.1f GiB (margin included) the eager "
-                        "one left the trainer beside vLLM", compiled.footprint_bytes / GIB,
-                        memory.need_bytes / GIB)  # fmt: skip
+        self._warn_if_outgrown(compiled, memory, "the eager step's figure")
         return compiled
+
+    @staticmethod
+    def _warn_if_outgrown(measured: TrainerMemory, launched_on: TrainerMemory, what: str) -> None:
+        """vLLM's share was set from ``launched_on``: say so where this warm-up outgrew it with its margin."""
+        if measured.footprint_bytes > launched_on.need_bytes:
+            log.warning("the warm-up step takes %.1f GiB, more than the %.1f GiB (margin included) %s left the "
+                        "trainer beside vLLM", measured.footprint_bytes / GIB, launched_on.need_bytes / GIB,
+                        what)  # fmt: skip
 
     def _finished(self) -> bool:
         t = self.config.trainer

@@ -180,6 +180,36 @@ def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_co
     assert not trainer.server.waits_for_warm_up and trainer.server.shares_trainer_gpu  # the room is said once it is up
 
 
+def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_up_step(tmp_path, monkeypatch):
+    """A warm machine: vLLM's share comes from the figure an earlier run recorded, so it boots beside the whole
+    warm-up (no eager measuring step first); the step's own figure is recorded for the next run."""
+    from asyncrl.serving.group import ServerGroup
+    from asyncrl.serving.handle import DeferredServer
+    from asyncrl.trainer.loop import Trainer
+
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    recorded, measured = TrainerMemory(4 * GIB, GIB, 80 * GIB), TrainerMemory(4 * GIB + 1, GIB, 80 * GIB)
+    record_memory(config, 512, recorded)
+    events: list[object] = []
+
+    class Booting:
+        def __enter__(self) -> Booting:
+            events.append(("launch", cached_memory(config, 512)))
+            return self
+
+    def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
+        events.append(("step", alone, known))
+        return measured
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.config, trainer.server = config, ServerGroup([DeferredServer(Booting, "http://127.0.0.1:1")], wait=False)
+    trainer.model = torch.nn.Linear(2, 2)  # _compiles() must not be what decides the order here
+    assert trainer._measure_and_launch(step, 512, cached_memory(config, 512), 0.0) == measured
+    assert events == [("launch", recorded), ("step", False, recorded)]
+    assert cached_memory(config, 512) == measured
+
+
 @pytest.mark.slow
 def test_after_the_warm_up_a_steps_row_compiles_nothing(random_tiny_vlm_dir, one_rank):
     """As on the GPU: the recipe's model family (a gated-DeltaNet hybrid VLM), FSDP, gradient checkpointing and the
