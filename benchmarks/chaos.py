@@ -527,11 +527,13 @@ def mount_tmpfs(path: Path, size_mb: int) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], check=True)
 
 
-def overrides(run_dir: Path, port: int, ranks: int, steps: int, data: Path, health_timeout: float) -> list[str]:
+def overrides(
+    run_dir: Path, port: int, ranks: int, steps: int, data: Path, health_timeout: float, save_steps: int = 5
+) -> list[str]:
     """The run's settings; its server listens on ``port`` + 1, its clients reach it through the proxy at ``port``.
     A tenth of the tiny recipe's learning rate: at 1e-4 the model learns the 500 prompts by step 70 (reward 0.99),
     then nearly every group has one reward for all and is dropped, and a step takes minutes."""
-    return [f"trainer.max_steps={steps}", "trainer.save_steps=5", "trainer.max_restarts=100000",
+    return [f"trainer.max_steps={steps}", f"trainer.save_steps={save_steps}", "trainer.max_restarts=100000",
             "trainer.learning_rate=1e-5",
             "data.num_eval_prompts=0", "logging.report=false", "logging.console=plain", "server.timeout=30",
             f"server.health_timeout={health_timeout}", f"data.path={data}", f"trainer.num_processes={ranks}",
@@ -599,6 +601,7 @@ def main() -> int:
     parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), help="seconds of training between faults")
     parser.add_argument("--disk-mb", type=int, default=400, help="the run directory's tmpfs")
     parser.add_argument("--finish-steps", type=int, default=5)
+    parser.add_argument("--save-steps", type=int, default=5, help="trainer.save_steps: a fault waits for a checkpoint")
     parser.add_argument("--health-timeout", type=float, default=60.0,
                         help="server.health_timeout: how long a network stall goes unnoticed")  # fmt: skip
     parser.add_argument("--cycle", action="store_true", help="take --kinds in turn instead of at random")
@@ -622,7 +625,8 @@ def main() -> int:
     console.write_text("")
     rng = random.Random(args.seed)
     data = write_dataset(work / "train.jsonl", args.prompts)
-    run = Run(run_dir, overrides(run_dir, args.port, args.ranks, 100_000, data, args.health_timeout), console)
+    run = Run(run_dir, overrides(run_dir, args.port, args.ranks, 100_000, data, args.health_timeout, args.save_steps),
+              console)  # fmt: skip
     proxy = StallProxy(args.port, args.port + 1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cleanup below runs
     try:
@@ -640,8 +644,8 @@ def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Rand
     run_dir, console, started = run.run_dir, run.console, time.monotonic()
     run.start(run.overrides)
     driver = Driver(run, kinds, rng, args.ranks, proxy)
-    if not driver.wait_trained_past(5, RECOVERY_S):  # the first checkpoint exists before the first fault
-        raise SystemExit(f"the run did not reach step 6: see {console}")
+    if not driver.wait_trained_past(args.save_steps, RECOVERY_S):  # the first checkpoint exists before the first fault
+        raise SystemExit(f"the run did not reach step {args.save_steps + 1}: see {console}")
     while len(driver.faults) < args.faults and time.monotonic() - started < args.minutes * 60:
         time.sleep(rng.uniform(*args.gap))
         kind = kinds[len(driver.faults) % len(kinds)] if args.cycle else rng.choice(kinds)

@@ -1,6 +1,7 @@
 """Runs whose groups cannot train stop with one line saying why, after saving what they trained; a run whose groups
 all score its top reward ends as a solved task; a group whose generation failed or whose prompt is too long is
-dropped and counted while the run goes on. The runs attach to the session's built-in server."""
+dropped and counted while the run goes on (the out-of-memory run's steps before its failure: one run, each costs half
+a minute of CI). The runs attach to the session's built-in server."""
 
 from __future__ import annotations
 
@@ -79,33 +80,18 @@ def test_a_run_whose_groups_all_score_the_top_reward_ends_as_a_solved_task(
     assert leftover == []
 
 
-def test_failed_groups_and_long_prompts_are_dropped_and_counted_while_the_run_trains(
+def test_dropped_groups_are_counted_while_the_run_trains_until_out_of_memory_ends_it_in_one_line(
     random_tiny_model_dir, arithmetic_data_dir, session_server, tmp_path
 ):  # fmt: skip
-    """Prompts render to 17-19 tokens: data.max_prompt_length=18 skips most; the loop fails one prompt in four."""
-    run_dir = tmp_path / "run"
-    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "trainer.max_steps=1",
-            "data.max_prompt_length=18", "rollout.loop_cls=tests.e2e.loops:FailingForSomePrompts",
-            "rollout.max_failed_group_fraction=0.5", *attach(session_server)]  # fmt: skip
-    run = run_cli(args, timeout_s=180)
-    kill_marked(run.marker)
-    assert run.returncode == 0, run.output[-3000:]
-    steps = steps_of(run_dir)
-    assert [s["step"] for s in steps] == [1]
-    assert sum(s.get("rollout/skipped_long_prompt_count", 0) for s in steps) > 0
-    assert sum(s.get("rollout/failed_group_count", 0) for s in steps) > 0
-    assert all(s["loss"] == s["loss"] for s in steps)  # logged every step (TRL's `loss`)
-    assert {"rollout/score_wait_s", "rollout/score_block_s", "rollout/score_queue_size"} <= set(steps[0])
-
-
-def test_a_cuda_out_of_memory_error_ends_the_run_in_one_line_with_its_checkpoints_whole(
-    random_tiny_model_dir, arithmetic_data_dir, session_server, tmp_path
-):  # fmt: skip
-    """CUDA runs out of memory in a step's loss after some steps: the line names the keys that change the trainer's
-    memory, the traceback is in the run's log, the checkpoint of the last step logged loads, and nothing is left."""
+    """Until then the run trains on while groups fail and long prompts are skipped, each counted: prompts render to
+    17-19 tokens, data.max_prompt_length=18 skips most, and the loop fails one prompt in four. Then CUDA runs out of
+    memory in a step's loss: the line names the keys that change the trainer's memory, the traceback is in the run's
+    log, the checkpoint of the last step logged loads, and nothing is left."""
     run_dir = tmp_path / "run"
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "trainer.save_steps=1",
-            "loss={name: tests.e2e.losses:OutOfMemoryAtFifthCall}", *attach(session_server)]  # fmt: skip
+            "loss={name: tests.e2e.losses:OutOfMemoryAtFifthCall}", "data.max_prompt_length=18",
+            "rollout.loop_cls=tests.e2e.loops:FailingForSomePrompts", "rollout.max_failed_group_fraction=0.5",
+            *attach(session_server)]  # fmt: skip
     run = run_cli(args, timeout_s=180)
     leftover = wait_no_marked(run.marker)
     kill_marked(run.marker)
@@ -115,8 +101,13 @@ def test_a_cuda_out_of_memory_error_ends_the_run_in_one_line_with_its_checkpoint
     assert "packing.token_budget" in errors[0] and "server.gpu_memory_utilization" in errors[0]
     assert "Traceback" not in run.output
     assert "torch.OutOfMemoryError: CUDA out of memory" in (run_dir / "launch.log").read_text()
+    steps = steps_of(run_dir)
+    assert sum(s.get("rollout/skipped_long_prompt_count", 0) for s in steps) > 0
+    assert sum(s.get("rollout/failed_group_count", 0) for s in steps) > 0
+    assert all(s["loss"] == s["loss"] for s in steps)  # logged every step (TRL's `loss`)
+    assert {"rollout/score_wait_s", "rollout/score_block_s", "rollout/score_queue_size"} <= set(steps[0])
     checkpoints = list_checkpoints(run_dir)
-    assert checkpoints and checkpoints[-1].name == f"step_{steps_of(run_dir)[-1]['step']:06d}"
+    assert checkpoints and checkpoints[-1].name == f"step_{steps[-1]['step']:06d}"
     for checkpoint in checkpoints:
         check_checkpoint(checkpoint)
     assert leftover == []
