@@ -17,9 +17,10 @@ def render_prompt(
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:  # fmt: skip
     """Token ids of the conversation with the generation prompt appended (the model's chat template); a standard
-    (plain-text) prompt's own tokens, as TRL's GRPOTrainer tokenizes it (no template, no special tokens added)."""
+    (plain-text) prompt as TRL's GRPOTrainer tokenizes it: no template, with the special tokens the tokenizer adds
+    (a base Llama's or Gemma's BOS, without which a Gemma 3 base model only repeats the prompt's last line)."""
     if isinstance(messages, str):
-        return list(tokenizer(messages, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(messages)["input_ids"])
     if tools:
         chat_template_kwargs = {**chat_template_kwargs, "tools": tools}
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **chat_template_kwargs)

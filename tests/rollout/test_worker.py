@@ -247,7 +247,7 @@ def test_a_standard_prompt_is_tokenized_as_it_is_and_its_rewards_get_texts():
         driver.loop.gate.set()
         await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
         samples = [item for item in sent(channels) if isinstance(item, RolloutSample)]
-        prompt_ids = tokenizer()("0 + 0 =", add_special_tokens=False)["input_ids"]  # no chat template around it
+        prompt_ids = tokenizer()("0 + 0 =")["input_ids"]  # no chat template around it
         assert [s.sequence.token_ids for s in samples] == [prompt_ids + [11] * 2, prompt_ids + [11] * 4]
         channels.stop()
         await run
