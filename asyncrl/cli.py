@@ -115,9 +115,12 @@ def _check_before_loading(plan: RunPlan) -> str | None:
 
     config = plan.config
     if config.server.launch and plan.server_backend == "vllm":
+        from asyncrl.plan.assemble import placed
+        from asyncrl.plan.decide import visible_gpus
         from asyncrl.serving.vllm import check_launchable
 
         check_launchable(config)
+        placed(plan, visible_gpus())  # as many GPUs as the split needs (the job places its plan on them)
     check_hub_push(config)
     return check_hub_sources(config)
 
@@ -151,18 +154,30 @@ def config(
     server_command: bool = typer.Option(
         False, "--server-command", help="Print the server command line instead (one per server.replicas)."
     ),
+    plan_file: bool = typer.Option(
+        False, "--plan", help="Print the run plan instead (JSON: the plan.json a run's processes read)."
+    ),
 ) -> None:
     """Print the composed, validated config as YAML (same overrides as train)."""
     from asyncrl.config.compose import compose, to_yaml
     from asyncrl.plan.assemble import plan_run
 
-    plan = _checked(lambda: plan_run(compose(list(ctx.args))))
+    plan = _checked(lambda: plan_run(compose(list(ctx.args)), fetch=server_command))
+    if plan_file:
+        import json
+
+        from asyncrl.plan.plan_file import plan_record
+
+        typer.echo(json.dumps(plan_record(plan), indent=2))
+        return
     if server_command:
         from asyncrl.launch import shell_line
+        from asyncrl.plan.assemble import placed_for_printing
         from asyncrl.serving.choice import printable_server_commands
 
+        plan, placing = _checked(lambda: placed_for_printing(plan))
         commands, warnings = _checked(lambda: printable_server_commands(plan))
-        for warning in warnings:
+        for warning in [*warnings, placing] if placing else warnings:
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
         typer.echo("".join(shell_line(command.argv, command.env) for command in commands), nl=False)
         return

@@ -1,8 +1,9 @@
-"""compose -> run dir -> start server -> train -> tear down.
+"""compose -> plan -> run dir -> start server -> train -> tear down.
 
 `run_hydra` hands the overrides to the single `@hydra.main` entry (Hydra's Compose API composes but
-does not sweep). Each job writes its resolved config to the run directory, which is the only input
-of every child process, starts the server under supervision and runs the trainer.
+does not sweep). Each job plans once (plan/assemble.py::plan_run) and writes the plan to the run directory
+(plan.json, plan/plan_file.py), which is the only input of every child process and of a restart; then it starts
+the server under supervision and runs the trainer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from asyncrl.config.compose import conf_dir, register_schema, to_yaml
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
 from asyncrl.plan.assemble import TRANSFER_PREFIX, plan_run
+from asyncrl.plan.plan_file import read_plan, write_plan
 
 if TYPE_CHECKING:
     from asyncrl.plan.run_plan import RunPlan
@@ -176,28 +178,23 @@ def _run_restarting(cfg: DictConfig, plan: RunPlan, run_dir: Path) -> None:
     from asyncrl.restart import run_restarting
 
     config = plan.config
-    first = iter([plan])  # the first attempt runs as composed
+    first = iter([plan])  # the first attempt runs as planned
 
     def attempt(resume: str | None) -> None:
-        run_job(next(first, None) or _recomposed(cfg, resume, config.server.weights_dir, run_dir), run_dir, cfg)
+        run_job(next(first, None) or resumed_plan(run_dir, resume), run_dir, cfg)
 
     output_dir = Path(config.trainer.output_dir or run_dir)
     run_restarting(attempt, run_dir, output_dir, config.trainer.max_restarts,
                    resume=config.trainer.resume_from_checkpoint, report=_report_restart)  # fmt: skip
 
 
-def _recomposed(cfg: DictConfig, resume: str | None, weights_dir: str | None, run_dir: Path) -> RunPlan:
-    """The job's plan, with fresh components, for a restart: resuming from ``resume`` (None: from the start), with
-    the server weights directory the first attempt claimed (removed at exit)."""
-    import copy
-
-    from omegaconf import open_dict
-
-    again = copy.deepcopy(cfg)
-    with open_dict(again):
-        again.trainer.resume_from_checkpoint = resume
-        again.server.weights_dir = weights_dir
-    return plan_run(again, run_dir)
+def resumed_plan(run_dir: Path, resume: str | None) -> RunPlan:
+    """The job's plan for a restart: the one the first attempt wrote (plan.json: its decisions and the server
+    weights directory it claimed, removed at exit), with fresh components, resuming from ``resume`` (None: from the
+    start)."""
+    plan = read_plan(run_dir)
+    plan.config.trainer.resume_from_checkpoint = resume  # a config read just now, shared with no one yet
+    return plan
 
 
 def _report_restart(line: str, exc: BaseException) -> None:
@@ -269,19 +266,19 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
     from asyncrl.trainer.setup import prepare
 
     check_startup(config, [run_dir])
-    if config.server.launch:  # before config.yaml: the trainer ranks read the weights directory there
+    if config.server.launch:  # before plan.json: the trainer ranks read the weights directory there
         claim_server_access(plan)
     terminate_on_sigterm()
     with pushing(config, run_dir):  # its Hub repository first: a token that cannot write there refuses the run
         prepared = prepare(plan)  # data, picklability: fail before the server starts
-        write_provenance(config, cfg, run_dir)  # a run refused until here leaves the directory as it was
+        write_provenance(plan, cfg, run_dir)  # a run refused until here leaves the directory as it was
         log.info(dtype_line(plan))
         warn_cpu_oversubscribed(plan)
         with start_server(plan, run_dir, wait=False) as server:  # it boots while the trainer builds its model
             if plan.world_size > 1:
                 from asyncrl.trainer.launcher import run_ranks
 
-                run_ranks(run_dir, server)  # the ranks read run_dir/config.yaml; rank 0 prepares again and waits
+                run_ranks(run_dir, server)  # the ranks read run_dir/plan.json; rank 0 prepares again and waits
                 # for the server's health after building its shard of the model
             else:
                 from asyncrl.trainer.ranks import Ranks
@@ -320,9 +317,10 @@ def check_startup(config: Config, job_dirs: list[Path]) -> None:
     check_port(config)
 
 
-def write_provenance(config: Config, cfg: DictConfig, run_dir: Path) -> None:
-    """config.yaml (the resolved config every child process reads) and Hydra's .hydra/ (the composed config, Hydra's
-    own and the overrides), written once the job's checks passed (conf/config.yaml sets hydra.output_subdir=null)."""
+def write_provenance(plan: RunPlan, cfg: DictConfig, run_dir: Path) -> None:
+    """plan.json (the plan every child process reads), config.yaml (its resolved config, for people) and Hydra's
+    .hydra/ (the composed config, Hydra's own and the overrides), written once the job's checks passed
+    (conf/config.yaml sets hydra.output_subdir=null)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
@@ -332,7 +330,8 @@ def write_provenance(config: Config, cfg: DictConfig, run_dir: Path) -> None:
     (provenance / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (provenance / "hydra.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra})))
     (provenance / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra.overrides.task))
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    (run_dir / "config.yaml").write_text(to_yaml(plan.config))
+    write_plan(plan, run_dir)
 
 
 def warn_cpu_oversubscribed(plan: RunPlan) -> None:
@@ -396,16 +395,6 @@ def _check_fresh(run_dir: Path, output_dir: Path) -> None:
         )
 
 
-def load_run_plan(run_dir: Path) -> RunPlan:
-    """The plan of the resolved config a job wrote to its run directory (what each of its child processes
-    reads)."""
-    from omegaconf import OmegaConf
-
-    register_schema()
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
-    return plan_run(cfg)  # type: ignore[arg-type]
-
-
 def claim_server_access(plan: RunPlan) -> None:
     """The token and weights directory of a server this run launches. The token is $ASYNCRL_SERVER_TOKEN, else a
     fresh one put there: the environment (not argv, which ``ps`` shows every user) carries it to the server and to
@@ -441,15 +430,15 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def launch_command(plan: RunPlan, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
-    """The command of server ``replica`` this run launches (on ``gpus``, else the visible ones), once its token and
+def launch_command(plan: RunPlan, replica: int = 0) -> ServerCommand:
+    """The command of server ``replica`` this run launches (on the GPUs its plan placed it), once its token and
     weights directory are claimed (one directory for every replica: a weight file is written once and each loads
     it). vLLM reads the token as its --api-key from VLLM_API_KEY (serving/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
     from asyncrl.serving.choice import server_command
 
     claim_server_access(plan)
-    command = server_command(plan, replica, gpus)
+    command = server_command(plan, replica)
     if command.backend == "vllm":
         os.environ["VLLM_API_KEY"] = os.environ[TOKEN_ENV]
     return command
@@ -468,24 +457,24 @@ def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup
     timeout_s = config.server.timeout
     if not config.server.launch:
         return ServerGroup([AttachedServer(url, timeout_s=timeout_s) for url in base_urls(config)], wait)
-    visible, deferred = None, False
-    if plan.server_backend == "vllm":
-        from asyncrl.serving.vllm import measured_split_pending, trainer_gpus, visible_gpus
+    deferred = False
+    if plan.gpu_split is not None:  # a launched vLLM, on the GPUs the plan placed it
+        from asyncrl.serving.vllm import measured_split_pending
 
-        visible, deferred = visible_gpus(), measured_split_pending(config, plan.server_backend)
+        deferred = measured_split_pending(plan)
         cache = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
         log.info("vLLM keeps its compile cache in %s across runs (VLLM_CACHE_ROOT): the first start of a shape "
                  "compiles, later ones load it", cache)  # fmt: skip
         if deferred:
             log.info("vLLM starts once the trainer has measured its memory (a warm-up step)")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus(config, visible))  # the servers' are in their env
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpu_split.trainer)  # the servers' are in their env
     (run_dir / "commands").mkdir(exist_ok=True)
     servers: list[Any] = []
     for replica in range(config.server.replicas):
         name = "server" if config.server.replicas == 1 else f"server_{replica}"
 
         def launched(replica: int = replica, name: str = name) -> LaunchedServer:
-            command = launch_command(plan, replica, visible)
+            command = launch_command(plan, replica)
             (run_dir / "commands" / f"{name}.sh").write_text(shell_line(command.argv, command.env))
             log_path = run_dir / "logs" / f"{name}.log"
             return LaunchedServer(command, base_url(config, replica), log_path, timeout_s, wait=False)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from asyncrl.assets.tiny_model import build_tokenizer  # noqa: E402
 from asyncrl.client import ControlClient, ensure_token  # noqa: E402
 from asyncrl.config.schema import Config, LoraConfig, ModelConfig, ServerConfig, StalenessConfig  # noqa: E402
-from asyncrl.flow import FlowControl  # noqa: E402
+from asyncrl.plan.assemble import build_plan  # noqa: E402
 from asyncrl.serving.process import ServerProcess, free_port  # noqa: E402
 from asyncrl.trainer import lora  # noqa: E402
 from asyncrl.trainer.weight_sync import WeightSync  # noqa: E402
@@ -132,7 +132,8 @@ def main() -> None:
                        startup_timeout_s=600) as server,\
             ControlClient(server.base_url, timeout_s=600) as control:  # fmt: skip
         merged = WeightSync(control, FileTransport(work, torch_dtype(serve_dtype)))
-        adapter = AdapterSync(control, config, work, flow=FlowControl.from_config(config))
+        plan = build_plan(config)  # the flow rules and serving dtype a run's plan gives the sync
+        adapter = AdapterSync(control, config, work, flow=plan.flow, dtype=plan.serving_dtype)
         results = [run_mode("merged", merged, model, args, server.base_url),
                    run_mode("adapter", adapter, model, args, server.base_url)]  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)

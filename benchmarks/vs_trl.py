@@ -167,6 +167,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.metrics import read_jsonl  # noqa: E402
+from asyncrl.plan.assemble import build_plan  # noqa: E402
 from asyncrl.serving.vllm import (  # noqa: E402
     TEXT_ONLY_LIMITS,
     CheckpointKind,
@@ -507,7 +508,7 @@ def trl_child(spec_path: Path) -> None:
         import vllm
 
         versions["vllm"] = vllm.__version__
-        as_asyncrl_launches(checkpoint_kind(config))
+        as_asyncrl_launches(checkpoint_kind(build_plan(config)))
     # the tokenizer, as TRL's AutoProcessor would load it for a text model: for the Qwen3.5 vision-language
     # checkpoint AutoProcessor builds image and video processors (torchvision) that text prompts never use
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"], truncation_side="left", padding_side="left")

@@ -144,7 +144,8 @@ def test_the_quick_start_vllm_command_is_printed_without_vllm_a_gpu_or_the_hub(m
     assert warnings[1].startswith("warning: model.name_or_path=Qwen/Qwen3.5-2B: its config.json cannot be read here "
                                   "(HF_HUB_OFFLINE=1), so the command lacks what the checkpoint would decide: "
                                   "--limit-mm-per-prompt (a vision-language checkpoint)")  # fmt: skip
-    assert "--max-model-len assumes prompts of up to 512 tokens, a default (set data.max_prompt_length=N" in warnings[3]
+    assert "--max-model-len assumes prompts of up to 512 tokens, a default (set data.max_prompt_length=N" in warnings[2]
+    assert "0 GPU(s) visible here, 2 needed: the command is for a machine whose CUDA_VISIBLE_DEVICES=0,1" in warnings[3]
 
 
 @without_vllm

@@ -194,15 +194,16 @@ def test_an_answered_error_is_the_calls_at_once():
 
 
 def test_adapter_sync_writes_each_version_once_and_loads_it_on_every_replica(random_tiny_model_dir, tmp_path):
-    from asyncrl.config.compose import compose, to_config
-    from asyncrl.flow import FlowControl
+    from asyncrl.config.compose import compose
+    from asyncrl.plan.assemble import plan_run
     from asyncrl.trainer.model import load_model
     from asyncrl.weights.adapter import AdapterSync
 
-    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8",
-                                "staleness.max_staleness=0", "lora.sync=adapter"]))  # fmt: skip
+    plan = plan_run(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8",
+                             "staleness.max_staleness=0", "lora.sync=adapter"]))  # fmt: skip
+    config = plan.config
     a, b = FakeControl("http://a"), FakeControl("http://b")
-    sync = AdapterSync(group(a, b), config, tmp_path, flow=FlowControl.from_config(config))  # type: ignore[arg-type]
+    sync = AdapterSync(group(a, b), config, tmp_path, flow=plan.flow, dtype=plan.serving_dtype)  # type: ignore[arg-type]
     model = load_model(config, str(random_tiny_model_dir))
     sync.init(model)
     for version in (1, 2):

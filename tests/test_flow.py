@@ -43,7 +43,7 @@ def test_lora_keeps_the_live_versions_and_the_server_one_more_slot():
     config.staleness.max_staleness, config.lora.enabled, config.lora.sync = 2, True, LoraSync.adapter
     flow = FlowControl.from_config(config)
     assert (flow.live_versions, flow.adapter_slots) == (3, 4)
-    assert max_loras(config) == 4
+    assert max_loras(config, flow) == 4
     config.server.max_loras = 3
     with pytest.raises(ConfigError, match="server.max_loras=3 must be >= staleness.max_staleness \\+ 2 = 4"):
         check_adapter_slots(config, flow)

@@ -71,19 +71,23 @@ def test_serve_takes_a_run_directory_with_its_overrides_then_the_given_ones(tmp_
 # ---- the job's failures, the job itself replaced by one that fails (it stands for the processes a run starts) ----
 
 
-def test_a_restart_composes_the_job_again_resuming_from_the_checkpoint_with_the_same_weights_dir(
+def test_a_restart_reads_the_plan_again_resuming_from_the_checkpoint_with_the_same_weights_dir(
     tmp_path, monkeypatch, capsys
 ):  # fmt: skip
     from test_restart import checkpoint
 
     from asyncrl import launch
+    from asyncrl.plan.plan_file import write_plan
     from asyncrl.trainer.assembler import RolloutWorkerError
 
-    attempts = []
+    attempts, components = [], []
+    planned = count_calls(monkeypatch, launch, "plan_run")
 
     def job(plan, run_dir, cfg):  # type: ignore[no-untyped-def]
         config = plan.config
         attempts.append((config.trainer.resume_from_checkpoint, config.server.weights_dir, config.trainer.max_steps))
+        components.append(plan.components)
+        write_plan(plan, run_dir)  # as run_job does before it starts a process
         if len(attempts) == 1:
             checkpoint(run_dir, 2)
             raise RolloutWorkerError("the rollout worker exited with code -9 without an error")
@@ -93,6 +97,7 @@ def test_a_restart_composes_the_job_again_resuming_from_the_checkpoint_with_the_
     claimed = attempts[0][1]  # the private weights directory the first attempt's plan chose (plan/assemble.py)
     assert Path(claimed).name.startswith("asyncrl-transfer-")
     assert attempts == [(None, claimed, 3), (str(tmp_path / "checkpoints" / "step_000002"), claimed, 3)]
+    assert planned == [1] and components[0] is not components[1]  # the restart plans nothing; its components are new
     assert capsys.readouterr().err.splitlines() == [
         "restart 1/1 (RolloutWorkerError): the rollout worker exited with code -9 without an error; resuming from "
         "step_000002 (step 2)"
@@ -165,3 +170,33 @@ def test_a_transfer_directory_left_by_a_launcher_killed_outright_goes_with_the_n
         (path / "asyncrl-weights").mkdir(parents=True)
     remove_orphaned_transfer_dirs(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, other.name]
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """``module.name`` wrapped to count its calls: a one-item list, the count so far."""
+    calls = [0]
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_a_restart_keeps_the_gpus_the_first_attempt_placed_its_servers_on(tmp_path, monkeypatch):
+    """The launcher narrows its CUDA_VISIBLE_DEVICES to the trainer's GPUs when it starts vLLM: a restart reads the
+    placement from plan.json rather than placing the servers again on what is left visible."""
+    from asyncrl.launch import resumed_plan
+    from asyncrl.plan.assemble import plan_run
+    from asyncrl.plan.plan_file import write_plan
+    from asyncrl.plan.run_plan import GpuSplit
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    plan = plan_run(compose(["server=vllm", "server.max_model_len=512"]), tmp_path)
+    write_plan(plan, tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # as launch.start_server leaves it
+    again = resumed_plan(tmp_path, str(tmp_path / "checkpoints" / "step_000002"))
+    assert again.gpu_split == plan.gpu_split == GpuSplit(["0"], ["1"]) and again.weight_transfer == "nccl"
+    assert again.config.trainer.resume_from_checkpoint == str(tmp_path / "checkpoints" / "step_000002")

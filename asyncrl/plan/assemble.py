@@ -13,23 +13,29 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from asyncrl.components import Components, build_components
+from asyncrl.components import Components
 from asyncrl.config.compose import to_config
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, ModelDtype
 from asyncrl.flow import FlowControl
-from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
-from asyncrl.serving.command import (
-    VLLM_LORA_RANKS,
+from asyncrl.plan.decide import (
     adapter_sync_by_config,
+    needed_gpus,
     resolve_backend,
+    runtime_lora,
     serves_on_gpu,
     serving_dtype,
+    split_gpus,
+    visible_gpus,
+    weight_transfer,
 )
+from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
+from asyncrl.serving.command import VLLM_LORA_RANKS
 
 log = logging.getLogger(__name__)
 
@@ -321,28 +327,29 @@ def build_plan(config: Config, private_weights_dir: Path | None = None, *, job: 
         backend_check(config, backend)
     if job:
         fetch_checkpoint_config(config, backend)
-    components = build_components(config)
-    for component_check in COMPONENT_CHECKS:
-        component_check(config, components)
-    return RunPlan(
+    plan = RunPlan(
         config,
-        components,
         flow,
         ranks_per_node(config),
         world_size(config),
         backend,
         serving_dtype(config, backend),
+        runtime_lora(config),
         adapter_sync_by_config(config, backend),
         private_weights_dir,
+        weight_transfer=weight_transfer(config, backend, None),
     )
+    for component_check in COMPONENT_CHECKS:
+        component_check(config, plan.components)
+    return plan
 
 
 def fetch_checkpoint_config(config: Config, backend: str) -> None:
     """The checkpoint's config.json into the Hub cache, for a job whose serving dtype reads it (server.dtype unset, a
     GPU server) when only the Hub has it: the job downloads the checkpoint anyway (a launched vLLM's command fetches
-    this file first). Fetched before the plan, the dtype this job freezes is the one its ranks' plans, built later
-    from the same cache, decide. A Hub that does not answer (asked once: hub.py) or a failed fetch leaves the dtype to
-    what is here (the loads report the Hub)."""
+    this file first). Fetched before the plan, the dtype this job freezes (and its processes read in plan.json) is the
+    checkpoint's. A Hub that does not answer (asked once: hub.py) or a failed fetch leaves the dtype to what is here
+    (the loads report the Hub)."""
     from asyncrl.hub import is_hub_id, unreachable
     from asyncrl.model_kind import local_config_json
 
@@ -380,11 +387,34 @@ def job_dirs(config: Config, run_dir: Path) -> Path | None:
     return private
 
 
-def plan_run(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
+def placed(plan: RunPlan, gpus: list[str]) -> RunPlan:
+    """The plan with a launched vLLM's GPUs and the trainer's split from ``gpus`` (a job's: those visible to its
+    launcher), and the weight transfer that split allows; as it was for any other server."""
+    config = plan.config
+    if plan.server_backend != "vllm" or not config.server.launch:
+        return plan
+    split = split_gpus(config, gpus)
+    return replace(plan, gpu_split=split, weight_transfer=weight_transfer(config, plan.server_backend, split))
+
+
+def placed_for_printing(plan: RunPlan) -> tuple[RunPlan, str | None]:
+    """`asyncrl config --server-command`'s plan: placed on the GPUs visible here, or, on a machine with fewer than the
+    run needs (a login node preparing a cluster job), on as many as it needs, with a warning saying so."""
+    visible, needed = visible_gpus(), needed_gpus(plan.config)
+    if plan.server_backend != "vllm" or not plan.config.server.launch or len(visible) >= needed:
+        return placed(plan, visible), None
+    gpus = [str(index) for index in range(needed)]
+    why = f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
+    return placed(plan, gpus), why + f"CUDA_VISIBLE_DEVICES={','.join(gpus)}"
+
+
+def plan_run(cfg: DictConfig, run_dir: Path | None = None, *, fetch: bool = False) -> RunPlan:
     """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned; with ``run_dir``, a
-    job's plan, its directories decided (``job_dirs``) and its checkpoint's config.json here
-    (``fetch_checkpoint_config``)."""
+    job's plan, its directories decided (``job_dirs``), its checkpoint's config.json here
+    (``fetch_checkpoint_config``) and its servers placed on the GPUs visible here (``placed``). ``fetch``: that
+    file here too without a job (`asyncrl config --server-command` prints the commands of the job the config
+    starts, whose serving dtype reads it)."""
     config = to_config(cfg)
     if run_dir is None:
-        return build_plan(config)
-    return build_plan(config, job_dirs(config, run_dir), job=True)
+        return build_plan(config, job=fetch)
+    return placed(build_plan(config, job_dirs(config, run_dir), job=True), visible_gpus())

@@ -8,6 +8,7 @@ config (serving/checks.py) asks the same rule the plan froze.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,27 +35,61 @@ def world_size(config: Config) -> int:
 
 
 @dataclass(frozen=True)
+class GpuSplit:
+    """Where a launched vLLM's replicas and the trainer run: GPU ids as CUDA_VISIBLE_DEVICES lists them."""
+
+    server: list[str]
+    """Every server replica's GPUs, replica after replica."""
+    trainer: list[str]
+    replicas: int = 1
+
+    def replica(self, index: int) -> list[str]:
+        """The GPUs of server replica ``index``: its equal share of ``server``, in order."""
+        each = len(self.server) // self.replicas
+        return self.server[index * each : (index + 1) * each]
+
+    @property
+    def shared(self) -> bool:
+        return bool(set(self.server) & set(self.trainer))
+
+
+@dataclass(frozen=True)
 class RunPlan:
-    """Not here, because they are not known at plan time: the memory split (the trainer's warm-up measures it on the
-    GPU), the server commands (they take that split, and their weight transfer the launching machine's GPUs) and the
-    token budget (it takes the server's max_model_len)."""
+    """What a run decided once (plan/assemble.py), written to its directory as plan.json (plan/plan_file.py) for every
+    process of the run to read. Not here, because they are not known at plan time: the memory split (the trainer's
+    warm-up measures it on the GPU), the server commands (they take that split) and the token budget (it takes the
+    server's max_model_len)."""
 
     config: Config
-    components: Components
-    """Built once from the config's component groups; the trainer runs them, the worker gets the rewards and
-    the estimator in its spec."""
     flow: FlowControl
     """The staleness and flow rules both sides of the rollout queue follow."""
     ranks_per_node: int
     world_size: int
     server_backend: str
-    """builtin | vllm: server.backend, with auto resolved on this machine (serving/command.py::resolve_backend)."""
+    """builtin | vllm: server.backend, with auto resolved on this machine (plan/decide.py::resolve_backend)."""
     serving_dtype: ModelDtype
-    """The dtype the server computes in and weight syncs send (serving/command.py::serving_dtype); a job's plan reads
+    """The dtype the server computes in and weight syncs send (plan/decide.py::serving_dtype); a job's plan reads
     its checkpoint's config.json after fetching it (plan/assemble.py::fetch_checkpoint_config)."""
+    runtime_lora: bool
+    """A launched server gets runtime LoRA slots, vLLM its LoRA flags and one API server (plan/decide.py)."""
     adapter_sync: bool | None
     """False: every sync sends merged weights (lora off, or lora.sync=merged). None: the running server's LoRA
     limits decide (lora.sync=auto or adapter: weights/adapter_choice.py), which the plan cannot know."""
     private_weights_dir: Path | None = None
     """The weights directory this job chose for the servers it launches (server.weights_dir unset): the launcher
     creates it and removes it at exit. None where the user named one, or the plan is not a launching job's."""
+    gpu_split: GpuSplit | None = None
+    """A launched vLLM's GPUs and the trainer's, split on the machine that launches them (plan/assemble.py::placed).
+    None for the built-in server or an attached one, or a plan that is not a job's (`asyncrl config`)."""
+    weight_transfer: str | None = None
+    """builtin (a weights file), nccl or ipc: what the weight syncs are to use (plan/decide.py::weight_transfer);
+    None for a launched vLLM not yet placed on GPUs. An attached server's own flag has the last word at startup."""
+
+    @cached_property
+    def components(self) -> Components:
+        """Built once per process from the config's component groups (plan/assemble.py checks them as it plans; as
+        code, they are not in plan.json): the trainer runs them, the worker gets the rewards and the estimator in its
+        spec."""
+        from asyncrl.components import build_components
+
+        return build_components(self.config)

@@ -12,14 +12,16 @@ import logging
 import math
 import shlex
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, WeightTransfer
 from asyncrl.flow import FlowControl
-from asyncrl.plan.run_plan import world_size
 from asyncrl.serving import vllm
-from asyncrl.serving.command import max_lora_rank, max_loras, resolve_backend, served_model_name
+from asyncrl.serving.command import max_lora_rank, max_loras, served_model_name
+
+if TYPE_CHECKING:
+    from asyncrl.plan.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +51,13 @@ class ServerFacts:
     """The GPUs one server spans (tensor x pipeline x data parallel)."""
 
 
-def check_server(
-    config: Config,
-    control: ControlClient,
-    *,
-    flow: FlowControl,
-    planned: str | None = None,
-    dataset: Any = None,
-    tokenizer: Any = None,
-) -> ServerFacts:
-    """Run every check; ``flow`` and ``planned`` (the backend): the run plan's (the backend resolved from the config
-    when not given); ``dataset`` and ``tokenizer`` (already loaded by the caller) measure the longest prompt."""
+def check_server(plan: RunPlan, control: ControlClient, *, dataset: Any = None, tokenizer: Any = None) -> ServerFacts:
+    """Run every check of the server against the run's plan; ``dataset`` and ``tokenizer`` (already loaded by the
+    caller) measure the longest prompt."""
+    config, expected = plan.config, plan.server_backend
     version = control.version()
     backend = "builtin" if version.startswith(BUILTIN_VERSION_PREFIX) else "vllm"
-    fix = _Fix(config, backend)
-    expected = planned or resolve_backend(config)
+    fix = _Fix(plan, backend)
     if config.server.launch and expected != backend:
         raise ServerCheckError(f"server.backend={expected} but the server at {control.base_url} reports {version}")
     max_model_len = _check_model(config, control, fix, _needed_model_len(config, backend, dataset, tokenizer))
@@ -72,7 +66,7 @@ def check_server(
         return ServerFacts(backend, version, max_model_len, "builtin", _candidate_sets(config, control, fix, True))
     _check_version(version, fix)
     info = control.server_info()
-    transfer = _check_vllm_config(config, info, fix, flow)
+    transfer = _check_vllm_config(plan, info, fix)
     can_mask = vllm.parse_version(version)[:2] >= vllm.SAMPLING_MASK_SINCE
     engine = info.get("vllm_config") or {}
     parallel = engine.get("parallel_config") or {}
@@ -90,20 +84,11 @@ def check_server(
 
 
 def check_servers(
-    config: Config,
-    controls: list[ControlClient],
-    *,
-    flow: FlowControl,
-    planned: str | None = None,
-    dataset: Any = None,
-    tokenizer: Any = None,
+    plan: RunPlan, controls: list[ControlClient], *, dataset: Any = None, tokenizer: Any = None
 ) -> ServerFacts:
     """``check_server`` on every replica; they must speak the same weight transfer (one round reaches them all),
     and the run's context is the shortest of theirs. CUDA IPC reaches only one server, on the trainer's GPU."""
-    facts = [
-        check_server(config, control, flow=flow, planned=planned, dataset=dataset, tokenizer=tokenizer)
-        for control in controls
-    ]
+    facts = [check_server(plan, control, dataset=dataset, tokenizer=tokenizer) for control in controls]
     first = facts[0]
     for index, other in enumerate(facts[1:], start=1):
         if (other.backend, other.weight_transfer) != (first.backend, first.weight_transfer):
@@ -122,8 +107,8 @@ def check_servers(
 class _Fix:
     """How to tell the user to fix the server: a flag for a server we launch, the full command otherwise."""
 
-    def __init__(self, config: Config, backend: str) -> None:
-        self.config, self.backend = config, backend
+    def __init__(self, plan: RunPlan, backend: str) -> None:
+        self.plan, self.config, self.backend = plan, plan.config, backend
 
     def __call__(self, problem: str, flag: str, key: str | None = None) -> ServerCheckError:
         if self.config.server.launch and key is not None:
@@ -138,7 +123,7 @@ class _Fix:
 
     def expected_command(self) -> str:
         try:
-            command = vllm.vllm_command(self.config)
+            command = vllm.vllm_command(self.plan)
         except Exception as error:  # noqa: BLE001 - the hint must not hide the real problem
             return f"(cannot build it here: {error})"
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in command.env.items())
@@ -200,8 +185,9 @@ def _check_version(version: str, fix: _Fix) -> None:
                     "version-switched code paths follow vLLM's source only", version, verified)  # fmt: skip
 
 
-def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix, flow: FlowControl) -> str:
-    """Check /server_info's engine config and environment; return the weight-transfer backend."""
+def _check_vllm_config(plan: RunPlan, info: dict[str, Any], fix: _Fix) -> str:
+    """Check /server_info's engine config and environment against the plan; return the weight-transfer backend."""
+    config = plan.config
     engine = info.get("vllm_config") or {}
     model = engine.get("model_config") or {}
     env = info.get("vllm_env") or {}
@@ -225,9 +211,8 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix, flow: Fl
         )
     transfer = (engine.get("weight_transfer_config") or {}).get("backend")
     want = config.server.weight_transfer
-    if transfer is None:
-        backend = "nccl" if want == WeightTransfer.auto else want.value
-        flag = f'--weight-transfer-config \'{{"backend":"{backend}"}}\''
+    if transfer is None:  # the plan's: an attached server's is server.weight_transfer, else nccl
+        flag = f'--weight-transfer-config \'{{"backend":"{plan.weight_transfer}"}}\''
         raise fix("the server has no weight-transfer engine", flag)
     if want != WeightTransfer.auto and transfer != want.value:
         raise fix(
@@ -238,14 +223,14 @@ def _check_vllm_config(config: Config, info: dict[str, Any], fix: _Fix, flow: Fl
         raise fix(f"weight-transfer backend {transfer} is not supported", "--weight-transfer-config with nccl or ipc")
     if transfer == "ipc" and not _truthy(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION")):
         raise fix("ipc weight transfer sends pickled CUDA IPC handles", "VLLM_ALLOW_INSECURE_SERIALIZATION=1")
-    if transfer == "ipc" and (ranks := world_size(config)) > 1:
+    if transfer == "ipc" and (ranks := plan.world_size) > 1:
         raise fix(
             f"the server takes weights over ipc, which shares one process's GPU memory, but the trainer has "
             f"{ranks} ranks (trainer.num_processes)",
             NCCL_FLAG,
         )
-    if vllm.lora_adapters(config):
-        _check_lora(config, engine.get("lora_config"), env, fix, flow)
+    if plan.runtime_lora:
+        _check_lora(config, engine.get("lora_config"), env, fix, plan.flow)
     return str(transfer)
 
 

@@ -20,24 +20,18 @@ read here (TRL's max_prompt_length default)."""
 
 def printable_server_commands(plan: RunPlan) -> tuple[list[ServerCommand], list[str]]:
     """What `asyncrl config --server-command` prints (a command per server.replicas), and a warning. It is printed
-    wherever asked, a login node preparing a cluster job included: without the GPUs the run needs, the commands are
-    for the GPUs the job will have; without vLLM, for the newest verified release; what cannot be read here (the
-    checkpoint's config.json, the prompts) is left at a default, and a warning says so. vLLM's serving dtype is
-    decided once the checkpoint's config.json was read (``vllm_command`` without the plan), as a job's plan does
-    after fetching it (plan/assemble.py::fetch_checkpoint_config)."""
+    wherever asked, a login node preparing a cluster job included: the plan is placed on the GPUs the job will have
+    (plan/assemble.py::placed_for_printing); without vLLM, the commands are for the newest verified release; what
+    cannot be read here (the checkpoint's config.json, the prompts) is left at a default, and a warning says so.
+    The serving dtype is the plan's, planned after fetching the checkpoint's config.json as a job's is
+    (``plan_run(..., fetch=True)``)."""
     config = plan.config
     replicas = range(config.server.replicas)
     if plan.server_backend != "vllm":
-        return [builtin_command(config, replica, plan=plan) for replica in replicas], []
+        return [builtin_command(plan, replica) for replica in replicas], []
     # serving/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
     from asyncrl.hub import unreachable_for
-    from asyncrl.serving.vllm import (
-        installed_vllm_version,
-        needed_gpus,
-        newest_verified_release,
-        visible_gpus,
-        vllm_command,
-    )
+    from asyncrl.serving.vllm import installed_vllm_version, newest_verified_release, vllm_command
 
     warnings = []
     offline = unreachable_for(config)  # first: a Hub id that is not cached then fails at once, not after retries
@@ -48,34 +42,27 @@ def printable_server_commands(plan: RunPlan) -> tuple[list[ServerCommand], list[
             f"vllm is not installed here: the command is for vLLM {version}, the newest release asyncrl has verified "
             "(server.vllm_version=X.Y.Z to choose)"
         )
-    kind = _checkpoint_kind(config, offline, warnings)
-    visible, needed = visible_gpus(), needed_gpus(config)
-    gpus = visible
-    if config.server.launch and len(visible) < needed:
-        gpus = [str(index) for index in range(needed)]
-        warnings.append(
-            f"{len(visible)} GPU(s) visible here, {needed} needed: the command is for a machine whose "
-            f"CUDA_VISIBLE_DEVICES={','.join(gpus)}"
-        )
+    kind = _checkpoint_kind(plan, offline, warnings)
     prompt_tokens = _prompt_tokens(config, warnings)
     commands = [
-        vllm_command(config, version=version, gpus=gpus, checkpoint=kind, prompt_tokens=prompt_tokens, replica=replica)
+        vllm_command(plan, version=version, checkpoint=kind, prompt_tokens=prompt_tokens, replica=replica)
         for replica in replicas
     ]
     return commands, warnings
 
 
-def _checkpoint_kind(config: Config, offline: str | None, warnings: list[str]) -> CheckpointKind:
+def _checkpoint_kind(plan: RunPlan, offline: str | None, warnings: list[str]) -> CheckpointKind:
     """The checkpoint's kind, or a plain one and a warning naming the flags it would have decided."""
-    from asyncrl.serving.vllm import CheckpointKind, checkpoint_kind, flashinfer_importable, lora_adapters
+    from asyncrl.serving.vllm import CheckpointKind, checkpoint_kind, flashinfer_importable
 
+    config = plan.config
     try:
-        return checkpoint_kind(config)
+        return checkpoint_kind(plan)
     except ConfigError as error:
         undecided = ["--limit-mm-per-prompt (a vision-language checkpoint)"]
         if not flashinfer_importable():
             undecided.append("--gdn-prefill-backend triton (gated-DeltaNet layers)")
-        if lora_adapters(config):
+        if plan.runtime_lora:
             undecided.append("--lora-target-modules (the adapter's modules)")
         why = offline or _first_line(error.__cause__ or error)
         warnings.append(
@@ -108,11 +95,11 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
 
-def server_command(plan: RunPlan, replica: int = 0, gpus: list[str] | None = None) -> ServerCommand:
-    """The command of launched server ``replica`` (its own port, and GPUs under vLLM: of ``gpus``, else those
-    visible), as the plan decided its backend, serving dtype and flow."""
+def server_command(plan: RunPlan, replica: int = 0) -> ServerCommand:
+    """The command of launched server ``replica`` (its own port, and under vLLM its GPUs), as the plan decided its
+    backend, serving dtype, flow, GPUs and weight transfer."""
     if plan.server_backend == "vllm":
         from asyncrl.serving.vllm import vllm_command  # imports torch (model_kind.py): only for a vLLM server
 
-        return vllm_command(plan.config, gpus=gpus, replica=replica, plan=plan)
-    return builtin_command(plan.config, replica, plan=plan)
+        return vllm_command(plan, replica=replica)
+    return builtin_command(plan, replica)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import re
 import shlex
 import sys
@@ -34,19 +33,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, LoraSync, WeightTransfer
+from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.model_kind import is_vision_language
 from asyncrl.serving.command import (
     ServerCommand,
     lora_flags,
     replica_port,
     served_model_name,
-    serving_dtype,
 )
 from asyncrl.trainer.lora import adapter_modules
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.plan.run_plan import GpuSplit, RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +110,9 @@ def newest_verified_release() -> str:
 
 
 def check_launchable(config: Config) -> None:
-    """This machine can start the vLLM server asyncrl is to launch: vLLM installed, a GPU, as many as the split
-    needs. Checked before anything loads, rather than found after the data and tokenizer, when the server fails."""
+    """This machine can start the vLLM server asyncrl is to launch: vLLM installed, a GPU (as many as the split
+    needs: the job's plan places them, plan/assemble.py::placed). Checked before anything loads, rather than found
+    after the data and tokenizer, when the server fails."""
     installed = installed_vllm_version()
     if installed is None:
         raise ConfigError(
@@ -128,7 +127,6 @@ def check_launchable(config: Config) -> None:
             "server.backend=vllm but torch sees no CUDA GPU here: run on a GPU machine, or serve with the built-in "
             "server (server=builtin)"
         )
-    split_gpus(config, visible_gpus())
 
 
 @dataclass(frozen=True)
@@ -147,12 +145,14 @@ class CheckpointKind:
         return cls(is_vision_language(model_config), "linear_attention" in layer_types, lora_modules)
 
 
-def checkpoint_kind(config: Config) -> CheckpointKind:
+def checkpoint_kind(plan: RunPlan) -> CheckpointKind:
     """model.name_or_path's kind from its config.json: a directory, the Hub cache, else (for a server asyncrl
     launches, which downloads the checkpoint anyway) the Hub. For an attached server's expected command a config
-    that is not on this machine gives a plain kind rather than a network wait."""
+    that is not on this machine gives a plain kind rather than a network wait. The adapter's modules when the plan
+    gives the server runtime LoRA."""
     from transformers import AutoConfig
 
+    config = plan.config
     m, launch = config.model, config.server.launch
     try:
         model_config = AutoConfig.from_pretrained(
@@ -166,7 +166,7 @@ def checkpoint_kind(config: Config) -> CheckpointKind:
             f"({type(error).__name__}: {error}); give a local checkpoint directory or a Hub id "
             "reachable from here"
         ) from error
-    modules = tuple(adapter_modules(config, model_config)) if lora_adapters(config) else ()
+    modules = tuple(adapter_modules(config, model_config)) if plan.runtime_lora else ()
     return CheckpointKind.of(model_config, modules)
 
 
@@ -207,100 +207,6 @@ def truncating(config: Config) -> bool:
     return s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0
 
 
-def lora_adapters(config: Config) -> bool:
-    """Adapters are loaded into the server at runtime (not merged into full weights). Under ``auto`` vLLM is
-    launched without LoRA (it generates slower with an adapter); auto syncs adapters only to a vLLM started with
-    --enable-lora (weights/adapter_choice.py)."""
-    return config.lora.enabled and config.lora.sync == LoraSync.adapter
-
-
-@dataclass(frozen=True)
-class GpuSplit:
-    server: list[str]
-    """Every server replica's GPUs, replica after replica."""
-    trainer: list[str]
-    replicas: int = 1
-
-    def replica(self, index: int) -> list[str]:
-        """The GPUs of server replica ``index``: its equal share of ``server``, in order."""
-        each = len(self.server) // self.replicas
-        return self.server[index * each : (index + 1) * each]
-
-    @property
-    def shared(self) -> bool:
-        return bool(set(self.server) & set(self.trainer))
-
-
-def visible_gpus() -> list[str]:
-    """CUDA_VISIBLE_DEVICES when set, else every GPU torch sees."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
-    import torch
-
-    return [str(index) for index in range(torch.cuda.device_count())]
-
-
-def server_gpus(config: Config) -> int:
-    """GPUs of every launched server together: server.gpus (or tensor x data parallel size) per replica."""
-    sv = config.server
-    return (sv.gpus or sv.tensor_parallel_size * sv.data_parallel_size) * sv.replicas
-
-
-def split_gpus(config: Config, visible: list[str]) -> GpuSplit:
-    """First GPUs to the servers (replica after replica), the next ones to the trainer; a trainer with none left
-    shares the first server's first."""
-    sv = config.server
-    n_server = server_gpus(config)
-    if n_server > len(visible):
-        raise ConfigError(
-            f"the vLLM server needs {n_server} GPU(s) (server.gpus, or tensor x data parallel size, x "
-            f"server.replicas={sv.replicas}) but {len(visible)} are visible ({','.join(visible) or 'none'}; "
-            "CUDA_VISIBLE_DEVICES)"
-        )
-    rest = visible[n_server:]
-    n_trainer = config.trainer.gpus or max(1, len(rest))
-    if not rest and n_trainer == 1:
-        return GpuSplit(visible[:n_server], visible[:1], sv.replicas)
-    if n_trainer > len(rest):
-        raise ConfigError(
-            f"trainer.gpus={n_trainer} but only {len(rest)} GPU(s) are left after the server's {n_server} "
-            f"(visible: {','.join(visible)}): lower trainer.gpus or server.gpus"
-        )
-    return GpuSplit(visible[:n_server], rest[:n_trainer], sv.replicas)
-
-
-def needed_gpus(config: Config) -> int:
-    """GPUs a launched vLLM run needs: the server's, plus the trainer's unless ipc puts it on the server's GPU."""
-    n_server = server_gpus(config)
-    return n_server if config.server.weight_transfer == WeightTransfer.ipc else n_server + (config.trainer.gpus or 1)
-
-
-def trainer_gpus(config: Config, visible: list[str] | None = None) -> list[str]:
-    """The GPUs the trainer should see (its CUDA_VISIBLE_DEVICES) when asyncrl launches the vLLM server."""
-    return split_gpus(config, visible_gpus() if visible is None else visible).trainer
-
-
-def weight_transfer_backend(config: Config, split: GpuSplit | None) -> str:
-    """nccl when server and trainer have their own GPUs, ipc when they share one (NCCL cannot pair them)."""
-    chosen = config.server.weight_transfer
-    if split is None:  # an attached server: its own flag decides at startup; nccl is the usual setup
-        return "nccl" if chosen == WeightTransfer.auto else chosen.value
-    if chosen == WeightTransfer.auto:
-        chosen = WeightTransfer.ipc if split.shared else WeightTransfer.nccl
-    if chosen == WeightTransfer.nccl and split.shared:
-        raise ConfigError(
-            f"server.weight_transfer=nccl but server and trainer share GPU {split.trainer[0]}: NCCL cannot pair "
-            "two ranks on one device; use server.weight_transfer=ipc or give the trainer its own GPU"
-        )
-    if chosen == WeightTransfer.ipc and (not split.shared or len(split.server) > 1):
-        raise ConfigError(
-            f"server.weight_transfer=ipc needs the trainer on the server's only GPU (server GPUs "
-            f"{','.join(split.server)}, trainer GPUs {','.join(split.trainer)}); use server.weight_transfer=nccl"
-        )
-    return chosen.value
-
-
 OWN_GPU_SHARE = 0.9
 """--gpu-memory-utilization on GPUs the server has to itself (vLLM's default)."""
 SHARED_GPU_SHARE = 0.3
@@ -317,7 +223,7 @@ def warm_up_token_budget(config: Config, model_len: int) -> int:
     return build_packer(config).rows(model_len)[1]
 
 
-def shared_gpu_share(config: Config, model_len: int) -> tuple[float, str]:
+def shared_gpu_share(config: Config, model_len: int, dtype: ModelDtype) -> tuple[float, str]:
     """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
     (trainer/memory.py) leaves, at most OWN_GPU_SHARE; SHARED_GPU_SHARE before it was measured. Refused before
     launch when the rest cannot hold vLLM's weights and one longest sequence's KV cache."""
@@ -327,7 +233,7 @@ def shared_gpu_share(config: Config, model_len: int) -> tuple[float, str]:
     if memory is None:
         return SHARED_GPU_SHARE, "the trainer's footprint is not measured yet: a run measures it before launching vLLM"
     rest = memory.gpu_bytes - memory.need_bytes
-    floor = vllm_floor_bytes(config, model_len)
+    floor = vllm_floor_bytes(config, model_len, dtype)
     if rest < floor:
         raise ConfigError(
             f"one GPU cannot hold both: {memory.describe()} leaves {rest / GIB:.1f} GiB, and vLLM needs "
@@ -338,9 +244,9 @@ def shared_gpu_share(config: Config, model_len: int) -> tuple[float, str]:
     return share, memory.describe()
 
 
-def vllm_floor_bytes(config: Config, model_len: int) -> int:
-    """The least vLLM runs in: its weights in the serving dtype, the KV cache of one sequence of max_model_len
-    tokens in every attention layer, and VLLM_OVERHEAD_BYTES."""
+def vllm_floor_bytes(config: Config, model_len: int, dtype: ModelDtype) -> int:
+    """The least vLLM runs in: its weights in the plan's serving ``dtype``, the KV cache of one sequence of
+    max_model_len tokens in every attention layer, and VLLM_OVERHEAD_BYTES."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -352,7 +258,7 @@ def vllm_floor_bytes(config: Config, model_len: int) -> int:
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=m.trust_remote_code)
-    width = torch.finfo(torch_dtype(serving_dtype(config)) or torch.bfloat16).bits // 8
+    width = torch.finfo(torch_dtype(dtype) or torch.bfloat16).bits // 8
     weights = sum(p.numel() for p in model.parameters()) * width
     text = model_config.get_text_config()
     layers = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
@@ -361,14 +267,15 @@ def vllm_floor_bytes(config: Config, model_len: int) -> int:
     return int(weights + per_token * model_len + VLLM_OVERHEAD_BYTES)
 
 
-def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: int) -> float:
+def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: int, dtype: ModelDtype) -> float:
     """server.gpu_memory_utilization; else 0.9 on the server's own GPUs, and on a GPU shared with the trainer what
-    the trainer's measured footprint leaves (logged: the choice decides whether the trainer runs out of memory)."""
+    the trainer's measured footprint leaves (logged: the choice decides whether the trainer runs out of memory).
+    ``dtype``: the plan's serving dtype, which sizes vLLM's weights."""
     if config.server.gpu_memory_utilization is not None:
         return config.server.gpu_memory_utilization
     if split is None or not split.shared:
         return OWN_GPU_SHARE
-    share, why = shared_gpu_share(config, model_len)
+    share, why = shared_gpu_share(config, model_len, dtype)
     log.info(
         "vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set server.gpu_memory_utilization to "
         "choose)",
@@ -379,26 +286,23 @@ def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: in
     return share
 
 
-def measured_split_pending(config: Config, backend: str) -> bool:
+def measured_split_pending(plan: RunPlan) -> bool:
     """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU and its share is not
     set. Every run measures (an earlier run's figure is stale after a change of code or library, and a vLLM booting
-    beside the warm-up would count the trainer's allocations as its own while it profiles its memory). ``backend``:
-    the plan's."""
-    from asyncrl.plan.run_plan import world_size
-
-    sv = config.server
-    if not sv.launch or sv.gpu_memory_utilization is not None or backend != "vllm":
+    beside the warm-up would count the trainer's allocations as its own while it profiles its memory)."""
+    sv = plan.config.server
+    if not sv.launch or sv.gpu_memory_utilization is not None or plan.server_backend != "vllm":
         return False
-    if world_size(config) > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
+    if plan.world_size > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
         return False
-    return split_gpus(config, visible_gpus()).shared
+    return plan.gpu_split is not None and plan.gpu_split.shared
 
 
-def api_server_count(config: Config, version: str) -> int | None:
+def api_server_count(plan: RunPlan, version: str) -> int | None:
     """server.api_server_count; else 1 for runtime LoRA (vLLM refuses more), 8 on vLLM >= 0.32, else vLLM's default."""
-    if config.server.api_server_count is not None:
-        return config.server.api_server_count
-    if lora_adapters(config):
+    if plan.config.server.api_server_count is not None:
+        return plan.config.server.api_server_count
+    if plan.runtime_lora:
         return 1
     return MANY_API_SERVERS if parse_version(version)[:2] >= MANY_API_SERVERS_SINCE else None
 
@@ -459,28 +363,27 @@ def model_context(config: Config) -> int | None:
 
 
 def vllm_command(
-    config: Config,
+    plan: RunPlan,
     *,
     version: str | None = None,
-    gpus: list[str] | None = None,
     prompt_tokens: int | None = None,
     checkpoint: CheckpointKind | None = None,
     replica: int = 0,
-    plan: RunPlan | None = None,
 ) -> ServerCommand:
-    """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment;
-    ``checkpoint`` defaults to what model.name_or_path's config.json says (checkpoint_kind). ``replica``: which
-    of server.replicas, on its own port and GPUs. ``plan``: the run's, whose serving dtype and flow it takes (None,
-    for a printed or expected command or a test: decided from the config here, after the checkpoint was read)."""
+    """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment, as the
+    plan decided its serving dtype, flow, GPUs and weight transfer (a launched vLLM's plan is placed on GPUs:
+    plan/assemble.py::placed); ``checkpoint`` defaults to what model.name_or_path's config.json says
+    (checkpoint_kind). ``replica``: which of server.replicas, on its own port and GPUs."""
+    config = plan.config
     sv, s = config.server, config.sampling
     version = target_version(config, version)
     release = parse_version(version)[:2]
-    visible = visible_gpus() if gpus is None else gpus
-    split = split_gpus(config, visible) if sv.launch else None
-    transfer = weight_transfer_backend(config, split)
+    split, transfer = plan.gpu_split, plan.weight_transfer
+    if transfer is None:
+        raise ValueError("a launched vLLM's command needs its plan placed on GPUs (plan/assemble.py::placed)")
     host, port = _listen_address(config, replica)
-    kind = checkpoint_kind(config) if checkpoint is None else checkpoint
-    dtype = checked_dtype(config, kind, plan.serving_dtype if plan is not None else serving_dtype(config))
+    kind = checkpoint_kind(plan) if checkpoint is None else checkpoint
+    dtype = checked_dtype(config, kind, plan.serving_dtype)
     model_len = required_model_len(config, prompt_tokens)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     argv = [
@@ -494,7 +397,7 @@ def vllm_command(
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": transfer}),
-        "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, model_len)),
+        "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, model_len, dtype)),
     ]  # fmt: skip
     if split is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))
@@ -508,7 +411,7 @@ def vllm_command(
         argv += ["--tensor-parallel-size", str(sv.tensor_parallel_size)]
     if sv.data_parallel_size > 1:
         argv += ["--data-parallel-size", str(sv.data_parallel_size)]
-    servers = api_server_count(config, version)
+    servers = api_server_count(plan, version)
     if servers is not None:
         argv += ["--api-server-count", str(servers)]
     if truncating(config) and release >= SAMPLING_MASK_SINCE:
@@ -516,8 +419,8 @@ def vllm_command(
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the mask is recorded by the V2 model runner only
         if release >= SCALE_OUT_FLAG_SINCE:
             argv.append("--enable-scale-out")
-    if lora_adapters(config):
-        argv += lora_flags(config, plan.flow if plan is not None else None)
+    if plan.runtime_lora:
+        argv += lora_flags(config, plan.flow)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     argv += checkpoint_flags(kind)
     if config.model.revision:

@@ -181,22 +181,19 @@ def _failed_at(failure: ProcessFailure) -> tuple[bool, float]:
 def main(run_dir: Path) -> int:
     """The launcher's process: this node's ranks through torch's elastic agent, its failure recorded for the
     CLI."""
-    from omegaconf import OmegaConf
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from asyncrl.config.schema import Config
-    from asyncrl.plan.run_plan import ranks_per_node
+    from asyncrl.plan.plan_file import read_plan
     from asyncrl.serving.process import free_port
 
-    # the trainer's keys only: the ranks validate the whole config (and the CLI did before writing it)
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
-    t = config.trainer
+    plan = read_plan(run_dir)
+    t = plan.config.trainer
     launch = LaunchConfig(
         min_nodes=t.nnodes,
         max_nodes=t.nnodes,
-        nproc_per_node=ranks_per_node(config),
+        nproc_per_node=plan.ranks_per_node,
         run_id=RDZV_ID,
         rdzv_backend="c10d",
         rdzv_endpoint=t.rdzv_endpoint or f"127.0.0.1:{free_port()}",

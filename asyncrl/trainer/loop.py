@@ -169,7 +169,7 @@ class Trainer:
         self.trackers = build_trackers(c, self.run_dir)
         self.callbacks = Callbacks(c)
         self.completions: list[dict[str, Any]] = []
-        self.sync = build_weight_sync(c, self.control, self.run_dir, self.prepared)
+        self.sync = build_weight_sync(self.prepared.plan, self.control, self.run_dir, self.prepared)
         self.sync.init(self._sync_view())
         if resume is not None:
             self._push(self.state.model_version)  # the server starts from the base weights

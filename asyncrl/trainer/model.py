@@ -13,7 +13,6 @@ import torch
 from asyncrl.config.schema import Config, OptimizerName, TrainerConfig
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
-from asyncrl.serving.command import resolve_backend
 from asyncrl.trainer import lora
 
 log = logging.getLogger(__name__)
@@ -42,15 +41,15 @@ def build_grad_scaler(config: Config) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cuda", enabled=config.trainer.fp16)
 
 
-def trainer_cpu_threads(config: Config, world: int, cores: int, backend: str | None = None) -> int:
+def trainer_cpu_threads(config: Config, world: int, cores: int, backend: str) -> int:
     """trainer.cpu_threads, else the ``cores`` that a launched built-in server on the CPU leaves, split over the
     ``world`` ranks (at least one each). The embedded default on 2 cores, trainer at 2 threads beside the server's
     one: 2.35 s of fwd+bwd a step; at 1 thread: 0.75 s, and the server generated 1.8x faster. ``backend``: the
-    plan's (RunPlan.server_backend); resolved from the config when not given."""
+    plan's (RunPlan.server_backend)."""
     if config.trainer.cpu_threads is not None:
         return config.trainer.cpu_threads
     sv = config.server
-    server_here = sv.launch and sv.device != "cuda" and (backend or resolve_backend(config)) == "builtin"
+    server_here = sv.launch and sv.device != "cuda" and backend == "builtin"
     return max(1, (cores - (sv.cpu_threads if server_here else 0)) // world)
 
 
@@ -70,7 +69,7 @@ def oversubscribed_cores(ranks: int, cores: int) -> str | None:
     )
 
 
-def use_cpu_threads(config: Config, world: int, backend: str | None = None) -> None:
+def use_cpu_threads(config: Config, world: int, backend: str) -> None:
     """Set this rank's torch threads when it trains on the CPU (see trainer_cpu_threads)."""
     if torch.cuda.is_available():
         return

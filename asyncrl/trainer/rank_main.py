@@ -1,6 +1,6 @@
 """``python -m asyncrl.trainer.rank_main RUN_DIR``: one trainer rank of a multi-rank run, from the run directory's
-config.yaml, started by torch's launcher (asyncrl/trainer/launcher.py on the CLI's node, torchrun on the others;
-trainer/distributed.py says what each rank does)."""
+plan.json (the launcher's plan: a rank plans nothing), started by torch's launcher (asyncrl/trainer/launcher.py on
+the CLI's node, torchrun on the others; trainer/distributed.py says what each rank does)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.launch import EXPECTED_ERRORS, load_run_plan, terminate_on_sigterm
+from asyncrl.launch import EXPECTED_ERRORS, terminate_on_sigterm
 from asyncrl.logs import console_handler
 from asyncrl.parent import exit_with_parent
+from asyncrl.plan.plan_file import read_plan
 from asyncrl.plan.run_plan import RunPlan
 from asyncrl.serving.group import ServerGroup
 from asyncrl.serving.handle import AttachedServer
@@ -28,8 +29,8 @@ from asyncrl.trainer.setup import prepare
 
 @record  # an unexpected exception reaches the rank's error file too, where its launcher reads it
 def main(run_dir: Path) -> int:
-    """One rank of a multi-rank run, from the run directory's config.yaml."""
-    plan = load_run_plan(run_dir)
+    """One rank of a multi-rank run, from the run directory's plan.json."""
+    plan = read_plan(run_dir)
     terminate_on_sigterm()
     faulthandler.enable()  # a rank that crashes leaves its Python stack in its log
     agent = os.getppid()  # a rank waiting inside a collective never runs its SIGTERM handler: leave after a grace

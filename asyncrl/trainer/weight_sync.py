@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,13 +46,16 @@ from asyncrl.control_group import ControlGroup
 from asyncrl.flow import FlowControl
 from asyncrl.registry import Registry
 from asyncrl.serving.checks import ServerFacts, check_servers
-from asyncrl.serving.command import LAUNCHED_VLLM_MERGES, adapter_sync_by_config
+from asyncrl.serving.command import LAUNCHED_VLLM_MERGES
 from asyncrl.weights.adapter import AdapterSync
 from asyncrl.weights.adapter_choice import use_adapter_sync
 from asyncrl.weights.file_transport import FileTransport
 from asyncrl.weights.tensors import serving_bytes
 from asyncrl.weights.transport import Background, Transport, WeightSyncError, run_step
 from asyncrl.weights.vllm_transports import ipc_transport, nccl_transport
+
+if TYPE_CHECKING:
+    from asyncrl.plan.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -194,18 +197,16 @@ class WeightSync:
 
 
 def build_weight_sync(
-    config: Config, control: ControlClient | ControlGroup, run_dir: Path, prepared: Any = None
+    plan: RunPlan, control: ControlClient | ControlGroup, run_dir: Path, prepared: Any = None
 ) -> WeightSync | AdapterSync:
-    """Check the running servers against the config, then build the sync backend they speak (not yet init'ed),
+    """Check the running servers against the plan, then build the sync backend they speak (not yet init'ed),
     reaching every one of them: adapter-only sync when lora.sync resolves to it on each (``use_adapter_sync``),
-    else a merged/full weight round. ``prepared``: the trainer's, whose run plan's flow rules the adapter versions
-    (a caller without one, a test or a benchmark, gets the config's)."""
+    else a merged/full weight round, in the plan's serving dtype. ``prepared``: the trainer's data and tokenizer,
+    which size the model length the checks expect (None: the checks load them)."""
+    config, flow = plan.config, plan.flow
     group = control if isinstance(control, ControlGroup) else ControlGroup([control])
     dataset, tokenizer = getattr(prepared, "dataset", None), getattr(prepared, "tokenizer", None)
-    plan = getattr(prepared, "plan", None)
-    flow = plan.flow if plan is not None else FlowControl.from_config(config)
-    backend = plan.server_backend if plan is not None else None
-    facts = check_servers(config, group.controls, flow=flow, planned=backend, dataset=dataset, tokenizer=tokenizer)
+    facts = check_servers(plan, group.controls, dataset=dataset, tokenizer=tokenizer)
     log.info(
         "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
         facts.backend,
@@ -214,13 +215,12 @@ def build_weight_sync(
         facts.weight_transfer,
         facts.candidate_sets,
     )
-    decided = plan.adapter_sync if plan is not None else adapter_sync_by_config(config, backend)
-    if syncs_adapters(config, group, facts.backend, flow, decided):
+    if syncs_adapters(config, group, facts.backend, flow, plan.adapter_sync):
         output_dir = Path(config.server.weights_dir or config.trainer.output_dir or run_dir)
         log.info("LoRA adapter-only sync: versions under %s", output_dir / ".vllm_lora")
-        dtype = plan.serving_dtype if plan is not None else None
-        return AdapterSync(group, config, output_dir, facts, flow=flow, dtype=dtype)
-    transport = WEIGHT_SYNC.get(facts.weight_transfer)(config=config, run_dir=run_dir, facts=facts)
+        return AdapterSync(group, config, output_dir, facts, flow=flow, dtype=plan.serving_dtype)
+    make = WEIGHT_SYNC.get(facts.weight_transfer)
+    transport = make(config=config, run_dir=run_dir, dtype=plan.serving_dtype, facts=facts)
     return WeightSync(group, transport, facts)
 
 

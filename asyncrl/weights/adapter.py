@@ -29,7 +29,7 @@ from asyncrl.client import Control, policy_model
 from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.dtypes import torch_dtype
 from asyncrl.flow import FlowControl
-from asyncrl.serving.command import served_model_name, serving_dtype
+from asyncrl.serving.command import served_model_name
 from asyncrl.trainer import lora
 from asyncrl.trainer.fsdp import whole_tensors
 from asyncrl.weights.transport import WeightSyncError, run_step
@@ -70,15 +70,14 @@ class AdapterSync:
         facts: Any = None,
         *,
         flow: FlowControl,
-        dtype: ModelDtype | None = None,
+        dtype: ModelDtype,
     ) -> None:
-        """``flow`` and ``dtype``: the run plan's (the serving dtype from the config when not given: tests,
-        benchmarks)."""
+        """``flow`` and ``dtype``: the run plan's flow rules and serving dtype."""
         self.control, self.facts = control, facts
         self.base_name = served_model_name(config)
         self.adapter_prefix = f"asyncrl-{uuid.uuid4().hex[:8]}"  # fresh per run: no clash with a server's leftovers
         self.root = output_dir / CACHE_DIR
-        self.dtype = torch_dtype(dtype or serving_dtype(config))
+        self.dtype = torch_dtype(dtype)
         self.keep = flow.live_versions
         self.registered: deque[int] = deque()
         self.unloaded: list[int] = []

@@ -7,7 +7,7 @@ merged otherwise (logged). A server can when its /server_info reports a ``lora_c
 ``--enable-lora``, which asyncrl passes to the built-in server it launches unless lora.sync=merged
 (serving/command.py), so auto means adapters there. asyncrl launches vLLM without LoRA under auto, because
 vLLM generates 1.33-1.39x slower per token with an adapter, and the run plan decides merged syncs for it before
-any server answers (serving/command.py::adapter_sync_by_config): auto picks adapters only on a vLLM the user
+any server answers (plan/decide.py::adapter_sync_by_config): auto picks adapters only on a vLLM the user
 started with ``--enable-lora``.
 """
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def use_adapter_sync(config: Config, control: ControlClient, backend: str, flow: FlowControl) -> bool:
     """Whether this run syncs adapters only, for a run whose config leaves it to the server
-    (serving/command.py::adapter_sync_by_config is None); lora.sync=adapter on a server that cannot is an error."""
+    (plan/decide.py::adapter_sync_by_config is None); lora.sync=adapter on a server that cannot is an error."""
     problem = adapter_problem(config, control, backend, flow)
     if problem is None:
         return True

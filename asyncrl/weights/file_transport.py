@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.client import Control
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.dtypes import torch_dtype
 from asyncrl.serving.checks import ServerFacts
-from asyncrl.serving.command import serving_dtype
 from asyncrl.weights.tensors import unique_state_dict
 from asyncrl.weights.transport import Transport
 
@@ -31,9 +30,12 @@ class FileTransport(Transport):
         self._round = 0
 
     @classmethod
-    def from_config(cls, *, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> FileTransport:
-        """The serving dtype's file transport (merged or full weights; adapter-only sync is weights/adapter.py)."""
-        return cls(Path(config.server.weights_dir or run_dir), torch_dtype(serving_dtype(config)))
+    def from_config(
+        cls, *, config: Config, run_dir: Path, dtype: ModelDtype, facts: ServerFacts | None = None
+    ) -> FileTransport:
+        """The file transport of merged or full weights in ``dtype``, the plan's serving dtype (adapter-only sync is
+        weights/adapter.py)."""
+        return cls(Path(config.server.weights_dir or run_dir), torch_dtype(dtype))
 
     def init(self, control: Control, model: torch.nn.Module) -> None:
         control.init_weight_transfer({"backend": "builtin"})

@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.dtypes import torch_dtype
 from asyncrl.serving import vllm
 from asyncrl.serving.checks import ServerFacts
-from asyncrl.serving.command import serving_dtype
 from asyncrl.weights.transport import Transport, WeightSyncError
 from asyncrl.weights.vllm_common import IPC_BUFFER_LIMIT
 from asyncrl.weights.vllm_direct import DirectIpcTransport
@@ -38,18 +37,19 @@ def _uses_factory_api() -> bool:
     return vllm.parse_version(version)[:2] >= FACTORY_API_SINCE
 
 
-def ipc_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:
+def ipc_transport(*, config: Config, run_dir: Path, dtype: ModelDtype, facts: ServerFacts | None = None) -> Transport:
     """CUDA IPC: server and trainer share one GPU. In place through asyncrl's worker extension when the server
-    runs it (server.ipc_direct_load), else vLLM's ipc engine, through the installed vLLM's trainer API."""
-    dtype = torch_dtype(serving_dtype(config))
+    runs it (server.ipc_direct_load), else vLLM's ipc engine, through the installed vLLM's trainer API. ``dtype``:
+    the plan's serving dtype, which the weights are sent in."""
+    sent = torch_dtype(dtype)
     if config.server.ipc_direct_load and facts is not None:
         refusal = in_place_refusal(facts)
         if refusal is None:
-            return DirectIpcTransport(dtype, IPC_BUFFER_LIMIT)
+            return DirectIpcTransport(sent, IPC_BUFFER_LIMIT)
         log.info("ipc sync through vLLM's engine (layerwise reload): %s", refusal)
     if _uses_factory_api():
-        return FactoryTransport("ipc", dtype, config.server.timeout)
-    return StaticIpcTransport(dtype, config.server.timeout)
+        return FactoryTransport("ipc", sent, config.server.timeout)
+    return StaticIpcTransport(sent, config.server.timeout)
 
 
 def in_place_refusal(facts: ServerFacts) -> str | None:
@@ -75,11 +75,12 @@ def requantization(facts: ServerFacts | None) -> str | None:
     )
 
 
-def nccl_transport(*, config: Config, run_dir: Path, facts: ServerFacts | None = None) -> Transport:
-    """An NCCL broadcast from the trainer (rank 0) to every server worker: they have their own GPUs."""
-    dtype = torch_dtype(serving_dtype(config))
+def nccl_transport(*, config: Config, run_dir: Path, dtype: ModelDtype, facts: ServerFacts | None = None) -> Transport:
+    """An NCCL broadcast from the trainer (rank 0) to every server worker: they have their own GPUs. ``dtype``: the
+    plan's serving dtype."""
+    sent = torch_dtype(dtype)
     if (why := requantization(facts)) is not None:
         log.info("nccl sync through vLLM's engine: %s", why)
     if _uses_factory_api():
-        return FactoryTransport("nccl", dtype, config.server.timeout)
-    return StaticNcclTransport(dtype, config.server.timeout)
+        return FactoryTransport("nccl", sent, config.server.timeout)
+    return StaticNcclTransport(sent, config.server.timeout)

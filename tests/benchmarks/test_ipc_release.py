@@ -29,10 +29,11 @@ def test_without_a_gpu_it_refuses_in_one_line() -> None:
     assert done.returncode == 1 and done.stderr.strip() == "ipc_release: needs a CUDA GPU (CUDA IPC)"
 
 
-def test_its_vllm_loads_in_place_as_a_runs_does(ipc_release: ModuleType, tmp_path: Path) -> None:
+def test_its_vllm_loads_in_place_as_a_runs_does(ipc_release: ModuleType, tmp_path: Path, monkeypatch) -> None:
     from asyncrl.serving.vllm import vllm_command
 
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the GPU the job's plan places server and trainer on
     plan = ipc_release.tiny_plan(tmp_path)
-    command = vllm_command(plan.config, version="0.33.0", gpus=["0"], plan=plan)
+    command = vllm_command(plan, version="0.33.0")
     assert "--worker-extension-cls" in command.argv and '{"backend": "ipc"}' in command.argv
     assert command.env["VLLM_SERVER_DEV_MODE"] == command.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"

@@ -20,8 +20,9 @@ from peft import LoraConfig, get_peft_model
 from tiny import SERVED_NAME, build_tiny_model
 
 from asyncrl.client import ROLLOUT_MODEL, GenerationClient, SamplingParams, auth_headers, policy_model
-from asyncrl.config.compose import compose, to_config
+from asyncrl.config.compose import compose
 from asyncrl.engine.__main__ import parse_args
+from asyncrl.plan.assemble import plan_run
 from asyncrl.serving.command import builtin_command
 from asyncrl.serving.process import ServerProcess, free_port
 
@@ -237,8 +238,7 @@ def test_rollouts_name_their_policy_and_end_when_it_is_unloaded(clean, adapters)
 
 def test_the_launched_builtin_server_gets_lora_flags_unless_sync_is_merged(tmp_path):
     def argv(*overrides: str) -> list[str]:
-        config = to_config(compose(["model.name_or_path=m", "lora=default", "lora.r=8", *overrides]))
-        return builtin_command(config).argv
+        return builtin_command(plan_run(compose(["model.name_or_path=m", "lora=default", "lora.r=8", *overrides]))).argv
 
     for sync in ("auto", "adapter"):
         args = parse_args(argv(f"lora.sync={sync}")[3:])

@@ -139,8 +139,8 @@ def test_the_plan_decides_the_backend_serving_dtype_and_merged_syncs_once():
 
 def test_a_jobs_plan_fetches_the_config_json_its_serving_dtype_reads(tmp_path, monkeypatch):
     """A GPU server's dtype reads the checkpoint's config.json: a job fetches it before deciding when only the Hub
-    has it, so its ranks' plans, built later from the cache, decide the same; a plan that is no job's fetches
-    nothing, and neither does one whose dtype is set or whose Hub does not answer."""
+    has it, as a launched vLLM would; a plan that is no job's fetches nothing, and neither does one whose dtype is
+    set or whose Hub does not answer."""
     fetched: list[str] = []
     monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda repo, name, **_: fetched.append(f"{repo}/{name}"))
     monkeypatch.setattr("asyncrl.hub.unreachable", lambda: None)  # the tests run offline (conftest.py)

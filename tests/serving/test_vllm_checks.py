@@ -11,7 +11,7 @@ from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 
 from asyncrl.client import ControlClient
 from asyncrl.config.compose import compose, to_config
-from asyncrl.flow import FlowControl
+from asyncrl.plan.assemble import build_plan, plan_run
 from asyncrl.serving.checks import ServerCheckError, check_server, lora_problem
 from asyncrl.serving.vllm import WORKER_EXTENSION
 
@@ -22,13 +22,14 @@ def attached(url: str, *overrides: str) -> Any:
 
 
 def attached_vllm(url: str, *overrides: str) -> Any:
-    """server.max_model_len is set, so nothing measures prompts with a tokenizer named like the fake model."""
-    return attached(url, "server.max_model_len=4096", *overrides)
+    """An attached vLLM, as its user names it (server.backend=vllm); server.max_model_len is set, so nothing measures
+    prompts with a tokenizer named like the fake model."""
+    return attached(url, "server.backend=vllm", "server.max_model_len=4096", *overrides)
 
 
 def run_checks(config: Any) -> Any:
     with ControlClient(config.server.base_url, timeout_s=30) as control:
-        return check_server(config, control, flow=FlowControl.from_config(config))
+        return check_server(build_plan(config), control)
 
 
 # ---- the built-in server -------------------------------------------------------------------------------------
@@ -205,9 +206,9 @@ def test_a_failing_server_is_reported_with_its_status(serve_app):
 def test_one_lora_rule_answers_the_startup_checks_and_the_sync_choice():
     """The run needs max_staleness + 2 adapter slots (6 here), whatever larger server.max_loras it would launch
     with; vLLM's runtime-loading switch reads as the other switches do ("yes" included)."""
-    config = to_config(compose(["lora=default", "lora.sync=adapter", "server.max_loras=8"]))
+    plan = plan_run(compose(["lora=default", "lora.sync=adapter", "server.max_loras=8"]))
+    config, flow = plan.config, plan.flow
     enough, env = {"max_lora_rank": 32, "max_loras": 6}, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "yes"}
-    flow = FlowControl.from_config(config)
     assert lora_problem(config, enough, env, "vllm", flow) is None
     assert lora_problem(config, {"max_lora_rank": 32, "max_loras": 5}, {}, "builtin", flow) == (
         "the server holds 5 adapters; 6 versions are alive at once (staleness.max_staleness + 2)",

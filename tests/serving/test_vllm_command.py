@@ -15,7 +15,8 @@ from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config,
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.plan.assemble import plan_run
+from asyncrl.plan.assemble import build_plan, placed, plan_run
+from asyncrl.plan.decide import split_gpus
 from asyncrl.serving.choice import server_command
 from asyncrl.serving.vllm import (
     WORKER_EXTENSION,
@@ -27,7 +28,6 @@ from asyncrl.serving.vllm import (
     parse_version,
     required_model_len,
     shared_gpu_share,
-    split_gpus,
     vllm_command,
     warm_up_token_budget,
 )
@@ -42,8 +42,8 @@ COMMON = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"
 
 def command(overrides: list[str], version: str = "0.33.0", gpus: tuple[str, ...] = ("0", "1"),
             checkpoint: CheckpointKind = PLAIN):  # fmt: skip
-    config = to_config(compose([*BASE, *overrides]))
-    return vllm_command(config, version=version, gpus=list(gpus), prompt_tokens=200, checkpoint=checkpoint)
+    plan = placed(plan_run(compose([*BASE, *overrides])), list(gpus))
+    return vllm_command(plan, version=version, prompt_tokens=200, checkpoint=checkpoint)
 
 
 def flags(*parts: str) -> list[str]:
@@ -239,13 +239,13 @@ def test_candidate_set_flags_follow_the_release(version, expected):
 
 
 def test_api_server_count_rules():
-    lora = to_config(compose([*BASE, "lora=default", "lora.sync=adapter"]))
+    lora = plan_run(compose([*BASE, "lora=default", "lora.sync=adapter"]))
     assert api_server_count(lora, "0.33.0") == 1  # runtime LoRA loading refuses more than one
-    merged = to_config(compose([*BASE, "lora=default"]))  # auto = merged until adapter sync exists
+    merged = plan_run(compose([*BASE, "lora=default"]))  # auto = merged until adapter sync exists
     assert api_server_count(merged, "0.33.0") == 8
-    plain = to_config(compose(BASE))
+    plain = plan_run(compose(BASE))
     assert api_server_count(plain, "0.32.0") == 8 and api_server_count(plain, "0.31.0") is None
-    explicit = to_config(compose([*BASE, "server.api_server_count=3"]))
+    explicit = plan_run(compose([*BASE, "server.api_server_count=3"]))
     assert api_server_count(explicit, "0.26.0") == 3
     with pytest.raises(ConfigError, match="server.api_server_count=4"):
         to_config(compose([*BASE, "lora=default", "server.api_server_count=4"]))
@@ -330,26 +330,21 @@ def test_vllm_server_settings_are_validated(override, key):
 
 
 def test_the_trainer_gets_the_gpus_after_the_servers():
-    from asyncrl.serving.vllm import trainer_gpus
-
     config = to_config(compose([*BASE, "server.tensor_parallel_size=2"]))
-    assert trainer_gpus(config, ["0", "1", "2", "3"]) == ["2", "3"]
-    assert trainer_gpus(to_config(compose(BASE)), ["5"]) == ["5"]  # one GPU: shared, so ipc
+    assert split_gpus(config, ["0", "1", "2", "3"]).trainer == ["2", "3"]
+    assert split_gpus(to_config(compose(BASE)), ["5"]).trainer == ["5"]  # one GPU: shared, so ipc
 
 
 def test_each_replica_gets_its_own_gpus_and_port_and_the_trainer_the_next():
-    from asyncrl.serving.vllm import trainer_gpus
-
     replicas = ["server.replicas=2", "server.tensor_parallel_size=2"]
-    config = to_config(compose([*BASE, *replicas]))
-    gpus = ("0", "1", "2", "3", "4")
+    plan = placed(plan_run(compose([*BASE, *replicas])), ["0", "1", "2", "3", "4"])
+    config = plan.config
     for replica, (port, visible) in enumerate([("8000", "0,1"), ("8001", "2,3")]):
-        made = vllm_command(config, version="0.33.0", gpus=list(gpus), prompt_tokens=200, checkpoint=PLAIN,
-                            replica=replica)  # fmt: skip
+        made = vllm_command(plan, version="0.33.0", prompt_tokens=200, checkpoint=PLAIN, replica=replica)
         assert made.env["CUDA_VISIBLE_DEVICES"] == visible
         assert made.argv[made.argv.index("--port") + 1] == port
         assert "nccl" in made.argv[made.argv.index("--weight-transfer-config") + 1]
-    assert trainer_gpus(config, list(gpus)) == ["4"]
+    assert plan.gpu_split is not None and plan.gpu_split.trainer == ["4"]
     with pytest.raises(ConfigError, match=r"needs 4 GPU\(s\) .* x server.replicas=2\) but 3 are visible"):
         split_gpus(config, ["0", "1", "2"])
     with pytest.raises(ConfigError, match="ipc needs the trainer on the server's only GPU"):
@@ -393,10 +388,10 @@ def test_vision_language_and_gated_deltanet_checkpoints_get_their_flags(kind, fl
 def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("asyncrl.serving.vllm.flashinfer_importable", lambda: False)
     vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}"]))
-    assert checkpoint_kind(vlm) == CheckpointKind(vision_language=True, gated_deltanet=True)
-    argv = vllm_command(vlm, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
+    assert checkpoint_kind(build_plan(vlm)) == CheckpointKind(vision_language=True, gated_deltanet=True)
+    argv = vllm_command(placed(build_plan(vlm), ["0", "1"]), version="0.26.0", prompt_tokens=200).argv
     assert " ".join(TEXT_ONLY + TRITON_GDN) in " ".join(argv)
-    assert checkpoint_kind(to_config(compose([f"model.name_or_path={random_tiny_model_dir}"]))) == CheckpointKind()
+    assert checkpoint_kind(plan_run(compose([f"model.name_or_path={random_tiny_model_dir}"]))) == CheckpointKind()
     attached = to_config(
         compose(
             [
@@ -407,9 +402,9 @@ def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny
             ]
         )
     )
-    assert checkpoint_kind(attached) == CheckpointKind()  # the expected-command hint never waits on the network
+    assert checkpoint_kind(build_plan(attached)) == CheckpointKind()  # the expected-command hint never waits
     with pytest.raises(ConfigError, match=r"^model.name_or_path=.*empty: cannot read its config.json"):
-        checkpoint_kind(to_config(compose([*BASE, f"model.name_or_path={tmp_path / 'empty'}"])))
+        checkpoint_kind(plan_run(compose([*BASE, f"model.name_or_path={tmp_path / 'empty'}"])))
 
 
 def test_served_adapters_reserve_lora_slots_only_in_their_target_modules(random_tiny_model_dir, random_tiny_vlm_dir):
@@ -418,16 +413,16 @@ def test_served_adapters_reserve_lora_slots_only_in_their_target_modules(random_
     linear = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     adapter = ["lora=default", "lora.sync=adapter"]
     tiny = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter]))
-    assert checkpoint_kind(tiny).lora_modules == tuple(linear)
-    argv = vllm_command(tiny, version="0.26.0", gpus=["0", "1"], prompt_tokens=200).argv
+    assert checkpoint_kind(build_plan(tiny)).lora_modules == tuple(linear)
+    argv = vllm_command(placed(build_plan(tiny), ["0", "1"]), version="0.26.0", prompt_tokens=200).argv
     assert argv[argv.index("--lora-target-modules") + 1 :][: len(linear)] == linear
     listed = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter,
                                 "lora.target_modules=[q_proj,v_proj]"]))  # fmt: skip
-    assert checkpoint_kind(listed).lora_modules == ("q_proj", "v_proj")
+    assert checkpoint_kind(build_plan(listed)).lora_modules == ("q_proj", "v_proj")
     merged = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "lora=default"]))
-    assert checkpoint_kind(merged).lora_modules == ()  # merged sync: vLLM runs without LoRA
+    assert checkpoint_kind(build_plan(merged)).lora_modules == ()  # merged sync: vLLM runs without LoRA
     vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}", *adapter]))
-    modules = checkpoint_kind(vlm).lora_modules
+    modules = checkpoint_kind(build_plan(vlm)).lora_modules
     assert {"q_proj", "o_proj", "down_proj"} <= set(modules)  # the text model's attention and MLP
     assert not {"qkv", "proj", "linear_fc1"} & set(modules)  # never the vision tower (frozen, not adapted)
 
@@ -437,18 +432,19 @@ def test_a_shared_gpu_gives_vllm_what_the_trainers_measured_footprint_leaves(ran
     from asyncrl.trainer.memory import GIB, TrainerMemory, record_memory
 
     monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
-    config = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "packing=flat"]))
-    assert shared_gpu_share(config, 1224)[0] == 0.3  # not measured yet (a printed command)
+    plan = plan_run(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "packing=flat"]))
+    config, dtype = plan.config, plan.serving_dtype
+    assert shared_gpu_share(config, 1224, dtype)[0] == 0.3  # not measured yet (a printed command)
     budget = warm_up_token_budget(config, 1224)
 
     def share(peak: float, context: float = 1.0) -> tuple[float, str]:
         record_memory(config, budget, TrainerMemory(int(peak * GIB), int(context * GIB), 140 * GIB))
-        return shared_gpu_share(config, 1224)
+        return shared_gpu_share(config, 1224, dtype)
 
     assert share(50) == (0.52, "the trainer's measured peak 50.0 GiB + 1.0 GiB CUDA context + margin = 66.3 of the "
                                "GPU's 140.0 GiB")  # fmt: skip
     assert share(1)[0] == 0.9  # never more than on a GPU of its own
-    assert shared_gpu_share(config, 4096)[0] == 0.3  # another row size is another shape: measured again
+    assert shared_gpu_share(config, 4096, dtype)[0] == 0.3  # another row size is another shape: measured again
     with pytest.raises(ConfigError, match=r"one GPU cannot hold both: .* leaves 0\.9 GiB, and vLLM needs 2\.0"):
         share(106)
 

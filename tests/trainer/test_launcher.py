@@ -14,7 +14,9 @@ import uuid
 import pytest
 from e2e.helpers import wait_no_marked  # tests/e2e
 
-from asyncrl.config.compose import compose, to_config, to_yaml
+from asyncrl.config.compose import compose
+from asyncrl.plan.assemble import plan_run
+from asyncrl.plan.plan_file import write_plan
 from asyncrl.serving.process import ServerStartError
 from asyncrl.trainer.launcher import ERROR_FILE_ENV, Agent, RankLogs, TrainerRankError, run_ranks
 
@@ -37,9 +39,8 @@ class HealthyServer:
 @pytest.mark.slow
 def test_a_failed_rank_stops_the_others_and_is_named(random_tiny_model_dir, tmp_path, marker):
     """Rank 0 fails (its data is missing) while rank 1 has loaded the model and waits for it."""
-    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "trainer.num_processes=2",
-                                f"data.path={tmp_path / 'missing.jsonl'}"]))  # fmt: skip
-    (tmp_path / "config.yaml").write_text(to_yaml(config))
+    write_plan(plan_run(compose([f"model.name_or_path={random_tiny_model_dir}", "trainer.num_processes=2",
+                                 f"data.path={tmp_path / 'missing.jsonl'}"])), tmp_path)  # fmt: skip
     with pytest.raises(TrainerRankError) as failed:
         run_ranks(tmp_path, HealthyServer())
     assert str(failed.value).startswith("trainer rank 0 exited with code 1: DatasetError: ")
@@ -58,8 +59,7 @@ class ExitedServer(HealthyServer):
 
 def test_a_server_that_exits_while_the_ranks_start_stops_them(random_tiny_model_dir, tmp_path, marker):
     """The ranks start while the launched server boots (rank 0 waits for its health): its exit ends them."""
-    (tmp_path / "config.yaml").write_text(to_yaml(to_config(compose([f"model.name_or_path={random_tiny_model_dir}",
-                                                                     "trainer.num_processes=2"]))))  # fmt: skip
+    write_plan(plan_run(compose([f"model.name_or_path={random_tiny_model_dir}", "trainer.num_processes=2"])), tmp_path)
     exited = r"^the generation server at http://127.0.0.1:9 \(vLLM, pid 7\) exited with code 1: OutOfMemoryError$"
     with pytest.raises(ServerStartError, match=exited):
         run_ranks(tmp_path, ExitedServer())

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from sharded import save, sharded
 from transformers import AutoTokenizer
 
-from asyncrl.client import ControlClient, ServerError
+from asyncrl.client import Control, ControlClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
-from asyncrl.flow import FlowControl
+from asyncrl.plan.assemble import build_plan
 from asyncrl.serving.checks import ServerCheckError
 from asyncrl.serving.command import served_name
 from asyncrl.serving.process import ServerProcess, free_port
@@ -127,7 +127,8 @@ def test_merged_sync_makes_the_server_match_the_trainer(server, peft_model, rand
     name = served_name(str(random_tiny_model_dir))
     config = lora_config(random_tiny_model_dir, f"lora.sync={sync}")
     with ControlClient(server.base_url, timeout_s=60) as control:
-        sync_ = WeightSync(control, FileTransport.from_config(config=config, run_dir=tmp_path))
+        dtype = build_plan(config).serving_dtype
+        sync_ = WeightSync(control, FileTransport.from_config(config=config, run_dir=tmp_path, dtype=dtype))
         sync_.init(peft_model)
         before = served_vs_local(server.base_url, peft_model, name)
         sync_.push(peft_model, 1)
@@ -201,12 +202,18 @@ def adapter_config(model_dir: Path, output_dir: Path, sync: str = "adapter") -> 
     return lora_config(model_dir, f"lora.sync={sync}", "staleness.max_staleness=1", f"trainer.output_dir={output_dir}")
 
 
+def planned_adapter_sync(control: Control, config: Config, output_dir: Path) -> AdapterSync:
+    """Adapter-only sync with the flow rules and serving dtype the config's plan decides, as a run builds it."""
+    plan = build_plan(config)
+    return AdapterSync(control, config, output_dir, flow=plan.flow, dtype=plan.serving_dtype)
+
+
 def test_adapter_sync_makes_the_server_match_the_trainer_under_the_new_name(
     lora_server, peft_model, random_tiny_model_dir, tmp_path
 ):
     config = adapter_config(random_tiny_model_dir, tmp_path)
     with ControlClient(lora_server.base_url, timeout_s=60) as control:
-        sync = build_weight_sync(config, control, tmp_path)
+        sync = build_weight_sync(build_plan(config), control, tmp_path)
         assert isinstance(sync, AdapterSync)
         sync.init(peft_model)
         metrics = sync.push(peft_model, 1)
@@ -227,7 +234,7 @@ def test_the_window_keeps_max_staleness_plus_one_versions(lora_server, peft_mode
     config = adapter_config(random_tiny_model_dir, tmp_path)
     with RecordingControl(lora_server.base_url, timeout_s=60) as control:
         control.calls = []
-        sync = AdapterSync(control, config, tmp_path, flow=FlowControl.from_config(config))
+        sync = planned_adapter_sync(control, config, tmp_path)
         sync.init(peft_model)
         for version in (1, 2, 3):
             train_adapters(peft_model, seed=version)
@@ -250,24 +257,25 @@ def test_the_window_keeps_max_staleness_plus_one_versions(lora_server, peft_mode
 def test_lora_sync_auto_and_adapter_follow_what_the_server_can(lora_server, tiny_server, random_tiny_model_dir,
                                                                tmp_path):  # fmt: skip
     with ControlClient(lora_server.base_url, timeout_s=60) as control:
-        assert isinstance(build_weight_sync(adapter_config(random_tiny_model_dir, tmp_path, "auto"), control,
-                                            tmp_path), AdapterSync)  # fmt: skip
+        assert isinstance(build_weight_sync(build_plan(adapter_config(random_tiny_model_dir, tmp_path, "auto")),
+                                            control, tmp_path), AdapterSync)  # fmt: skip
         wide = lora_config(random_tiny_model_dir, "lora.sync=adapter", "lora.r=16", "staleness.max_staleness=1")
         with pytest.raises(ServerCheckError, match="--max-lora-rank 16"):
-            build_weight_sync(wide, control, tmp_path)
+            build_weight_sync(build_plan(wide), control, tmp_path)
         many = lora_config(random_tiny_model_dir, "lora.sync=auto", "staleness.max_staleness=4")
-        assert isinstance(build_weight_sync(many, control, tmp_path), WeightSync)  # 3 < 4 + 2 adapters: merged
+        merged = build_weight_sync(build_plan(many), control, tmp_path)
+        assert isinstance(merged, WeightSync)  # 3 < 4 + 2 adapters: merged
     with ControlClient(tiny_server.base_url, timeout_s=60) as control:
-        assert isinstance(build_weight_sync(adapter_config(random_tiny_model_dir, tmp_path, "auto"), control,
-                                            tmp_path), WeightSync)  # fmt: skip
+        assert isinstance(build_weight_sync(build_plan(adapter_config(random_tiny_model_dir, tmp_path, "auto")),
+                                            control, tmp_path), WeightSync)  # fmt: skip
         with pytest.raises(ServerCheckError, match="LoRA off: restart it with --enable-lora"):
-            build_weight_sync(adapter_config(random_tiny_model_dir, tmp_path), control, tmp_path)
+            build_weight_sync(build_plan(adapter_config(random_tiny_model_dir, tmp_path)), control, tmp_path)
 
 
 def test_a_refused_load_fails_the_sync_naming_the_step(lora_server, peft_model, random_tiny_model_dir, tmp_path):
     config = lora_config(random_tiny_model_dir, "lora.sync=adapter", "staleness.max_staleness=3")  # keeps 4 of 3
     with ControlClient(lora_server.base_url, timeout_s=60) as control:
-        sync = AdapterSync(control, config, tmp_path, flow=FlowControl.from_config(config))
+        sync = planned_adapter_sync(control, config, tmp_path)
         sync.init(peft_model)
         try:
             for version in (1, 2, 3):

@@ -52,7 +52,8 @@ from asyncrl.trainer.setup import load_tokenizer
     ],
 )
 def test_the_trainer_takes_the_cores_the_server_leaves(overrides, world, cores, threads):
-    assert trainer_cpu_threads(to_config(compose(overrides)), world, cores) == threads
+    plan = plan_run(compose(overrides))
+    assert trainer_cpu_threads(plan.config, world, cores, plan.server_backend) == threads
 
 
 def test_more_ranks_than_cores_is_one_warning(caplog):
@@ -71,7 +72,7 @@ def test_more_ranks_than_cores_is_one_warning(caplog):
 def test_the_threads_are_set_on_a_cpu_machine():
     before = torch.get_num_threads()
     try:
-        use_cpu_threads(to_config(compose(["trainer.cpu_threads=3"])), world=1)  # not the tests' 1 (conftest.py)
+        use_cpu_threads(to_config(compose(["trainer.cpu_threads=3"])), world=1, backend="builtin")  # not conftest's 1
         assert torch.get_num_threads() == (before if torch.cuda.is_available() else 3)
     finally:
         torch.set_num_threads(before)

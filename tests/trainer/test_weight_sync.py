@@ -32,8 +32,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError
 from asyncrl.config.compose import compose, to_config
+from asyncrl.config.schema import ModelDtype
 from asyncrl.control_group import ControlGroup
-from asyncrl.flow import FlowControl
+from asyncrl.plan.assemble import build_plan, plan_run
 from asyncrl.serving.checks import ServerFacts
 from asyncrl.serving.command import LAUNCHED_VLLM_MERGES, served_name
 from asyncrl.serving.group import ServerGroup
@@ -61,6 +62,9 @@ from tests.conftest import serve_session
 from tests.sharded import sharded
 
 STEPS = ("stage", "pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
+
+BF16 = ModelDtype.bfloat16
+"""The serving dtype the transport tests send in (a run's plan decides it)."""
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +295,7 @@ def test_build_weight_sync_checks_the_server_and_picks_the_file_transport(server
     config = to_config(compose(["server.launch=false", f"server.base_url={server.base_url}",
                                 f"model.name_or_path={random_tiny_model_dir}"]))  # fmt: skip
     with ControlClient(server.base_url, timeout_s=30) as control:
-        sync = build_weight_sync(config, control, tmp_path)
+        sync = build_weight_sync(build_plan(config), control, tmp_path)
         assert isinstance(sync.transport, FileTransport) and sync.facts.backend == "builtin"
         sync.close()
     assert WEIGHT_SYNC.names() == ["builtin", "ipc", "nccl"]
@@ -303,8 +307,8 @@ def test_build_weight_sync_checks_the_server_and_picks_the_file_transport(server
 def test_auto_lora_against_the_vllm_asyncrl_launches_merges_and_says_why(caplog):
     """The plan decides merged syncs for a launched vLLM (it has no LoRA); no server is asked, which for a group
     of none would answer adapters."""
-    config = to_config(compose(["lora=default", "lora.sync=auto", "server=vllm", "server.max_model_len=512"]))
-    flow = FlowControl.from_config(config)
+    plan = plan_run(compose(["lora=default", "lora.sync=auto", "server=vllm", "server.max_model_len=512"]))
+    config, flow = plan.config, plan.flow
     with caplog.at_level(logging.INFO, logger="asyncrl.trainer.weight_sync"):
         assert syncs_adapters(config, ControlGroup([]), "vllm", flow, decided=False) is False
         assert syncs_adapters(config, ControlGroup([]), "vllm", flow, decided=None) is True
@@ -332,15 +336,15 @@ def test_the_watchdog_turns_a_hang_into_an_error():
 def test_the_trainer_api_follows_the_installed_vllm(installed, ipc, nccl, monkeypatch, tmp_path):
     monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: installed)
     config = to_config(compose(["server.dtype=bfloat16"]))
-    assert type(ipc_transport(config=config, run_dir=tmp_path)).__name__ == ipc
-    transport = nccl_transport(config=config, run_dir=tmp_path)
+    assert type(ipc_transport(config=config, run_dir=tmp_path, dtype=BF16)).__name__ == ipc
+    transport = nccl_transport(config=config, run_dir=tmp_path, dtype=BF16)
     assert type(transport).__name__ == nccl and transport.dtype == torch.bfloat16
 
 
 def test_without_vllm_the_vllm_transports_say_so(monkeypatch, tmp_path):
     monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
     with pytest.raises(WeightSyncError, match="needs vllm on the trainer side"):
-        ipc_transport(config=to_config(compose([])), run_dir=tmp_path)
+        ipc_transport(config=to_config(compose([])), run_dir=tmp_path, dtype=BF16)
 
 
 class Recorder:
@@ -630,7 +634,7 @@ def test_ipc_loads_in_place_where_the_extension_can(facts, direct_load, expected
     config = to_config(compose([f"server.ipc_direct_load={direct_load}"]))
     server = ServerFacts("vllm", "0.26.0", 4096, "ipc", False, **{"worker_extension": WORKER_EXTENSION, **facts})
     with caplog.at_level(logging.INFO, logger="asyncrl.weights.vllm_transports"):
-        assert type(ipc_transport(config=config, run_dir=tmp_path, facts=server)).__name__ == expected
+        assert type(ipc_transport(config=config, run_dir=tmp_path, dtype=BF16, facts=server)).__name__ == expected
     if why is not None:
         assert re.search(f"ipc sync through vLLM's engine.*{why}", caplog.text)
 
@@ -640,7 +644,7 @@ def test_a_quantized_server_over_nccl_says_its_session_requantizes(monkeypatch, 
     config = to_config(compose([]))
     plain = ServerFacts("vllm", "0.33.0", 4096, "nccl", False)
     with caplog.at_level(logging.INFO, logger="asyncrl.weights.vllm_transports"):
-        nccl_transport(config=config, run_dir=tmp_path, facts=plain)
+        nccl_transport(config=config, run_dir=tmp_path, dtype=BF16, facts=plain)
         assert not caplog.text
-        nccl_transport(config=config, run_dir=tmp_path, facts=replace(plain, quantization="fp8"))
+        nccl_transport(config=config, run_dir=tmp_path, dtype=BF16, facts=replace(plain, quantization="fp8"))
     assert re.search(r"nccl sync through vLLM's engine: the server quantizes its weights \(fp8\)", caplog.text)
