@@ -16,7 +16,9 @@ The task (written by this script into ``--work``/data, seeded by ``--data-seed``
 Two-operand additions and subtractions, operands 0-99, no negative result (15,050 problems), shuffled; the first
 ``--eval-prompts`` (200) are held out (eval.jsonl), the next 4000 are train.jsonl, so no problem is in both. A row
 is a conversational prompt, ``What is 47 - 12? Put your final answer within \\boxed{}.``, rendered by the model's
-chat template (SmolLM2's adds its default system prompt), and the gold ``solution``. The reward is asyncrl's
+chat template (SmolLM2's adds its default system prompt), and the gold ``solution``; a model without a chat template
+(Gemma-3-270M's base GGUF) gets it as plain text, ``Question: ...\\nAnswer:``, tokenized with its BOS by both tools
+(TRL 1.16's ``_tokenize_prompts``, asyncrl's ``render_prompt``). The reward is asyncrl's
 ``accuracy_format`` (conf/reward/accuracy_format.yaml): ``accuracy`` (math-verify on the last ``\\boxed{}``) plus
 ``format`` (exactly one closed, non-empty ``\\boxed{}``), 0-2; TRL gets the very functions asyncrl's registry builds.
 
