@@ -43,6 +43,16 @@ def leader_first(store: dist.Store, rank: int, world: int, leader: bool) -> int:
     return (rank - first) % world
 
 
+def backends(device: torch.device) -> str:
+    """The process group's backend per device type: NCCL moves GPU tensors, gloo everything on the CPU.
+
+    Object collectives (a step's commands, torch.distributed.checkpoint's save and load plans) pick the CPU
+    backend when the group has one, so they take no GPU memory: over NCCL they did, and a save at the end of a
+    run whose server had taken the rest of the GPU failed in ``gather_object`` ("Failed to CUDA calloc async 24
+    bytes", session 32's real-model row)."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
 class Ranks:
     """This process's place among the trainer ranks and the few collectives the trainer makes."""
 
@@ -79,11 +89,10 @@ class Ranks:
 
     @classmethod
     def _join(cls, rank: int, world: int, store: Any = None) -> Ranks:
-        if torch.cuda.is_available():
-            device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dist.init_process_group(
+            backends(device), store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+        )
         return cls(rank, world, device)
 
     def command(self, name: str, payloads: list[Any] | None = None) -> Any:
