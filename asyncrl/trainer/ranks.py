@@ -90,9 +90,7 @@ class Ranks:
     @classmethod
     def _join(cls, rank: int, world: int, store: Any = None) -> Ranks:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        dist.init_process_group(
-            backends(device), store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
-        )
+        dist.init_process_group(backends(device), store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         return cls(rank, world, device)
 
     def command(self, name: str, payloads: list[Any] | None = None) -> Any:
