@@ -12,11 +12,12 @@ from asyncrl.trainer.callbacks import TrainerCallback, TrainerControl
 from asyncrl.trainer.checkpoint import TrainerState
 
 LOG_ENV = "ASYNCRL_TEST_CALLBACK_LOG"
+STOP_ENV = "ASYNCRL_TEST_STOP_AT_STEP"
 
 
-class StopAfterFirstStep(TrainerCallback):
+class RecordHooks(TrainerCallback):
     """Appends each hook call (its name, the step and what it was given) as a JSON line to $ASYNCRL_TEST_CALLBACK_LOG,
-    and asks the run to stop after its first step."""
+    and asks the run to stop after step $ASYNCRL_TEST_STOP_AT_STEP (if set)."""
 
     def _record(self, hook: str, state: TrainerState, **seen: Any) -> None:
         with Path(os.environ[LOG_ENV]).open("a") as f:
@@ -24,7 +25,8 @@ class StopAfterFirstStep(TrainerCallback):
 
     def on_step_end(self, config: Config, state: TrainerState, control: TrainerControl) -> None:
         self._record("on_step_end", state)
-        control.should_training_stop = True
+        if os.environ.get(STOP_ENV) and state.step >= int(os.environ[STOP_ENV]):
+            control.should_training_stop = True
 
     def on_log(self, config: Config, state: TrainerState, control: TrainerControl, logs: dict[str, Any]) -> None:
         self._record("on_log", state, has_reward="reward" in logs)

@@ -30,6 +30,7 @@ class CliRun:
     output: str
     seconds: float
     marker: str
+    pid: int | None = None
 
 
 def free_port_pair() -> int:
@@ -66,27 +67,91 @@ def wait_no_marked(marker: str, timeout_s: float = 15.0) -> list[int]:
     return pids
 
 
-def cli_env(marker: str) -> dict[str, str]:
-    return {**os.environ, "ASYNCRL_TEST_MARKER": marker, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+def cli_env(marker: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The CLI's environment; ``extra`` is added, its PYTHONPATH put before the repository's."""
+    extra = dict(extra or {})
+    path = os.pathsep.join([*filter(None, [extra.pop("PYTHONPATH", None)]), str(REPO)])
+    return {**os.environ, "ASYNCRL_TEST_MARKER": marker, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", **extra}  # fmt: skip
 
 
-def run_cli(args: list[str], *, timeout_s: float = 600, cwd: Path | None = None) -> CliRun:
+def run_cli(
+    args: list[str], *, timeout_s: float = 600, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> CliRun:
     marker = uuid.uuid4().hex
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True,
-                          env=cli_env(marker), timeout=timeout_s, cwd=cwd or REPO)  # fmt: skip
+                          env=cli_env(marker, env), timeout=timeout_s, cwd=cwd or REPO)  # fmt: skip
     return CliRun(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started, marker)
 
 
 def start_cli(
-    args: list[str], *, cwd: Path | None = None, preexec_fn: Callable[[], object] | None = None
+    args: list[str],
+    *,
+    cwd: Path | None = None,
+    preexec_fn: Callable[[], object] | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     marker = uuid.uuid4().hex
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=cli_env(marker), cwd=cwd or REPO,
+                            stderr=subprocess.STDOUT, text=True, env=cli_env(marker, env), cwd=cwd or REPO,
                             preexec_fn=preexec_fn)  # fmt: skip
     return proc, marker
+
+
+PLAN_RECORDER = '''
+"""Loaded by every Python process of the test's run: appends "pid function argv" to $PLAN_CALLS at each planning
+call."""
+import importlib.machinery
+import os
+import sys
+
+
+class PlanCalls:
+    def find_spec(self, name, path, target=None):
+        if name != "asyncrl.plan.assemble":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            for function in ("plan_run", "build_plan"):
+                setattr(module, function, recorded(getattr(module, function)))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def recorded(function):
+    def call(*args, **kwargs):
+        with open(os.environ["PLAN_CALLS"], "a") as log:
+            log.write(f"{os.getpid()} {function.__name__} {' '.join(sys.argv)}\\n")
+        return function(*args, **kwargs)
+
+    return call
+
+
+sys.meta_path.insert(0, PlanCalls())
+'''
+
+
+def plan_recorder(root: Path) -> tuple[dict[str, str], Path]:
+    """The environment that loads ``PLAN_RECORDER`` (a sitecustomize.py under ``root``) into every Python process
+    of a run started with it, and the file where it logs each call of asyncrl.plan.assemble's planning functions."""
+    hooks, calls = root / "plan-hooks", root / "plan_calls.log"
+    hooks.mkdir(parents=True, exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(PLAN_RECORDER)
+    return {"PYTHONPATH": str(hooks), "PLAN_CALLS": str(calls)}, calls
+
+
+def planners(calls: Path) -> dict[int, list[str]]:
+    """pid -> the "function argv" lines it logged (none planned: an empty dict)."""
+    found: dict[int, list[str]] = {}
+    for line in calls.read_text().splitlines() if calls.exists() else []:
+        pid, rest = line.split(" ", 1)
+        found.setdefault(int(pid), []).append(rest)
+    return found
 
 
 def kill_marked(marker: str) -> None:

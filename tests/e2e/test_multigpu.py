@@ -3,7 +3,10 @@ replicas: on one node it trains, syncs both servers and checkpoints sharded and 
 is killed, which ends the run in one line naming the replica and the resume command. Then two "nodes" of one rank
 each (the second one a plain torchrun at the first's c10d rendezvous) resume from its checkpoint and train on,
 attached to the session's two servers: rollouts reach both, counted per server, and the last sync leaves both
-serving the trained model. One chain of runs, since each start of two ranks and two servers costs a minute of CI."""
+serving the trained model. In both runs the CLI alone plans and writes plan.json: the ranks' launcher, the ranks,
+the rollout worker, the servers and the second node plan nothing (a recorder loaded into every Python process of
+the runs logs each planning call with its pid). One chain of runs, since each start of two ranks and two servers
+costs a minute of CI."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient
 from asyncrl.metrics import read_jsonl
+from asyncrl.plan.plan_file import PLAN_FILE, read_plan
 from asyncrl.serving.process import ServerProcess, free_port
 from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
 
@@ -33,6 +37,8 @@ from .helpers import (
     free_port_pair,
     kill_marked,
     marked_pids,
+    plan_recorder,
+    planners,
     run_cli,
     served_vs_trained,
     start_cli,
@@ -60,8 +66,11 @@ def test_two_ranks_and_two_replicas_train_until_one_dies_then_two_nodes_resume_o
     run_dir, port = tmp_path / "run", free_port_pair()
     two = args(random_tiny_model_dir, arithmetic_data_dir, run_dir, "trainer.num_processes=2", "server.replicas=2",
                "trainer.max_steps=500", f"server.port={port}")  # fmt: skip
-    run = run_until_a_replica_dies(two, run_dir, port)
+    recorder, calls = plan_recorder(tmp_path / "first")
+    run = run_until_a_replica_dies(two, run_dir, port, recorder)
     assert "HTTP Request" not in run.output  # rank 0's console: libraries' INFO records stay off it
+    assert set(planners(calls)) == {run.pid}, calls.read_text()  # the CLI planned; no other process of the run
+    assert read_plan(run_dir).world_size == 2 and (run_dir / PLAN_FILE).is_file()
     steps = read_jsonl(run_dir / "metrics.jsonl")
     newest = checkpoint_step(list_checkpoints(run_dir)[-1])
     assert [row["step"] for row in steps] == list(range(1, newest + 1)) and newest >= 2
@@ -77,8 +86,13 @@ def test_two_ranks_and_two_replicas_train_until_one_dies_then_two_nodes_resume_o
     # two servers, which need no reset: the resumed trainer pushes its checkpoint's weights before generating
     servers = fresh_replicas()
     end = newest + 1
-    train_on_two_nodes(random_tiny_model_dir, arithmetic_data_dir, run_dir, servers, f"trainer.max_steps={end}",
-                       "trainer.resume_from_checkpoint=latest")  # fmt: skip
+    recorder, calls = plan_recorder(tmp_path / "second")
+    train_on_two_nodes(random_tiny_model_dir, arithmetic_data_dir, run_dir, servers, recorder,
+                       f"trainer.max_steps={end}", "trainer.resume_from_checkpoint=latest")  # fmt: skip
+    planned = planners(calls)  # the CLI alone: the second node's torchrun and rank read plan.json
+    assert len(planned) == 1, calls.read_text()
+    (lines,) = planned.values()
+    assert all(line.split()[1].endswith(str(Path("asyncrl") / "__main__.py")) for line in lines), lines  # the CLI
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in steps] == list(range(1, end + 1))
     assert min(request_counts(steps[newest:])) > 0  # the resumed step's rollouts went to both servers
@@ -90,10 +104,10 @@ def test_two_ranks_and_two_replicas_train_until_one_dies_then_two_nodes_resume_o
         assert served_vs_trained(server.base_url, trained) <= 1e-4
 
 
-def run_until_a_replica_dies(command: list[str], run_dir: Path, port: int) -> CliRun:
+def run_until_a_replica_dies(command: list[str], run_dir: Path, port: int, env: dict[str, str]) -> CliRun:
     """Start the run, kill -9 replica 1 (port + 1) once step 2's checkpoint is saved: the run ends in one line naming
     the replica, its pid and the signal, and the command that resumes from the newest checkpoint."""
-    proc, marker = start_cli(command)
+    proc, marker = start_cli(command, env=env)
     started = time.monotonic()
     try:
         while not [p for p in list_checkpoints(run_dir) if checkpoint_step(p) >= 2]:
@@ -120,7 +134,7 @@ def run_until_a_replica_dies(command: list[str], run_dir: Path, port: int) -> Cl
         errors[0],
     ), errors
     assert "Traceback" not in output
-    return CliRun(proc.returncode, output, time.monotonic() - started, marker)
+    return CliRun(proc.returncode, output, time.monotonic() - started, marker, proc.pid)
 
 
 def _cmdline(pid: int) -> bytes:
@@ -130,24 +144,26 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def second_node(run_dir: Path, endpoint: str) -> tuple[subprocess.Popen[str], str]:
+def second_node(run_dir: Path, endpoint: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     """The other node's command, as the README gives it."""
     marker = uuid.uuid4().hex
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "asyncrl",
                "-m", "asyncrl.trainer.rank_main", str(run_dir)]  # fmt: skip
     node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=cli_env(marker), cwd=REPO)  # fmt: skip
+                            env=cli_env(marker, env), cwd=REPO)  # fmt: skip
     return node, marker
 
 
-def train_on_two_nodes(model: Path, data: Path, run_dir: Path, servers: list[ServerProcess], *extra: str) -> None:
+def train_on_two_nodes(
+    model: Path, data: Path, run_dir: Path, servers: list[ServerProcess], env: dict[str, str], *extra: str
+) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    node, marker = second_node(run_dir, endpoint)
+    node, marker = second_node(run_dir, endpoint, env)
     two_nodes = ["trainer.nnodes=2", f"trainer.rdzv_endpoint={endpoint}", "trainer.num_processes=1"]
     urls = ",".join(server.base_url for server in servers)
     attach = ["server.launch=false", f"server.base_urls=[{urls}]", "trainer.cpu_threads=1"]
-    run = run_cli(args(model, data, run_dir, *two_nodes, *attach, *extra), timeout_s=300)
+    run = run_cli(args(model, data, run_dir, *two_nodes, *attach, *extra), timeout_s=300, env=env)
     try:
         assert run.returncode == 0, run.output[-3000:]
         assert node.wait(timeout=60) == 0, node.communicate()[0][-3000:]

@@ -8,7 +8,9 @@ coefficient, so that its checkpoint and resume carry loss state too (the other l
 real trainer step in tests/losses/test_trainer_step.py, which costs no server or worker start), and steps of a fixed
 number of samples (trainer.samples_per_step) spanning several rows. Both runs evaluate every 2 steps (at checkpoints,
 then by logging.eval_steps); the resumed one finds the abandoned steps an interrupted run leaves in metrics.jsonl.
-A one-step run checks that generation starts beside the first evaluation and that a callback's stop ends a run.
+The async run's reward (tests/e2e/rewards.py) checks that generation starts beside the first evaluation; a callback
+(tests/e2e/callbacks.py) records each hook of both runs, and its stop ends the resumed run a step before its
+trainer.max_steps, as max_steps would.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient
@@ -28,6 +31,7 @@ from asyncrl.metrics import read_jsonl
 from asyncrl.serving.process import ServerProcess, free_port
 
 from .callbacks import LOG_ENV as CALLBACK_LOG_ENV
+from .callbacks import STOP_ENV
 from .helpers import CliRun, run_cli, served_vs_trained, wait_no_marked
 
 pytestmark = pytest.mark.e2e
@@ -40,6 +44,8 @@ ENTROPY_DELTA = 0.005  # the default loss.entropy_coef_delta
 EVAL_PROMPTS = 4  # evaluated before, every SAVE_STEPS steps and after: a second each on the tiny model
 EVALS = ("eval/greedy_reward", "eval/sampled_reward")
 SAMPLES = 32  # the async run's trainer.samples_per_step: 4 groups, more than a 512-token row holds
+CALLBACK = "tests.e2e.callbacks:RecordHooks"
+SIGNAL_ENV = "ASYNCRL_TEST_SIGNAL_DIR"
 
 
 def common_args(model: Path, data: Path, run_dir: Path) -> list[str]:
@@ -76,12 +82,17 @@ class AttachedRun:
 
 @pytest.fixture(scope="module")
 def async_run(random_tiny_model_dir, arithmetic_data_dir, fresh_server, tmp_path_factory) -> AttachedRun:
+    """Its reward is `length`'s (the completion's token count) under another name, which leaves signals in
+    <root>/signals (tests/e2e/rewards.py); the callback logs to <root>/callbacks.jsonl and does not stop it."""
     server = fresh_server()
-    run_dir = tmp_path_factory.mktemp("async") / "run"
+    root = tmp_path_factory.mktemp("async")
+    run_dir = root / "run"
+    (root / "signals").mkdir()
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir), "staleness.max_staleness=1",
             *CISPO, "logging.profile_steps=[3]", "trainer.peak_tflops=0.5", f"trainer.samples_per_step={SAMPLES}",
-            "logging.eval_on_save=true", *attach(server)]  # fmt: skip
-    run = run_cli(args)
+            "logging.eval_on_save=true", "reward_funcs=[{name: 'tests.e2e.rewards:eval_waits_for_the_worker_reward'}]",
+            f"trainer.callbacks=[{CALLBACK}]", *attach(server)]  # fmt: skip
+    run = run_cli(args, env={SIGNAL_ENV: str(root / "signals"), CALLBACK_LOG_ENV: str(root / "callbacks.jsonl")})
     version, gap = ControlClient(server.base_url).weight_version(), math.inf
     if run.returncode == 0:
         trained = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).eval()
@@ -93,7 +104,9 @@ def async_run(random_tiny_model_dir, arithmetic_data_dir, fresh_server, tmp_path
 def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, session_server) -> tuple[CliRun, Path]:
     """Resumed in synchronous mode (max_staleness=0), which its 3 steps also check. No fresh server: the resumed
     trainer pushes its checkpoint's weights before generating. It saves twice (periodic, final): three checkpoints
-    kept (tiny_arith keeps 2) leave the one it resumed from, which the tests read, and still prune the first."""
+    kept (tiny_arith keeps 2) leave the one it resumed from, which the tests read, and still prune the first. Its
+    trainer.max_steps is one step past RESUMED: the callback stops it after RESUMED[-1] (<root>/resumed_callbacks.jsonl
+    has its hooks)."""
     if async_run.run.returncode != 0:
         pytest.skip("the first run failed")
     run_dir = async_run.run_dir
@@ -101,10 +114,11 @@ def resumed_run(async_run, random_tiny_model_dir, arithmetic_data_dir, session_s
     with (run_dir / "metrics.jsonl").open("a") as f:  # as a run interrupted after its last checkpoint leaves it
         f.write(json.dumps({**steps_of(run_dir)[-1], "step": STEPS + 1, "abandoned": True}) + "\n")
     args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, run_dir),
-            f"trainer.max_steps={RESUMED[-1]}", "staleness.max_staleness=0", *CISPO,
+            f"trainer.max_steps={RESUMED[-1] + 1}", "staleness.max_staleness=0", *CISPO,
             "trainer.resume_from_checkpoint=latest", "trainer.save_total_limit=3", f"logging.eval_steps={SAVE_STEPS}",
-            *attach(session_server)]  # fmt: skip
-    return run_cli(args), run_dir
+            f"trainer.callbacks=[{CALLBACK}]", *attach(session_server)]  # fmt: skip
+    env = {STOP_ENV: str(RESUMED[-1]), CALLBACK_LOG_ENV: str(run_dir.parent / "resumed_callbacks.jsonl")}
+    return run_cli(args, env=env), run_dir
 
 
 def test_async_run_trains_every_step_within_its_staleness_bound_and_overlaps(async_run):
@@ -240,44 +254,40 @@ def test_mfu_is_logged_where_the_peak_is_known(async_run, resumed_run):
     assert not any("perf/fwd_bwd_mfu" in s or "perf/wall_clock_mfu" in s for s in resumed)
 
 
-@pytest.fixture(scope="module")
-def one_step_run(random_tiny_model_dir, arithmetic_data_dir, session_server, tmp_path_factory) -> tuple[CliRun, Path]:
-    """A run of trainer.max_steps=2 that a callback stops after its first step (tests/e2e/callbacks.py), whose reward
-    leaves signals in <root>/signals; returns the run and that root."""
-    root = tmp_path_factory.mktemp("one-step")
-    (root / "signals").mkdir()
-    args = ["train", *common_args(random_tiny_model_dir, arithmetic_data_dir, root / "run"), "trainer.max_steps=2",
-            "reward_funcs=[{name: 'tests.e2e.rewards:eval_waits_for_the_worker_reward'}]",
-            "trainer.callbacks=[tests.e2e.callbacks:StopAfterFirstStep]", *attach(session_server)]  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ASYNCRL_TEST_SIGNAL_DIR", str(root / "signals"))
-        patch.setenv(CALLBACK_LOG_ENV, str(root / "callbacks.jsonl"))
-        return run_cli(args), root
-
-
-def test_the_first_groups_generate_beside_the_first_evaluation(one_step_run):
+def test_the_first_groups_generate_beside_the_first_evaluation(async_run):
     """The rollout worker starts before the "before" evaluation, so the first step's groups need not wait for it:
     the evaluation's reward calls meet the worker's (tests/e2e/rewards.py)."""
-    run, root = one_step_run
-    assert run.returncode == 0, run.output[-3000:]
-    outcomes = sorted(path.suffix for path in (root / "signals").glob("*.*"))
+    assert async_run.run.returncode == 0, async_run.run.output[-3000:]
+    outcomes = sorted(path.suffix for path in (async_run.run_dir.parent / "signals").glob("*.*"))
     assert outcomes == [".met", ".met"], outcomes  # the trainer's and the worker's
 
 
-def test_a_callback_sees_each_hook_and_its_stop_ends_the_run_as_max_steps_would(one_step_run):
-    """Stopped after step 1 of 2 by control.should_training_stop: the run still evaluates, checkpoints and saves its
-    model as at trainer.max_steps, and the callback saw each of those in order."""
-    run, root = one_step_run
-    assert run.returncode == 0, run.output[-3000:]
-    events = read_jsonl(root / "callbacks.jsonl")
+def test_a_callback_sees_each_hook_and_its_stop_ends_the_run_as_max_steps_would(async_run, resumed_run):
+    """The async run (not stopped): the "before" evaluation, then each step's hooks, evaluations and checkpoints in
+    order. The resumed run, stopped after step 7 of 8 by control.should_training_stop: it still evaluates,
+    checkpoints and saves its model as at trainer.max_steps (step 7 is neither an evaluation nor a save step), and
+    the callback saw each of those in order."""
+    assert async_run.run.returncode == 0, async_run.run.output[-3000:]
+    events = read_jsonl(async_run.run_dir.parent / "callbacks.jsonl")
     assert [(e["hook"], e["step"]) for e in events] == [
-        ("on_evaluate", 0), ("on_step_end", 1), ("on_log", 1), ("on_evaluate", 1), ("on_save", 1),
+        ("on_evaluate", 0), ("on_step_end", 1), ("on_log", 1), ("on_step_end", 2), ("on_evaluate", 2), ("on_log", 2),
+        ("on_save", 2), ("on_step_end", 3), ("on_log", 3), ("on_step_end", 4), ("on_evaluate", 4), ("on_log", 4),
+        ("on_save", 4),
     ]  # fmt: skip
     assert events[0]["metrics"] == sorted(EVALS) and events[2]["has_reward"]
-    assert (events[-1]["checkpoint"], events[-1]["whole"]) == ("step_000001", True)
-    assert [s["step"] for s in steps_of(root / "run")] == [1]
-    assert (root / "run" / "model" / "model.safetensors").is_file()
-    assert "tests.e2e.callbacks:StopAfterFirstStep (trainer.callbacks) set control.should_training_stop at step 1" in (
-        run.output
-    )
-    assert "done after 1 steps in " in run.output
+    assert "set control.should_training_stop" not in async_run.run.output
+    run, run_dir = resumed_run
+    assert run.returncode == 0, run.output[-3000:]
+    events = read_jsonl(run_dir.parent / "resumed_callbacks.jsonl")
+    assert [(e["hook"], e["step"]) for e in events] == [
+        ("on_step_end", 5), ("on_log", 5), ("on_step_end", 6), ("on_evaluate", 6), ("on_log", 6), ("on_save", 6),
+        ("on_step_end", 7), ("on_log", 7), ("on_evaluate", 7), ("on_save", 7),
+    ]  # fmt: skip
+    assert all(e["metrics"] == sorted(EVALS) for e in events if e["hook"] == "on_evaluate")
+    assert (events[-1]["checkpoint"], events[-1]["whole"]) == (f"step_{RESUMED[-1]:06d}", True)
+    assert [s["step"] for s in steps_of(run_dir)][-1] == RESUMED[-1]
+    final = load_file(str(run_dir / "model" / "model.safetensors"))  # this run's final model, not the first run's
+    saved = load_file(str(run_dir / "checkpoints" / f"step_{RESUMED[-1]:06d}" / "model.safetensors"))
+    assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
+    assert f"{CALLBACK} (trainer.callbacks) set control.should_training_stop at step {RESUMED[-1]}" in run.output
+    assert f"done after {RESUMED[-1]} steps ({len(RESUMED)} in this launch) in " in run.output

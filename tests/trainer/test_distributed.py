@@ -2,8 +2,9 @@
 the same weights on the built-in server after a sync, a consolidated checkpoint equal to the unsharded model.
 
 The two ranks are two "nodes" of one rank each: two of torch's elastic agents (threads here) meet at a c10d
-rendezvous on a free loopback port, as `asyncrl train` and a second node's torchrun do. One such run (module
-fixture) serves every test: starting ranks costs seconds each on CPU.
+rendezvous on a free loopback port, as `asyncrl train` and a second node's torchrun do. One such launch (module
+fixture) serves every test: its ranks make a full model's step, then a LoRA model's, each built anew as a run's
+ranks build it (starting ranks costs seconds each on CPU).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from asyncrl.trainer.checkpoint import TrainerState
 from asyncrl.trainer.distributed import load_grad_scaler, split_rows, train_step
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import build_optimizer, load_model
-from asyncrl.trainer.ranks import SERVER_URL_ENV
+from asyncrl.trainer.ranks import SERVER_URL_ENV, Ranks
 from asyncrl.weights.tensors import unique_state_dict
 
 from .test_weight_sync import served_vs_local
 
-pytestmark = pytest.mark.slow  # each module fixture starts a two-rank world: 20-45 s on CI's cores
+pytestmark = pytest.mark.slow  # the module fixture starts a two-rank world: 20-45 s on CI's cores
 
 WORLD = 2
 
@@ -97,63 +98,67 @@ def single_process_step(config: Config, rows: list) -> torch.nn.Module:
 def node_main(inputs: str, lead: str) -> None:
     """One node's rank, as its launcher starts it: the leading node's (the one that holds the server's URL, as
     `asyncrl train`'s does) becomes trainer rank 0, whatever rank the rendezvous gave its node."""
-    config, rows, placement, out, server_url = torch.load(inputs, weights_only=False)
+    jobs, server_url = torch.load(inputs, weights_only=False)
     os.environ.pop(SERVER_URL_ENV, None)
     if lead == "lead":
         os.environ[SERVER_URL_ENV] = server_url
-    rank_main(config, rows, placement, out, server_url)
-
-
-def rank_main(config: Config, rows: list, placement: list, out: Path, server_url: str) -> None:
-    """One rank: rank 0 leads the trainer's step, sync and save sequence; rank 1 is a real Follower."""
     faulthandler.enable()  # a crashed rank prints its Python stack
+    import torch.distributed as dist
+
+    from asyncrl.trainer.distributed import leave
+
+    ranks = Ranks.from_env()
+    try:
+        for config, rows, placement, out in jobs:
+            rank_main(ranks, config, rows, placement, out, server_url)
+    finally:
+        dist.destroy_process_group()
+    leave(0)
+
+
+def rank_main(ranks: Ranks, config: Config, rows: list, placement: list, out: Path, server_url: str) -> None:
+    """One rank's job: rank 0 leads the trainer's step, sync and save sequence; rank 1 is a real Follower."""
     import torch.distributed as dist
 
     from asyncrl.client import ControlClient
     from asyncrl.plan.assemble import build_plan
     from asyncrl.trainer import fsdp
-    from asyncrl.trainer.distributed import Follower, build_sharded, leave, split_rows, train_rows
-    from asyncrl.trainer.ranks import Ranks
+    from asyncrl.trainer.distributed import Follower, build_sharded, split_rows, train_rows
     from asyncrl.trainer.weight_sync import WeightSync
     from asyncrl.weights.file_transport import FileTransport
 
-    ranks = Ranks.from_env()
-    try:
-        if ranks.rank != 0:
-            Follower(build_plan(config), out, ranks).serve()
-            dist.barrier()  # leave together (see asyncrl.trainer.rank_main.main)
-            return
-        model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
-        loss = StepLoss(LOSSES.build(config.loss))
-        mine = ranks.command("step", split_rows(rows, placement, loss.norm(rows)))
-        result = train_rows(model, loss, mine, ranks, config)
-        fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = [m for per_rank, _ in ranks.gather((result.metrics, result.totals)) for m in per_rank]
-        if config.lora.enabled:
-            write_lora(model, ranks, out)
-        else:
-            ranks.command("save", [str(out / "ckpt")] * WORLD)
-            fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
-            ranks.command("sync", [(torch.float32, False)] * WORLD)
-            view = fsdp.GatheredModel(model, ranks, torch.float32)
-            with ControlClient(server_url, timeout_s=60) as control:
-                sync = WeightSync(control, FileTransport(out, torch.float32))
-                sync.init(view)
-                try:
-                    sync.push(view, 1)
-                finally:
-                    view.done()
-                    sync.close()
-        ranks.command("stop")
-        (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
-            rows, placement, StepNorm())], "row_metrics": len(metrics)}))  # fmt: skip
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    leave(0)
+    if ranks.rank != 0:
+        Follower(build_plan(config), out, ranks).serve()
+        dist.barrier()  # leave together (see asyncrl.trainer.rank_main.main)
+        return
+    model, optimizer, scheduler, _ = build_sharded(config, out, ranks)
+    loss = StepLoss(LOSSES.build(config.loss))
+    mine = ranks.command("step", split_rows(rows, placement, loss.norm(rows)))
+    result = train_rows(model, loss, mine, ranks, config)
+    fsdp.clip_grad_norm(model, config.trainer.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = [m for per_rank, _ in ranks.gather((result.metrics, result.totals)) for m in per_rank]
+    if config.lora.enabled:
+        write_lora(model, ranks, out)
+    else:
+        ranks.command("save", [str(out / "ckpt")] * WORLD)
+        fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
+        ranks.command("sync", [(torch.float32, False)] * WORLD)
+        view = fsdp.GatheredModel(model, ranks, torch.float32)
+        with ControlClient(server_url, timeout_s=60) as control:
+            sync = WeightSync(control, FileTransport(out, torch.float32))
+            sync.init(view)
+            try:
+                sync.push(view, 1)
+            finally:
+                view.done()
+                sync.close()
+    ranks.command("stop")
+    (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
+        rows, placement, StepNorm())], "row_metrics": len(metrics)}))  # fmt: skip
+    dist.barrier()
 
 
 def write_lora(model: torch.nn.Module, ranks, out: Path) -> None:
@@ -197,13 +202,25 @@ def launch_nodes(inputs: Path, logs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(random_tiny_model_dir, arithmetic_data_dir, tiny_server, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    config = make_config(random_tiny_model_dir, arithmetic_data_dir)
+def worlds(random_tiny_model_dir, arithmetic_data_dir, tiny_server, tmp_path_factory) -> dict[str, tuple]:
+    """One launch of two nodes, whose ranks run two jobs in turn on the same rows: "full" (a step, a resumable
+    checkpoint, a sync to the server) and "lora" (a LoRA step, its merged weights and its adapter). Each job's
+    (config, rows, output directory)."""
+    root = tmp_path_factory.mktemp("ranks")
     rows, placement = make_step(random_tiny_model_dir)
-    torch.save((config, rows, placement, out, tiny_server.base_url), out / "inputs.pt")
-    launch_nodes(out / "inputs.pt", out / "logs")
-    return config, rows, out
+    configs = {"full": make_config(random_tiny_model_dir, arithmetic_data_dir),
+               "lora": make_config(random_tiny_model_dir, arithmetic_data_dir, "lora=default", "lora.r=8")}  # fmt: skip
+    jobs = [(config, rows, placement, root / name) for name, config in configs.items()]
+    for *_, out in jobs:
+        out.mkdir()
+    torch.save((jobs, tiny_server.base_url), root / "inputs.pt")
+    launch_nodes(root / "inputs.pt", root / "logs")
+    return {name: (config, rows, root / name) for name, config in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(worlds):
+    return worlds["full"]
 
 
 @pytest.fixture(scope="module")
@@ -252,13 +269,8 @@ def test_the_two_rank_checkpoint_resumes_on_one_rank(two_ranks, reference, one_r
 
 
 @pytest.fixture(scope="module")
-def two_lora_ranks(random_tiny_model_dir, arithmetic_data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora-ranks")
-    config = make_config(random_tiny_model_dir, arithmetic_data_dir, "lora=default", "lora.r=8")
-    rows, placement = make_step(random_tiny_model_dir)
-    torch.save((config, rows, placement, out, ""), out / "inputs.pt")
-    launch_nodes(out / "inputs.pt", out / "logs")
-    return config, rows, out
+def two_lora_ranks(worlds):
+    return worlds["lora"]
 
 
 def test_lora_on_two_ranks_makes_the_single_process_update(two_lora_ranks):
