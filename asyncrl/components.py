@@ -51,8 +51,7 @@ def build_components(config: Config) -> Components:
     weights = config.reward_weights or [1.0] * len(config.reward_funcs)
     for index, (spec, weight) in enumerate(zip(config.reward_funcs, weights, strict=True)):
         fn = _build(registries["reward"], spec, f"reward_funcs[{index}]")
-        name = spec["name"] if spec["name"] in registries["reward"] else reward_name(fn)
-        rewards.append(RewardSource(name, fn, float(weight)))
+        rewards.append(RewardSource(_metric_name(spec["name"], fn, registries["reward"]), fn, float(weight)))
     advantage = _build(registries["advantage"], config.advantage, "advantage")
     advantage.reward_weights = {source.name: source.weight for source in rewards}
     return Components(
@@ -61,6 +60,16 @@ def build_components(config: Config) -> Components:
         packer=_build(registries["packing"], config.packing, "packing"),
         rewards=rewards,
     )
+
+
+def _metric_name(name: str, fn: Any, registry: ComponentRegistry[Any]) -> str:
+    """A reward's name in its metrics (rewards/<name>/mean): a reward model's checkpoint (TRL's), a registered
+    reward's name, a user's function's own."""
+    from asyncrl.rewards.reward_model import RewardModel
+
+    if isinstance(fn, RewardModel):
+        return fn.metric_name
+    return name if name in registry else reward_name(fn)
 
 
 def build_packer(config: Config) -> Packer:

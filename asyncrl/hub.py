@@ -67,10 +67,16 @@ def is_hub_id(value: str) -> bool:
 
 
 def hub_sources(config: Config) -> list[HubSource]:
-    """The Hub ids the run reads: the model (and its tokenizer), the training and evaluation data."""
+    """The Hub ids the run reads: the model (and its tokenizer), the reward models, the training and evaluation
+    data."""
+    from asyncrl.rewards.reward_model import reward_model_options
+
     found = []
     if is_hub_id(config.model.name_or_path):
         found.append(HubSource("model.name_or_path", config.model.name_or_path, "model", config.model.revision))
+    for key, options in reward_model_options(config):
+        if is_hub_id(options.path):
+            found.append(HubSource(f"{key}.path", options.path, "model"))
     evaluates = config.data.num_eval_prompts > 0
     for key, path in (
         ("data.path", config.data.path),

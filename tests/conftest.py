@@ -96,6 +96,34 @@ def arithmetic_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_classifier(num_labels=1)``: the directory of a random LlamaForSequenceClassification (a reward model
+    when num_labels=1) saved with the shipped tiny-arith tokenizer and its chat template; one per label count."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from asyncrl.assets import asset_path
+
+    made: dict[int, Path] = {}
+
+    def make(num_labels: int = 1) -> Path:
+        if num_labels not in made:
+            tokenizer = AutoTokenizer.from_pretrained(asset_path("tiny-arith"))
+            config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                 num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            with torch.random.fork_rng():
+                torch.manual_seed(num_labels)
+                model = LlamaForSequenceClassification(config)
+            path = tmp_path_factory.mktemp("classifier") / f"tiny-rm-{num_labels}"
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            made[num_labels] = path
+        return made[num_labels]
+
+    return make
+
+
 def serve_session(model_dir: Path, weights_root: Path, log_dir: Path) -> Iterator[ServerProcess]:
     """`python -m asyncrl.engine` on ``model_dir`` (served under the name a run's config gives it), with the
     settings the CLI launches it with, until the session ends."""

@@ -50,6 +50,8 @@ def test_hub_ids_are_what_no_path_can_mean(tmp_path):
     ]
     config.data.num_eval_prompts = 0  # no evaluation: its data is not read
     assert [s.key for s in hub_sources(config)] == ["model.name_or_path", "data.path"]
+    config = to_config(compose(["reward_funcs=[{name: length}, {name: reward_model, path: org/rm}]"]))
+    assert [(s.key, s.repo_id) for s in hub_sources(config)] == [("reward_funcs[1].path", "org/rm")]
 
 
 def test_offline_a_hub_id_is_refused_unless_the_cache_has_it(fresh_probe, tmp_path):
@@ -66,6 +68,9 @@ def test_offline_a_hub_id_is_refused_unless_the_cache_has_it(fresh_probe, tmp_pa
         check_hub_sources(config)
     (tmp_path / "datasets" / "org___prompts").mkdir(parents=True)  # where datasets keeps what it loaded
     assert check_hub_sources(config) is None
+    config.reward_funcs = [{"name": "reward_model", "path": "org/reward-model"}]
+    with pytest.raises(ConfigError, match=r"^reward_funcs\[0\]\.path=org/reward-model: not on this machine"):
+        check_hub_sources(config)
 
 
 def test_an_endpoint_that_does_not_answer_turns_offline_mode_on(fresh_probe):

@@ -429,8 +429,10 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     reward_funcs: list[dict[str, Any]] = field(default_factory=list)
-    """Reward functions, each {name: registered-name-or-import-path, **kwargs}; their rewards are summed.
-    The `reward` config group holds presets (reward=accuracy); set the list itself with reward_funcs=[...]."""
+    """Reward functions, each {name: registered-name-or-import-path, **kwargs}, or reward models, {name: reward_model,
+    path: CHECKPOINT} (a sequence classifier scored on the trainer's GPU: asyncrl/rewards/reward_model.py); their
+    rewards are summed. The `reward` config group holds presets (reward=accuracy); set the list itself with
+    reward_funcs=[...]."""
     reward_weights: list[float] | None = None
     """One weight per reward function, in reward_funcs order (TRL's GRPOConfig.reward_weights): the weighted sum is
     the reward the advantage and `reward` use; rewards/<name>/mean stay unweighted, gdpo weights each function's

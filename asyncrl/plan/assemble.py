@@ -283,6 +283,17 @@ def check_reference_model(config: Config, components: Components) -> None:
         )
 
 
+def check_reward_models(config: Config, components: Components) -> None:
+    """Each reward model in reward_funcs is a sequence classifier with one label, read from its config.json before
+    anything loads (rewards/classifier.py)."""
+    from asyncrl.rewards.classifier import check_checkpoint
+    from asyncrl.rewards.reward_model import RewardModel
+
+    for index, source in enumerate(components.rewards):
+        if isinstance(source.fn, RewardModel):
+            check_checkpoint(source.fn.options, f"reward_funcs[{index}]")
+
+
 FLOW_CHECKS: tuple[Callable[[Config, FlowControl], None], ...] = (
     check_synchronous_sync,
     check_samples_per_step_mode,
@@ -309,6 +320,7 @@ COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (
     check_loss_requirements,
     check_loss_options,
     check_reference_model,
+    check_reward_models,
 )
 
 

@@ -28,6 +28,7 @@ from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.restart import restart_count
+from asyncrl.rewards.endpoint import serving_reward_models
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.solved import RewardRange
 from asyncrl.rollout.spawn import send_spec, spawn_worker
@@ -79,15 +80,18 @@ STARTED_ENV = "ASYNCRL_STARTED_AT"
 
 
 def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
-    """Train as rank 0 of ``ranks`` (trainer/distributed.py). A CUDA out-of-memory error anywhere in it ends the run
-    with one line saying what was measured and which keys change it (the traceback goes to the run's log)."""
+    """Train as rank 0 of ``ranks`` (trainer/distributed.py), the reward models of reward_funcs served beside it on its
+    device (rewards/endpoint.py; loaded before the warm-up measures the trainer's memory). A CUDA out-of-memory error
+    anywhere in it ends the run with one line saying what was measured and which keys change it (the traceback goes
+    to the run's log)."""
     trainer = None
     try:
-        trainer = Trainer(config, run_dir, server, prepared, ranks)
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
+        with serving_reward_models(config, prepared.components.rewards):
+            trainer = Trainer(config, run_dir, server, prepared, ranks)
+            try:
+                trainer.train()
+            finally:
+                trainer.close()
     except torch.OutOfMemoryError as error:
         memory = None if trainer is None else trainer.memory
         raise TrainerOutOfMemoryError(out_of_memory_line(config, memory, _server_share(server))) from error

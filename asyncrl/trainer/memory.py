@@ -109,7 +109,10 @@ def cache_dir() -> Path:
 
 def shape_key(config: Config, token_budget: int) -> str:
     """What decides the trainer's footprint (model, precision, LoRA, checkpointing, attention, compile, optimizer, row
-    size, top log-probabilities, torch and the GPU), hashed: runs that differ only elsewhere share a figure."""
+    size, top log-probabilities, reward models, torch and the GPU), hashed: runs that differ only elsewhere share a
+    figure."""
+    from asyncrl.rewards.reward_model import reward_model_options
+
     t = config.trainer
     parts = {
         "model": OmegaConf.to_container(OmegaConf.structured(config.model)),
@@ -123,6 +126,9 @@ def shape_key(config: Config, token_budget: int) -> str:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+    reward_models = reward_model_options(config)
+    if reward_models:  # loaded on the trainer's GPU before the warm-up (rewards/endpoint.py): part of the footprint
+        parts["reward_models"] = [(options.path, options.dtype) for _, options in reward_models]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -99,6 +99,7 @@ def prepare(plan: RunPlan) -> Prepared:
     conversational = check_prompt_forms(config, dataset, eval_dataset)
     tokenizer = load_tokenizer(config)
     check_agents(config, tokenizer, conversational)
+    check_reward_model_tokenizers(plan.components, conversational)
     check_router_aux_coef(config)
     check_routing(dataset, config.rollout.environment_factory)
     return Prepared(dataset, eval_dataset, tokenizer, plan, loop_cls)
@@ -111,6 +112,17 @@ def check_components_pickle(components: Components) -> None:
     for source in components.rewards:
         check_picklable(source.fn, f"reward function '{source.name}'")
     check_picklable(components.advantage, "advantage estimator (advantage.name)")
+
+
+def check_reward_model_tokenizers(components: Components, conversational: bool) -> None:
+    """Each reward model's own tokenizer loads, with a chat template for conversational prompts (its config was
+    checked with the plan: plan/assemble.py)."""
+    from asyncrl.rewards.classifier import check_tokenizer
+    from asyncrl.rewards.reward_model import RewardModel
+
+    for index, source in enumerate(components.rewards):
+        if isinstance(source.fn, RewardModel):
+            check_tokenizer(source.fn.options, f"reward_funcs[{index}]", conversational)
 
 
 def check_prompt_forms(config: Config, dataset: Any, eval_dataset: Any | None) -> bool:
