@@ -15,7 +15,7 @@ from typer.core import TyperCommand, TyperGroup
 from asyncrl import __version__
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan
 
 
 class _UntypedFlags:
@@ -166,7 +166,7 @@ def config(
     if plan_file:
         import json
 
-        from asyncrl.plan.plan_file import plan_record
+        from asyncrl.plan_file import plan_record
 
         typer.echo(json.dumps(plan_record(plan), indent=2))
         return
@@ -205,7 +205,8 @@ def serve(ctx: typer.Context) -> None:
     """Run the generation server alone in the foreground. Arguments: a run directory (its final model, else its
     newest checkpoint, with the run's overrides) or a model directory, if any, then Hydra overrides as for train:
     [bold]asyncrl serve runs/2026-01-31_12-00-00 server.port=8001[/bold]"""
-    from asyncrl.launch import EXPECTED_ERRORS, check_serve, serve_forever, serve_plan
+    from asyncrl.launch import check_serve, serve_forever, serve_plan
+    from asyncrl.trainer.exits import EXPECTED_ERRORS
 
     plan = _checked(lambda: serve_plan(list(ctx.args)))
     config = plan.config
@@ -273,7 +274,7 @@ def _checked(build):  # type: ignore[no-untyped-def]
     from omegaconf.errors import OmegaConfBaseException
 
     from asyncrl.config.messages import config_error_line
-    from asyncrl.launch import CONFIG_ERRORS
+    from asyncrl.trainer.exits import CONFIG_ERRORS
 
     try:
         return build()

@@ -20,16 +20,16 @@ from typing import Any
 import torch
 
 from asyncrl.dtypes import DTYPES
+from asyncrl.lora import ADAPTER_CONFIG, is_adapter_dir
 from asyncrl.model_kind import auto_model_class, is_vision_language
+from asyncrl.safetensors_files import umask_mode
 from asyncrl.trainer.checkpoint import (
     PROCESSOR_FILES,
     checkpoints_dir,
     list_checkpoints,
     processor_files,
     save_processor_files,
-    umask_mode,
 )
-from asyncrl.trainer.lora import ADAPTER_CONFIG, is_adapter_dir
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _TOKENIZER = ("tokenizer_config.json", "tokenizer.json")

@@ -2,7 +2,7 @@
 
 `run_hydra` hands the overrides to the single `@hydra.main` entry (Hydra's Compose API composes but
 does not sweep). Each job plans once (plan/assemble.py::plan_run) and writes the plan to the run directory
-(plan.json, plan/plan_file.py), which is the only input of every child process and of a restart; then it starts
+(plan.json, asyncrl/plan_file.py), which is the only input of every child process and of a restart; then it starts
 the server under supervision and runs the trainer.
 """
 
@@ -26,61 +26,20 @@ from omegaconf import DictConfig
 from asyncrl.config.compose import conf_dir, register_schema, to_yaml
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
+from asyncrl.hub_push import HubPushError, pushing
 from asyncrl.plan.assemble import TRANSFER_PREFIX, plan_run
-from asyncrl.plan.plan_file import read_plan, write_plan
+from asyncrl.plan_file import read_plan, write_plan
+from asyncrl.trainer.exits import CONFIG_ERRORS, EXPECTED_ERRORS, terminate_on_sigterm
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan
     from asyncrl.serving.command import ServerCommand
     from asyncrl.serving.group import ServerGroup
 
 log = logging.getLogger("asyncrl")
 
-
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    """Failures whose message says everything (bad data, a failed server or worker): no Python traceback."""
-    from asyncrl.client import ServerError
-    from asyncrl.data import DatasetError
-    from asyncrl.hub_push import HubPushError
-    from asyncrl.registry import RegistryError
-    from asyncrl.rollout.spawn import UnpicklableError
-    from asyncrl.serving.process import ServerStartError
-    from asyncrl.trainer.assembler import RolloutWorkerError
-    from asyncrl.trainer.checkpoint import ResumeError
-    from asyncrl.trainer.group_watch import TrainingStalledError
-    from asyncrl.trainer.launcher import TrainerRankError
-    from asyncrl.trainer.memory import TrainerOutOfMemoryError
-    from asyncrl.weights.transport import WeightSyncError
-
-    return (
-        DatasetError,
-        RegistryError,
-        ServerStartError,
-        ServerError,
-        RolloutWorkerError,
-        UnpicklableError,
-        TrainerRankError,
-        ResumeError,
-        TrainingStalledError,
-        ConfigError,
-        WeightSyncError,
-        TrainerOutOfMemoryError,
-        HubPushError,
-    )
-
-
-EXPECTED_ERRORS = _expected_errors()
-
-
-def _config_errors() -> tuple[type[BaseException], ...]:
-    """The expected errors that a change of configuration or input fixes: exit code 2, like a bad override."""
-    from asyncrl.data import DatasetError
-    from asyncrl.trainer.checkpoint import ResumeError
-
-    return ConfigError, DatasetError, ResumeError
-
-
-CONFIG_ERRORS = _config_errors()
+JOB_ERRORS = (*EXPECTED_ERRORS, HubPushError)
+"""A job's expected failures: its processes' (trainer/exits.py) and the Hub push's after training."""
 
 
 def run_hydra(overrides: list[str], *, multirun: bool = False, cfg: str | None = None) -> None:
@@ -118,7 +77,7 @@ def _hydra_job(cfg: DictConfig) -> None:
         _run_restarting(cfg, plan, run_dir)
     except CONFIG_ERRORS as exc:
         _refuse(exc, run_dir)
-    except EXPECTED_ERRORS as exc:
+    except JOB_ERRORS as exc:
         _fail(exc, run_dir, Path(config.trainer.output_dir or run_dir))
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -261,7 +220,6 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
     """One training job in ``run_dir`` as ``plan`` (composed from ``cfg``) says: the server is stopped however the
     job ends."""
     config = plan.config
-    from asyncrl.hub_push import pushing
     from asyncrl.trainer.loop import run_training
     from asyncrl.trainer.setup import prepare
 
@@ -491,7 +449,7 @@ def serve_overrides(args: list[str]) -> list[str]:
     import yaml
 
     from asyncrl.export import ExportError, resolve_source
-    from asyncrl.trainer.lora import is_adapter_dir
+    from asyncrl.lora import is_adapter_dir
 
     source = Path(args[0])
     try:
@@ -573,17 +531,6 @@ def _stop_on_signals() -> threading.Event:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopping.set())
     return stopping
-
-
-def terminate_on_sigterm() -> None:
-    """Turn SIGTERM into KeyboardInterrupt("SIGTERM") so context managers stop the children; Ctrl-C raises it too,
-    even in a process started from a script's background job, which inherits SIGINT ignored."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:

@@ -1,12 +1,16 @@
 """How a dataset's prompt becomes the tokens a server generates from, and a completion the text rewards see.
 
-One module below rollout/, engine/, serving/ and evaluate.py, which all render prompts: the rollouts, the built-in
-server's chat route, the server's context check and the held-out evaluation must give the model the same tokens.
+One module below rollout/, engine/, serving/, trainer/ and evaluate.py, which all render prompts: the rollouts, the
+built-in server's chat route, the server's context check and the held-out evaluation must give the model the same
+tokens, from the same tokenizer (``load_tokenizer``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import Config
 
 Messages = list[dict[str, Any]]
 """A conversation: chat messages, each a dict with ``role`` and ``content`` (and tool fields)."""
@@ -33,3 +37,23 @@ def completion_of(prompt: Messages | str, text: str) -> Messages | str:
     """A one-turn completion as the reward functions get it: the text after a plain-text prompt, an assistant
     message after a conversation."""
     return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+
+def load_tokenizer(config: Config) -> Any:
+    """model.name_or_path's tokenizer; one that cannot be loaded (files missing from the directory or the cache) is a
+    ConfigError naming the key, rather than transformers' traceback."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.config.errors import ConfigError
+
+    m = config.model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+        )
+    except OSError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"model.name_or_path={m.name_or_path}: cannot load its tokenizer ({first})") from error
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

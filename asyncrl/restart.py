@@ -26,8 +26,6 @@ from pathlib import Path
 
 log = logging.getLogger("asyncrl")
 
-RESTARTS_FILE = "restarts.jsonl"
-
 
 def restartable_errors() -> tuple[type[BaseException], ...]:
     """A process of the run died or stopped answering: what a fresh start of the job's processes can fix (not a
@@ -39,16 +37,6 @@ def restartable_errors() -> tuple[type[BaseException], ...]:
     from asyncrl.weights.transport import WeightSyncError
 
     return RolloutWorkerError, TrainerRankError, ServerStartError, WeightSyncError, GenerationFailingError
-
-
-def restarts_path(run_dir: Path) -> Path:
-    return run_dir / "logs" / RESTARTS_FILE
-
-
-def restart_count(run_dir: Path) -> int:
-    """Restarts the run has had so far, across every launch of it (resumes by hand included)."""
-    path = restarts_path(run_dir)
-    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
 
 def resume_point(output_dir: Path) -> Path | None:
@@ -114,6 +102,7 @@ def _prepare_restart(
 ) -> str | None:
     """Record and announce restart number ``restart`` after ``exc``; return the checkpoint it resumes from."""
     from asyncrl.trainer.checkpoint import checkpoint_step
+    from asyncrl.trainer.exits import restarts_path
 
     checkpoint = resume_point(output_dir)
     if checkpoint is None:

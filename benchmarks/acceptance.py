@@ -131,7 +131,6 @@ sys.path.insert(0, str(REPO))
 
 from asyncrl.metrics import read_jsonl  # noqa: E402
 from asyncrl.parent import die_with_parent  # noqa: E402
-from asyncrl.restart import restart_count  # noqa: E402
 from asyncrl.serving.process import free_port  # noqa: E402
 
 POLL_S = 0.5
@@ -702,6 +701,8 @@ def ending_line(stderr: str) -> str:
 def run_restart(row: Row, row_dir: Path, ctx: Context, model: Path | None, result: Result) -> None:
     """The server killed once the run has a checkpoint, under trainer.max_restarts=1: the run restarts itself from
     it (one console line, logs/restarts.jsonl, perf/restarts) and the one command reaches max_steps."""
+    from asyncrl.trainer.exits import restart_count  # imports the trainer (torch): only for this row
+
     poll, done = at_checkpoint(row_dir, KILL)
     train(result, row_dir, typed(row, ctx, model), ctx, poll)
     said = restart_line(console(row_dir, 0))

@@ -34,12 +34,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from asyncrl import lora  # noqa: E402
 from asyncrl.assets.tiny_model import build_tokenizer  # noqa: E402
 from asyncrl.client import ControlClient, ensure_token  # noqa: E402
 from asyncrl.config.schema import Config, LoraConfig, ModelConfig, ServerConfig, StalenessConfig  # noqa: E402
 from asyncrl.plan.assemble import build_plan  # noqa: E402
 from asyncrl.serving.process import ServerProcess, free_port  # noqa: E402
-from asyncrl.trainer import lora  # noqa: E402
 from asyncrl.trainer.weight_sync import WeightSync  # noqa: E402
 from asyncrl.weights.adapter import AdapterSync  # noqa: E402
 from asyncrl.weights.file_transport import FileTransport  # noqa: E402

@@ -1,13 +1,15 @@
 """Session fixtures shared across test folders: a tiny random-init model with the embedded default's
-tokenizer and chat template, arithmetic data in DeepMath's schema (nothing is downloaded), and one built-in
-server on that model for the whole session (starting a server costs seconds; resetting its weights does not);
-`invoke` runs the `asyncrl` command in the test's process (a subprocess pays seconds of start and imports).
+tokenizer and chat template (also loaded per test, ``model``, with the weight-sync tests' helpers that change its
+weights and compare it with a server's logprobs), arithmetic data in DeepMath's schema (nothing is downloaded), and
+one built-in server on that model for the whole session (starting a server costs seconds; resetting its weights
+does not); `invoke` runs the `asyncrl` command in the test's process (a subprocess pays seconds of start and imports).
 
 Every server the tests start needs the session's token for state-changing requests (``server_token``, in the
 environment, which the servers, the CLIs and the clients read) and loads weights only from ``weights_root``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -21,7 +23,7 @@ from stub_server import serve_in_thread
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
-from asyncrl.client import TOKEN_ENV, ensure_token
+from asyncrl.client import TOKEN_ENV, GenerationClient, SamplingParams, ensure_token
 from asyncrl.serving.process import ServerProcess
 from asyncrl.trainer.ranks import Ranks
 
@@ -73,6 +75,38 @@ def random_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = build_tokenizer()
     save_tiny_model(build_model(tokenizer, seed=0), tokenizer, path)
     return path
+
+
+@pytest.fixture
+def model(random_tiny_model_dir: Path) -> torch.nn.Module:
+    """The random tiny model in float32, loaded for each test (the weight-sync tests change its weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.float32).eval()
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """Move every weight by seeded noise: new weights for a sync to carry."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def served_vs_local(base_url: str, model: torch.nn.Module, name: str) -> float:
+    """Max |server logprob - local logprob| over a sampled completion (temperature 1: processed = raw)."""
+    prompt = [4, 30, 31, 32, 5]
+
+    async def generate():
+        async with GenerationClient(base_url, name, timeout_s=60) as client:
+            return await client.complete(prompt, SamplingParams(max_tokens=12, logprobs=0, seed=3))
+
+    out = asyncio.run(generate())
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    local = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    return float((local - torch.tensor(out.logprobs)).abs().max())
 
 
 @pytest.fixture(scope="session")

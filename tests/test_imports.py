@@ -1,7 +1,10 @@
-"""No import cycle in the package, counting every import: module level, inside functions, under TYPE_CHECKING.
+"""No import cycle in the package, and no two of its packages importing each other, counting every import: module
+level, inside functions, under TYPE_CHECKING.
 
 A cycle hidden in a function-level import still ties two modules into one; the fix is to move what both need to
-where it belongs, not to hide the import.
+where it belongs, not to hide the import. Packages are layered (issue 54): config < base modules < components <
+rollout / engine / serving / weights / trainer < plan < launch < cli, so a package that imports another is never
+imported back by it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,30 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def top_package(module: str) -> str:
+    """asyncrl.trainer.loop -> trainer; a top-level module (asyncrl/launch.py) is a package of its own: launch."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def mutual_imports(graph: dict[str, set[str]]) -> dict[frozenset[str], list[str]]:
+    """Each pair of top-level packages that import each other -> the module imports that tie them, both ways."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            pair = top_package(module), top_package(target)
+            if pair[0] != pair[1]:
+                edges.setdefault(pair, []).append(f"{module} -> {target}")
+    return {frozenset(pair): sorted(ties + edges[pair[::-1]]) for pair, ties in edges.items() if pair[::-1] in edges}
+
+
+MUTUAL_EXCEPTIONS = {
+    frozenset({"hub", "rewards"}): "hub.py::hub_sources reads the reward models' paths (rewards/reward_model.py) and "
+    "rewards/classifier.py asks hub.is_hub_id; both files are outside issue 54's change",
+}
+"""Package pairs still allowed to import each other, each with why; one that no longer does must leave the list."""
+
+
 def test_the_package_has_no_import_cycle():
     cycle = find_cycle(import_graph(PACKAGE))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
@@ -85,6 +112,31 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     (package / "c.py").write_text("import pkg\nfrom . import a\n")  # the package itself and a one-way import
     cycle = find_cycle(import_graph(package))
     assert cycle is not None and set(cycle) == {"pkg.a", "pkg.sub.b"} and cycle[0] == cycle[-1]
+
+
+def test_no_two_packages_import_each_other():
+    mutual = mutual_imports(import_graph(PACKAGE))
+    unexpected = {" <-> ".join(sorted(pair)): ties for pair, ties in mutual.items() if pair not in MUTUAL_EXCEPTIONS}
+    assert not unexpected, unexpected
+    stale = [sorted(pair) for pair in MUTUAL_EXCEPTIONS if pair not in mutual]
+    assert not stale, f"no longer import each other, remove from MUTUAL_EXCEPTIONS: {stale}"
+
+
+def test_two_packages_importing_each_other_are_found_through_any_import(tmp_path):
+    package = tmp_path / "pkg"
+    for sub in ("a", "b", "c"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "a" / "x.py").write_text("def f():\n    from pkg.b import y\n")
+    (package / "b" / "y.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import z\n")
+    (package / "a" / "z.py").write_text("")
+    (package / "c" / "w.py").write_text("from pkg.a import z\nfrom pkg import top\n")  # one-way imports only
+    (package / "top.py").write_text("from pkg.a import x\n")
+    graph = import_graph(package)
+    assert find_cycle(graph) is None  # no module cycle: a.x -> b.y -> a.z
+    ties = ["pkg.a.x -> pkg.b", "pkg.a.x -> pkg.b.y", "pkg.b.y -> pkg.a", "pkg.b.y -> pkg.a.z"]  # with __init__s
+    assert mutual_imports(graph) == {frozenset({"a", "b"}): ties}
 
 
 def test_config_error_is_imported_from_its_own_module():

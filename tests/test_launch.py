@@ -77,7 +77,7 @@ def test_a_restart_reads_the_plan_again_resuming_from_the_checkpoint_with_the_sa
     from test_restart import checkpoint
 
     from asyncrl import launch
-    from asyncrl.plan.plan_file import write_plan
+    from asyncrl.plan_file import write_plan
     from asyncrl.trainer.assembler import RolloutWorkerError
 
     attempts, components = [], []
@@ -190,8 +190,8 @@ def test_a_restart_keeps_the_gpus_the_first_attempt_placed_its_servers_on(tmp_pa
     placement from plan.json rather than placing the servers again on what is left visible."""
     from asyncrl.launch import resumed_plan
     from asyncrl.plan.assemble import plan_run
-    from asyncrl.plan.plan_file import write_plan
-    from asyncrl.plan.run_plan import GpuSplit
+    from asyncrl.plan_file import write_plan
+    from asyncrl.run_plan import GpuSplit
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     plan = plan_run(compose(["server=vllm", "server.max_model_len=512"]), tmp_path)

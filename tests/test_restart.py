@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.restart import restart_count, run_restarting
+from asyncrl.restart import run_restarting
 from asyncrl.serving.process import ServerStartError
 from asyncrl.serving.watchdog import HealthWatchdog
 from asyncrl.trainer.assembler import RolloutWorkerError
+from asyncrl.trainer.exits import restart_count
 from asyncrl.trainer.launcher import TrainerRankError
 
 

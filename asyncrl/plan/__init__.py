@@ -1,2 +1,3 @@
-"""The run plan: ``run_plan`` is the frozen value the processes of a run receive (the validated config and the
-decisions derived from it once); ``assemble`` builds it after composition, above the trainer and the servers."""
+"""The run plan's decisions: ``assemble`` checks the composed config and builds the frozen RunPlan (asyncrl/run_plan.py,
+written as plan.json by asyncrl/plan_file.py) with the rules of ``decide``, above the trainer and the servers, which
+only read the plan."""

@@ -34,7 +34,7 @@ from asyncrl.plan.decide import (
     visible_gpus,
     weight_transfer,
 )
-from asyncrl.plan.run_plan import RunPlan, ranks_per_node, world_size
+from asyncrl.run_plan import RunPlan, ranks_per_node, world_size
 from asyncrl.serving.command import VLLM_LORA_RANKS
 
 log = logging.getLogger(__name__)

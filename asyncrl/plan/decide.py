@@ -11,7 +11,7 @@ import os
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend, WeightTransfer
-from asyncrl.plan.run_plan import GpuSplit
+from asyncrl.run_plan import GpuSplit
 
 
 def resolve_backend(config: Config) -> str:

@@ -21,7 +21,7 @@ from asyncrl.serving import vllm
 from asyncrl.serving.command import max_lora_rank, max_loras, served_model_name
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from asyncrl.config.schema import Config
 from asyncrl.serving.command import ServerCommand, builtin_command
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan
     from asyncrl.serving.vllm import CheckpointKind
 
 

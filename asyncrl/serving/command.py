@@ -12,7 +12,7 @@ from asyncrl.config.schema import Config
 from asyncrl.flow import FlowControl
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM's --max-lora-rank accepts (the built-in server takes the same)."""

@@ -34,6 +34,7 @@ import httpx
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, ModelDtype
+from asyncrl.lora import adapter_modules
 from asyncrl.model_kind import is_vision_language
 from asyncrl.serving.command import (
     ServerCommand,
@@ -41,10 +42,9 @@ from asyncrl.serving.command import (
     replica_port,
     served_model_name,
 )
-from asyncrl.trainer.lora import adapter_modules
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import GpuSplit, RunPlan
+    from asyncrl.run_plan import GpuSplit, RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def shared_gpu_share(config: Config, model_len: int, dtype: ModelDtype) -> tuple
     """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
     (trainer/memory.py) leaves, at most OWN_GPU_SHARE; SHARED_GPU_SHARE before it was measured. Refused before
     launch when the rest cannot hold vLLM's weights and one longest sequence's KV cache."""
-    from asyncrl.trainer.memory import GIB, cached_memory
+    from asyncrl.footprint import GIB, cached_memory
 
     memory = cached_memory(config, warm_up_token_budget(config, model_len))
     if memory is None:
@@ -327,7 +327,7 @@ def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: obj
 
             dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
         if tokenizer is None:
-            from asyncrl.trainer.setup import load_tokenizer
+            from asyncrl.prompts import load_tokenizer
 
             tokenizer = load_tokenizer(config)
         _PROMPT_LENGTHS[key] = max(_rendered_length(tokenizer, p, config) for p in dataset["prompt"])  # type: ignore[index]

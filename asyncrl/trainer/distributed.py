@@ -41,7 +41,7 @@ from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.reference import Reference, build_reference, reference_logprobs
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan
     from asyncrl.trainer.checkpoint import TrainerState
 
 ORPHAN_GRACE_S = 10.0

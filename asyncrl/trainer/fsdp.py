@@ -23,15 +23,16 @@ consolidated copy is the adapter's files (peft's format), whose base resume load
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncrl import lora
 from asyncrl.config.schema import Config
-from asyncrl.trainer import lora
-from asyncrl.trainer.checkpoint import SHARDED_DIR, save_safetensors
+from asyncrl.safetensors_files import save_safetensors
+from asyncrl.trainer.checkpoint import SHARDED_DIR
 from asyncrl.trainer.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,6 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole on every rank (a collective); a plain tensor as is."""
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if full_tensor is not None else tensor
-
-
-def whole_tensors(model: Any) -> tuple[torch.nn.Module, Callable[[str], torch.Tensor]]:
-    """The module behind ``model`` and a reader of its whole parameters by name: gathered for the sharded view
-    (``GatheredModel``), the parameters themselves for an unsharded module."""
-    if isinstance(model, GatheredModel):
-        return model.model, model.full
-    params = dict(model.named_parameters())
-    return model, lambda name: params[name].detach()
 
 
 def synced_parameters(model: torch.nn.Module, trainable_only: bool) -> list[tuple[str, torch.Tensor]]:

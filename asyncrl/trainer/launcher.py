@@ -185,7 +185,7 @@ def main(run_dir: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from asyncrl.plan.plan_file import read_plan
+    from asyncrl.plan_file import read_plan
     from asyncrl.serving.process import free_port
 
     plan = read_plan(run_dir)

@@ -24,10 +24,11 @@ from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import EvalRecord, evaluate
+from asyncrl.footprint import GIB, TrainerMemory
+from asyncrl.lora import is_peft
 from asyncrl.losses.step import StepLoss, StepTotals
 from asyncrl.metrics import JsonlSink, MetricWindow
 from asyncrl.packing.attention import unwrap_model
-from asyncrl.restart import restart_count
 from asyncrl.rewards.endpoint import serving_reward_models
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.solved import RewardRange
@@ -56,12 +57,12 @@ from asyncrl.trainer.distributed import (
     train_step,
     warm_up_step,
 )
+from asyncrl.trainer.exits import restart_count
 from asyncrl.trainer.flops import mfu_meter
 from asyncrl.trainer.forward import report_last_row, resolve_compile
 from asyncrl.trainer.fsdp import GatheredModel, save_weights
 from asyncrl.trainer.group_watch import GenerationFailingError, GroupWatch, TaskSolved, TrainingStalledError
-from asyncrl.trainer.lora import is_peft
-from asyncrl.trainer.memory import GIB, TrainerMemory, TrainerOutOfMemoryError, measure, out_of_memory_line
+from asyncrl.trainer.memory import TrainerOutOfMemoryError, measure, out_of_memory_line
 from asyncrl.trainer.model import build_grad_scaler, use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
 from asyncrl.trainer.profiler import phase, profiled_step
@@ -273,8 +274,9 @@ class Trainer:
         """On CUDA, one step on synthetic rows (one of the token budget, one short) whose update is thrown away, by
         every rank: its measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and
         the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
+        from asyncrl.footprint import cached_memory
         from asyncrl.serving.vllm import warm_up_token_budget
-        from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, cached_memory, synthetic_rows
+        from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, synthetic_rows
 
         c = self.config
         if not (c.trainer.warm_up and torch.cuda.is_available()):
@@ -336,7 +338,7 @@ class Trainer:
 
     def _launch_with(self, memory: TrainerMemory, shape: int) -> None:
         """Record the figure (a waiting vLLM's launch command reads it), then launch the servers that waited."""
-        from asyncrl.trainer.memory import record_memory
+        from asyncrl.footprint import record_memory
 
         record_memory(self.config, shape, memory)
         self.server.start()

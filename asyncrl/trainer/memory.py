@@ -11,43 +11,25 @@ warm-up is also the first call of the compiled layers, so the compiling is done 
 vLLM's share of a shared GPU is a launch flag: a vLLM beside the trainer launches after the warm-up measured (an
 eager step when the layers compile, then the compiling step while vLLM boots: trainer/loop.py). It must not boot
 beside the warm-up: while vLLM profiles its memory it counts every other allocation on the GPU as its own. The figure
-is kept per shape in a small cache (``$ASYNCRL_CACHE_DIR``, else ``~/.cache/asyncrl``, ``trainer_memory.json``),
-which the launch command and ``asyncrl config --server-command`` read.
+is kept per shape (asyncrl/footprint.py), which the launch command and ``asyncrl config --server-command`` read.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
 import random
 from collections import defaultdict
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import OmegaConf
 
 from asyncrl.config.schema import Config
+from asyncrl.footprint import GIB, TrainerMemory
 from asyncrl.rollout.types import RolloutSample, TrainingSequence
 
 if TYPE_CHECKING:
     from asyncrl.packing import RowFactory
     from asyncrl.packing.row import PackedRow
 
-log = logging.getLogger(__name__)
-
-GIB = 2**30
-MARGIN_FRACTION = 0.3
-"""Headroom over the measured peak, for what the eager warm-up does not show: the compiled step's own buffers,
-evaluation, checkpoint gathers, sync buffers, allocator fragmentation, and what vLLM takes beyond its
---gpu-memory-utilization (its CUDA context and graphs). At 0.1 the 2B quick start ran out of memory at step 2: the
-trainer held 28.8 GiB against a 26.0 GiB warm-up peak, vLLM 1.9 GiB over its share (RESULTS.md, session 17).
-At least MARGIN_MIN_BYTES."""
-MARGIN_MIN_BYTES = 2 * GIB
-CACHE_FILE = "trainer_memory.json"
 WARM_UP_PROMPT_TOKENS = 64
 """The warm-up groups' prompt length at most: short prompts leave the most trained tokens in a row, the logit
 chunks' and the loss's worst case."""
@@ -63,32 +45,6 @@ class TrainerOutOfMemoryError(RuntimeError):
     """CUDA ran out of memory in the trainer; the message says what was measured and which keys change it."""
 
 
-@dataclass(frozen=True)
-class TrainerMemory:
-    """What the warm-up measured on one GPU."""
-
-    peak_bytes: int
-    """The warm-up step's peak in the caching allocator (max_memory_reserved)."""
-    context_bytes: int
-    """The rest of the process's footprint: CUDA context, cuBLAS and NCCL workspaces (outside the allocator)."""
-    gpu_bytes: int
-
-    @property
-    def footprint_bytes(self) -> int:
-        return self.peak_bytes + self.context_bytes
-
-    @property
-    def need_bytes(self) -> int:
-        """The footprint with the margin: what vLLM must leave the trainer."""
-        return self.footprint_bytes + max(int(self.footprint_bytes * MARGIN_FRACTION), MARGIN_MIN_BYTES)
-
-    def describe(self) -> str:
-        return (
-            f"the trainer's measured peak {self.peak_bytes / GIB:.1f} GiB + {self.context_bytes / GIB:.1f} GiB CUDA "
-            f"context + margin = {self.need_bytes / GIB:.1f} of the GPU's {self.gpu_bytes / GIB:.1f} GiB"
-        )
-
-
 def room_line(memory: TrainerMemory, free_bytes: int, reserved_bytes: int, share: str | None) -> tuple[str, bool]:
     """Once a server beside the trainer is up: what it holds and what it left the trainer (the device's free memory
     and the trainer's cached blocks), and whether that still holds the measured peak with its margin. A server may
@@ -101,59 +57,6 @@ def room_line(memory: TrainerMemory, free_bytes: int, reserved_bytes: int, share
             f"trainer {room / GIB:.1f} GiB for its measured peak of {memory.peak_bytes / GIB:.1f} GiB and its margin "
             f"of {(memory.need_bytes - memory.footprint_bytes) / GIB:.1f}")  # fmt: skip
     return line, room >= memory.need_bytes - memory.context_bytes
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ASYNCRL_CACHE_DIR") or Path.home() / ".cache" / "asyncrl")
-
-
-def shape_key(config: Config, token_budget: int) -> str:
-    """What decides the trainer's footprint (model, precision, LoRA, checkpointing, attention, compile, optimizer, row
-    size, top log-probabilities, reward models, torch and the GPU), hashed: runs that differ only elsewhere share a
-    figure."""
-    from asyncrl.rewards.reward_model import reward_model_options
-
-    t = config.trainer
-    parts = {
-        "model": OmegaConf.to_container(OmegaConf.structured(config.model)),
-        "lora": OmegaConf.to_container(OmegaConf.structured(config.lora)),
-        "trainer": [t.gradient_checkpointing, t.logit_chunk_tokens, t.attention, t.compile_layers, t.bf16],
-        "precision_optimizer": [t.fp16, t.optim, t.gradient_checkpointing_kwargs],
-        "packing": config.packing,
-        "loss": config.loss,
-        "top_k": config.sampling.num_sampler_logprobs,
-        "token_budget": token_budget,
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-    }
-    reward_models = reward_model_options(config)
-    if reward_models:  # loaded on the trainer's GPU before the warm-up (rewards/endpoint.py): part of the footprint
-        parts["reward_models"] = [(options.path, options.dtype) for _, options in reward_models]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def cached_memory(config: Config, token_budget: int) -> TrainerMemory | None:
-    """The figure a warm-up of this shape recorded, if any."""
-    path = cache_dir() / CACHE_FILE
-    try:
-        entry = json.loads(path.read_text())[shape_key(config, token_budget)]
-        return TrainerMemory(**entry)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def record_memory(config: Config, token_budget: int, memory: TrainerMemory) -> None:
-    """Keep the figure for the next run of this shape (written beside and renamed: readers never see half)."""
-    path = cache_dir() / CACHE_FILE
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entries = json.loads(path.read_text()) if path.is_file() else {}
-        entries[shape_key(config, token_budget)] = asdict(memory)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(entries, indent=1))
-        partial.replace(path)
-    except (OSError, ValueError) as error:
-        log.warning("could not record the trainer's memory in %s (%s): the next run measures again", path, error)
 
 
 def synthetic_rows(row_factory: RowFactory, prompt_length: int, completion_length: int, group_size: int,

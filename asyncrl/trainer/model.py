@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from asyncrl import lora
 from asyncrl.config.schema import Config, OptimizerName, TrainerConfig
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
-from asyncrl.trainer import lora
 
 log = logging.getLogger(__name__)
 

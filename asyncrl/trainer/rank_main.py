@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.launch import EXPECTED_ERRORS, terminate_on_sigterm
 from asyncrl.logs import console_handler
 from asyncrl.parent import exit_with_parent
-from asyncrl.plan.plan_file import read_plan
-from asyncrl.plan.run_plan import RunPlan
+from asyncrl.plan_file import read_plan
+from asyncrl.run_plan import RunPlan
 from asyncrl.serving.group import ServerGroup
 from asyncrl.serving.handle import AttachedServer
 from asyncrl.trainer.distributed import ORPHAN_GRACE_S, Follower, leave
+from asyncrl.trainer.exits import EXPECTED_ERRORS, terminate_on_sigterm
 from asyncrl.trainer.loop import run_training
 from asyncrl.trainer.ranks import SERVER_URL_ENV, Ranks
 from asyncrl.trainer.setup import prepare

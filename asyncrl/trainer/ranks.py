@@ -1,5 +1,5 @@
 """The trainer's ranks: this process's place among them with the few collectives the trainer makes
-(trainer/distributed.py drives them); how many a run has is its plan's (plan/run_plan.py).
+(trainer/distributed.py drives them); how many a run has is its plan's (asyncrl/run_plan.py).
 
 A run of one trainer process is a world of one: the same FSDP2 model, step and checkpoint as several ranks, over a
 process group on an in-memory store (``Ranks.alone``). Its collectives return at once instead of pickling a

@@ -14,11 +14,11 @@ from contextlib import contextmanager
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.lora import is_peft
 from asyncrl.losses.policy import PolicyOptions
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.forward import trainer_forward
-from asyncrl.trainer.lora import is_peft
 from asyncrl.trainer.model import load_model, mixed_precision_dtype
 
 

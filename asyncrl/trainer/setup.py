@@ -8,8 +8,9 @@ from typing import Any
 
 from asyncrl.components import Components
 from asyncrl.config.schema import Config
-from asyncrl.plan.run_plan import RunPlan
+from asyncrl.prompts import load_tokenizer
 from asyncrl.registry import import_object
+from asyncrl.run_plan import RunPlan
 
 
 @dataclass
@@ -51,26 +52,6 @@ def check_model_path(config: Config) -> None:
     elif not is_hub_id(name):
         raise ConfigError(f"model.name_or_path={name}: no such directory (give a model directory in "
                           "save_pretrained layout, or a Hub id such as Qwen/Qwen3-4B)")  # fmt: skip
-
-
-def load_tokenizer(config: Config) -> Any:
-    """model.name_or_path's tokenizer; one that cannot be loaded (files missing from the directory or the cache) is a
-    ConfigError naming the key, rather than transformers' traceback."""
-    from transformers import AutoTokenizer
-
-    from asyncrl.config.errors import ConfigError
-
-    m = config.model
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
-        )
-    except OSError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"model.name_or_path={m.name_or_path}: cannot load its tokenizer ({first})") from error
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def prepare(plan: RunPlan) -> Prepared:

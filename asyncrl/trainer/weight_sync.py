@@ -55,7 +55,7 @@ from asyncrl.weights.transport import Background, Transport, WeightSyncError, ru
 from asyncrl.weights.vllm_transports import ipc_transport, nccl_transport
 
 if TYPE_CHECKING:
-    from asyncrl.plan.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 

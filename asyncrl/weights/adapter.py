@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
+from asyncrl import lora
 from asyncrl.client import Control, policy_model
 from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.dtypes import torch_dtype
 from asyncrl.flow import FlowControl
 from asyncrl.serving.command import served_model_name
-from asyncrl.trainer import lora
-from asyncrl.trainer.fsdp import whole_tensors
+from asyncrl.weights.tensors import whole_tensors
 from asyncrl.weights.transport import WeightSyncError, run_step
 
 log = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ vision-language model's frozen vision tower and projector are never sent: the se
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
+from asyncrl import lora
 from asyncrl.model_kind import non_text_prefixes
-from asyncrl.trainer import lora
-from asyncrl.trainer.fsdp import whole_tensors
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -25,6 +25,16 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     tensor = tensor.detach()
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def whole_tensors(model: Any) -> tuple[torch.nn.Module, Callable[[str], torch.Tensor]]:
+    """The module behind ``model`` and a reader of its whole parameters by name: gathered for the trainer's sharded
+    view (trainer/fsdp.py's GatheredModel, known by its ``sharded_parameters``), the parameters themselves for an
+    unsharded module."""
+    if hasattr(model, "sharded_parameters"):
+        return model.model, model.full
+    params = dict(model.named_parameters())
+    return model, lambda name: params[name].detach()
 
 
 def frozen_prefixes(model: torch.nn.Module) -> tuple[str, ...]:

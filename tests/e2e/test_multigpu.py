@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.client import ControlClient
 from asyncrl.metrics import read_jsonl
-from asyncrl.plan.plan_file import PLAN_FILE, read_plan
+from asyncrl.plan_file import PLAN_FILE, read_plan
 from asyncrl.serving.process import ServerProcess, free_port
 from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
 

@@ -268,7 +268,7 @@ def test_max_model_len_is_the_longest_prompt_plus_one_turn(arithmetic_data_dir, 
     config = to_config(compose(["server=vllm", f"model.name_or_path={random_tiny_model_dir}",
                                 f"data.path={arithmetic_data_dir / 'train.jsonl'}"]))  # fmt: skip
     from asyncrl.data import load_prompts
-    from asyncrl.trainer.setup import load_tokenizer
+    from asyncrl.prompts import load_tokenizer
 
     tokenizer = load_tokenizer(config)
     rendered = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True)
@@ -429,7 +429,7 @@ def test_served_adapters_reserve_lora_slots_only_in_their_target_modules(random_
 
 def test_a_shared_gpu_gives_vllm_what_the_trainers_measured_footprint_leaves(random_tiny_model_dir, tmp_path,
                                                                               monkeypatch):  # fmt: skip
-    from asyncrl.trainer.memory import GIB, TrainerMemory, record_memory
+    from asyncrl.footprint import GIB, TrainerMemory, record_memory
 
     monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
     plan = plan_run(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "packing=flat"]))

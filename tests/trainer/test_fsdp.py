@@ -67,8 +67,8 @@ def test_mixed_precision_keeps_a_frozen_base_as_loaded_and_trains_fp32_adapters(
     (not doubled to fp32), the adapters train in fp32, and a step runs through the mixed-dtype shards."""
     from transformers import AutoModelForCausalLM
 
+    from asyncrl import lora
     from asyncrl.config.compose import compose, to_config
-    from asyncrl.trainer import lora
     from asyncrl.trainer.fsdp import shard
 
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8"]))

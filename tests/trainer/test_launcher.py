@@ -16,7 +16,7 @@ from e2e.helpers import wait_no_marked  # tests/e2e
 
 from asyncrl.config.compose import compose
 from asyncrl.plan.assemble import plan_run
-from asyncrl.plan.plan_file import write_plan
+from asyncrl.plan_file import write_plan
 from asyncrl.serving.process import ServerStartError
 from asyncrl.trainer.launcher import ERROR_FILE_ENV, Agent, RankLogs, TrainerRankError, run_ranks
 

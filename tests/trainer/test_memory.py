@@ -1,6 +1,6 @@
 """The warm-up step throws its update away, its synthetic row fills the token budget as a step's groups do and
-leaves a step's row nothing to compile, the measured figure is kept per shape, and the out-of-memory line names what
-changes the trainer's memory."""
+leaves a step's row nothing to compile, a waiting vLLM launches once the figure is measured, and the out-of-memory
+line names what changes the trainer's memory."""
 
 from __future__ import annotations
 
@@ -12,21 +12,12 @@ from packing.packing_samples import make_sample  # tests/packing
 
 from asyncrl.components import build_components
 from asyncrl.config.compose import compose, to_config
+from asyncrl.footprint import GIB, TrainerMemory, cached_memory, record_memory
 from asyncrl.losses.step import StepLoss
 from asyncrl.packing.deltanet import build_recurrent_plan
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.distributed import split_rows, train_rows, warm_up_step
-from asyncrl.trainer.memory import (
-    GIB,
-    SHORT_ROW_FRACTION,
-    TrainerMemory,
-    cached_memory,
-    out_of_memory_line,
-    record_memory,
-    room_line,
-    synthetic_rows,
-    warm_up,
-)
+from asyncrl.trainer.memory import SHORT_ROW_FRACTION, out_of_memory_line, room_line, synthetic_rows, warm_up
 from asyncrl.trainer.model import build_optimizer, load_model
 
 
@@ -101,23 +92,6 @@ def test_the_synthetic_row_is_shaped_like_a_steps_groups_sharing_their_prompt():
     plan = build_recurrent_plan(row, kernel_size=4, device=torch.device("cpu"))
     roots, branches = plan.levels  # the branches' gated-DeltaNet recurrence starts from the prompt's final state
     assert roots.parents is None and branches.parents is not None and branches.parents.tolist() == [0, 0, 0]
-
-
-def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
-    config = to_config(compose([]))
-    memory = TrainerMemory(10 * GIB, GIB, 80 * GIB)
-    assert cached_memory(config, 512) is None
-    record_memory(config, 512, memory)
-    assert cached_memory(config, 512) == memory
-    assert cached_memory(config, 1024) is None  # another row size
-    assert cached_memory(to_config(compose(["trainer.logit_chunk_tokens=7"])), 512) is None
-    assert cached_memory(to_config(compose(["trainer.learning_rate=1e-3"])), 512) == memory  # not a shape change
-    assert cached_memory(to_config(compose(["reward_funcs=[{name: length, scale: 2.0}]"])), 512) == memory
-    with_a_reward_model = ["reward_funcs=[{name: reward_model, path: org/rm}]"]  # loaded on the trainer's GPU
-    assert cached_memory(to_config(compose(with_a_reward_model)), 512) is None
-    assert memory.need_bytes == 11 * GIB + int(11 * GIB * 0.3)  # a margin of 30% of the footprint, at least 2 GiB
-    assert TrainerMemory(2 * GIB, GIB, 80 * GIB).need_bytes == 5 * GIB
 
 
 def test_once_the_server_is_up_the_trainer_says_what_it_took_and_whether_the_margin_is_left():

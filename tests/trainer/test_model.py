@@ -21,6 +21,7 @@ from asyncrl.launch import warn_cpu_oversubscribed
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow
 from asyncrl.plan.assemble import plan_run
+from asyncrl.prompts import load_tokenizer
 from asyncrl.trainer.checkpoint import source_processor_files
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import (
@@ -35,7 +36,6 @@ from asyncrl.trainer.model import (
     use_bf16,
     use_cpu_threads,
 )
-from asyncrl.trainer.setup import load_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """The frozen plan of one run: the validated config and what is decided from it once (plan/assemble.py builds it).
 
-The launcher, the trainer's ranks and the rollout worker read these decisions instead of deriving them again.
-The rank count's rule lives here, below the trainer and the servers, so that a server check that holds only the
-config (serving/checks.py) asks the same rule the plan froze.
+The launcher, the trainer's ranks and the rollout worker read these decisions instead of deriving them again. The
+type lives here, below the trainer and the servers that read it, and plan/ (above them) decides its values. The rank
+count's rule lives here too, so that a server check that holds only the config (serving/checks.py) asks the same
+rule the plan froze.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ class GpuSplit:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What a run decided once (plan/assemble.py), written to its directory as plan.json (plan/plan_file.py) for every
-    process of the run to read. Not here, because they are not known at plan time: the memory split (the trainer's
-    warm-up measures it on the GPU), the server commands (they take that split) and the token budget (it takes the
-    server's max_model_len)."""
+    """What a run decided once (plan/assemble.py), written to its directory as plan.json (asyncrl/plan_file.py) for
+    every process of the run to read. Not here, because they are not known at plan time: the memory split (the
+    trainer's warm-up measures it on the GPU), the server commands (they take that split) and the token budget (it
+    takes the server's max_model_len)."""
 
     config: Config
     flow: FlowControl

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.config.compose import compose
 from asyncrl.plan.assemble import plan_run
-from asyncrl.plan.plan_file import (
+from asyncrl.plan_file import (
     PlanFileError,
     plan_from_record,
     plan_record,

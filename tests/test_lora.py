@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from sharded import save, sharded
 from transformers import AutoTokenizer
 
+from asyncrl import lora
 from asyncrl.client import Control, ControlClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
@@ -21,7 +22,6 @@ from asyncrl.plan.assemble import build_plan
 from asyncrl.serving.checks import ServerCheckError
 from asyncrl.serving.command import served_name
 from asyncrl.serving.process import ServerProcess, free_port
-from asyncrl.trainer import lora
 from asyncrl.trainer.checkpoint import TrainerState, load_checkpoint
 from asyncrl.trainer.distributed import build_sharded
 from asyncrl.trainer.model import load_model
@@ -29,8 +29,7 @@ from asyncrl.trainer.weight_sync import WeightSync, WeightSyncError, build_weigh
 from asyncrl.weights.adapter import AdapterSync
 from asyncrl.weights.file_transport import FileTransport
 from asyncrl.weights.tensors import parameter_metadata, serving_parameters, unique_state_dict
-
-from .test_weight_sync import served_vs_local
+from tests.conftest import served_vs_local
 
 
 def lora_config(model_dir: Path, *overrides: str) -> Config:

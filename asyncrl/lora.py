@@ -5,7 +5,10 @@ files.
 The trainer's model is sharded (trainer/fsdp.py), so merging and saving read whole tensors gathered by name
 (``full``) rather than the layers' own parameters: peft's ``get_delta_weight`` on a layer would compute on
 shards, a collective that only rank 0 calls. The delta is peft's for LoRA's Linear and Embedding layers
-(B @ A times the layer's scaling, transposed for fan-in-fan-out and embedding weights)."""
+(B @ A times the layer's scaling, transposed for fan-in-fan-out and embedding weights).
+
+Below the trainer, the weight syncs (weights/) and the server launch (serving/vllm.py), which all name adapters
+and merged weights alike."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from asyncrl.config.schema import Config
 from asyncrl.model_kind import is_vision_language, non_text_prefixes
+from asyncrl.safetensors_files import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +181,6 @@ def adapter_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> d
 
 def save_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """peft's adapter files (what ``save_pretrained`` writes) from the trainable ``tensors`` by parameter name."""
-    from asyncrl.trainer.checkpoint import save_safetensors
-
     model.peft_config["default"].save_pretrained(str(directory))
     state = {name: t.contiguous() for name, t in adapter_state(model, tensors).items()}
     save_safetensors(state, directory / ADAPTER_FILE)

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
-from asyncrl.plan.run_plan import RunPlan
+from asyncrl.run_plan import RunPlan
 
 PLAN_FILE = "plan.json"
 VERSION = 1

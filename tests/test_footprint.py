@@ -1,0 +1,25 @@
+"""The trainer's measured footprint is kept per shape: a change that moves it (row size, logit chunks, a reward model
+on the trainer's GPU) asks for a new measurement, anything else shares the figure; the margin is 30%, at least
+2 GiB."""
+
+from __future__ import annotations
+
+from asyncrl.config.compose import compose, to_config
+from asyncrl.footprint import GIB, TrainerMemory, cached_memory, record_memory
+
+
+def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    memory = TrainerMemory(10 * GIB, GIB, 80 * GIB)
+    assert cached_memory(config, 512) is None
+    record_memory(config, 512, memory)
+    assert cached_memory(config, 512) == memory
+    assert cached_memory(config, 1024) is None  # another row size
+    assert cached_memory(to_config(compose(["trainer.logit_chunk_tokens=7"])), 512) is None
+    assert cached_memory(to_config(compose(["trainer.learning_rate=1e-3"])), 512) == memory  # not a shape change
+    assert cached_memory(to_config(compose(["reward_funcs=[{name: length, scale: 2.0}]"])), 512) == memory
+    with_a_reward_model = ["reward_funcs=[{name: reward_model, path: org/rm}]"]  # loaded on the trainer's GPU
+    assert cached_memory(to_config(compose(with_a_reward_model)), 512) is None
+    assert memory.need_bytes == 11 * GIB + int(11 * GIB * 0.3)  # a margin of 30% of the footprint, at least 2 GiB
+    assert TrainerMemory(2 * GIB, GIB, 80 * GIB).need_bytes == 5 * GIB
