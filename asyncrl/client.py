@@ -110,6 +110,19 @@ def generate_fields(params: SamplingParams) -> dict[str, Any]:
     return fields
 
 
+def with_n(fields: dict[str, Any], n: int) -> dict[str, Any]:
+    """``fields`` asking for ``n`` completions (the field is left out for one, as every server's default)."""
+    return {**fields, "n": n} if n > 1 else fields
+
+
+def choices(response: dict[str, Any], n: int, path: str) -> list[dict[str, Any]]:
+    """The response's ``n`` choices in index order; a server that sent another number cannot answer ``n``."""
+    found = sorted(response["choices"], key=lambda choice: choice.get("index", 0))
+    if len(found) != n:
+        raise GroupRequestRefused(None, path, f"asked for n={n} completions, got {len(found)}")
+    return found
+
+
 def parse_token_key(key: str) -> int:
     """Token id of a ``"token_id:N"`` key (what ``return_tokens_as_token_ids`` makes the server send)."""
     if not key.startswith(_TOKEN_KEY):
@@ -206,6 +219,19 @@ def choose_server(servers: Sequence[ServerLoad], turn: int) -> int:
     return min(range(count), key=load)
 
 
+class GroupRequestRefused(ServerError):
+    """A server that cannot answer a request of n completions (it refused ``n`` or sent other than n choices)."""
+
+
+@dataclass
+class JointRequest:
+    """The same turn asked for by several rollouts (a group's first turn): sent once, with n = its waiters."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    waiters: list[asyncio.Future[Completion]] = field(default_factory=list)
+
+
 class GenerationClient:
     """Async generation client; retries transport errors, timeouts, 5xx and 429 with capped backoff.
 
@@ -213,6 +239,13 @@ class GenerationClient:
     token's candidate set; a server that cannot return sets gets one warning, and /v1/completions from then on.
     With several servers (``base_url`` a list) each request, retries included, goes to the least loaded one
     (``choose_server``); ``servers`` holds their loads and counts.
+
+    With ``group_requests`` (rollout.group_requests), the rollouts that ask for the same turn in one pass of the
+    event loop (a group's rollouts start together, so their first turns do) share one request of n completions: the
+    worker's CPU per rollout, spent mostly in httpx, is what bounds short completions' rate (benchmarks/RESULTS.md),
+    and the server prefills the prompt once. Completion i draws from the first rollout's seed + i, as vLLM's child
+    requests do (the rollouts' own seeds are consecutive too). A server that refuses ``n`` gets one warning and
+    single requests from then on.
     """
 
     def __init__(
@@ -223,6 +256,7 @@ class GenerationClient:
         max_retries: int = 5,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        group_requests: bool = False,
     ) -> None:
         self.model = model
         self.max_retries = max_retries
@@ -231,13 +265,22 @@ class GenerationClient:
         self.retry_count = 0
         self.candidate_sets: bool | None = None
         """None until the first request that asks for candidate sets; False once the server could not."""
+        self.group_requests = group_requests
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         self.servers = [ServerLoad(url.rstrip("/")) for url in urls]
         self._turn = 0
         self._timeout_s = timeout_s
         self._headers = auth_headers()  # vLLM started with --api-key needs it for /v1 and /inference
+        self._joints: dict[tuple[str | None, tuple[int, ...], str], JointRequest] = {}
+        self._joint_tasks: set[asyncio.Task[None]] = set()
 
     async def complete(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """One /v1/completions request's completion."""
+        (completion,) = await self._complete(prompt_ids, params, 1)
+        return completion
+
+    async def _complete(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
+        """``n`` completions of one /v1/completions request."""
         body = {
             "model": ROLLOUT_MODEL.get() or self.model,
             "prompt": list(prompt_ids),
@@ -245,30 +288,88 @@ class GenerationClient:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        response = await self._post("/v1/completions", body)
-        return Completion.from_choice(response["choices"][0])
+        response = await self._post("/v1/completions", with_n(body, n), n)
+        return [Completion.from_choice(choice) for choice in choices(response, n, "/v1/completions")]
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
-        """One /inference/v1/generate request (vLLM's tokens-in/tokens-out endpoint, with the sampling mask)."""
-        model = ROLLOUT_MODEL.get() or self.model
-        body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": generate_fields(params)}
-        response = await self._post("/inference/v1/generate", body)
-        return Completion.from_generate_choice(response["choices"][0], prompt_ids)
+    async def _generate(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
+        """``n`` completions of one /inference/v1/generate request (vLLM's tokens-in/tokens-out endpoint, with the
+        sampling mask)."""
+        model, path = ROLLOUT_MODEL.get() or self.model, "/inference/v1/generate"
+        body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": with_n(generate_fields(params), n)}
+        response = await self._post(path, body, n)
+        return [Completion.from_generate_choice(choice, prompt_ids) for choice in choices(response, n, path)]
 
     async def sample(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         """Generate one turn; candidate sets come from /inference/v1/generate when asked for and available. A
         rollout whose adapter was unloaded ends on an empty "abort" turn: its samples are more than max_staleness
         versions old, so the trainer drops them anyway."""
         try:
-            return await self._sample(prompt_ids, params)
+            if self.group_requests:
+                return await self._joined(prompt_ids, params)
+            (completion,) = await self._sample(prompt_ids, params, 1)
+            return completion
         except PolicyRetired as error:
             logger.info("ending a rollout whose policy left the server: %s", error.message)
             return Completion([], [], None, None, "abort", list(prompt_ids))
 
-    async def _sample(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def _joined(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """This turn's completion from the request it shares with the other rollouts asking for the same turn in this
+        pass of the event loop; the first of them schedules the request for the next pass."""
+        key = (ROLLOUT_MODEL.get(), tuple(prompt_ids), repr(replace(params, seed=None)))
+        loop = asyncio.get_running_loop()
+        joint = self._joints.get(key)
+        if joint is None:
+            joint = self._joints[key] = JointRequest(list(prompt_ids), params)
+            loop.call_soon(self._send_joint, key)  # in this task's context: ROLLOUT_MODEL goes with it
+        waiter: asyncio.Future[Completion] = loop.create_future()
+        joint.waiters.append(waiter)
+        return await waiter
+
+    def _send_joint(self, key: tuple[str | None, tuple[int, ...], str]) -> None:
+        task = asyncio.get_running_loop().create_task(self._answer(self._joints.pop(key)))
+        self._joint_tasks.add(task)
+        task.add_done_callback(self._joint_tasks.discard)
+
+    async def _answer(self, joint: JointRequest) -> None:
+        """Send the joint request and hand each waiter its completion (or the request's error)."""
+        waiters = [waiter for waiter in joint.waiters if not waiter.done()]  # a cancelled rollout waits no more
+        try:
+            completions = await self._sample_each(joint.prompt_ids, joint.params, len(waiters))
+        except asyncio.CancelledError:
+            for waiter in waiters:
+                waiter.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 - each rollout raises it, as its own request would have
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(error)
+            return
+        for waiter, completion in zip(waiters, completions, strict=True):
+            if not waiter.done():
+                waiter.set_result(completion)
+
+    async def _sample_each(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
+        """``n`` completions: one request, or n single ones (seeds seed + i) where the server refuses ``n``."""
+        refused = None
+        if n > 1:
+            try:
+                return await self._sample(prompt_ids, params, n)
+            except GroupRequestRefused as error:
+                refused = error
+        seeds = [None if params.seed is None else params.seed + index for index in range(n)]
+        singles = await asyncio.gather(*(self._sample(prompt_ids, replace(params, seed=seed), 1) for seed in seeds))
+        if refused is not None and self.group_requests:  # n alone was the trouble: the single requests went through
+            logger.warning("the server cannot answer a request of n completions (%s): one request per rollout from "
+                           "now on (rollout.group_requests=false asks for that from the start)", refused)  # fmt: skip
+            self.group_requests = False
+        return [completion for (completion,) in singles]
+
+    async def _sample(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
         if params.return_sampling_mask and self.candidate_sets is not False:
             try:
-                completion = await self.generate(prompt_ids, params)
+                completions = await self._generate(prompt_ids, params, n)
+            except GroupRequestRefused:
+                raise
             except ServerError as error:
                 if error.status is None or error.status >= 500 or isinstance(error, PolicyRetired):
                     raise
@@ -276,11 +377,11 @@ class GenerationClient:
                 # (400): /v1/completions below still reports a request that is wrong for every endpoint.
                 self._no_candidate_sets(f"{error.path} answered HTTP {error.status} ({error.message})")
             else:
-                if completion.sampling_masks is not None:
+                if all(completion.sampling_masks is not None for completion in completions):
                     self.candidate_sets = True
-                    return completion
+                    return completions
                 self._no_candidate_sets("/inference/v1/generate returned no sampling_mask (--return-sampling-mask)")
-        return await self.complete(prompt_ids, replace(params, return_sampling_mask=False))
+        return await self._complete(prompt_ids, replace(params, return_sampling_mask=False), n)
 
     def _no_candidate_sets(self, reason: str) -> None:
         if self.candidate_sets is not False:
@@ -292,11 +393,11 @@ class GenerationClient:
             )
         self.candidate_sets = False
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], rollouts: int = 1) -> dict[str, Any]:
         attempt = 0
         while True:
             try:
-                response = await self._send(path, body)
+                response = await self._send(path, body, rollouts)
             except httpx.TransportError as error:  # connection failures and timeouts
                 failure = ServerError(None, path, f"{type(error).__name__}: {error}")
             else:
@@ -305,6 +406,8 @@ class GenerationClient:
                 failure = ServerError(response.status_code, path, _error_message(response))
                 if response.status_code == 404 and body.get("model") != self.model:
                     raise PolicyRetired(404, path, failure.message)
+                if response.status_code == 400 and rollouts > 1:
+                    raise GroupRequestRefused(400, path, failure.message)
                 if not _retryable(response.status_code):
                     raise failure
             if attempt >= self.max_retries:
@@ -313,9 +416,9 @@ class GenerationClient:
             attempt += 1
             self.retry_count += 1
 
-    async def _send(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST to the least loaded server, on its pool with the fewest requests in flight; a new pool once each
-        has POOL_REQUESTS."""
+    async def _send(self, path: str, body: dict[str, Any], rollouts: int) -> httpx.Response:
+        """POST to the least loaded server (counting the ``rollouts`` the request generates for), on its pool with
+        the fewest requests in flight; a new pool once each has POOL_REQUESTS."""
         server = self.servers[choose_server(self.servers, self._turn)]
         self._turn += 1
         pool = min(server.pools, key=lambda p: p.inflight, default=None)
@@ -323,15 +426,18 @@ class GenerationClient:
             pool = _Pool(server.base_url, self._timeout_s, self._headers)
             server.pools.append(pool)
         pool.inflight += 1
-        server.inflight += 1
-        server.requests += 1
+        server.inflight += rollouts
+        server.requests += rollouts
         try:
             return await pool.client.post(path, json=body)
         finally:
             pool.inflight -= 1
-            server.inflight -= 1
+            server.inflight -= rollouts
 
     async def aclose(self) -> None:
+        for task in list(self._joint_tasks):  # their rollouts are gone (the worker stops): no request is left behind
+            task.cancel()
+        await asyncio.gather(*self._joint_tasks, return_exceptions=True)
         for server in self.servers:
             for pool in server.pools:
                 await pool.client.aclose()

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float) 
         "backpressure_s": median("rollout/backpressure_s"), "samples_per_step": median("batch/samples_per_step"),
         "staleness_mean": median("sample/staleness_mean"),
         "generated_tokens_per_s": median("rollout/generated_tokens_per_s"),
+        "worker_cpu": median("rollout/worker_cpu"),
     }  # fmt: skip
 
 
@@ -115,8 +116,8 @@ def main() -> None:
     for r in results:
         print(f"dropped {r['drop_fraction']:.0%} (zero_std_frac {r['zero_std_frac']:.2f}): {r['step_s']:.3f} s/step "
               f"({r['step_s'] / base:.2f}x), rollout wait {r['rollout_wait_s']:.3f} s, in flight "
-              f"{r['concurrency']:.0f}, {r['generated_tokens_per_s']:.0f} generated tok/s, staleness "
-              f"{r['staleness_mean']:.2f}", flush=True)  # fmt: skip
+              f"{r['concurrency']:.0f}, {r['generated_tokens_per_s']:.0f} generated tok/s, worker CPU "
+              f"{r['worker_cpu']:.2f}, staleness {r['staleness_mean']:.2f}", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "drop_rate.json").write_text(json.dumps({"extra": args.extra, "results": results}, indent=1))
 

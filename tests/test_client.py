@@ -45,7 +45,8 @@ CHOICE = {
 
 @dataclass
 class Stub:
-    """A server whose next /v1/completions answers are scripted: an HTTP status, or "slow" to stall."""
+    """A server whose next /v1/completions answers are scripted: an HTTP status, "slow" to stall, or "one" to answer
+    a request of n completions with one (unscripted, it sends n copies of CHOICE, its ``seed`` in ``stop_reason``)."""
 
     base_url: str = ""
     script: list[int | str] = field(default_factory=list)
@@ -58,14 +59,17 @@ def build_stub_app(stub: Stub) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
         stub.bodies.append(await request.json())
+        body = stub.bodies[-1]
         action = stub.script.pop(0) if stub.script else 200
         if action == "slow":
             await asyncio.sleep(1.0)
             action = 200
-        if action != 200:
+        if action not in (200, "one"):
             error = {"message": f"scripted {action}", "type": "Scripted", "code": action}
             return JSONResponse({"error": error}, status_code=action)
-        return JSONResponse({"id": "cmpl-1", "object": "text_completion", "choices": [CHOICE]})
+        n = 1 if action == "one" else body.get("n", 1)
+        choices = [{**CHOICE, "index": i, "stop_reason": body.get("seed")} for i in range(n)]
+        return JSONResponse({"id": "cmpl-1", "object": "text_completion", "choices": choices})
 
     @app.post("/pause")
     async def pause() -> JSONResponse:
@@ -129,6 +133,33 @@ def test_every_sampling_field_is_sent_and_token_ids_are_parsed(stub):
                                     top_logprobs=[{7: -0.5, 9: -1.5}, {8: -0.25}], sampling_masks=[[7, 9], [8]],
                                     finish_reason="length", prompt_token_ids=[1, 2, 3])  # fmt: skip
     assert retries == 0
+
+
+def sample_all(stub: Stub, requests: list[tuple[list[int], int]]) -> tuple[list[Completion], GenerationClient]:
+    """Sample each (prompt, seed) at once through a client with group requests on."""
+
+    async def run():
+        async with GenerationClient(stub.base_url, "m", timeout_s=5.0, group_requests=True) as client:
+            asked = [client.sample(ids, SamplingParams(max_tokens=2, seed=seed)) for ids, seed in requests]
+            return await asyncio.gather(*asked), client
+
+    return asyncio.run(run())
+
+
+def test_rollouts_asking_for_the_same_turn_at_once_share_one_request_of_n(stub):
+    completions, client = sample_all(stub, [([1, 2, 3], 5), ([1, 2, 3], 6), ([4], 7), ([1, 2, 3], 8)])
+    assert sorted((b["prompt"], b.get("n"), b["seed"]) for b in stub.bodies) == [([1, 2, 3], 3, 5), ([4], None, 7)]
+    assert [c.token_ids for c in completions] == [[7, 8]] * 4 and client.group_requests
+    assert client.servers[0].requests == 4  # rollouts, which the choice of a server among replicas weighs
+
+
+def test_a_server_answering_n_with_one_choice_gets_single_requests_from_then_on(stub, caplog):
+    stub.script.append("one")
+    completions, client = sample_all(stub, [([1, 2, 3], 5), ([1, 2, 3], 6), ([1, 2, 3], 7)])
+    assert [(b.get("n"), b["seed"]) for b in stub.bodies[:1]] == [(3, 5)]
+    assert sorted((b.get("n"), b["seed"]) for b in stub.bodies[1:]) == [(None, 5), (None, 6), (None, 7)]
+    assert len(completions) == 3 and not client.group_requests
+    assert "cannot answer a request of n completions" in caplog.text
 
 
 def test_structured_outputs_and_generation_kwargs_join_either_endpoints_request():

@@ -343,6 +343,10 @@ class DataConfig:
 class RolloutConfig:
     loop_cls: str = "asyncrl.rollout.loop:AsyncRolloutLoop"
     """Import path of the AsyncRolloutLoop (sub)class run in the worker."""
+    group_requests: bool = True
+    """The rollouts that ask for the same turn at once (a group's first turn) share one server request of n
+    completions (completion i draws from seed + i, as vLLM's child requests): the worker's CPU per request is what
+    bounds the rate of short completions. false: one request per rollout (a server refusing n gets that anyway)."""
     score_queue_maxsize: int = 16
     """Generated groups waiting to be scored (one at a time); a full queue blocks their generation tasks
     (rollout/score_block_s) and admission starts no new group until it has room."""

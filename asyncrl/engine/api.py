@@ -52,6 +52,7 @@ from asyncrl.engine.protocol import (
     TokenTexts,
     build_generation_request,
     completion_response,
+    fan_out,
 )
 from asyncrl.engine.rows import GenerationResult
 from asyncrl.engine.weight_updates import WeightsDir, WeightUpdater
@@ -171,23 +172,24 @@ class BuiltinServer:
         """None: no route needs a token (in-process tests only; ``__main__`` always has one)."""
 
     async def completions(self, request: Request, body: CompletionRequest) -> dict[str, Any]:
-        result = await self._run(request, body)
-        return completion_response(result, body, self.texts, self.served_model_name)
+        results = await self._run(request, body)
+        return completion_response(results, body, self.texts, self.served_model_name)
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> dict[str, Any]:
         """OpenAI's chat endpoint: the messages through the model's chat template, then /v1/completions' path."""
         completion = chat_as_completion(body, self.tokenizer, self.engine.config.max_model_len)
-        result = await self._run(request, completion)
-        return chat_completion_response(result, completion, self.texts, self.served_model_name)
+        results = await self._run(request, completion)
+        return chat_completion_response(results, completion, self.texts, self.served_model_name)
 
     async def generate(self, request: Request, body: GenerateRequest) -> dict[str, Any]:
         """vLLM's tokens-in/tokens-out endpoint: the same request as /v1/completions, another response shape."""
         completion = as_completion_request(body)
-        result = await self._run(request, completion)
-        return generate_response(result, completion, self.served_model_name)
+        results = await self._run(request, completion)
+        return generate_response(results, completion, self.served_model_name)
 
-    async def _run(self, request: Request, body: CompletionRequest) -> GenerationResult:
-        """Validate ``body`` against this server, generate it, and abort it if its client disconnects."""
+    async def _run(self, request: Request, body: CompletionRequest) -> list[GenerationResult]:
+        """Validate ``body`` against this server, generate its ``n`` completions, and abort them if its client
+        disconnects."""
         generation = build_generation_request(
             body,
             self.tokenizer,
@@ -197,15 +199,17 @@ class BuiltinServer:
             vocab_size=self.engine.vocab_size,
             adapters=self.adapter_names(),
         )
-        waiter = asyncio.wrap_future(self.engine.submit(generation))
+        children = fan_out(generation, body.n)
+        waiter = asyncio.gather(*(asyncio.wrap_future(self.engine.submit(child)) for child in children))
         disconnect = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({waiter, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
         if not waiter.done():
-            self.engine.abort(generation.request_id)  # the client went away, as vLLM does
-        return await waiter
+            for child in children:
+                self.engine.abort(child.request_id)  # the client went away, as vLLM does
+        return list(await waiter)
 
     def models(self) -> dict[str, Any]:
         card = {

@@ -3,19 +3,27 @@ to a served run's model as they talk to vLLM.
 
 The messages go through the model's chat template as a rollout's prompt does (``render_prompt``: the served model
 sees the tokens it was trained on), and the request then takes /v1/completions' path: the same sampling fields,
-validation, generation and refusals (streaming, ``n > 1`` and stop strings are a 400 there, so here too). Tools
-are a 400 as well: their calls would come back as text, not parsed into ``tool_calls``.
+validation, generation and refusals (streaming and stop strings are a 400 there, so here too), ``n`` completions
+as choices. Tools are a 400 as well: their calls would come back as text, not parsed into ``tool_calls``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.engine.protocol import CompletionRequest, TokenTexts, completion_text, response_envelope, usage
+from asyncrl.engine.protocol import (
+    CompletionRequest,
+    TokenTexts,
+    completion_text,
+    request_id,
+    response_envelope,
+    usage,
+)
 from asyncrl.engine.rows import GenerationResult
 from asyncrl.prompts import render_prompt
 
@@ -74,9 +82,19 @@ def _text(content: Any) -> Any:
 
 
 def chat_completion_response(
-    result: GenerationResult, body: CompletionRequest, texts: TokenTexts, served_model_name: str
+    results: Sequence[GenerationResult], body: CompletionRequest, texts: TokenTexts, served_model_name: str
 ) -> dict[str, Any]:
-    """OpenAI's ChatCompletion for one finished (or aborted) request, with vLLM's ``stop_reason``."""
+    """OpenAI's ChatCompletion for a request's finished (or aborted) completions, with vLLM's ``stop_reason``."""
+    model = body.model or served_model_name
+    choices = [chat_choice(index, result, body, texts) for index, result in enumerate(results)]
+    return {
+        **response_envelope("chat.completion", f"chatcmpl-{request_id(results)}", model, choices),
+        "usage": usage(results),
+    }
+
+
+def chat_choice(index: int, result: GenerationResult, body: CompletionRequest, texts: TokenTexts) -> dict[str, Any]:
+    """One completion of a ChatCompletion, as an assistant message."""
     logprobs = None
     if body.logprobs is not None:
         tops = result.top_logprobs or [[] for _ in result.token_ids]
@@ -86,17 +104,12 @@ def chat_completion_response(
         ]
         logprobs = {"content": content, "refusal": None}
     message = {"role": "assistant", "content": completion_text(result, texts), "refusal": None, "tool_calls": []}
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": logprobs,
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
-    }
-    model = body.model or served_model_name
-    return {
-        **response_envelope("chat.completion", f"chatcmpl-{result.request_id}", model, choice),
-        "usage": usage(result),
     }
 
 

@@ -10,11 +10,12 @@ that truncates its distribution (top-k, top-p, min-p) gets the mask. Responses u
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.engine.protocol import CompletionRequest, TokenId
+from asyncrl.engine.protocol import CompletionRequest, TokenId, request_id
 from asyncrl.engine.rows import GenerationResult
 
 
@@ -41,7 +42,26 @@ def as_completion_request(body: GenerateRequest) -> CompletionRequest:
     return CompletionRequest.model_validate(fields)
 
 
-def generate_response(result: GenerationResult, body: CompletionRequest, served_model_name: str) -> dict[str, Any]:
+def generate_response(
+    results: Sequence[GenerationResult], body: CompletionRequest, served_model_name: str
+) -> dict[str, Any]:
+    """vLLM's GenerateResponse (``output_mode`` tokens) for a request's completions, one choice each."""
+    prompt_tokens, completion_tokens = len(results[0].prompt_ids), sum(len(r.token_ids) for r in results)
+    return {
+        "request_id": request_id(results),
+        "output_mode": "tokens",
+        "model": body.model or served_model_name,
+        "created": int(time.time()),
+        "choices": [generate_choice(index, result, body) for index, result in enumerate(results)],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def generate_choice(index: int, result: GenerationResult, body: CompletionRequest) -> dict[str, Any]:
     logprobs = None
     if body.logprobs is not None:
         tops = result.top_logprobs or [[] for _ in result.token_ids]
@@ -50,25 +70,13 @@ def generate_response(result: GenerationResult, body: CompletionRequest, served_
             for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
         ]
         logprobs = {"content": content}
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "token_ids": result.token_ids,
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
         "logprobs": logprobs,
         "sampling_mask": result.sampling_masks,
-    }
-    return {
-        "request_id": result.request_id,
-        "output_mode": "tokens",
-        "model": body.model or served_model_name,
-        "created": int(time.time()),
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": len(result.prompt_ids),
-            "completion_tokens": len(result.token_ids),
-            "total_tokens": len(result.prompt_ids) + len(result.token_ids),
-        },
     }
 
 

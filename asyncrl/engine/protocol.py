@@ -3,15 +3,17 @@
 Requests are validated strictly (a string where a number belongs is a 400, as in vLLM's pydantic models, and so
 is an infinite or NaN sampling value);
 unknown fields are accepted and ignored, as vLLM does. Features the built-in server does not implement
-(stop strings, n > 1, streaming, echo, prompt logprobs, presence/frequency penalties) are a 400 rather
-than silently ignored. Omitted sampling fields take neutral defaults (vLLM's ``--generation-config vllm``).
+(stop strings, streaming, echo, prompt logprobs, presence/frequency penalties) are a 400 rather
+than silently ignored. ``n > 1`` is n requests of seeds seed, seed + 1, ... (vLLM's child requests), answered as n
+choices. Omitted sampling fields take neutral defaults (vLLM's ``--generation-config vllm``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from itertools import accumulate
 from typing import Annotated, Any
 
@@ -51,6 +53,11 @@ class TokenTexts:
         self.id_labels = _Memo(lambda token_id: f"token_id:{token_id}")
 
 
+MAX_N = 1024
+"""Completions one request may ask for: each is a request of its own to the engine (``fan_out``), and a request of
+millions must be a 400, not a queue that starves every other client."""
+
+
 class CompletionRequest(BaseModel):
     """The fields of vLLM's CompletionRequest that the built-in server reads."""
 
@@ -72,7 +79,7 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool | None = False
     echo: bool | None = False
     prompt_logprobs: int | None = None
@@ -83,7 +90,6 @@ class CompletionRequest(BaseModel):
 
 def _check_supported(body: CompletionRequest) -> None:
     unsupported = {
-        "n > 1": body.n > 1,
         "stream": bool(body.stream),
         "echo": bool(body.echo),
         "stop strings (use stop_token_ids)": bool(body.stop),
@@ -176,15 +182,40 @@ def build_generation_request(
     )
 
 
+def fan_out(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """A request of ``n`` completions as n requests, as vLLM splits one into child requests: child i draws from seed
+    + i (an unseeded request's children each draw their own)."""
+    if n == 1:
+        return [request]
+    seed = request.params.seed
+    return [replace(request, request_id=f"{index}_{request.request_id}",
+                    params=replace(request.params, seed=None if seed is None else seed + index))
+            for index in range(n)]  # fmt: skip
+
+
 def completion_response(
-    result: GenerationResult, body: CompletionRequest, texts: TokenTexts, served_model_name: str
+    results: Sequence[GenerationResult], body: CompletionRequest, texts: TokenTexts, served_model_name: str
 ) -> dict[str, Any]:
-    """vLLM's CompletionResponse for one finished (or aborted) request."""
+    """vLLM's CompletionResponse for a request's finished (or aborted) completions, one choice each."""
+    choices = [completion_choice(index, result, body, texts) for index, result in enumerate(results)]
+    return {
+        **response_envelope(
+            "text_completion", f"cmpl-{request_id(results)}", body.model or served_model_name, choices
+        ),  # fmt: skip
+        "usage": usage(results),
+        "kv_transfer_params": None,  # vLLM: disaggregated prefill's hand-over; none here
+        "metrics": None,
+    }
+
+
+def completion_choice(index: int, result: GenerationResult, body: CompletionRequest,
+                      texts: TokenTexts) -> dict[str, Any]:  # fmt: skip
+    """One completion of a CompletionResponse."""
     logprobs = None
     if body.logprobs is not None:
         logprobs = _logprobs(result, texts, as_ids=bool(body.return_tokens_as_token_ids))
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "text": completion_text(result, texts),
         "logprobs": logprobs,
         "finish_reason": result.finish_reason,
@@ -196,22 +227,17 @@ def completion_response(
     }
     if body.return_sampling_mask:
         choice["sampling_masks"] = result.sampling_masks
-    return {
-        **response_envelope("text_completion", f"cmpl-{result.request_id}", body.model or served_model_name, choice),
-        "usage": usage(result),
-        "kv_transfer_params": None,  # vLLM: disaggregated prefill's hand-over; none here
-        "metrics": None,
-    }
+    return choice
 
 
-def response_envelope(kind: str, response_id: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """The fields every OpenAI-style response shares around its one choice (completions and chat)."""
+def response_envelope(kind: str, response_id: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fields every OpenAI-style response shares around its choices (completions and chat)."""
     return {
         "id": response_id,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
     }
@@ -223,13 +249,18 @@ def completion_text(result: GenerationResult, texts: TokenTexts) -> str:
     return texts.tokenizer.decode(text_ids, skip_special_tokens=True)
 
 
-def usage(result: GenerationResult) -> dict[str, Any]:
-    """The response's token counts (OpenAI's usage object)."""
-    completion_tokens = len(result.token_ids)
+def request_id(results: Sequence[GenerationResult]) -> str:
+    """The id of the request ``results`` answer: the one request's, or the parent's of fanned-out children."""
+    return results[0].request_id if len(results) == 1 else results[0].request_id.partition("_")[2]
+
+
+def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """The response's token counts (OpenAI's usage object): the prompt once, every completion's tokens."""
+    prompt_tokens, completion_tokens = len(results[0].prompt_ids), sum(len(r.token_ids) for r in results)
     return {
-        "prompt_tokens": len(result.prompt_ids),
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": len(result.prompt_ids) + completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": None,
     }
 

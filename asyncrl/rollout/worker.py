@@ -215,7 +215,8 @@ class WorkerDriver:
         spec = self.spec
         try:
             timeout_s = self.config.server.timeout
-            async with GenerationClient(spec.base_urls, spec.model_name, timeout_s=timeout_s) as client:
+            async with GenerationClient(spec.base_urls, spec.model_name, timeout_s=timeout_s,
+                                        group_requests=self.config.rollout.group_requests) as client:  # fmt: skip
                 self.loop = spec.loop_cls(self.config, spec.tokenizer, client, spec.advantage_fn, spec.max_model_len,
                                           seed_offset=spec.start_prompt_index * 1000)  # fmt: skip
                 self.loop.tool_pool = tool_pool
@@ -451,15 +452,18 @@ class WorkerDriver:
 
     async def _report(self, interval_s: float = 1.0) -> None:
         """Every ``interval_s``: the rate and load metrics, flushed to the trainer, and a heartbeat (a wait on an
-        event, such as a long rollout, sends none itself)."""
-        last_time, last_tokens, last_retries = time.monotonic(), 0, 0
+        event, such as a long rollout, sends none itself). ``rollout/worker_cpu`` is the share of a core this process
+        used: near 1, its one event loop (requests, rendering, scoring) bounds generation, whatever the server's
+        speed."""
+        last_time, last_tokens, last_retries, last_cpu = time.monotonic(), 0, 0, time.process_time()
         last_requests = [0] * len(self.loop.client.servers)
         while True:
             await asyncio.sleep(interval_s)
             self.channels.beat()
-            now = time.monotonic()
+            now, cpu = time.monotonic(), time.process_time()
             rate = (self.generated_tokens - last_tokens) / (now - last_time)
             self.metrics["rollout/generated_tokens_per_s"].append(rate)
+            self.metrics["rollout/worker_cpu"].append((cpu - last_cpu) / (now - last_time))
             self.metrics["rollout/concurrency"].append(self.admission.inflight_rollouts)
             self.metrics["rollout/concurrency_cap"].append(self.flow.concurrency.cap)
             self.metrics["rollout/score_queue_size"].append(self.score_queue.qsize())
@@ -467,7 +471,7 @@ class WorkerDriver:
                 self.metrics["rollout/staleness_cap"].append(self.flow.pacer.cap)
             retries = self.loop.client.retry_count
             self.metrics["rollout/vllm_retry_count"].append(retries - last_retries)
-            last_time, last_tokens, last_retries = now, self.generated_tokens, retries
+            last_time, last_tokens, last_retries, last_cpu = now, self.generated_tokens, retries, cpu
             last_requests = self._record_server_requests(last_requests)
             self._flush_metrics()
 

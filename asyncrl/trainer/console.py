@@ -87,7 +87,8 @@ def diagnose_bottleneck(metrics: Mapping[str, Any], flow: FlowControl) -> str:
     if label == GENERATION_BOUND:
         return (
             f"{label}: training waited {wait:.2f} s/step for samples ({queue}); look at "
-            "rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size"
+            "rollout/generated_tokens_per_s, rollout/concurrency, rollout/worker_cpu (near 1: the rollout worker's "
+            "core is the limit) and rollout/score_queue_size"
         )
     if label == TRAINER_BOUND:
         staleness = _value(metrics, "sample/staleness_mean")

@@ -106,6 +106,8 @@ def test_dropped_groups_are_counted_while_the_run_trains_until_out_of_memory_end
     assert sum(s.get("rollout/failed_group_count", 0) for s in steps) > 0
     assert all(s["loss"] == s["loss"] for s in steps)  # logged every step (TRL's `loss`)
     assert {"rollout/score_wait_s", "rollout/score_block_s", "rollout/score_queue_size"} <= set(steps[0])
+    busy = [s["rollout/worker_cpu"] for s in steps if "rollout/worker_cpu" in s]
+    assert busy and all(0 < share < 4 for share in busy), busy  # the worker's share of a core (its tool threads too)
     checkpoints = list_checkpoints(run_dir)
     assert checkpoints and checkpoints[-1].name == f"step_{steps[-1]['step']:06d}"
     for checkpoint in checkpoints:

@@ -18,7 +18,15 @@ from safetensors.torch import save_file
 from tiny import EOS_ID, MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 from transformers import AutoModelForCausalLM
 
-from asyncrl.client import ControlClient, GenerationClient, SamplingParams, ServerError, auth_headers, parse_token_key
+from asyncrl.client import (
+    Completion,
+    ControlClient,
+    GenerationClient,
+    SamplingParams,
+    ServerError,
+    auth_headers,
+    parse_token_key,
+)
 
 PROMPT = [5, 9, 14, 20, 33]
 
@@ -114,6 +122,38 @@ def test_seeds_reproduce_and_different_seeds_differ(live_server):
 
     assert tokens(7) == tokens(7)
     assert len({tuple(tokens(seed)) for seed in range(1, 6)}) > 1
+
+
+def test_n_completions_are_the_requests_of_seeds_seed_to_seed_plus_n_minus_1(live_server):
+    """vLLM splits a request of n completions into child requests drawing from seed, seed + 1, ...: the rollout
+    worker's group requests (client.py) get what n requests of consecutive seeds would."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "return_token_ids": True}
+    response = post(live_server.base_url, {**body, "seed": 7, "n": 3}).json()
+    assert [choice["index"] for choice in response["choices"]] == [0, 1, 2]
+    alone = [complete(live_server.base_url, **body, seed=seed) for seed in (7, 8, 9)]
+    for choice, single in zip(response["choices"], alone, strict=True):
+        assert choice["token_ids"] == single["token_ids"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(single["logprobs"]["token_logprobs"], abs=1e-5)
+    tokens = sum(len(choice["token_ids"]) for choice in response["choices"])
+    assert response["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": tokens,
+                                 "total_tokens": len(PROMPT) + tokens, "prompt_tokens_details": None}  # fmt: skip
+
+
+def test_a_group_request_gives_each_rollout_what_its_own_request_would(live_server):
+    """The rollout worker's client joins a group's first turns into one request of n (rollout.group_requests): each
+    rollout gets the completion, log-probabilities and candidate sets of a request of its own seed."""
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=6, logprobs=2, seed=seed, return_sampling_mask=True)
+              for seed in (21, 22, 23)]  # fmt: skip
+
+    async def run(group_requests: bool) -> list[Completion]:
+        async with GenerationClient(live_server.base_url, SERVED_NAME, timeout_s=30,
+                                    group_requests=group_requests) as client:  # fmt: skip
+            return await asyncio.gather(*(client.sample(PROMPT, p) for p in params))
+
+    joined, alone = asyncio.run(run(True)), asyncio.run(run(False))
+    for one, other in zip(joined, alone, strict=True):
+        assert one.token_ids == other.token_ids and one.sampling_masks == other.sampling_masks
+        assert one.logprobs == pytest.approx(other.logprobs, abs=1e-5)
 
 
 def test_max_tokens_is_capped_to_the_context_and_a_full_prompt_is_rejected(live_server):
@@ -323,7 +363,7 @@ def test_concurrent_requests_are_batched(live_server, control):
         {"prompt": [3, 4], "logprobs": 21},
         {"prompt": [3, 4], "temperature": -0.5},
         {"prompt": [3, 4], "top_p": 0},
-        {"prompt": [3, 4], "n": 2},
+        {"prompt": [3, 4], "n": 0},
         {"prompt": [3, 4], "stream": True},
         {"prompt": [3, 4], "model": "some-other-model"},
     ],

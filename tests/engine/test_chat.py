@@ -52,7 +52,6 @@ def test_text_parts_are_joined_as_one_content(tiny_server):
     ("body", "message"),
     [
         ({"stream": True}, "does not support stream"),
-        ({"n": 2}, "does not support n > 1"),
         ({"tools": [{"type": "function", "function": {"name": "add"}}]}, "does not support tools"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
         ({"temperature": "hot"}, "temperature"),

@@ -98,7 +98,7 @@ BAD_SAMPLING: list[dict[str, Any]] = [
     {"top_p": math.nan}, {"top_k": -5}, {"top_k": 1.0}, {"min_p": -0.1}, {"min_p": math.inf},
     {"repetition_penalty": 0}, {"repetition_penalty": math.nan}, {"repetition_penalty": math.inf},
     {"presence_penalty": math.nan}, {"seed": 2**63}, {"seed": "1"}, {"logprobs": -1}, {"logprobs": 10**9},
-    {"stop_token_ids": [10**12]}, {"stop_token_ids": "2"}, {"min_tokens": 10**6}, {"n": 0}, {"n": 3}, {"model": 5},
+    {"stop_token_ids": [10**12]}, {"stop_token_ids": "2"}, {"min_tokens": 10**6}, {"n": 0}, {"n": 10**6}, {"model": 5},
     {"model": "another-model"},
 ]  # fmt: skip
 BAD_CONTROL = [

@@ -27,7 +27,7 @@ def test_logprobs_name_tokens_by_text_or_id_and_start_with_the_sampled_one():
     texts = TokenTexts(tokenizer)
     for as_ids in (False, True, False):  # the second text response is served from the memo
         body = CompletionRequest(prompt=[5, 9], logprobs=2, return_tokens_as_token_ids=as_ids)
-        logprobs = completion_response(RESULT, body, texts, "tiny")["choices"][0]["logprobs"]
+        logprobs = completion_response([RESULT], body, texts, "tiny")["choices"][0]["logprobs"]
         name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: tokenizer.decode([t]))
         assert logprobs["tokens"] == [name(t) for t in TOKENS]
         lengths = [len(tokenizer.decode([t])) for t in TOKENS]
