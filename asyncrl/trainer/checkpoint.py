@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from asyncrl.config.schema import Config
+from asyncrl.interrupts import interrupts_deferred
 from asyncrl.model_kind import is_vision_language
 
 CHECKPOINT_PREFIX = "step_"
@@ -65,6 +66,7 @@ def checkpoints_dir(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
+@interrupts_deferred()
 def save_checkpoint(
     output_dir: Path,
     state: TrainerState,
@@ -76,7 +78,8 @@ def save_checkpoint(
     processor_files: dict[str, bytes] | None = None,
 ) -> Path:
     """``write_weights(directory)`` writes the model and optimizer states (with every rank: trainer/fsdp.py);
-    ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES)."""
+    ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES). A stop signal waits until the checkpoint is
+    published (asyncrl/interrupts.py): the interrupted run resumes from it."""
     root = checkpoints_dir(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")

@@ -31,6 +31,7 @@ import torch
 
 from asyncrl import lora
 from asyncrl.config.schema import Config
+from asyncrl.interrupts import interrupts_deferred
 from asyncrl.safetensors_files import save_safetensors
 from asyncrl.trainer.checkpoint import SHARDED_DIR
 from asyncrl.trainer.ranks import Ranks
@@ -238,11 +239,13 @@ def serve_gathers(model: torch.nn.Module, ranks: Ranks, dtype: torch.dtype | Non
         gather_bucket([params[i] for i in starts[start]], dtype)
 
 
+@interrupts_deferred()
 def save_weights(
     directory: Path, model: torch.nn.Module, optimizer: Any, ranks: Ranks, dtype: torch.dtype | None, *, resumable: bool
 ) -> None:
     """On every rank: the sharded resume files (``resumable``) and, written by rank 0, a consolidated copy: the
-    ``model.safetensors`` in the serving dtype with the model's config, or a peft model's adapter files."""
+    ``model.safetensors`` in the serving dtype with the model's config, or a peft model's adapter files. A stop
+    signal waits for the end (asyncrl/interrupts.py)."""
     import torch.distributed.checkpoint as dcp
 
     adapter = lora.is_peft(model)

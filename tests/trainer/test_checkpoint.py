@@ -4,7 +4,9 @@ leftovers of an interrupted save are never listed, and a resume refuses to inter
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from asyncrl.trainer.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
 )
+from asyncrl.trainer.exits import terminate_on_sigterm
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +88,27 @@ def test_a_checkpoint_from_before_one_trainer_path_is_refused_in_one_line(saver,
     shutil.rmtree(path / "sharded")
     with pytest.raises(ResumeError, match=r"no sharded/ resume files.* model.name_or_path="):
         check_checkpoint(path)
+
+
+def test_a_stop_signal_during_the_save_lands_after_the_checkpoint_is_published(saver, tmp_path, monkeypatch):
+    """SIGTERM raised inside DCP's save came out as DCP's RuntimeError with the shards half written (a traceback and
+    no resume command): held back, it is the run's KeyboardInterrupt once the checkpoint is whole."""
+    import torch.distributed.checkpoint as dcp
+
+    save = dcp.save
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", interrupted)
+    previous = signal.getsignal(signal.SIGTERM)
+    terminate_on_sigterm()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            saver(tmp_path, 3)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (final,) = list_checkpoints(tmp_path)
+    check_checkpoint(final)
+    assert final.name == "step_000003" and (final / "sharded").is_dir()
