@@ -1,9 +1,10 @@
 """Metric windows and sinks.
 
 A window collects events since the last log. Reduction follows the spec: a name whose last part
-has the word ``count`` is summed, one with ``max``/``min`` keeps the extreme, anything else is the mean
-of its events (NaN events are ignored; a window with only NaN gives NaN). Sinks: ``metrics.jsonl`` in the run
-directory (one object per logging step) and accelerate trackers (tensorboard, wandb, trackio) when configured.
+has the word ``count`` is summed, one with ``max``/``min`` keeps the extreme, one in ``SPREAD_NAMES`` is the
+standard deviation of its events, anything else is the mean of its events (NaN events are ignored; a window with
+only NaN gives NaN). Sinks: ``metrics.jsonl`` in the run directory (one object per logging step) and accelerate
+trackers (tensorboard, wandb, trackio) when configured.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import math
 import os
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -19,13 +21,21 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+SPREAD_NAMES = ("std", "reward_std")
+"""Last name parts reduced to the sample standard deviation of their events (NaN below two): TRL's ``reward_std``
+and ``rewards/<fn>/std``, the spread of the rewards across the window's completions. Whole names, so that
+``frac_reward_zero_std`` and ``reward_group_std`` (per-group figures) stay means."""
+
 
 def reduce_events(name: str, values: list[float]) -> float:
     """Reduce one metric's window by the words of its last name part (``mean_terminated_length`` is a mean)."""
-    words = name.rsplit("/", 1)[-1].split("_")
+    last = name.rsplit("/", 1)[-1]
+    words = last.split("_")
     finite = [v for v in values if not math.isnan(v)]
     if "count" in words:
         return float(sum(finite))
+    if last in SPREAD_NAMES:
+        return statistics.stdev(finite) if len(finite) > 1 else math.nan
     if not finite:
         return math.nan
     if "max" in words:

@@ -95,11 +95,20 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float | int]:
     return out
 
 
-class Trackers:
-    """The started trackers of one run; empty when `logging.report_to` is empty."""
+def first_per_prompt(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first record of each prompt, in order (TRL's ``drop_duplicates(subset=["prompt"])``)."""
+    firsts: dict[Any, dict[str, Any]] = {}
+    for record in records:
+        firsts.setdefault(record["prompt"], record)
+    return list(firsts.values())
 
-    def __init__(self, trackers: list[GeneralTracker]) -> None:
-        self.trackers = trackers
+
+class Trackers:
+    """The started trackers of one run; empty when `logging.report_to` is empty. ``unique_prompts``:
+    logging.log_unique_prompts."""
+
+    def __init__(self, trackers: list[GeneralTracker], unique_prompts: bool = False) -> None:
+        self.trackers, self.unique_prompts = trackers, unique_prompts
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         values = scalars(metrics)
@@ -110,7 +119,10 @@ class Trackers:
 
     def write_completions(self, step: int, records: list[dict[str, Any]]) -> None:
         """logging.log_completions' table of a logging step's completions, all of them (the console prints
-        logging.num_completions_to_print), with the columns reward functions added (``log_extra``)."""
+        logging.num_completions_to_print), with the columns reward functions added (``log_extra``); under
+        logging.log_unique_prompts only the first completion of each prompt, as TRL's table."""
+        if self.unique_prompts:
+            records = first_per_prompt(records)
         columns = table_columns(records)
         rows = [[record.get(column) for column in columns] for record in records]
         for tracker in self.trackers:
@@ -135,4 +147,4 @@ def build_trackers(config: Config, run_dir: Path) -> Trackers:
     trackers = [TRACKERS[name](config, run_dir, run_name) for name in dict.fromkeys(names)]
     for tracker in trackers:
         tracker.start()
-    return Trackers(trackers)
+    return Trackers(trackers, unique_prompts=config.logging.log_unique_prompts)

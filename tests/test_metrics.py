@@ -71,3 +71,11 @@ def test_a_resumed_sink_cuts_the_torn_last_row_before_appending(tmp_path, caplog
     JsonlSink(path).write(2, {"reward": 0.5})
     assert read_jsonl(path) == [{"step": 1}, {"step": 2, "reward": 0.5}]
     assert "incomplete last row" in caplog.text
+
+
+def test_trl_std_names_are_the_spread_of_their_events_and_other_std_words_stay_means():
+    assert reduce_events("reward_std", [0.0, 0.0, 1.0, 1.0]) == pytest.approx(0.57735, rel=1e-4)  # Bessel's, as TRL
+    assert reduce_events("rewards/accuracy/std", [0.0, math.nan, 2.0]) == pytest.approx(1.41421, rel=1e-4)
+    assert math.isnan(reduce_events("reward_std", [1.0]))
+    for name in ("frac_reward_zero_std", "reward_group_std", "rewards/accuracy/group_std"):
+        assert reduce_events(name, [0.0, 1.0]) == 0.5

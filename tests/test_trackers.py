@@ -108,3 +108,18 @@ def test_completions_reach_wandb_and_trackio_as_their_tables(monkeypatch):
     frame = table["dataframe"]
     assert step == 3 and kind == "trackio.Table" and list(frame.columns) == COLUMNS
     assert frame.astype(object).where(frame.notna(), None).values.tolist() == ROWS  # pandas reads None as NaN
+
+
+def test_unique_prompts_keep_the_first_completion_of_each_prompt_in_the_table(tmp_path):
+    """logging.log_unique_prompts, as TRL's drop_duplicates(subset=["prompt"]): order kept, later repeats dropped."""
+    config = _config(["tensorboard"])
+    config.logging.log_completions = config.logging.log_unique_prompts = True
+    trackers = build_trackers(config, tmp_path)
+    trackers.write_completions(3, [RECORDS[0], RECORDS[1], {**RECORDS[0], "completion": "five"}])
+    trackers.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "tb-run"), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("completions/text_summary")
+    html = markdown_to_safe_html(event.tensor_proto.string_val[0])
+    assert html.count("<tr>") == 3 and html.index("2+2?") < html.index("3+3?") and "five" not in html

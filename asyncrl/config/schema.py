@@ -93,6 +93,10 @@ class ModelConfig:
     router_aux_loss_coef: float | None = None
     """Mixture-of-Experts load-balancing loss weight (logged as aux_loss): null = the model config's value, 0 =
     off; set on a dense model it is a config error."""
+    disable_dropout: bool = False
+    """Set every dropout of the policy and the reference to 0 (each torch.nn.Dropout's p and each attention module's
+    attention_dropout), as TRL's disable_dropout (off by default there too): the policy trains in train() mode, where
+    a checkpoint's dropout makes its log-probs differ from the sampler's and the reference's for the same tokens."""
 
 
 @dataclass
@@ -272,6 +276,9 @@ class TrainerConfig:
     """float16 mixed precision for GPUs without bfloat16: forward and backward in float16 over float32 master weights,
     the loss scaled by torch.amp's GradScaler (a step whose gradients overflow is skipped and the scale lowered). GPU
     only, and not with trainer.bf16=true."""
+    tf32: bool | None = None
+    """TF32 for the trainer's float32 matmuls and convolutions on an Ampere or newer GPU (true) or IEEE float32
+    (false), as transformers' TrainingArguments.tf32; null keeps torch's default (IEEE). true needs such a GPU."""
     optim: OptimizerName = OptimizerName.adamw_torch
     """adamw_torch | adamw_torch_fused (torch's fused kernel) | sgd (torch's, no momentum): each takes learning_rate and
     weight_decay, AdamW the adam_* keys too."""
@@ -370,8 +377,8 @@ class RolloutConfig:
     """Import path of an environment class/factory, or a mapping name -> import path routed by the dataset's
     `environment` column; one instance per rollout, its public methods are tools."""
     tool_call_format: str = "auto"
-    """auto|hermes|llama3|deepseek_v3|glm4|functiongemma|tiny: how tool calls are parsed from the model's output;
-    auto reads the chat template."""
+    """auto|hermes|llama3|deepseek_v3|glm4|qwen3_coder|functiongemma|tiny: how tool calls are parsed from the model's
+    output; auto reads the chat template (qwen3_coder: Qwen3.5, Qwen3.6 and Qwen3-Coder's <function=NAME> calls)."""
     chat_template: str = "auto"
     """auto|keep|path to a .jinja file. auto: with tools or environments, a known family (Qwen3, DeepSeek-V3/R1) whose
     stock template is not prefix-preserving gets asyncrl's training-safe one, which checkpoints and the final model
@@ -385,6 +392,9 @@ class LoggingConfig:
     """Trackers through accelerate: tensorboard, wandb, trackio."""
     log_completions: bool = False
     num_completions_to_print: int | None = None
+    log_unique_prompts: bool = False
+    """The trackers' completions table keeps only the first completion of each prompt (TRL's log_unique_prompts; the
+    console's table is unchanged). Needs log_completions and a tracker in report_to."""
     console: str = "auto"
     """auto|live|plain: live rich display when stdout is a terminal."""
     project: str = "asyncrl"

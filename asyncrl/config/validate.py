@@ -229,6 +229,11 @@ def check_lora(config: Config) -> None:
         raise ConfigError("lora.target_modules must not include lm_head: adapters on lm_head are not supported")
     if sv.max_lora_rank is not None and lora.r > sv.max_lora_rank:
         raise ConfigError(f"lora.r={lora.r} exceeds server.max_lora_rank={sv.max_lora_rank}")
+    if config.model.disable_dropout and lora.dropout > 0:
+        raise ConfigError(
+            f"lora.dropout={lora.dropout} with model.disable_dropout=true: the adapters' dropout would be asked for "
+            "and disabled at once; set lora.dropout=0 or model.disable_dropout=false"
+        )
 
 
 def check_vllm_server(config: Config) -> None:
@@ -314,6 +319,16 @@ def check_reward_funcs(config: Config) -> None:
         raise ConfigError(f"reward_weights={list(weights)}: every weight must be a finite number")
 
 
+def check_completion_tables(config: Config) -> None:
+    """logging.log_unique_prompts thins the trackers' completions table: without that table it would do nothing."""
+    lg = config.logging
+    if lg.log_unique_prompts and not (lg.log_completions and lg.report_to):
+        raise ConfigError(
+            "logging.log_unique_prompts=true thins the trackers' completions table, which this run does not log: "
+            "set logging.log_completions=true and logging.report_to=[...], or drop it"
+        )
+
+
 def check_hub(config: Config) -> None:
     """hub.hub_model_id is a repository id by huggingface_hub's own rule, checked before training, not at the first
     push (a null one, the run's name, is checked as the repository is created: hub_push.py)."""
@@ -369,6 +384,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_reward_funcs,
     check_data_source,
     check_hub,
+    check_completion_tables,
 )
 
 

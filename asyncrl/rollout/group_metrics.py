@@ -22,6 +22,7 @@ def group_metrics(group: RolloutGroup, per_source: dict[str, np.ndarray], drop: 
     scored = rewards[~np.isnan(rewards)]
     out: dict[str, list[float]] = {
         "reward": scored.tolist(),
+        "reward_std": scored.tolist(),  # reduced to the spread across the window's completions (asyncrl/metrics.py)
         "frac_reward_zero_std": [1.0 if drop is not None else 0.0],
         "completions/duplicate_frac": _duplicates(group.completions_ids),
         "rollout/turns_mean": [float(len(r.turns)) for r in group.rollouts],
@@ -33,7 +34,7 @@ def group_metrics(group: RolloutGroup, per_source: dict[str, np.ndarray], drop: 
     elif scored.size:
         out["reward_dropped"] = scored.tolist()
     for name, values in per_source.items():
-        out[f"rewards/{name}/mean"] = values[~np.isnan(values)].tolist()
+        out[f"rewards/{name}/mean"] = out[f"rewards/{name}/std"] = values[~np.isnan(values)].tolist()
     for name, values in group.reward_metrics.items():  # a reward's own log_metric, under the name it gave
         out.setdefault(name, []).extend(values)
     out.update(_lengths(group))

@@ -150,12 +150,20 @@ def parse_glm4_call(body: str, strings: StringParams) -> ToolCall:
     name = name.strip()
     if not name or any(c.isspace() or c in "<>" for c in name):
         return ToolCall("", {}, "tool call does not start with a function name")
-    if _GLM_PAIR.sub("", pairs).strip():
-        return ToolCall(name, {}, f"arguments of {name} are not <arg_key>/<arg_value> pairs")
+    return _pair_arguments(name, pairs, _GLM_PAIR, "<arg_key>/<arg_value> pairs", strings, _json_or_text)
+
+
+def _pair_arguments(
+    name: str, pairs: str, pair: re.Pattern[str], what: str, strings: StringParams, typed: Callable[[str], Any]
+) -> ToolCall:
+    """Arguments written as key/value ``pair`` matches with only whitespace between them (GLM-4, Qwen3-Coder): a
+    string parameter's value is its raw text, any other's is ``typed(value)``."""
+    if pair.sub("", pairs).strip():
+        return ToolCall(name, {}, f"arguments of {name} are not {what}")
     arguments = {}
-    for key, value in _GLM_PAIR.findall(pairs):
+    for key, value in pair.findall(pairs):
         key = key.strip()
-        arguments[key] = value if key in strings.get(name, ()) else _json_or_text(value)
+        arguments[key] = value if key in strings.get(name, ()) else typed(value)
     return ToolCall(name, arguments)
 
 
@@ -164,6 +172,28 @@ def _json_or_text(value: str) -> Any:
         return _load_json(value)
     except ValueError:
         return value
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^\n>]+)>(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^\n>]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_PYTHON_WORDS = {"True": True, "False": False, "None": None}
+
+
+def parse_qwen3_coder_call(body: str, strings: StringParams) -> ToolCall:
+    """Qwen3-Coder, Qwen3.5, Qwen3.6: ``<function=NAME>``, then per argument ``<parameter=K>``, the value on the
+    lines below, ``</parameter>``, then ``</function>``. The value is the raw text for a string parameter; for any
+    other it is JSON, else Python's True/False/None (Qwen3.5's template writes scalars with ``| string``), else text."""
+    function = _XML_FUNCTION.fullmatch(body)
+    if function is None or not function.group(1).strip():
+        return ToolCall("", {}, "tool call is not <function=NAME>...</function>")
+    name, params = function.group(1).strip(), function.group(2)
+    blocks = "<parameter=NAME>...</parameter> blocks"
+    return _pair_arguments(name, params, _XML_PARAMETER, blocks, strings, _json_or_python_word)
+
+
+def _json_or_python_word(value: str) -> Any:
+    word = value.strip()
+    return _PYTHON_WORDS[word] if word in _PYTHON_WORDS else _json_or_text(value)
 
 
 _ESCAPE = "<escape>"
@@ -305,6 +335,12 @@ _FORMATS = (
         _blocks(_HERMES_BLOCK, parse_glm4_call),
         markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
         detect=("<arg_key>",),
+    ),
+    ToolFormat(
+        "qwen3_coder",
+        _blocks(_HERMES_BLOCK, parse_qwen3_coder_call),
+        markers=("<tool_call>", "</tool_call>"),
+        detect=("<function=",),
     ),
     ToolFormat(
         "functiongemma",

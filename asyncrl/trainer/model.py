@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from asyncrl import lora
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, OptimizerName, TrainerConfig
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
@@ -94,10 +95,38 @@ def freeze_non_text(model: torch.nn.Module) -> None:
     )
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """model.disable_dropout: every torch.nn.Dropout's p and every attention module's ``attention_dropout`` (the
+    float transformers' attention passes as its dropout in train() mode) set to 0. The model's config is left as
+    it is, so saved checkpoints keep the checkpoint's own dropout."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def use_tf32(config: Config) -> None:
+    """trainer.tf32 for this rank's float32 matmuls and convolutions, as transformers' TrainingArguments sets it:
+    true needs an Ampere or newer GPU, false is a no-op without one, null keeps torch's default."""
+    tf32 = config.trainer.tf32
+    if tf32 is None:
+        return
+    available = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+    if tf32 and not available:
+        raise ConfigError("trainer.tf32=true needs an NVIDIA GPU of the Ampere generation or newer, and this "
+                          "trainer has none: drop trainer.tf32")  # fmt: skip
+    if available:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def load_model(config: Config, path: str) -> torch.nn.Module:
     """The model at ``path``; with ``lora.enabled`` the base model wrapped with adapters (``path`` may then
     be an adapter checkpoint, whose base is model.name_or_path). A vision-language checkpoint loads whole (its
-    checkpoints stay servable) with everything outside the text model frozen."""
+    checkpoints stay servable) with everything outside the text model frozen. Every rank loads its policy here,
+    so this is also where its matmul precision is set (trainer.tf32)."""
+    use_tf32(config)
     m = config.model
     adapter_path = path if config.lora.enabled else None
     if lora.is_adapter_dir(path):
@@ -119,6 +148,8 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
     model = auto_model_class(path, **source).from_pretrained(path, **kwargs)  # its config as is: a saved model
     # keeps the source's use_cache (the packed forward passes use_cache=False itself)
     freeze_non_text(model)
+    if m.disable_dropout:
+        disable_dropout(model)
     if config.trainer.gradient_checkpointing:
         kwargs = {"use_reentrant": False, **config.trainer.gradient_checkpointing_kwargs}
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

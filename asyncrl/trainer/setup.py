@@ -54,6 +54,19 @@ def check_model_path(config: Config) -> None:
                           "save_pretrained layout, or a Hub id such as Qwen/Qwen3-4B)")  # fmt: skip
 
 
+def check_tf32_device(config: Config) -> None:
+    """trainer.tf32=true on a machine without a GPU is refused before the server starts (transformers refuses it
+    too); the trainer checks the GPU's generation when it loads the model (trainer/model.py use_tf32), as reading it
+    here would start CUDA in the launching process."""
+    import torch
+
+    from asyncrl.config.errors import ConfigError
+
+    if config.trainer.tf32 and not torch.cuda.is_available():
+        raise ConfigError("trainer.tf32=true: TF32 is a mode of NVIDIA GPUs (Ampere or newer) and this machine has "
+                          "none (the CPU trains in IEEE float32): drop trainer.tf32")  # fmt: skip
+
+
 def prepare(plan: RunPlan) -> Prepared:
     """Everything the run needs besides the model and the server, checked before the server starts
     (``plan``: asyncrl.plan.assemble.plan_run)."""
@@ -82,6 +95,7 @@ def prepare(plan: RunPlan) -> Prepared:
     check_agents(config, tokenizer, conversational)
     check_reward_model_tokenizers(plan.components, conversational)
     check_router_aux_coef(config)
+    check_tf32_device(config)
     check_routing(dataset, config.rollout.environment_factory)
     return Prepared(dataset, eval_dataset, tokenizer, plan, loop_cls)
 

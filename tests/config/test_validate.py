@@ -38,6 +38,7 @@ BAD_INPUTS = [
     (["sampling.num_sampler_logprobs=50"], "server.max_logprobs"),
     (["lora=default", "lora.target_modules=[q_proj,lm_head]"], "lm_head"),
     (["lora=default", "server.max_lora_rank=16"], "lora.r"),
+    (["lora=default", "lora.dropout=0.1", "model.disable_dropout=true"], "lora.dropout=0.1 with model.disable_dropout"),
     (["reward_funcs=[]"], "reward_funcs"),
     (["reward_weights=[1.0,0.5]"], "reward_weights=[1.0, 0.5] has 2 weights for 1 reward_funcs: give one per"),
     (["reward_weights=[nan]"], "reward_weights=[nan]: every weight must be a finite number"),
@@ -65,6 +66,11 @@ BAD_INPUTS = [
     (["+sampling.generation_kwargs.seed=5"], "kwargs.seed: asyncrl sets seed itself, on every request: remove it"),
     (["hub.push_to_hub=true", "hub.hub_model_id=a/b/c"], "hub.hub_model_id=a/b/c: Repo id must be in the form"),
     (["trainer.fp16=true", "trainer.bf16=true"], "trainer.fp16=true and trainer.bf16=true ask for two mixed"),
+    (["logging.log_unique_prompts=true"], "logging.log_unique_prompts=true thins the trackers' completions table"),
+    (
+        ["logging.log_unique_prompts=true", "logging.report_to=[tensorboard]"],
+        "set logging.log_completions=true and logging.report_to=[...]",
+    ),
     (
         ["trainer.gradient_checkpointing=false", "+trainer.gradient_checkpointing_kwargs={use_reentrant: true}"],
         "trainer.gradient_checkpointing_kwargs={'use_reentrant': True} with trainer.gradient_checkpointing=false",

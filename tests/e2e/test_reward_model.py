@@ -46,6 +46,7 @@ def test_the_reward_model_scores_every_group_beside_the_function(reward_model_ru
     for s in scored:  # every rollout scored by both: the reward is their weighted sum, each logged unweighted
         expected = WEIGHTS[0] * s[f"rewards/{name}/mean"] + WEIGHTS[1] * s["rewards/length/mean"]
         assert math.isclose(s["reward"], expected, rel_tol=1e-6), s
+        assert all(s[key] >= 0 for key in ("reward_std", f"rewards/{name}/std", "rewards/length/std")), s  # TRL's
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert math.isfinite(evaluation["after"]["eval/sampled_reward"])
     assert wait_no_marked(run.marker) == []

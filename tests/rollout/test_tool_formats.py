@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from asyncrl.rollout.templates import use_chat_template
 from asyncrl.rollout.tool_formats import FORMATS, decode_turn, detect_format, parse_tool_calls
 from asyncrl.rollout.tools import ToolStats, run_tool_calls, tool_schemas
 
@@ -59,6 +60,10 @@ FAMILIES = {
     "functiongemma": Family("functiongemma.jinja", "functiongemma", ("<start_of_turn>", "<end_of_turn>",
                             "<start_function_call>", "<end_function_call>", "<start_function_response>",
                             "<end_function_response>", "<escape>")),
+    "qwen3_5": Family("qwen3_5_nothink.jinja", "qwen3_coder", ("<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                      "<tool_call>", "</tool_call>")),
+    "qwen3_6": Family("qwen3_6.jinja", "qwen3_coder", ("<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                      "<tool_call>", "</tool_call>")),
 }  # fmt: skip
 
 
@@ -105,6 +110,15 @@ def test_calls_rendered_by_the_family_template_parse_back(name):
     assert "add" not in content and ("Adding." in content or family.fmt == "llama3")
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_6"])
+def test_auto_keeps_the_qwen3_5_templates_so_the_loop_reads_the_calls_they_ask_for(name):
+    """Their stock templates keep tool rounds prefix-preserving, so rollout.chat_template=auto leaves them (Qwen3's
+    training-safe template would ask for hermes JSON calls the model was not trained to write)."""
+    tokenizer = family_tokenizer(FAMILIES[name])
+    assert use_chat_template(tokenizer, "auto", agentic=True, chat_template_kwargs={}, model=name) is None
+    assert tokenizer.chat_template == (FIXTURES / FAMILIES[name].fixture).read_text()
+
+
 def test_decoding_keeps_special_markers_and_nothing_else():
     tokenizer = family_tokenizer(FAMILIES["glm4"])
     ids = tokenizer.encode("<|assistant|>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
@@ -130,20 +144,37 @@ def test_deepseek_calls_v3_and_v31_syntax_and_malformed():
     assert content.startswith("Let me add.") and content.count(begin) == 2 and "calls▁begin" not in content
 
 
-def test_glm4_values_are_typed_by_the_schema_and_malformed_calls_fail():
-    text = ("<think>plan</think>\nSure.\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>7</arg_value>\n"
-            "<arg_key>note</arg_key>\n<arg_value>42</arg_value>\n</tool_call>\n"
-            "<tool_call>lookup\n<arg_key>q</arg_key>\n<arg_value>{\"k\": [1, true]}</arg_value>\n"
-            "<arg_key>raw</arg_key><arg_value>not json</arg_value>\n</tool_call>"
-            "<tool_call>add\n<arg_key>a</arg_key>\n</tool_call>"
-            "<tool_call>\n<arg_key>a</arg_key></tool_call>")  # fmt: skip
-    content, calls = parse_tool_calls(text, "glm4", SCHEMAS)
+@pytest.mark.parametrize(
+    ("fmt", "text", "second", "errors", "start"),
+    [
+        ("glm4", "<think>plan</think>\nSure.\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>7</arg_value>\n"
+                 "<arg_key>note</arg_key>\n<arg_value>42</arg_value>\n</tool_call>\n"
+                 "<tool_call>lookup\n<arg_key>q</arg_key>\n<arg_value>{\"k\": [1, true]}</arg_value>\n"
+                 "<arg_key>raw</arg_key><arg_value>not json</arg_value>\n</tool_call>"
+                 "<tool_call>add\n<arg_key>a</arg_key>\n</tool_call>"
+                 "<tool_call>\n<arg_key>a</arg_key></tool_call>",
+         {"q": {"k": [1, True]}, "raw": "not json"},
+         ["arguments of add are not <arg_key>/<arg_value> pairs", "tool call does not start with a function name"],
+         "<think>plan</think>\nSure."),
+        ("qwen3_coder", "Sure.\n\n<tool_call>\n<function=add>\n<parameter=a>\n7\n</parameter>\n<parameter=note>\n"
+                        "42\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=plot>\n<parameter=data>\n"
+                        "[1, 2.5]\n</parameter>\n<parameter=grid>\nTrue\n</parameter>\n<parameter=title>\nline one\n"
+                        "line two\n</parameter>\n<parameter=none>\nNone\n</parameter>\n</function>\n</tool_call>\n"
+                        "<tool_call>\n<function=add>\n<parameter=a>\n1\n</function>\n</tool_call>\n"
+                        "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>",
+         {"data": [1, 2.5], "grid": True, "title": "line one\nline two", "none": None},  # Qwen3.5 writes True, None
+         ["arguments of add are not <parameter=NAME>...</parameter> blocks",
+          "tool call is not <function=NAME>...</function>"],
+         "Sure."),
+    ],
+)  # fmt: skip
+def test_values_are_typed_by_the_schema_and_malformed_calls_fail(fmt, text, second, errors, start):
+    content, calls = parse_tool_calls(text, fmt, SCHEMAS)
     assert (calls[0].name, calls[0].arguments) == ("add", {"a": 7, "note": "42"})
-    assert calls[1].arguments == {"q": {"k": [1, True]}, "raw": "not json"}
-    assert calls[2].error == "arguments of add are not <arg_key>/<arg_value> pairs"
-    assert calls[3].error == "tool call does not start with a function name"
-    assert parse_tool_calls(text, "glm4")[1][0].arguments == {"a": 7, "note": 42}  # without schemas: JSON wins
-    assert content.startswith("<think>plan</think>\nSure.") and content.count("<tool_call>") == 2
+    assert calls[1].arguments == second
+    assert [calls[2].error, calls[3].error] == errors
+    assert parse_tool_calls(text, fmt)[1][0].arguments == {"a": 7, "note": 42}  # without schemas: JSON wins
+    assert content.startswith(start) and content.count("<tool_call>") == 2
 
 
 def test_functiongemma_nested_values_and_malformed_calls():
@@ -160,6 +191,11 @@ def test_functiongemma_nested_values_and_malformed_calls():
     assert "<start_function_response>" not in content and content.count("<start_function_call>") == 3
 
 
+def test_a_runaway_qwen3_coder_value_stays_text():
+    runaway = "<tool_call><function=add><parameter=a>" + "[" * 100_000 + "</parameter></function></tool_call>"
+    assert parse_tool_calls(runaway, "qwen3_coder")[1][0].arguments == {"a": "[" * 100_000}
+
+
 @pytest.mark.parametrize(
     "fmt, text",
     [
@@ -170,6 +206,8 @@ def test_functiongemma_nested_values_and_malformed_calls():
                  "<arg_value>n</arg_value>\n</tool_call><tool_call>add\nstray</tool_call>"),
         ("functiongemma", "<start_function_call>call:add{a:1,note:<escape>n<escape>}<end_function_call>"
                           "<start_function_call>call:add{a:1<end_function_call>"),
+        ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=note>\nn\n"
+                        "</parameter>\n</function>\n</tool_call><tool_call>\n<function=add>\n</tool_call>"),
     ],
 )  # fmt: skip
 def test_malformed_calls_fail_as_tool_results_and_count(fmt, text):
@@ -180,7 +218,7 @@ def test_malformed_calls_fail_as_tool_results_and_count(fmt, text):
 
 
 def test_every_format_is_named_and_unknown_ones_refused():
-    assert set(FORMATS) == {"tiny", "deepseek_v3", "glm4", "functiongemma", "llama3", "hermes"}
+    assert set(FORMATS) == {"tiny", "deepseek_v3", "glm4", "qwen3_coder", "functiongemma", "llama3", "hermes"}
     with pytest.raises(ValueError, match="rollout.tool_call_format='mistral'"):
         parse_tool_calls("", "mistral")
 

@@ -2,7 +2,7 @@
 than cores is one warning. A
 vision-language checkpoint loads whole and trains its text model only: the tower gets no gradient and no
 optimizer state. TRL's training-loop options reach torch and transformers: trainer.optim, lr_scheduler_kwargs,
-gradient_checkpointing_kwargs, fp16."""
+gradient_checkpointing_kwargs, fp16, tf32, disable_dropout."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import pytest
 import torch
 from packing.packing_samples import random_samples  # tests/packing
 from sharded import sharded
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from asyncrl.assets.model_families import build_model, hybrid_vlm_config
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config.compose import compose, to_config
+from asyncrl.config.errors import ConfigError
 from asyncrl.launch import warn_cpu_oversubscribed
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow
@@ -28,6 +29,7 @@ from asyncrl.trainer.model import (
     available_cores,
     build_grad_scaler,
     build_optimizer,
+    disable_dropout,
     freeze_non_text,
     load_model,
     mixed_precision_dtype,
@@ -35,6 +37,7 @@ from asyncrl.trainer.model import (
     trainer_cpu_threads,
     use_bf16,
     use_cpu_threads,
+    use_tf32,
 )
 
 
@@ -184,3 +187,51 @@ def test_fp16_mixed_precision_replaces_the_default_bf16_on_a_gpu(monkeypatch):
     assert (use_bf16(default), mixed_precision_dtype(default)) == (True, torch.bfloat16)
     assert (use_bf16(fp16), mixed_precision_dtype(fp16)) == (False, torch.float16)
     assert build_grad_scaler(fp16).is_enabled() and not build_grad_scaler(default).is_enabled()
+
+
+def test_disable_dropout_makes_the_trained_forward_repeatable_and_leaves_the_saved_config(
+    random_tiny_model_dir, tmp_path
+):
+    """A checkpoint with attention dropout: in train() mode (the trainer's) two forwards of the same tokens differ,
+    unless model.disable_dropout; torch.nn.Dropout modules go to p=0 as well."""
+    source = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir)
+    source.config.attention_dropout = 0.5
+    source.save_pretrained(tmp_path)
+    ids = torch.tensor([[4, 30, 31, 32, 5, 6, 40, 41]])
+    for disabled in (False, True):
+        config = to_config(compose([f"model.name_or_path={tmp_path}", f"model.disable_dropout={disabled}"]))
+        model = load_model(config, str(tmp_path)).train()
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits) == disabled
+    assert model.config.attention_dropout == 0.5  # checkpoints keep the checkpoint's own dropout
+    head = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3))
+    disable_dropout(head)
+    assert head[1].p == 0.0
+
+
+@pytest.fixture
+def torch_tf32():
+    """torch's TF32 switches, put back as they were after the test."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_tf32_switches_torch_matmul_precision_on_an_ampere_gpu_and_true_is_refused_on_an_older_one(
+    monkeypatch, torch_tf32
+):
+    """As transformers' TrainingArguments.tf32: true/false set TF32 on an Ampere or newer GPU, null leaves torch's
+    default, true on an older GPU raises and false is a no-op there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))  # an H100
+    on, off, default = (to_config(compose(o)) for o in (["trainer.tf32=true"], ["trainer.tf32=false"], []))
+    use_tf32(on)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    use_tf32(default)
+    assert torch.backends.cuda.matmul.allow_tf32
+    use_tf32(off)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (7, 5))  # a T4
+    with pytest.raises(ConfigError, match="trainer.tf32=true needs an NVIDIA GPU of the Ampere generation or newer"):
+        use_tf32(on)
+    use_tf32(off)

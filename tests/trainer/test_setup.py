@@ -1,17 +1,19 @@
 """What a run prepares before anything starts: its datasets, with the evaluation switched off by its size, and
-the components validation built, shared as they are and checked once to pickle."""
+the components validation built, shared as they are and checked once to pickle; trainer.tf32 without a GPU."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 
-from asyncrl.config.compose import compose
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose, to_config
 from asyncrl.plan.assemble import plan_run
 from asyncrl.rollout.scoring import RewardSource
 from asyncrl.rollout.spawn import UnpicklableError
-from asyncrl.trainer.setup import check_components_pickle, prepare
+from asyncrl.trainer.setup import check_components_pickle, check_tf32_device, prepare
 
 
 def test_the_default_prepares_its_eval_split_and_zero_eval_prompts_turn_it_off():
@@ -28,3 +30,10 @@ def test_a_component_that_cannot_reach_the_worker_fails_naming_it():
     local = dataclasses.replace(components, rewards=[RewardSource("mine", lambda prompts, **_: [1.0] * len(prompts))])
     with pytest.raises(UnpicklableError, match="reward function 'mine'"):
         check_components_pickle(local)
+
+
+def test_tf32_on_a_machine_without_a_gpu_is_refused_before_the_server_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^trainer.tf32=true: TF32 is a mode of NVIDIA GPUs .* drop trainer.tf32$"):
+        prepare(plan_run(compose(["trainer.tf32=true"])))
+    check_tf32_device(to_config(compose(["trainer.tf32=false"])))  # false: nothing to switch off, as transformers
