@@ -110,8 +110,8 @@ def _check_before_loading(plan: RunPlan) -> str | None:
     before the job loads anything, which would otherwise fail late (vLLM's launch, after the data and tokenizer) or
     slowly (a load waiting through the Hub's retries, then a traceback). Returns a note when the Hub does not answer
     and the cache serves."""
-    from asyncrl.hub import check_hub_sources
     from asyncrl.hub_push import check_hub_push
+    from asyncrl.hub_sources import check_hub_sources
 
     config = plan.config
     if config.server.launch and plan.server_backend == "vllm":
@@ -172,13 +172,15 @@ def config(
         return
     if server_command:
         from asyncrl.launch import shell_line
-        from asyncrl.plan.assemble import placed_for_printing
+        from asyncrl.plan.assemble import placed_for_printing, sized_for_printing
         from asyncrl.serving.choice import printable_server_commands
 
         plan, placing = _checked(lambda: placed_for_printing(plan))
+        plan, sizing = _checked(lambda: sized_for_printing(plan))
         commands, warnings = _checked(lambda: printable_server_commands(plan))
-        for warning in [*warnings, placing] if placing else warnings:
-            typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+        for warning in [*warnings, sizing, placing]:
+            if warning is not None:
+                typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
         typer.echo("".join(shell_line(command.argv, command.env) for command in commands), nl=False)
         return
     typer.echo(to_yaml(plan.config), nl=False)

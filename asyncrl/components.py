@@ -72,11 +72,6 @@ def _metric_name(name: str, fn: Any, registry: ComponentRegistry[Any]) -> str:
     return name if name in registry else reward_name(fn)
 
 
-def build_packer(config: Config) -> Packer:
-    """The packer alone (what the trainer's memory split needs to know of a run's rows)."""
-    return _build(component_registries()["packing"], config.packing, "packing")  # type: ignore[no-any-return]
-
-
 def _build(registry: ComponentRegistry[Any], spec: Mapping[str, Any], key: str) -> Any:
     try:
         return registry.build(spec)

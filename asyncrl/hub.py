@@ -1,5 +1,6 @@
-"""The Hugging Face Hub as a source of models and datasets: which config values are Hub ids, whether this machine
-has them (a local path, the Hugging Face cache) or can fetch them, decided before anything reaches for the network.
+"""The Hugging Face Hub as a source of models and datasets: whether a value is a Hub id, whether this machine has it
+(a local path, the Hugging Face cache) or can fetch it, decided before anything reaches for the network. Which of a
+run's values are Hub ids is hub_sources.py's.
 
 Without a network the libraries find out slowly and loudly: each file a model or dataset load asks for is retried
 five times with back-off (about 25 s, every retry printed), then the load fails with a traceback. So the run asks
@@ -13,9 +14,6 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config
 
 PROBE_TIMEOUT_S = 3.0
 OFFLINE_BY_ENV = "HF_HUB_OFFLINE=1"
@@ -66,27 +64,6 @@ def is_hub_id(value: str) -> bool:
     return True
 
 
-def hub_sources(config: Config) -> list[HubSource]:
-    """The Hub ids the run reads: the model (and its tokenizer), the reward models, the training and evaluation
-    data."""
-    from asyncrl.rewards.reward_model import reward_model_options
-
-    found = []
-    if is_hub_id(config.model.name_or_path):
-        found.append(HubSource("model.name_or_path", config.model.name_or_path, "model", config.model.revision))
-    for key, options in reward_model_options(config):
-        if is_hub_id(options.path):
-            found.append(HubSource(f"{key}.path", options.path, "model"))
-    evaluates = config.data.num_eval_prompts > 0
-    for key, path in (
-        ("data.path", config.data.path),
-        ("data.eval_path", config.data.eval_path if evaluates else None),
-    ):
-        if path is not None and is_hub_id(path):
-            found.append(HubSource(key, path, "dataset"))
-    return found
-
-
 @functools.cache
 def unreachable() -> str | None:
     """Why this process cannot download from the Hub (HF_HUB_OFFLINE is set, or one probe of the endpoint got no
@@ -119,28 +96,3 @@ def go_offline() -> None:
     constants.HF_HUB_OFFLINE = True
     if "datasets.config" in sys.modules:
         sys.modules["datasets.config"].HF_HUB_OFFLINE = True
-
-
-def unreachable_for(config: Config) -> str | None:
-    """unreachable(), asked (and the endpoint probed) only when the run reads something from the Hub."""
-    return unreachable() if hub_sources(config) else None
-
-
-def check_hub_sources(config: Config) -> str | None:
-    """Refuse a Hub id that is neither on disk nor in the cache when the Hub cannot be reached, in one line naming
-    the key and the fixes: before the first load, which would otherwise wait through the retries. Returns a note
-    when the probe turned offline mode on and the cache has everything."""
-    why = unreachable_for(config)
-    if why is None:
-        return None
-    sources = hub_sources(config)
-    for source in sources:
-        if not source.cached():
-            raise ConfigError(
-                f"{source.key}={source.repo_id}: not on this machine (no such path, not in the Hugging Face cache) "
-                f"and the Hub cannot be reached ({why}): {source.fix()}"
-            )
-    if why == OFFLINE_BY_ENV:
-        return None
-    cached = ", ".join(source.repo_id for source in sources)
-    return f"the Hub cannot be reached ({why}): {cached} from the Hugging Face cache (HF_HUB_OFFLINE=1 from here on)"

@@ -1,12 +1,13 @@
 """How a dataset's prompt becomes the tokens a server generates from, and a completion the text rewards see.
 
-One module below rollout/, engine/, serving/, trainer/ and evaluate.py, which all render prompts: the rollouts, the
-built-in server's chat route, the server's context check and the held-out evaluation must give the model the same
-tokens, from the same tokenizer (``load_tokenizer``).
+One module below rollout/, engine/, serving/, trainer/, plan/ and evaluate.py, which all render prompts: the rollouts,
+the built-in server's chat route, the plan's sizing of vLLM's context, the server's context check and the held-out
+evaluation must give the model the same tokens, from the same tokenizer (``load_tokenizer``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,3 +58,30 @@ def load_tokenizer(config: Config) -> Any:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+_PROMPT_LENGTHS: dict[tuple[object, ...], int] = {}
+
+
+def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: object = None) -> int:
+    """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model);
+    ``dataset`` and ``tokenizer``: already loaded by the caller, else loaded here."""
+    if config.data.max_prompt_length is not None:
+        return config.data.max_prompt_length
+    key = (
+        config.data.path,
+        config.data.name,
+        config.data.split,
+        config.model.name_or_path,
+        json.dumps(config.sampling.chat_template_kwargs, sort_keys=True),
+    )
+    if key not in _PROMPT_LENGTHS:
+        if dataset is None:
+            from asyncrl.data import load_prompts
+
+            dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(config)
+        kwargs = config.sampling.chat_template_kwargs
+        _PROMPT_LENGTHS[key] = max(len(render_prompt(tokenizer, p, kwargs)) for p in dataset["prompt"])  # type: ignore[index]
+    return _PROMPT_LENGTHS[key]

@@ -58,8 +58,8 @@ class GpuSplit:
 class RunPlan:
     """What a run decided once (plan/assemble.py), written to its directory as plan.json (asyncrl/plan_file.py) for
     every process of the run to read. Not here, because they are not known at plan time: the memory split (the
-    trainer's warm-up measures it on the GPU), the server commands (they take that split) and the token budget (it
-    takes the server's max_model_len)."""
+    trainer's warm-up measures it on the GPU), the server commands (they take that split) and the training token
+    budget (it takes the max_model_len the server reports)."""
 
     config: Config
     flow: FlowControl
@@ -85,6 +85,11 @@ class RunPlan:
     weight_transfer: str | None = None
     """builtin (a weights file), nccl or ipc: what the weight syncs are to use (plan/decide.py::weight_transfer);
     None for a launched vLLM not yet placed on GPUs. An attached server's own flag has the last word at startup."""
+    max_model_len: int | None = None
+    """The context a vLLM is to hold (plan/decide.py::max_model_len, the prompts measured once for it): a launched
+    one's --max-model-len, and the length the trainer sizes its warm-up rows to before the server answers; for the
+    built-in server server.max_model_len. None for a built-in server without it (its model's context), or a plan not
+    sized yet (plan/assemble.py::sized: a job's, or a printed command's)."""
 
     @cached_property
     def components(self) -> Components:

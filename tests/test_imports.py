@@ -3,8 +3,9 @@ level, inside functions, under TYPE_CHECKING.
 
 A cycle hidden in a function-level import still ties two modules into one; the fix is to move what both need to
 where it belongs, not to hide the import. Packages are layered (issue 54): config < base modules < components <
-rollout / engine / serving / weights / trainer < plan < launch < cli, so a package that imports another is never
-imported back by it.
+rollout / engine / serving / weights / trainer < plan < launch < cli. A module imports only from its layer and those
+below (LAYER, with the modules placed apart from their package named in LAYER_EXCEPTIONS), and no two packages import
+each other, within a layer too.
 """
 
 from __future__ import annotations
@@ -90,11 +91,62 @@ def mutual_imports(graph: dict[str, set[str]]) -> dict[frozenset[str], list[str]
     return {frozenset(pair): sorted(ties + edges[pair[::-1]]) for pair, ties in edges.items() if pair[::-1] in edges}
 
 
-MUTUAL_EXCEPTIONS = {
-    frozenset({"hub", "rewards"}): "hub.py::hub_sources reads the reward models' paths (rewards/reward_model.py) and "
-    "rewards/classifier.py asks hub.is_hub_id; both files are outside issue 54's change",
+LAYERS = ("below config", "config", "base", "components", "processes", "plan", "launch", "cli")
+"""Issue 54's order, lowest first: a module imports only from its own layer and those below it."""
+
+LAYER = {
+    "asyncrl": "below config",  # the package's __init__: a version string
+    "sampling": "below config",  # config/schema.py's sampling keys extend its Decoding
+    "assets": "below config",  # config/compose.py finds the shipped model (asset_path)
+    "config": "config",
+    **dict.fromkeys(("client", "data", "dtypes", "flow", "hub", "interrupts", "logs", "lora"), "base"),
+    **dict.fromkeys(("metrics", "model_kind", "parent", "prompts", "recipes", "registry", "safetensors_files"), "base"),
+    **dict.fromkeys(("advantages", "components", "environments", "losses", "packing", "rewards"), "components"),
+    "footprint": "components",  # sizes the reward models beside the policy, for the trainer and the vLLM command
+    "hub_sources": "components",  # lists the reward models' Hub ids
+    "run_plan": "components",  # the plan's type names the chosen components; every process reads it
+    "plan_file": "components",  # the plan's file, read by the trainer's ranks
+    **dict.fromkeys(("engine", "rollout", "server", "serving", "trainer", "weights"), "processes"),
+    "control_group": "processes",  # the trainer's group of weight receivers, built on weights/
+    "evaluate": "processes",  # the trainer's evaluation pass, through the rollout's scoring
+    "trackers": "processes",  # the trainer's experiment trackers, fed the rollout's completions table
+    "plan": "plan",
+    "export": "plan",  # reads the trainer's checkpoints; launch and cli call it
+    "hub_push": "plan",  # the same
+    "report": "plan",  # reads the trainer's console and timeline for a run's summary
+    "restart": "plan",  # restarts the trainer's and servers' processes; launch calls it
+    "launch": "launch",
+    "cli": "cli",
+    "__main__": "cli",
 }
-"""Package pairs still allowed to import each other, each with why; one that no longer does must leave the list."""
+"""Each top-level package or module of asyncrl -> its layer, the reason beside the placements the name does not
+give."""
+
+LAYER_EXCEPTIONS = {
+    "asyncrl.rollout.types": ("base", "the types that cross processes (STYLE.md: one home, rollout/types.py); packing "
+                              "and losses carry its samples"),
+    "asyncrl.rollout.trainer_state": ("base", "the state rollout.scoring hands a reward; it reads the config only"),
+    "asyncrl.rollout.scoring": ("components", "runs the rewards; components.py and rewards/ name its RewardSource"),
+    "asyncrl.assets.counter": ("cli", "a script (python -m) that builds the tiny-counter asset from the counter "
+                               "environment and the tool calls it teaches; nothing imports it"),
+}  # fmt: skip
+"""Modules whose layer is not their package's, each with why; one whose package's layer would do must leave."""
+
+
+def layer_of(module: str, exceptions: dict[str, tuple[str, str]]) -> int:
+    """The module's place in LAYERS: its own, when named in ``exceptions``, else its top-level package's."""
+    name = exceptions[module][0] if module in exceptions else LAYER[top_package(module)]
+    return LAYERS.index(name)
+
+
+def imports_upward(graph: dict[str, set[str]], exceptions: dict[str, tuple[str, str]]) -> list[str]:
+    """Every import from a module to one of a higher layer."""
+    return sorted(
+        f"{module} ({LAYERS[layer_of(module, exceptions)]}) -> {target} ({LAYERS[layer_of(target, exceptions)]})"
+        for module, targets in graph.items()
+        for target in targets
+        if layer_of(target, exceptions) > layer_of(module, exceptions)
+    )
 
 
 def test_the_package_has_no_import_cycle():
@@ -116,10 +168,18 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
 
 def test_no_two_packages_import_each_other():
     mutual = mutual_imports(import_graph(PACKAGE))
-    unexpected = {" <-> ".join(sorted(pair)): ties for pair, ties in mutual.items() if pair not in MUTUAL_EXCEPTIONS}
-    assert not unexpected, unexpected
-    stale = [sorted(pair) for pair in MUTUAL_EXCEPTIONS if pair not in mutual]
-    assert not stale, f"no longer import each other, remove from MUTUAL_EXCEPTIONS: {stale}"
+    assert not mutual, {" <-> ".join(sorted(pair)): ties for pair, ties in mutual.items()}
+
+
+def test_the_layers_import_only_downward():
+    graph = import_graph(PACKAGE)
+    assert set(LAYER) == {top_package(module) for module in graph}, "place each package or module in LAYER"
+    assert set(LAYER.values()) <= set(LAYERS) and set(LAYER_EXCEPTIONS) <= set(graph)
+    upward = imports_upward(graph, LAYER_EXCEPTIONS)
+    assert not upward, upward
+    for module in LAYER_EXCEPTIONS:  # each is needed: without it, an import goes up
+        others = {name: placed for name, placed in LAYER_EXCEPTIONS.items() if name != module}
+        assert imports_upward(graph, others), f"its package's layer holds {module}: remove it from LAYER_EXCEPTIONS"
 
 
 def test_two_packages_importing_each_other_are_found_through_any_import(tmp_path):

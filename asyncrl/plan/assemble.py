@@ -25,6 +25,7 @@ from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, ModelDtype
 from asyncrl.flow import FlowControl
 from asyncrl.plan.decide import (
     adapter_sync_by_config,
+    max_model_len,
     needed_gpus,
     resolve_backend,
     runtime_lora,
@@ -420,13 +421,51 @@ def placed_for_printing(plan: RunPlan) -> tuple[RunPlan, str | None]:
     return placed(plan, gpus), why + f"CUDA_VISIBLE_DEVICES={','.join(gpus)}"
 
 
+DEFAULT_PROMPT_TOKENS = 512
+"""The prompt length a printed vLLM command assumes when data.max_prompt_length is unset and the prompts cannot be
+read here (TRL's max_prompt_length default)."""
+
+
+def sized(plan: RunPlan, prompt_tokens: int | None = None) -> RunPlan:
+    """The plan with its server's context decided (plan/decide.py::max_model_len): the training prompts are measured
+    here, once, when vLLM's context takes them, so that the launched server's command, the trainer's warm-up and a
+    restart read one figure. ``prompt_tokens``: the longest prompt, given instead."""
+
+    def longest_prompt() -> int:
+        from asyncrl.prompts import longest_prompt_tokens
+
+        return longest_prompt_tokens(plan.config) if prompt_tokens is None else prompt_tokens
+
+    return replace(plan, max_model_len=max_model_len(plan.config, plan.server_backend, longest_prompt))
+
+
+def sized_for_printing(plan: RunPlan) -> tuple[RunPlan, str | None]:
+    """`asyncrl config --server-command`'s plan, sized (``sized``) on the prompts here, or, where the data or the
+    tokenizer cannot be read (a login node preparing a cluster job), on DEFAULT_PROMPT_TOKENS, with a warning."""
+    from asyncrl.data import DatasetError
+    from asyncrl.hub_sources import unreachable_for
+    from asyncrl.serving.choice import first_line
+
+    if plan.server_backend != "vllm":
+        return sized(plan), None
+    unreachable_for(plan.config)  # first: a tokenizer that is not cached then fails at once, not after the retries
+    try:
+        return sized(plan), None
+    except (DatasetError, ConfigError, OSError) as error:
+        why = (
+            f"--max-model-len assumes prompts of up to {DEFAULT_PROMPT_TOKENS} tokens, a default (set "
+            f"data.max_prompt_length=N to choose): the prompts cannot be measured here ({first_line(error)})"
+        )
+        return sized(plan, DEFAULT_PROMPT_TOKENS), why
+
+
 def plan_run(cfg: DictConfig, run_dir: Path | None = None, *, fetch: bool = False) -> RunPlan:
     """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned; with ``run_dir``, a
     job's plan, its directories decided (``job_dirs``), its checkpoint's config.json here
-    (``fetch_checkpoint_config``) and its servers placed on the GPUs visible here (``placed``). ``fetch``: that
-    file here too without a job (`asyncrl config --server-command` prints the commands of the job the config
-    starts, whose serving dtype reads it)."""
+    (``fetch_checkpoint_config``), its servers placed on the GPUs visible here (``placed``) and its server's
+    context decided (``sized``). ``fetch``: that file here too without a job (`asyncrl config --server-command`
+    prints the commands of the job the config starts, whose serving dtype reads it)."""
     config = to_config(cfg)
     if run_dir is None:
         return build_plan(config, job=fetch)
-    return placed(build_plan(config, job_dirs(config, run_dir), job=True), visible_gpus())
+    return sized(placed(build_plan(config, job_dirs(config, run_dir), job=True), visible_gpus()))

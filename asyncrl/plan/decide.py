@@ -1,5 +1,6 @@
 """The rules of the plan's derived decisions: the server backend, the serving dtype, whether syncs are merged
-before any server answers, whether a launched server gets runtime LoRA, the GPU split and the weight transfer.
+before any server answers, whether a launched server gets runtime LoRA, the GPU split, the weight transfer and the
+server's context (max_model_len).
 plan/assemble.py asks each once and freezes the answers in the RunPlan; nothing else derives them (a process reads
 its plan's, plan.json).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend, WeightTransfer
@@ -148,3 +150,28 @@ def weight_transfer(config: Config, backend: str, split: GpuSplit | None) -> str
             f"{','.join(split.server)}, trainer GPUs {','.join(split.trainer)}); use server.weight_transfer=nccl"
         )
     return chosen.value
+
+
+def max_model_len(config: Config, backend: str, longest_prompt: Callable[[], int]) -> int | None:
+    """The context the server holds: server.max_model_len; else for vLLM, for multi-turn rollouts (tools or
+    environments), whose later turns carry the earlier ones and the tools' answers, the model's context
+    (max_position_embeddings, as the built-in server takes), else the longest prompt (``longest_prompt``, measured
+    only when this rule needs it) plus one turn's completion budget. None for the built-in server without
+    server.max_model_len: it serves its model's whole context, which the trainer reads from the model it loads."""
+    if config.server.max_model_len is not None:
+        return config.server.max_model_len
+    if backend != "vllm":
+        return None
+    context = model_context(config) if config.rollout.tools or config.rollout.environment_factory else None
+    if context is not None:
+        return context
+    return longest_prompt() + config.sampling.max_completion_length
+
+
+def model_context(config: Config) -> int | None:
+    """The checkpoint's max_position_embeddings from its config.json here (a vision-language one's text model's),
+    None when this machine does not have it."""
+    from asyncrl.model_kind import config_field, local_config_json
+
+    found = local_config_json(config.model.name_or_path, config.model.revision)
+    return None if found is None else config_field(found, ("max_position_embeddings",), int)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.client import ControlClient, ServerError
 from asyncrl.config.schema import Config, WeightTransfer
 from asyncrl.flow import FlowControl
+from asyncrl.prompts import longest_prompt_tokens
 from asyncrl.serving import vllm
 from asyncrl.serving.command import max_lora_rank, max_loras, served_model_name
 
@@ -152,7 +153,7 @@ def _needed_model_len(config: Config, backend: str, dataset: Any, tokenizer: Any
     if config.server.max_model_len is not None:
         return config.server.max_model_len
     if backend == "vllm":
-        return vllm.longest_prompt_tokens(config, dataset, tokenizer) + config.sampling.max_completion_length
+        return longest_prompt_tokens(config, dataset, tokenizer) + config.sampling.max_completion_length
     return config.sampling.max_completion_length + 1
 
 

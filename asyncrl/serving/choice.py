@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config
 from asyncrl.serving.command import ServerCommand, builtin_command
 
 if TYPE_CHECKING:
@@ -13,16 +12,12 @@ if TYPE_CHECKING:
     from asyncrl.serving.vllm import CheckpointKind
 
 
-DEFAULT_PROMPT_TOKENS = 512
-"""The prompt length a printed vLLM command assumes when data.max_prompt_length is unset and the prompts cannot be
-read here (TRL's max_prompt_length default)."""
-
-
 def printable_server_commands(plan: RunPlan) -> tuple[list[ServerCommand], list[str]]:
     """What `asyncrl config --server-command` prints (a command per server.replicas), and a warning. It is printed
     wherever asked, a login node preparing a cluster job included: the plan is placed on the GPUs the job will have
-    (plan/assemble.py::placed_for_printing); without vLLM, the commands are for the newest verified release; what
-    cannot be read here (the checkpoint's config.json, the prompts) is left at a default, and a warning says so.
+    and sized on the prompts here or a default (plan/assemble.py::placed_for_printing, ::sized_for_printing);
+    without vLLM, the commands are for the newest verified release; a checkpoint's config.json that cannot be read
+    here leaves the flags it decides out, and a warning says so.
     The serving dtype is the plan's, planned after fetching the checkpoint's config.json as a job's is
     (``plan_run(..., fetch=True)``)."""
     config = plan.config
@@ -30,7 +25,7 @@ def printable_server_commands(plan: RunPlan) -> tuple[list[ServerCommand], list[
     if plan.server_backend != "vllm":
         return [builtin_command(plan, replica) for replica in replicas], []
     # serving/vllm.py imports torch (model_kind.py): seconds a built-in server's command need not wait
-    from asyncrl.hub import unreachable_for
+    from asyncrl.hub_sources import unreachable_for
     from asyncrl.serving.vllm import installed_vllm_version, newest_verified_release, vllm_command
 
     warnings = []
@@ -43,11 +38,7 @@ def printable_server_commands(plan: RunPlan) -> tuple[list[ServerCommand], list[
             "(server.vllm_version=X.Y.Z to choose)"
         )
     kind = _checkpoint_kind(plan, offline, warnings)
-    prompt_tokens = _prompt_tokens(config, warnings)
-    commands = [
-        vllm_command(plan, version=version, checkpoint=kind, prompt_tokens=prompt_tokens, replica=replica)
-        for replica in replicas
-    ]
+    commands = [vllm_command(plan, version=version, checkpoint=kind, replica=replica) for replica in replicas]
     return commands, warnings
 
 
@@ -64,7 +55,7 @@ def _checkpoint_kind(plan: RunPlan, offline: str | None, warnings: list[str]) ->
             undecided.append("--gdn-prefill-backend triton (gated-DeltaNet layers)")
         if plan.runtime_lora:
             undecided.append("--lora-target-modules (the adapter's modules)")
-        why = offline or _first_line(error.__cause__ or error)
+        why = offline or first_line(error.__cause__ or error)
         warnings.append(
             f"model.name_or_path={config.model.name_or_path}: its config.json cannot be read here ({why}), so the "
             f"command lacks what the checkpoint would decide: {', '.join(undecided)}"
@@ -72,26 +63,8 @@ def _checkpoint_kind(plan: RunPlan, offline: str | None, warnings: list[str]) ->
         return CheckpointKind()
 
 
-def _prompt_tokens(config: Config, warnings: list[str]) -> int | None:
-    """The longest prompt, for --max-model-len: data.max_prompt_length, else measured on the data, else (the data
-    or the tokenizer cannot be read here) DEFAULT_PROMPT_TOKENS and a warning. None when server.max_model_len
-    decides."""
-    from asyncrl.data import DatasetError
-    from asyncrl.serving.vllm import longest_prompt_tokens
-
-    if config.server.max_model_len is not None:
-        return None
-    try:
-        return longest_prompt_tokens(config)
-    except (DatasetError, ConfigError, OSError) as error:
-        warnings.append(
-            f"--max-model-len assumes prompts of up to {DEFAULT_PROMPT_TOKENS} tokens, a default (set "
-            f"data.max_prompt_length=N to choose): the prompts cannot be measured here ({_first_line(error)})"
-        )
-        return DEFAULT_PROMPT_TOKENS
-
-
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error in one line: its type and its message's first line (a warning's reason)."""
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
 

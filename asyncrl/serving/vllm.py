@@ -44,7 +44,7 @@ from asyncrl.serving.command import (
 )
 
 if TYPE_CHECKING:
-    from asyncrl.run_plan import GpuSplit, RunPlan
+    from asyncrl.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -216,20 +216,15 @@ VLLM_OVERHEAD_BYTES = 2 * 2**30
 """vLLM's own activations, CUDA graphs and CUDA context beside its weights and KV cache."""
 
 
-def warm_up_token_budget(config: Config, model_len: int) -> int:
-    """The tokens of a trainer row beside a launched vLLM of ``model_len``: packing's token_budget, else that."""
-    from asyncrl.components import build_packer
-
-    return build_packer(config).rows(model_len)[1]
-
-
-def shared_gpu_share(config: Config, model_len: int, dtype: ModelDtype) -> tuple[float, str]:
+def shared_gpu_share(plan: RunPlan, model_len: int, dtype: ModelDtype) -> tuple[float, str]:
     """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
-    (trainer/memory.py) leaves, at most OWN_GPU_SHARE; SHARED_GPU_SHARE before it was measured. Refused before
-    launch when the rest cannot hold vLLM's weights and one longest sequence's KV cache."""
+    (trainer/memory.py, recorded under its rows' token budget beside a server of ``model_len``) leaves, at most
+    OWN_GPU_SHARE; SHARED_GPU_SHARE before it was measured. Refused before launch when the rest cannot hold vLLM's
+    weights and one longest sequence's KV cache."""
     from asyncrl.footprint import GIB, cached_memory
 
-    memory = cached_memory(config, warm_up_token_budget(config, model_len))
+    config = plan.config
+    memory = cached_memory(config, plan.components.packer.rows(model_len)[1])
     if memory is None:
         return SHARED_GPU_SHARE, "the trainer's footprint is not measured yet: a run measures it before launching vLLM"
     rest = memory.gpu_bytes - memory.need_bytes
@@ -267,15 +262,16 @@ def vllm_floor_bytes(config: Config, model_len: int, dtype: ModelDtype) -> int:
     return int(weights + per_token * model_len + VLLM_OVERHEAD_BYTES)
 
 
-def gpu_memory_utilization(config: Config, split: GpuSplit | None, model_len: int, dtype: ModelDtype) -> float:
-    """server.gpu_memory_utilization; else 0.9 on the server's own GPUs, and on a GPU shared with the trainer what
-    the trainer's measured footprint leaves (logged: the choice decides whether the trainer runs out of memory).
-    ``dtype``: the plan's serving dtype, which sizes vLLM's weights."""
+def gpu_memory_utilization(plan: RunPlan, model_len: int, dtype: ModelDtype) -> float:
+    """server.gpu_memory_utilization; else 0.9 on the server's own GPUs, and on a GPU shared with the trainer (the
+    plan's split) what the trainer's measured footprint leaves (logged: the choice decides whether the trainer runs
+    out of memory). ``dtype``: the plan's serving dtype, which sizes vLLM's weights."""
+    config, split = plan.config, plan.gpu_split
     if config.server.gpu_memory_utilization is not None:
         return config.server.gpu_memory_utilization
     if split is None or not split.shared:
         return OWN_GPU_SHARE
-    share, why = shared_gpu_share(config, model_len, dtype)
+    share, why = shared_gpu_share(plan, model_len, dtype)
     log.info(
         "vLLM shares GPU %s with the trainer: --gpu-memory-utilization %g (%s; set server.gpu_memory_utilization to "
         "choose)",
@@ -307,84 +303,27 @@ def api_server_count(plan: RunPlan, version: str) -> int | None:
     return MANY_API_SERVERS if parse_version(version)[:2] >= MANY_API_SERVERS_SINCE else None
 
 
-_PROMPT_LENGTHS: dict[tuple[object, ...], int] = {}
-
-
-def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: object = None) -> int:
-    """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model)."""
-    if config.data.max_prompt_length is not None:
-        return config.data.max_prompt_length
-    key = (
-        config.data.path,
-        config.data.name,
-        config.data.split,
-        config.model.name_or_path,
-        json.dumps(config.sampling.chat_template_kwargs, sort_keys=True),
-    )
-    if key not in _PROMPT_LENGTHS:
-        if dataset is None:
-            from asyncrl.data import load_prompts
-
-            dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
-        if tokenizer is None:
-            from asyncrl.prompts import load_tokenizer
-
-            tokenizer = load_tokenizer(config)
-        _PROMPT_LENGTHS[key] = max(_rendered_length(tokenizer, p, config) for p in dataset["prompt"])  # type: ignore[index]
-    return _PROMPT_LENGTHS[key]
-
-
-def _rendered_length(tokenizer: object, messages: list[dict[str, str]], config: Config) -> int:
-    from asyncrl.prompts import render_prompt
-
-    return len(render_prompt(tokenizer, messages, config.sampling.chat_template_kwargs))
-
-
-def required_model_len(config: Config, prompt_tokens: int | None = None) -> int:
-    """server.max_model_len; else for multi-turn rollouts (tools or environments), whose later turns carry the
-    earlier ones and the tools' answers, the model's context (max_position_embeddings, as the built-in server takes);
-    else the longest prompt plus one turn's completion budget."""
-    if config.server.max_model_len is not None:
-        return config.server.max_model_len
-    context = model_context(config) if config.rollout.tools or config.rollout.environment_factory else None
-    if context is not None:
-        return context
-    prompt = longest_prompt_tokens(config) if prompt_tokens is None else prompt_tokens
-    return prompt + config.sampling.max_completion_length
-
-
-def model_context(config: Config) -> int | None:
-    """The checkpoint's max_position_embeddings from its config.json here (a vision-language one's text model's),
-    None when this machine does not have it."""
-    from asyncrl.model_kind import config_field, local_config_json
-
-    found = local_config_json(config.model.name_or_path, config.model.revision)
-    return None if found is None else config_field(found, ("max_position_embeddings",), int)
-
-
 def vllm_command(
     plan: RunPlan,
     *,
     version: str | None = None,
-    prompt_tokens: int | None = None,
     checkpoint: CheckpointKind | None = None,
     replica: int = 0,
 ) -> ServerCommand:
     """`python -m vllm.entrypoints.cli.main serve` (what the `vllm serve` script runs) with its environment, as the
-    plan decided its serving dtype, flow, GPUs and weight transfer (a launched vLLM's plan is placed on GPUs:
-    plan/assemble.py::placed); ``checkpoint`` defaults to what model.name_or_path's config.json says
-    (checkpoint_kind). ``replica``: which of server.replicas, on its own port and GPUs."""
+    plan decided its serving dtype, flow, context, GPUs and weight transfer (a launched vLLM's plan is placed on GPUs
+    and sized: plan/assemble.py::placed, ::sized); ``checkpoint`` defaults to what model.name_or_path's config.json
+    says (checkpoint_kind). ``replica``: which of server.replicas, on its own port and GPUs."""
     config = plan.config
     sv, s = config.server, config.sampling
     version = target_version(config, version)
     release = parse_version(version)[:2]
-    split, transfer = plan.gpu_split, plan.weight_transfer
-    if transfer is None:
-        raise ValueError("a launched vLLM's command needs its plan placed on GPUs (plan/assemble.py::placed)")
+    split, transfer, model_len = plan.gpu_split, plan.weight_transfer, plan.max_model_len
+    if transfer is None or model_len is None:
+        raise ValueError("a vLLM's command needs its plan placed on GPUs and sized (plan/assemble.py::placed, ::sized)")
     host, port = _listen_address(config, replica)
     kind = checkpoint_kind(plan) if checkpoint is None else checkpoint
     dtype = checked_dtype(config, kind, plan.serving_dtype)
-    model_len = required_model_len(config, prompt_tokens)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model.name_or_path,
@@ -397,7 +336,7 @@ def vllm_command(
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": transfer}),
-        "--gpu-memory-utilization", str(gpu_memory_utilization(config, split, model_len, dtype)),
+        "--gpu-memory-utilization", str(gpu_memory_utilization(plan, model_len, dtype)),
     ]  # fmt: skip
     if split is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))

@@ -107,18 +107,6 @@ def _server_share(server: Any) -> str | None:
     return None
 
 
-def expected_max_model_len(config: Config, backend: str, model_config: Any) -> int:
-    """The server's max_model_len before it answers (the warm-up's row size): server.max_model_len, else vLLM's
-    from the config, else the built-in server's (the model's max_position_embeddings). ``backend``: the plan's."""
-    if config.server.max_model_len is not None:
-        return config.server.max_model_len
-    if backend == "vllm":
-        from asyncrl.serving.vllm import required_model_len
-
-        return required_model_len(config)
-    return int(model_config.get_text_config().max_position_embeddings)
-
-
 class Trainer:
     def __init__(self, config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
@@ -275,7 +263,6 @@ class Trainer:
         every rank: its measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and
         the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
         from asyncrl.footprint import cached_memory
-        from asyncrl.serving.vllm import warm_up_token_budget
         from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, synthetic_rows
 
         c = self.config
@@ -283,14 +270,14 @@ class Trainer:
             return None
         started = time.time()
         text = unwrap_model(self.model).config.get_text_config()
-        max_model_len = expected_max_model_len(c, self.prepared.plan.server_backend, unwrap_model(self.model).config)
-        row_factory, _ = self.prepared.components.packer.rows(max_model_len)
+        # the server's context before it answers: the plan's, else the built-in server's, its model's whole context
+        max_model_len = self.prepared.plan.max_model_len or int(text.max_position_embeddings)
+        row_factory, shape = self.prepared.components.packer.rows(max_model_len)
         completion = min(c.sampling.max_completion_length, max_model_len - 1)
         prompt = min(max_model_len - completion, WARM_UP_PROMPT_TOKENS)
         rows = synthetic_rows(row_factory, prompt, completion, c.sampling.num_generations, text.vocab_size, self.top_k)
         placement = [[index] * self.world for index in range(len(rows))]  # every rank runs every row
         mine = self.ranks.command("warm_up", split_rows(rows, placement, self.loss.norm(rows)))
-        shape = warm_up_token_budget(c, max_model_len)
         known = cached_memory(c, shape)
 
         def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:

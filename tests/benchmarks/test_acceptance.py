@@ -92,13 +92,14 @@ def test_a_failed_run_ends_on_its_error_line_else_its_last(acceptance: ModuleTyp
 
 def test_the_server_is_found_by_its_launch_command_with_everything_below_it(acceptance: ModuleType) -> None:
     from asyncrl.config.compose import compose
-    from asyncrl.plan.assemble import placed, plan_run
+    from asyncrl.plan.assemble import placed, plan_run, sized
     from asyncrl.serving.command import builtin_command
     from asyncrl.serving.vllm import CheckpointKind, vllm_command
 
     builtin = builtin_command(plan_run(compose(["server=builtin"]))).argv
-    vllm = vllm_command(placed(plan_run(compose(["server=vllm", "model.name_or_path=Qwen/Qwen3-4B"])), ["0"]),
-                        version="0.33.0", prompt_tokens=200, checkpoint=CheckpointKind()).argv  # fmt: skip
+    placed_plan = placed(plan_run(compose(["server=vllm", "model.name_or_path=Qwen/Qwen3-4B"])), ["0"])
+    plan = sized(placed_plan, prompt_tokens=200)
+    vllm = vllm_command(plan, version="0.33.0", checkpoint=CheckpointKind()).argv
     script = ["/venv/bin/python3", "/venv/bin/vllm", "serve", "Qwen/Qwen3-4B", "--port", "8000"]
     assert all(acceptance.is_server(argv) for argv in (builtin, vllm, script))
     cli = acceptance.asyncrl(["train", "server=vllm", "trainer.max_steps=4"])

@@ -9,7 +9,8 @@ import torch
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.flow import FlowControl
-from asyncrl.plan.assemble import build_plan, plan_run
+from asyncrl.plan.assemble import build_plan, placed, plan_run
+from asyncrl.plan_file import read_plan, write_plan
 
 BAD_INPUTS = [
     (["trainer.samples_per_step=63", "staleness.max_staleness=0", "sampling.num_generations=8"],
@@ -167,3 +168,25 @@ def test_fp16_on_a_machine_without_a_gpu_fails_naming_the_key(monkeypatch):
     with pytest.raises(ConfigError) as info:
         plan_run(compose(["trainer.fp16=true"]))
     assert str(info.value).startswith("trainer.fp16=true: float16 mixed precision with loss scaling runs on a CUDA GPU")
+
+
+def test_a_jobs_plan_sizes_vllms_context_once_and_its_command_reads_it(tmp_path, monkeypatch, random_tiny_model_dir):
+    """The launcher measures the prompts as it plans (plan/decide.py::max_model_len); plan.json carries the figure to
+    the trainer's warm-up and a restart, and the vLLM command takes it: nothing measures again."""
+    from asyncrl.serving.vllm import vllm_command
+
+    measured: list[str] = []
+    monkeypatch.setattr("asyncrl.prompts.longest_prompt_tokens", lambda config: measured.append("once") or 100)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a launched vLLM's plan is placed on GPUs
+    vllm = ["server=vllm", f"model.name_or_path={random_tiny_model_dir}"]
+    plan = plan_run(compose(vllm), tmp_path)
+    assert plan.max_model_len == 100 + plan.config.sampling.max_completion_length and measured == ["once"]
+    write_plan(plan, tmp_path)
+    assert read_plan(tmp_path).max_model_len == plan.max_model_len
+    argv = vllm_command(plan, version="0.33.0").argv
+    assert argv[argv.index("--max-model-len") + 1] == str(plan.max_model_len) and measured == ["once"]
+    unsized = placed(plan_run(compose(vllm)), ["0", "1"])  # not a job's plan (`asyncrl config`): nothing measured
+    assert unsized.max_model_len is None and measured == ["once"]
+    with pytest.raises(ValueError, match="sized"):
+        vllm_command(unsized, version="0.33.0")
+    assert plan_run(compose(["server=builtin"]), tmp_path / "builtin").max_model_len is None  # its model's context

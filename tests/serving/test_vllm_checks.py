@@ -11,7 +11,7 @@ from tiny import SERVED_NAME, build_tiny_model, build_tokenizer
 
 from asyncrl.client import ControlClient
 from asyncrl.config.compose import compose, to_config
-from asyncrl.plan.assemble import build_plan, plan_run
+from asyncrl.plan.assemble import build_plan, plan_run, sized
 from asyncrl.serving.checks import ServerCheckError, check_server, lora_problem
 from asyncrl.serving.vllm import WORKER_EXTENSION
 
@@ -28,8 +28,9 @@ def attached_vllm(url: str, *overrides: str) -> Any:
 
 
 def run_checks(config: Any) -> Any:
+    """The checks against a job's plan (sized: the expected vLLM command in the hints takes its context)."""
     with ControlClient(config.server.base_url, timeout_s=30) as control:
-        return check_server(build_plan(config), control)
+        return check_server(sized(build_plan(config)), control)
 
 
 # ---- the built-in server -------------------------------------------------------------------------------------

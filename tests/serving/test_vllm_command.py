@@ -15,7 +15,7 @@ from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config,
 from asyncrl.assets.tiny_model import build_tokenizer
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.plan.assemble import build_plan, placed, plan_run
+from asyncrl.plan.assemble import build_plan, placed, plan_run, sized
 from asyncrl.plan.decide import split_gpus
 from asyncrl.serving.choice import server_command
 from asyncrl.serving.vllm import (
@@ -24,12 +24,9 @@ from asyncrl.serving.vllm import (
     api_server_count,
     checkpoint_kind,
     install_command,
-    longest_prompt_tokens,
     parse_version,
-    required_model_len,
     shared_gpu_share,
     vllm_command,
-    warm_up_token_budget,
 )
 from asyncrl.weights.vllm_extension import WeightBufferExtension
 
@@ -42,8 +39,8 @@ COMMON = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"
 
 def command(overrides: list[str], version: str = "0.33.0", gpus: tuple[str, ...] = ("0", "1"),
             checkpoint: CheckpointKind = PLAIN):  # fmt: skip
-    plan = placed(plan_run(compose([*BASE, *overrides])), list(gpus))
-    return vllm_command(plan, version=version, prompt_tokens=200, checkpoint=checkpoint)
+    plan = sized(placed(plan_run(compose([*BASE, *overrides])), list(gpus)), prompt_tokens=200)
+    return vllm_command(plan, version=version, checkpoint=checkpoint)
 
 
 def flags(*parts: str) -> list[str]:
@@ -264,24 +261,6 @@ def test_gpu_split_and_transfer_choice_errors():
         split_gpus(to_config(compose([*BASE, "trainer.gpus=2"])), ["0", "1"])
 
 
-def test_max_model_len_is_the_longest_prompt_plus_one_turn(arithmetic_data_dir, random_tiny_model_dir):
-    config = to_config(compose(["server=vllm", f"model.name_or_path={random_tiny_model_dir}",
-                                f"data.path={arithmetic_data_dir / 'train.jsonl'}"]))  # fmt: skip
-    from asyncrl.data import load_prompts
-    from asyncrl.prompts import load_tokenizer
-
-    tokenizer = load_tokenizer(config)
-    rendered = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True)
-                for p in load_prompts(str(arithmetic_data_dir / "train.jsonl"))["prompt"]]  # fmt: skip
-    longest = max(len(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in rendered)
-    assert longest_prompt_tokens(config) == longest
-    assert required_model_len(config) == longest + config.sampling.max_completion_length
-    config.data.max_prompt_length = 7
-    assert required_model_len(config) == 7 + config.sampling.max_completion_length
-    config.server.max_model_len = 300
-    assert required_model_len(config) == 300
-
-
 def test_server_command_dispatches_and_needs_a_version(monkeypatch):
     monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: None)
     with pytest.raises(ConfigError, match="server.vllm_version"):
@@ -337,10 +316,10 @@ def test_the_trainer_gets_the_gpus_after_the_servers():
 
 def test_each_replica_gets_its_own_gpus_and_port_and_the_trainer_the_next():
     replicas = ["server.replicas=2", "server.tensor_parallel_size=2"]
-    plan = placed(plan_run(compose([*BASE, *replicas])), ["0", "1", "2", "3", "4"])
+    plan = sized(placed(plan_run(compose([*BASE, *replicas])), ["0", "1", "2", "3", "4"]), prompt_tokens=200)
     config = plan.config
     for replica, (port, visible) in enumerate([("8000", "0,1"), ("8001", "2,3")]):
-        made = vllm_command(plan, version="0.33.0", prompt_tokens=200, checkpoint=PLAIN, replica=replica)
+        made = vllm_command(plan, version="0.33.0", checkpoint=PLAIN, replica=replica)
         assert made.env["CUDA_VISIBLE_DEVICES"] == visible
         assert made.argv[made.argv.index("--port") + 1] == port
         assert "nccl" in made.argv[made.argv.index("--weight-transfer-config") + 1]
@@ -389,7 +368,7 @@ def test_the_launch_reads_the_checkpoint_config(random_tiny_vlm_dir, random_tiny
     monkeypatch.setattr("asyncrl.serving.vllm.flashinfer_importable", lambda: False)
     vlm = to_config(compose([*BASE, f"model.name_or_path={random_tiny_vlm_dir}"]))
     assert checkpoint_kind(build_plan(vlm)) == CheckpointKind(vision_language=True, gated_deltanet=True)
-    argv = vllm_command(placed(build_plan(vlm), ["0", "1"]), version="0.26.0", prompt_tokens=200).argv
+    argv = vllm_command(sized(placed(build_plan(vlm), ["0", "1"]), prompt_tokens=200), version="0.26.0").argv
     assert " ".join(TEXT_ONLY + TRITON_GDN) in " ".join(argv)
     assert checkpoint_kind(plan_run(compose([f"model.name_or_path={random_tiny_model_dir}"]))) == CheckpointKind()
     attached = to_config(
@@ -414,7 +393,7 @@ def test_served_adapters_reserve_lora_slots_only_in_their_target_modules(random_
     adapter = ["lora=default", "lora.sync=adapter"]
     tiny = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter]))
     assert checkpoint_kind(build_plan(tiny)).lora_modules == tuple(linear)
-    argv = vllm_command(placed(build_plan(tiny), ["0", "1"]), version="0.26.0", prompt_tokens=200).argv
+    argv = vllm_command(sized(placed(build_plan(tiny), ["0", "1"]), prompt_tokens=200), version="0.26.0").argv
     assert argv[argv.index("--lora-target-modules") + 1 :][: len(linear)] == linear
     listed = to_config(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", *adapter,
                                 "lora.target_modules=[q_proj,v_proj]"]))  # fmt: skip
@@ -434,17 +413,17 @@ def test_a_shared_gpu_gives_vllm_what_the_trainers_measured_footprint_leaves(ran
     monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
     plan = plan_run(compose([*BASE, f"model.name_or_path={random_tiny_model_dir}", "packing=flat"]))
     config, dtype = plan.config, plan.serving_dtype
-    assert shared_gpu_share(config, 1224, dtype)[0] == 0.3  # not measured yet (a printed command)
-    budget = warm_up_token_budget(config, 1224)
+    assert shared_gpu_share(plan, 1224, dtype)[0] == 0.3  # not measured yet (a printed command)
+    budget = plan.components.packer.rows(1224)[1]  # the warm-up's rows beside a server of 1224 tokens
 
     def share(peak: float, context: float = 1.0) -> tuple[float, str]:
         record_memory(config, budget, TrainerMemory(int(peak * GIB), int(context * GIB), 140 * GIB))
-        return shared_gpu_share(config, 1224, dtype)
+        return shared_gpu_share(plan, 1224, dtype)
 
     assert share(50) == (0.52, "the trainer's measured peak 50.0 GiB + 1.0 GiB CUDA context + margin = 66.3 of the "
                                "GPU's 140.0 GiB")  # fmt: skip
     assert share(1)[0] == 0.9  # never more than on a GPU of its own
-    assert shared_gpu_share(config, 4096, dtype)[0] == 0.3  # another row size is another shape: measured again
+    assert shared_gpu_share(plan, 4096, dtype)[0] == 0.3  # another row size is another shape: measured again
     with pytest.raises(ConfigError, match=r"one GPU cannot hold both: .* leaves 0\.9 GiB, and vLLM needs 2\.0"):
         share(106)
 
@@ -469,15 +448,3 @@ def test_a_float32_server_of_a_gated_deltanet_model_is_refused_before_launch():
         command(["server.dtype=float32"], checkpoint=CheckpointKind(gated_deltanet=True))
     argv = command(["server.dtype=float32"]).argv  # an attention-only model may serve in float32 when asked
     assert argv[argv.index("--dtype") + 1] == "float32"
-
-
-def test_a_multi_turn_run_gets_the_models_whole_context():
-    """The counter agent's later turns carry the earlier ones and the tool's answers: one turn's budget over the
-    longest prompt (56 tokens) truncated every rollout to reward 0 on an H200."""
-    agent = to_config(compose(["+recipe=counter_agent", "server=vllm"]))
-    assert required_model_len(agent, prompt_tokens=24) == 256  # tiny-counter's max_position_embeddings
-    assert (
-        required_model_len(to_config(compose(["+recipe=counter_agent", "server=vllm", "server.max_model_len=99"])))
-        == 99
-    )
-    assert required_model_len(to_config(compose(["server=vllm"])), prompt_tokens=24) == 24 + 24  # one turn
