@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import replace
@@ -33,6 +34,9 @@ from asyncrl.rollout.tools import (
     tool_schemas,
 )
 from asyncrl.rollout.types import Rollout, RolloutGroup, TurnRecord
+
+RENDERED_PROMPTS = 256
+"""Prompts whose tokens ``render`` keeps: more than the groups a worker has in flight start at once."""
 
 
 class PromptTooLong(ValueError):
@@ -159,7 +163,30 @@ class AsyncRolloutLoop:
     # ---- helpers the driver uses ----------------------------------------------------------------------------
 
     def render(self, messages: Messages | str, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs, tools)
+        """The conversation's prompt tokens. A group's rollouts render the same first turn one after another, so a
+        conversation without tools is rendered once for all of them (``_rendered``): the chat template was an eighth
+        of the worker's CPU a rollout (benchmarks/RESULTS.md, worker CPU)."""
+        if tools:
+            return render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs, tools)
+        if isinstance(messages, str):
+            return list(self._rendered(messages, False))
+        try:
+            text = json.dumps(messages)
+        except TypeError:  # content that is not plain data: rendered as it is, every time
+            return render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs, None)
+        return list(self._rendered(text, True))
+
+    @functools.cached_property
+    def _rendered(self) -> Callable[[str, bool], tuple[int, ...]]:
+        """``render`` of a prompt without tools, by its text (``as_json``: a message list as JSON), for the last
+        RENDERED_PROMPTS prompts."""
+
+        @functools.lru_cache(maxsize=RENDERED_PROMPTS)
+        def rendered(prompt: str, as_json: bool) -> tuple[int, ...]:
+            messages = json.loads(prompt) if as_json else prompt
+            return tuple(render_prompt(self.tokenizer, messages, self.config.sampling.chat_template_kwargs, None))
+
+        return rendered
 
     @functools.cached_property
     def tool_call_format(self) -> str:
