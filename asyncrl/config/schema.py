@@ -97,6 +97,10 @@ class ModelConfig:
     """Set every dropout of the policy and the reference to 0 (each torch.nn.Dropout's p and each attention module's
     attention_dropout), as TRL's disable_dropout (off by default there too): the policy trains in train() mode, where
     a checkpoint's dropout makes its log-probs differ from the sampler's and the reference's for the same tokens."""
+    cast_lm_head_to_fp32: bool = False
+    """The LM head of the policy and the reference in float32, its input cast up, so its logits are float32 matmuls
+    over float32 weights where the rest computes in bfloat16 (TRL's cast_lm_head_to_fp32, from ScaleRL): under FSDP2
+    the head is a unit of its own, gathered in float32 (trainer/fsdp.py). Refused with tied embeddings, as TRL's."""
 
 
 @dataclass
@@ -280,8 +284,11 @@ class TrainerConfig:
     """TF32 for the trainer's float32 matmuls and convolutions on an Ampere or newer GPU (true) or IEEE float32
     (false), as transformers' TrainingArguments.tf32; null keeps torch's default (IEEE). true needs such a GPU."""
     optim: OptimizerName = OptimizerName.adamw_torch
-    """adamw_torch | adamw_torch_fused (torch's fused kernel) | sgd (torch's, no momentum): each takes learning_rate and
+    """adamw_torch | adamw_torch_fused (torch's fused kernel) | sgd (torch's): each takes learning_rate and
     weight_decay, AdamW the adam_* keys too."""
+    optim_args: str | None = None
+    """The optimizer's other keywords as transformers' comma-separated key=value string: sgd takes momentum, dampening
+    and nesterov (e.g. 'momentum=0.9,nesterov=true'), AdamW amsgrad (asyncrl/config/optim_args.py)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one training device at the training precision, for perf/*_mfu; None: asyncrl's table
     of GPUs (trainer/flops.py); MFU is not logged where neither knows the device."""
@@ -380,10 +387,10 @@ class RolloutConfig:
     """auto|hermes|llama3|deepseek_v3|glm4|qwen3_coder|functiongemma|tiny: how tool calls are parsed from the model's
     output; auto reads the chat template (qwen3_coder: Qwen3.5, Qwen3.6 and Qwen3-Coder's <function=NAME> calls)."""
     chat_template: str = "auto"
-    """auto|keep|path to a .jinja file. auto: with tools or environments, a known family (Qwen3, DeepSeek-V3/R1) whose
-    stock template is not prefix-preserving gets asyncrl's training-safe one, which checkpoints and the final model
-    keep; keep: never swap (warn); a path: use that template. A template that cannot render a tool call and its
-    result is refused at startup."""
+    """auto|keep|path to a .jinja file. auto: with tools or environments, a known family (Qwen3, DeepSeek-V3/R1,
+    Llama 3.1-3.3) whose stock template is not prefix-preserving, or cannot render a turn of several tool calls, gets
+    asyncrl's training-safe one, which checkpoints and the final model keep; keep: never swap (warn); a path: use that
+    template. A template that cannot render a tool call and its result is refused at startup."""
 
 
 @dataclass

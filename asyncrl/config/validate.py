@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
+from asyncrl.config.optim_args import optimizer_kwargs
 from asyncrl.config.schema import Config, LoraSync, LrSchedulerType
 from asyncrl.sampling import REQUEST_FIELD_KEYS, REWEIGHTING_FIELDS
 
@@ -137,6 +138,11 @@ def check_trainer_rates(config: Config) -> None:
             f"trainer.lr_scheduler_type={t.lr_scheduler_type} decays over optimizer steps, which an epoch-based "
             "run cannot know in advance: set trainer.max_steps too"
         )
+
+
+def check_optim_args(config: Config) -> None:
+    """trainer.optim_args reads into keywords that trainer.optim's optimizer takes (config/optim_args.py)."""
+    optimizer_kwargs(config.trainer)
 
 
 def check_mixed_precision(config: Config) -> None:
@@ -372,6 +378,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_generation_kwargs,
     check_staleness,
     check_trainer_rates,
+    check_optim_args,
     check_mixed_precision,
     check_ignored_kwargs,
     check_samples_per_step,

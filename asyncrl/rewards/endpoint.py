@@ -99,7 +99,9 @@ def serving_reward_models(config: Config, sources: Sequence[RewardSource]) -> It
         return
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     kwargs = dict(config.sampling.chat_template_kwargs)
-    classifiers = [load_classifier(model.options, key, device, kwargs) for key, model in entries]
+    trusted = config.model.trust_remote_code
+    classifiers = [load_classifier(model.options, key, device, kwargs, trust_remote_code=trusted)
+                   for key, model in entries]  # fmt: skip
     models = [model for _, model in entries]
     token = secrets.token_urlsafe(32)
     with serve_in_thread(build_app(classifiers, token)) as base_url:

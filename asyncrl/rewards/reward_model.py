@@ -40,7 +40,14 @@ if TYPE_CHECKING:
 class RewardModelOptions:
     path: str = ""
     """Hub id or local directory (save_pretrained layout) of a *ForSequenceClassification checkpoint with
-    num_labels=1, its tokenizer beside it; its chat template renders conversational prompts."""
+    num_labels=1, its tokenizer beside it; its chat template renders conversational prompts. It loads with
+    model.trust_remote_code, as TRL loads reward models with its one trust_remote_code."""
+    revision: str | None = None
+    """Branch, tag or commit of ``path`` on the Hub (from_pretrained's revision); null: its default branch. Not
+    model.revision, which pins the policy's repository: a commit of one repository names nothing in another."""
+    tokenizer: str | None = None
+    """Hub id or local directory of the tokenizer (and chat template) the reward model reads with, TRL's
+    reward_processing_classes; null: the one beside the checkpoint (TRL's default)."""
     dtype: ModelDtype = ModelDtype.float32
     """Weights dtype: float32 (TRL's default) | bfloat16 | float16 | auto (as the checkpoint stores them)."""
     batch_size: int = 32

@@ -2,8 +2,9 @@
 
 A multi-turn rollout re-renders the whole conversation every turn. Stock templates that rewrite earlier turns
 (Qwen3 drops the ``<think>`` reasoning of every assistant turn before the last user message) make each turn fork
-a new training sample. The templates here render every assistant turn exactly as the model generated it, in the
-family's own markers, so the rendering of turn k+1 starts with the tokens held after turn k.
+a new training sample, and those that raise on a turn the model may write (Llama 3.x's, on several tool calls) end
+the rollout. The templates here render every assistant turn exactly as the model generated it, in the family's own
+markers, so the rendering of turn k+1 starts with the tokens held after turn k.
 """
 
 from __future__ import annotations
@@ -135,6 +136,77 @@ DEEPSEEK_R1_TEMPLATE = (
 )
 
 
+# Llama 3.x format (3.1 to 3.3 write calls alike): bos, a system header (Environment: ipython with tools, the knowledge
+# cutoff and today's date), then <|start_header_id|>ROLE<|end_header_id|>\n\n...<|eot_id|> turns; the tool schemas go
+# into the first user message (or the system turn with tools_in_user_message=false); a call is the whole reply,
+# {"name": ..., "parameters": {...}}; each result is an ipython turn of its JSON. The stock templates raise on a turn
+# of several calls and trim every reply; here the calls of a turn are joined by "; " (how the llama3 parser splits
+# them) and replies render as generated. ``default_date`` is each stock template's: 3.1 and 3.3 a fixed date, 3.2
+# today's. Llama 3.1's builtin_tools (brave_search, wolfram_alpha) are not rendered: asyncrl's tools are functions.
+_LLAMA3_BODY = """\
+{%- set tools = custom_tools if custom_tools is defined else (tools if tools is defined else none) -%}
+{%- set tools_first = tools_in_user_message if tools_in_user_message is defined else true -%}
+{%- set today = date_string if date_string is defined else default_date -%}
+{%- set ns = namespace(system='', turns=messages) -%}
+{%- if messages and messages[0].role == 'system' -%}
+  {%- set ns.system = messages[0].content | trim -%}
+  {%- set ns.turns = messages[1:] -%}
+{%- endif -%}
+{%- set format = 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+                 'value}.Do not use variables.\\n\\n' -%}
+{{- bos_token -}}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' -}}
+{%- if tools is not none -%}{{- 'Environment: ipython\\n' -}}{%- endif -%}
+{{- 'Cutting Knowledge Date: December 2023\\nToday Date: ' + today + '\\n\\n' -}}
+{%- if tools is not none and not tools_first -%}
+  {{- 'You have access to the following functions. To call a function, please respond with JSON for a function '
+      'call.' + format -}}
+  {%- for tool in tools -%}{{- (tool | tojson(indent=4)) + '\\n\\n' -}}{%- endfor -%}
+{%- endif -%}
+{{- ns.system + '<|eot_id|>' -}}
+{%- if tools is not none and tools_first -%}
+  {%- if not ns.turns -%}
+    {{- raise_exception('Llama 3 puts the tools in the first user message, and there is none') -}}
+  {%- endif -%}
+  {{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please respond with a JSON for a '
+      'function call with its proper arguments that best answers the given prompt.\\n\\n' + format -}}
+  {%- for tool in tools -%}{{- (tool | tojson(indent=4)) + '\\n\\n' -}}{%- endfor -%}
+  {{- (ns.turns[0].content | trim) + '<|eot_id|>' -}}
+  {%- set ns.turns = ns.turns[1:] -%}
+{%- endif -%}
+{%- for message in ns.turns -%}
+  {%- if message.role == 'tool' or message.role == 'ipython' -%}
+    {%- set result = message.content -%}
+    {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' -}}
+    {{- (result | tojson if result is mapping or result is iterable else result) ~ '<|eot_id|>' -}}
+  {%- elif message.role == 'assistant' and message.tool_calls -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+    {%- for call in message.tool_calls -%}
+      {%- set fn = call.function if call.function is defined else call -%}
+      {%- if not loop.first -%}{{- '; ' -}}{%- endif -%}
+      {{- '{"name": "' + fn.name + '", "parameters": ' -}}
+      {{- (fn.arguments if fn.arguments is string else fn.arguments | tojson) + '}' -}}
+    {%- endfor -%}
+    {{- '<|eot_id|>' -}}
+  {%- elif message.role == 'assistant' -%}
+    {%- set reply = message.content if message.content is string else '' -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' + reply + '<|eot_id|>' -}}
+  {%- else -%}
+    {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + (message.content | trim) + '<|eot_id|>' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}
+"""
+LLAMA3_1_TEMPLATE = (
+    "{#- asyncrl training-safe Llama 3.1/3.3 template: several tool calls a turn; replies render as generated. -#}\n"
+    "{%- set default_date = '26 Jul 2024' -%}\n" + _LLAMA3_BODY
+)
+LLAMA3_2_TEMPLATE = (
+    "{#- asyncrl training-safe Llama 3.2 template: several tool calls a turn; replies render as generated. -#}\n"
+    "{%- set default_date = strftime_now('%d %b %Y') if strftime_now is defined else '26 Jul 2024' -%}\n" + _LLAMA3_BODY
+)
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family recognised from its tokenizer, with the template that keeps its tool loops prefix-preserving."""
@@ -162,10 +234,22 @@ def _is_deepseek(tokenizer: Any, *, thinks: bool) -> bool:
     return speaks and ("<｜Assistant｜><think>" in template) == thinks
 
 
+def _is_llama3(tokenizer: Any, *, dated: bool) -> bool:
+    """Llama 3's header and turn tokens are in the vocabulary and its stock template writes calls with "parameters";
+    3.2's dates the system turn today (strftime_now), 3.1's and 3.3's with a fixed date."""
+    vocab = tokenizer.get_vocab()
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    tokens = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    speaks = all(t in vocab for t in tokens) and '"parameters": ' in template and "tool_calls" in template
+    return speaks and ("strftime_now" in template) == dated
+
+
 FAMILIES = (
     Family("qwen3", _is_qwen3, QWEN3_TEMPLATE),
     Family("deepseek_r1", functools.partial(_is_deepseek, thinks=True), DEEPSEEK_R1_TEMPLATE),
     Family("deepseek_v3", functools.partial(_is_deepseek, thinks=False), DEEPSEEK_V3_TEMPLATE),
+    Family("llama3_2", functools.partial(_is_llama3, dated=True), LLAMA3_2_TEMPLATE),
+    Family("llama3_1", functools.partial(_is_llama3, dated=False), LLAMA3_1_TEMPLATE),
 )
 
 
@@ -208,16 +292,34 @@ def _swap_template(
         tokenizer.chat_template = read_template(setting)
         log.info("chat template of %s: %s (rollout.chat_template)", model, setting)
         return None
-    if not agentic or template_preserves_prefix(tokenizer, chat_template_kwargs):
+    if not agentic:
+        return None
+    if not template_preserves_prefix(tokenizer, chat_template_kwargs):
+        why = "is not prefix-preserving for tool turns"
+    elif not renders_several_calls(tokenizer, chat_template_kwargs):
+        why = "cannot render a turn of several tool calls"
+    else:
         return None
     family = detect_family(tokenizer)
     if family is None:
         return None
     tokenizer.chat_template = family.template
-    log.info("chat template of %s is not prefix-preserving for tool turns: using asyncrl's training-safe %s "
-             "template, saved with the checkpoints too (rollout.chat_template=auto; keep disables it)",
-             model, family.name)  # fmt: skip
+    log.info("chat template of %s %s: using asyncrl's training-safe %s template, saved with the checkpoints too "
+             "(rollout.chat_template=auto; keep disables it)", model, why, family.name)  # fmt: skip
     return family.name
+
+
+def renders_several_calls(tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> bool:
+    """Whether the chat template renders an assistant turn of two tool calls, as a rollout's next turn renders one
+    the model wrote. Llama 3.1 to 3.3's stock templates raise ("This model only supports single tool-calls at
+    once!"), which would end that rollout mid-run."""
+    call = {"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call, call]}]
+    try:
+        tokenizer.apply_chat_template(turns, tokenize=False, **chat_template_kwargs)
+    except Exception:
+        return False
+    return True
 
 
 def check_renders_tool_round(tokenizer: Any, chat_template_kwargs: dict[str, Any], model: str) -> None:

@@ -11,9 +11,9 @@ one costs 3-10% on a CPU: the embedded model's fwd+bwd+step of a 1024-token row 
 
 Each decoder layer (the model's ``_no_split_modules`` classes) and the root are ``fully_shard``ed. On GPU the
 master weights are fp32 and forward/backward run in bf16 (fp16 with trainer.fp16, its loss scaled) with fp32
-gradient reduction (MixedPrecisionPolicy); on CPU everything stays float32. FSDP averages gradients over the ranks
-(gloo cannot sum with a pre-scale), so each rank's loss is multiplied by the number of ranks
-(trainer/distributed.py::train_rows).
+gradient reduction (MixedPrecisionPolicy); on CPU everything stays float32. With model.cast_lm_head_to_fp32 the LM
+head is a unit of its own that computes in float32. FSDP averages gradients over the ranks (gloo cannot sum with a
+pre-scale), so each rank's loss is multiplied by the number of ranks (trainer/distributed.py::train_rows).
 
 A checkpoint's ``sharded/`` files are torch.distributed.checkpoint's, which record each tensor's global shape:
 they load on any number of ranks. With LoRA they hold the adapter and its optimizer state only, and the
@@ -61,8 +61,21 @@ def shard(model: torch.nn.Module, config: Config, param_dtype: torch.dtype | Non
         log.warning("%s names no decoder layer class (_no_split_modules): sharded as one unit", type(model).__name__)
     for layer in layers:
         fully_shard(layer, **kwargs)
+    if config.model.cast_lm_head_to_fp32:
+        fully_shard(model.get_output_embeddings(), **float32_head(kwargs))
     fully_shard(model, **kwargs)
     return model
+
+
+def float32_head(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``fully_shard``'s arguments for the LM head as a unit of its own under model.cast_lm_head_to_fp32: inside the
+    root it would be gathered in the root's mixed-precision dtype (bfloat16), so it gets a float32 policy, which also
+    casts its input up. Not resharded after the forward: trainer/forward.py reads its weight after the model returns
+    (the head's own forward sees an empty slice), as it reads the root's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return {**kwargs, "mp_policy": policy, "reshard_after_forward": False}
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

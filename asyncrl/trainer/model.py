@@ -12,6 +12,7 @@ import torch
 
 from asyncrl import lora
 from asyncrl.config.errors import ConfigError
+from asyncrl.config.optim_args import optimizer_kwargs
 from asyncrl.config.schema import Config, OptimizerName, TrainerConfig
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
@@ -106,6 +107,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def cast_lm_head_to_fp32(model: torch.nn.Module, path: str) -> None:
+    """model.cast_lm_head_to_fp32: the LM head's weights in float32 (its input is cast up as it enters: trainer/fsdp.py
+    gathers it in float32 as a unit of its own, and the log-probabilities compute in the weight's dtype). A head tied
+    to the input embeddings is refused, as TRL refuses it: casting it would cast the embeddings too."""
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:
+        raise ConfigError(f"model.cast_lm_head_to_fp32=true needs an LM head of its own, and {path} ties it to the "
+                          "input embeddings (tie_word_embeddings): drop model.cast_lm_head_to_fp32")  # fmt: skip
+    head.float()
+
+
 def use_tf32(config: Config) -> None:
     """trainer.tf32 for this rank's float32 matmuls and convolutions, as transformers' TrainingArguments sets it:
     true needs an Ampere or newer GPU, false is a no-op without one, null keeps torch's default."""
@@ -148,6 +160,8 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
     model = auto_model_class(path, **source).from_pretrained(path, **kwargs)  # its config as is: a saved model
     # keeps the source's use_cache (the packed forward passes use_cache=False itself)
     freeze_non_text(model)
+    if m.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(model, path)
     if m.disable_dropout:
         disable_dropout(model)
     if config.trainer.gradient_checkpointing:
@@ -162,18 +176,18 @@ def _adamw(t: TrainerConfig, params: list[torch.nn.Parameter], **extra: Any) -> 
                              **extra)  # fmt: skip
 
 
-def _sgd(t: TrainerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+def _sgd(t: TrainerConfig, params: list[torch.nn.Parameter], **extra: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=t.learning_rate, weight_decay=t.weight_decay, **extra)
 
 
-OPTIMIZERS: dict[str, Callable[[TrainerConfig, list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     OptimizerName.adamw_torch: _adamw,
     OptimizerName.adamw_torch_fused: partial(_adamw, fused=True),
     OptimizerName.sgd: _sgd,
 }
-"""trainer.optim -> its optimizer over the trainable parameters, with the arguments transformers' Trainer gives it, in
-one parameter group: weight_decay applies to every trainable parameter (transformers' Trainer exempts biases and
-norms)."""
+"""trainer.optim -> its optimizer over the trainable parameters, with the arguments transformers' Trainer gives it
+(trainer.optim_args' keywords too), in one parameter group: weight_decay applies to every trainable parameter
+(transformers' Trainer exempts biases and norms)."""
 
 
 def build_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> Any:
@@ -188,5 +202,5 @@ def build_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> Any:
 
 def build_optimizer(config: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[config.trainer.optim](config.trainer, params)
+    optimizer = OPTIMIZERS[config.trainer.optim](config.trainer, params, **optimizer_kwargs(config.trainer))
     return optimizer, build_scheduler(config, optimizer)

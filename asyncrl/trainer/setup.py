@@ -93,7 +93,7 @@ def prepare(plan: RunPlan) -> Prepared:
     conversational = check_prompt_forms(config, dataset, eval_dataset)
     tokenizer = load_tokenizer(config)
     check_agents(config, tokenizer, conversational)
-    check_reward_model_tokenizers(plan.components, conversational)
+    check_reward_model_tokenizers(config, plan.components, conversational)
     check_router_aux_coef(config)
     check_tf32_device(config)
     check_routing(dataset, config.rollout.environment_factory)
@@ -109,15 +109,16 @@ def check_components_pickle(components: Components) -> None:
     check_picklable(components.advantage, "advantage estimator (advantage.name)")
 
 
-def check_reward_model_tokenizers(components: Components, conversational: bool) -> None:
-    """Each reward model's own tokenizer loads, with a chat template for conversational prompts (its config was
-    checked with the plan: plan/assemble.py)."""
+def check_reward_model_tokenizers(config: Config, components: Components, conversational: bool) -> None:
+    """Each reward model's tokenizer loads, with a chat template for conversational prompts, and its own code (if any)
+    is trusted (its config was checked with the plan: plan/assemble.py)."""
     from asyncrl.rewards.classifier import check_tokenizer
     from asyncrl.rewards.reward_model import RewardModel
 
     for index, source in enumerate(components.rewards):
         if isinstance(source.fn, RewardModel):
-            check_tokenizer(source.fn.options, f"reward_funcs[{index}]", conversational)
+            check_tokenizer(source.fn.options, f"reward_funcs[{index}]", conversational,
+                            trust_remote_code=config.model.trust_remote_code)  # fmt: skip
 
 
 def check_prompt_forms(config: Config, dataset: Any, eval_dataset: Any | None) -> bool:

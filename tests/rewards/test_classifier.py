@@ -122,3 +122,95 @@ def test_the_cli_refuses_it_in_one_line_before_anything_starts(invoke, random_ti
         "classifier: a reward model is a *ForSequenceClassification checkpoint with num_labels=1 (TRL's RewardTrainer "
         "trains one)"
     ]
+
+
+BRACKETS = "{%- for m in messages -%}[{{ m.role }}] {{ m.content }};{%- endfor -%}"
+
+
+def other_tokenizer(source: Path, target: Path, template: str = BRACKETS, extra: int = 0) -> Path:
+    """The reward model's vocabulary saved apart with another chat template (and ``extra`` tokens added)."""
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = template
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(extra)])
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def test_the_tokenizer_option_reads_with_another_tokenizer(tiny_classifier, tmp_path):
+    """TRL's reward_processing_classes: the conversation is rendered and tokenized by the tokenizer given, not the
+    checkpoint's own."""
+    path, tokenizer = tiny_classifier(), other_tokenizer(tiny_classifier(), tmp_path / "brackets")
+    plan = plan_run(compose([f"reward_funcs=[{{name: reward_model, path: '{path}', tokenizer: '{tokenizer}'}}]"]))
+    options = plan.components.rewards[0].fn.options
+    assert options.tokenizer == str(tokenizer)
+    classifier = load_classifier(options, "reward_funcs[0]", torch.device("cpu"), {})
+    texts = classifier.texts(PROMPTS, COMPLETIONS)
+    assert texts[0] == "[user] What is 2 + 3?;[assistant] \\boxed{5};"
+    torch.testing.assert_close(torch.tensor(classifier.score(PROMPTS, COMPLETIONS)),
+                               torch.tensor(alone(path, texts)), rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_a_tokenizer_the_reward_model_cannot_embed_is_refused_in_one_line(tiny_classifier, tmp_path):
+    tokenizer = other_tokenizer(tiny_classifier(), tmp_path / "wider", extra=3)
+    options = RewardModelOptions(path=str(tiny_classifier()), tokenizer=str(tokenizer))
+    size = len(AutoTokenizer.from_pretrained(tokenizer))
+    with pytest.raises(ConfigError) as error:
+        load_classifier(options, "reward_funcs[0]", torch.device("cpu"), {})
+    assert str(error.value) == (
+        f"reward_funcs[0].tokenizer={tokenizer}: its tokenizer has {size} tokens, more than "
+        f"the {size - 3} the reward model embeds; give the tokenizer it was trained with"
+    )
+
+
+def test_a_missing_tokenizer_is_refused_before_anything_loads(tiny_classifier, tmp_path):
+    entry = f"{{name: reward_model, path: '{tiny_classifier()}', tokenizer: '{tmp_path / 'nope'}'}}"
+    with pytest.raises(ConfigError) as error:
+        plan_run(compose([f"reward_funcs=[{{name: length}}, {entry}]"]))
+    assert str(error.value) == (
+        f"reward_funcs[1].tokenizer={tmp_path / 'nope'}: no such directory; give a "
+        "tokenizer's directory or its Hub id, or drop it to read with the checkpoint's own"
+    )
+
+
+def cache_revisions(hub_cache: Path, repo_id: str, snapshots: dict[str, Path]) -> None:
+    """huggingface_hub's cache layout: one snapshot per commit, refs/<revision> naming each."""
+    repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    for index, (revision, source) in enumerate(snapshots.items()):
+        commit = str(index) * 40
+        shutil.copytree(source, repo / "snapshots" / commit)
+        (repo / "refs" / revision).write_text(commit)
+
+
+def test_the_revision_option_picks_the_reward_models_commit_on_the_hub(tiny_classifier, monkeypatch, tmp_path):
+    """org/rm's main branch holds a two-label classifier, its v1 tag the reward model: revision=v1 checks and loads
+    v1 (from the Hub cache here: the tests run offline)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cache_revisions(tmp_path / "hub", "org/rm", {"main": tiny_classifier(2), "v1": tiny_classifier(1)})
+    with pytest.raises(ConfigError, match=r"^reward_funcs\[0\]\.path=org/rm has num_labels=2"):
+        plan_run(compose(["reward_funcs=[{name: reward_model, path: org/rm}]"]))
+    plan = plan_run(compose(["reward_funcs=[{name: reward_model, path: org/rm, revision: v1}]"]))
+    classifier = load_classifier(plan.components.rewards[0].fn.options, "reward_funcs[0]", torch.device("cpu"), {})
+    texts = classifier.texts(PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(torch.tensor(classifier.score(PROMPTS, COMPLETIONS)),
+                               torch.tensor(alone(tiny_classifier(1), texts)), rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_a_reward_model_with_its_own_code_loads_only_as_trusted(custom_code_classifier, tiny_classifier):
+    """TRL applies trust_remote_code to reward models; asyncrl's one switch is model.trust_remote_code."""
+    options = RewardModelOptions(path=str(custom_code_classifier))
+    with pytest.raises(ConfigError) as error:
+        check_tokenizer(options, "reward_funcs[0]", conversational=True)
+    assert str(error.value) == (
+        f"reward_funcs[0].path={custom_code_classifier} is a asyncrl_test_rm checkpoint that "
+        "loads with its own code (auto_map in its config.json): set model.trust_remote_code="
+        "true to run it (it applies to the policy and the reward models, as TRL's)"
+    )
+    check_tokenizer(options, "reward_funcs[0]", conversational=True, trust_remote_code=True)
+    classifier = load_classifier(options, "reward_funcs[0]", torch.device("cpu"), {}, trust_remote_code=True)
+    assert type(classifier.model).__name__ == "TinyRMForSequenceClassification"
+    texts = classifier.texts(PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(torch.tensor(classifier.score(PROMPTS, COMPLETIONS)),
+                               torch.tensor(alone(tiny_classifier(), texts)), rtol=1e-5, atol=1e-5)  # fmt: skip

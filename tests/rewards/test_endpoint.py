@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 import torch
 
+from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose
 from asyncrl.plan.assemble import plan_run
 from asyncrl.rewards.classifier import load_classifier
@@ -50,3 +52,15 @@ def test_the_run_serves_its_reward_models_for_the_block_only(tiny_classifier):
     assert model.endpoint is None
     expected = load_classifier(model.options, "reward_funcs[1]", torch.device("cpu"), {}).score(PROMPTS, COMPLETIONS)
     assert scores == expected
+
+
+def test_the_served_reward_models_load_with_model_trust_remote_code(custom_code_classifier):
+    """A reward model with its own code is served only when model.trust_remote_code allows it."""
+    entry = f"reward_funcs=[{{name: reward_model, path: '{custom_code_classifier}'}}]"
+    plan = plan_run(compose([entry]))
+    with pytest.raises(ConfigError, match=r"set model\.trust_remote_code=true to run it"):
+        with serving_reward_models(plan.config, plan.components.rewards):
+            pass
+    plan = plan_run(compose([entry, "model.trust_remote_code=true"]))
+    with serving_reward_models(plan.config, plan.components.rewards):
+        assert len(asyncio.run(plan.components.rewards[0].fn(PROMPTS, COMPLETIONS, [[1], [2]]))) == 2

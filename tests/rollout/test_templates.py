@@ -1,5 +1,6 @@
 """Chat-template swap: a Qwen3-like tokenizer whose stock template drops earlier reasoning gets the training-safe
-template (auto), keeps its own (keep) or takes a file (path); unknown families only warn."""
+template (auto), keeps its own (keep) or takes a file (path); unknown families only warn. DeepSeek's and Llama 3's
+training-safe templates (Llama's golden against Meta's stock one where that renders, one call a turn)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config
-from asyncrl.rollout.templates import QWEN3_TEMPLATE, detect_family, use_chat_template
+from asyncrl.rollout.templates import (
+    LLAMA3_1_TEMPLATE,
+    LLAMA3_2_TEMPLATE,
+    QWEN3_TEMPLATE,
+    detect_family,
+    renders_several_calls,
+    use_chat_template,
+)
 from asyncrl.rollout.tools import assistant_message, detect_format, parse_tool_calls, template_preserves_prefix
 from asyncrl.trainer.setup import check_agents
 
@@ -195,24 +203,30 @@ def deepseek_calls(*pairs: tuple[int, int]) -> str:
     return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
 
 
-def deepseek_loop_prompts(tokenizer: PreTrainedTokenizerFast, think: bool) -> list[tuple[str, str]]:
-    """(text held after a turn, the next turn's rendered prompt) for: (reasoning +) 2 calls, results, 1 more call
-    right after the results, its result, the answer, a user reply."""
-    reasoning = "I should add both.\n</think>\n\n" if think else ""
-    replies = [f"{reasoning}Adding.{deepseek_calls((1, 2), (3, 4))}", f"Now the sum.{deepseek_calls((3, 7))}", "10."]
-    results = [["3", "7"], ["10"], []]
+def replay_tool_loop(tokenizer: PreTrainedTokenizerFast, replies: list[str], fmt: str, end: str,
+                     **kwargs: object) -> list[tuple[str, str]]:  # fmt: skip
+    """(text held after each reply, the next turn's rendered prompt) for a rollout of ``replies`` to "1+2 and 3+4, then
+    their sum?" whose turns end with ``end``: each add(a, b) call the reply makes (parsed in ``fmt``) gets a + b as
+    its result, a reply without calls a user's "Thanks."."""
+    render = {"tokenize": False, "add_generation_prompt": True, **kwargs}
     messages = [{"role": "user", "content": "1+2 and 3+4, then their sum?"}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    pairs = []
-    for reply, outputs in zip(replies, results, strict=True):
-        held = prompt + reply + "<｜end▁of▁sentence｜>"
-        content, calls = parse_tool_calls(reply, "deepseek_v3")
+    prompt, pairs = tokenizer.apply_chat_template(messages, **render), []
+    for reply in replies:
+        held = prompt + reply + end
+        content, calls = parse_tool_calls(reply, fmt)
         messages.append(assistant_message(content, calls) if calls else {"role": "assistant", "content": reply})
-        messages += [{"role": "tool", "name": "add", "content": out} for out in outputs] or [
-            {"role": "user", "content": "Thanks."}]  # fmt: skip
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages += [{"role": "tool", "name": "add", "content": str(c.arguments["a"] + c.arguments["b"])}
+                     for c in calls] or [{"role": "user", "content": "Thanks."}]  # fmt: skip
+        prompt = tokenizer.apply_chat_template(messages, **render)
         pairs.append((held, prompt))
     return pairs
+
+
+def deepseek_loop_prompts(tokenizer: PreTrainedTokenizerFast, think: bool) -> list[tuple[str, str]]:
+    """The tool loop of (reasoning +) 2 calls, 1 more call right after their results, the answer."""
+    reasoning = "I should add both.\n</think>\n\n" if think else ""
+    replies = [f"{reasoning}Adding.{deepseek_calls((1, 2), (3, 4))}", f"Now the sum.{deepseek_calls((3, 7))}", "10."]
+    return replay_tool_loop(tokenizer, replies, "deepseek_v3", "<｜end▁of▁sentence｜>")
 
 
 @pytest.mark.parametrize(
@@ -250,3 +264,86 @@ def test_a_template_without_a_tool_role_is_refused_under_auto():
     tokenizer = build_tokenizer(special=("<start_of_turn>", "<end_of_turn>"), added=(), template=template)
     with pytest.raises(ConfigError, match="Conversation roles must alternate"):
         check_agents(agent_config("auto"), tokenizer)
+
+
+LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+LLAMA3_STOCK = (FIXTURES / "llama3_2.jinja").read_text()
+ADD_SCHEMA = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}  # fmt: skip
+
+
+def llama3_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    tokenizer = build_tokenizer(special=LLAMA3_SPECIAL, added=(), template=template)
+    tokenizer.bos_token = "<|begin_of_text|>"
+    return tokenizer
+
+
+def add_call(a: int, b: int) -> dict:
+    return {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+
+
+SINGLE_CALL_CONVERSATIONS = {
+    "system, call, result, answer, user": [
+        {"role": "system", "content": " Be brief. "}, {"role": "user", "content": "1+2? "},
+        {"role": "assistant", "content": "", "tool_calls": [add_call(1, 2)]},
+        {"role": "tool", "name": "add", "content": "3"}, {"role": "assistant", "content": "It is 3."},
+        {"role": "user", "content": "Thanks."}],
+    "content beside the call, an object result": [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "Adding.", "tool_calls": [add_call(1, 2)]},
+        {"role": "tool", "name": "add", "content": {"sum": 3}}],
+    "plain chat": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("conversation", SINGLE_CALL_CONVERSATIONS.values(), ids=SINGLE_CALL_CONVERSATIONS)
+@pytest.mark.parametrize("options", [{"tools": [ADD_SCHEMA]}, {"tools": [ADD_SCHEMA], "tools_in_user_message": False},
+                                     {}], ids=["tools-in-user-turn", "tools-in-system-turn", "no-tools"])  # fmt: skip
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_llama3_training_template_renders_one_call_a_turn_as_the_stock_one(conversation, options, generation_prompt):
+    """Golden: where Meta's Llama 3.2 template renders at all (one call a turn), asyncrl's renders the same text."""
+    kwargs = {"tokenize": False, "add_generation_prompt": generation_prompt, "date_string": "26 Jul 2024", **options}
+    stock = llama3_tokenizer(LLAMA3_STOCK).apply_chat_template(conversation, **kwargs)
+    assert llama3_tokenizer(LLAMA3_2_TEMPLATE).apply_chat_template(conversation, **kwargs) == stock
+
+
+def test_llama3_training_templates_keep_each_versions_date():
+    """3.2's stock template dates the system turn today, 3.1's and 3.3's with a fixed date: each swap keeps its own."""
+    messages = [{"role": "user", "content": "Hi."}]
+    rendered = llama3_tokenizer(LLAMA3_1_TEMPLATE).apply_chat_template(messages, tokenize=False)
+    assert "Today Date: 26 Jul 2024\n" in rendered
+    stock_31 = LLAMA3_STOCK.replace('strftime_now("%d %b %Y")', '"26 Jul 2024"').replace("strftime_now", "no_clock")
+    assert detect_family(llama3_tokenizer(stock_31)).name == "llama3_1"
+    assert detect_family(llama3_tokenizer(LLAMA3_STOCK)).name == "llama3_2"
+
+
+def llama3_loop_prompts(tokenizer: PreTrainedTokenizerFast) -> list[tuple[str, str]]:
+    """The tool loop of two calls in one turn, one more call, the answer (ending in a newline)."""
+    replies = ['{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 3, "b": 4}}',
+               '{"name": "add", "parameters": {"a": 3, "b": 7}}', "The sums are 3 and 7, then 10.\n"]  # fmt: skip
+    return replay_tool_loop(tokenizer, replies, "llama3", "<|eot_id|>", tools=[ADD_SCHEMA], date_string="26 Jul 2024")
+
+
+def test_llama3_swap_renders_several_calls_a_turn_prefix_preserving():
+    """Meta's template raises on a turn of two calls (which ended the rollout's next render); auto swaps in asyncrl's,
+    whose renders keep every turn's tokens and whose calls parse back in the llama3 format."""
+    tokenizer = llama3_tokenizer(LLAMA3_STOCK)
+    assert template_preserves_prefix(tokenizer, {}) and not renders_several_calls(tokenizer, {})
+    with pytest.raises(Exception, match="only supports single tool-calls"):
+        llama3_loop_prompts(tokenizer)
+    assert use_chat_template(tokenizer, "auto", agentic=True, chat_template_kwargs={}, model="m") == "llama3_2"
+    assert tokenizer.chat_template == LLAMA3_2_TEMPLATE and detect_format(tokenizer.chat_template) == "llama3"
+    assert renders_several_calls(tokenizer, {})
+    pairs = llama3_loop_prompts(tokenizer)
+    for held, prompt in pairs:
+        assert prompt.startswith(held)
+    first_turn = pairs[0][0].split("<|start_header_id|>assistant<|end_header_id|>\n\n")[-1].removesuffix("<|eot_id|>")
+    assert [(c.name, c.arguments) for c in parse_tool_calls(first_turn, "llama3")[1]] == [
+        ("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]  # fmt: skip
+    assert prompt.count("<|start_header_id|>ipython<|end_header_id|>") == 3
+
+
+def test_auto_keeps_a_template_that_renders_several_calls_prefix_preserving():
+    """The training-safe template itself, met again (a checkpoint that saved it): nothing to swap."""
+    tokenizer = llama3_tokenizer(LLAMA3_1_TEMPLATE)
+    assert use_chat_template(tokenizer, "auto", agentic=True, chat_template_kwargs={}, model="m") is None

@@ -1,4 +1,5 @@
-"""Bucketed gathers of FSDP2-sharded parameters: whole, exact, in the serving dtype, whatever the row counts."""
+"""Bucketed gathers of FSDP2-sharded parameters: whole, exact, in the serving dtype, whatever the row counts; the
+float32 LM head (model.cast_lm_head_to_fp32) as a unit of its own under bf16 mixed precision."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import faulthandler
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
+from packing.packing_samples import build_tiny_qwen3, random_samples  # tests/packing
 
+from asyncrl.config.compose import compose, to_config
+from asyncrl.packing import TreeRow
 from asyncrl.serving.process import free_port
 from asyncrl.trainer.distributed import leave
-from asyncrl.trainer.fsdp import buckets, gather_bucket
+from asyncrl.trainer.forward import packed_forward
+from asyncrl.trainer.fsdp import buckets, gather_bucket, shard
+from asyncrl.trainer.model import build_optimizer, load_model
 
 WORLD = 2
 SHAPES = [(7, 3), (1, 5), (5,), (4, 4), (2, 3)]  # 7 and 5 rows split unevenly, 1 row leaves rank 1 empty
@@ -68,8 +75,6 @@ def test_mixed_precision_keeps_a_frozen_base_as_loaded_and_trains_fp32_adapters(
     from transformers import AutoModelForCausalLM
 
     from asyncrl import lora
-    from asyncrl.config.compose import compose, to_config
-    from asyncrl.trainer.fsdp import shard
 
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "lora=default", "lora.r=8"]))
     base = AutoModelForCausalLM.from_pretrained(random_tiny_model_dir, dtype=torch.bfloat16)
@@ -116,3 +121,46 @@ def test_a_saved_model_keeps_its_use_cache_and_the_mode_of_other_files(random_ti
     assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True  # the tiny model's own
     modes = {path.name: path.stat().st_mode & 0o777 for path in tmp_path.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def head_inputs_and_weight_dtype(model: torch.nn.Module) -> dict:
+    """What the LM head's forward is handed (after FSDP's own pre-forward: gathered, its input cast)."""
+    seen: dict = {}
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        seen.update(hidden=args[0][0].detach().double(), dtype=module.weight.dtype)
+
+    model.get_output_embeddings().register_forward_pre_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_cast_lm_head_to_fp32_computes_the_head_in_float32_under_bf16_mixed_precision(cast, tmp_path, one_rank):
+    """The GPU's policy (bf16 compute over fp32 master weights), here on the CPU: with model.cast_lm_head_to_fp32 the
+    head is gathered in float32 and the log-probabilities equal a float64 head over its hidden states (float32
+    rounding only); without it the head computes in bfloat16, over 100x further off. A step trains the float32 head,
+    and a no-grad forward (the reference's) runs after it."""
+    build_tiny_qwen3(4).save_pretrained(tmp_path / "untied")
+    config = to_config(compose([f"model.name_or_path={tmp_path / 'untied'}", f"model.cast_lm_head_to_fp32={cast}"]))
+    model = shard(load_model(config, str(tmp_path / "untied")), config, torch.bfloat16)
+    weight = model.get_output_embeddings().weight.detach().full_tensor().double()  # the float32 master weights
+    seen = head_inputs_and_weight_dtype(model)
+    row = TreeRow(10_000)
+    for sample in random_samples(4, num_groups=2, max_group=4):
+        row.add(sample)
+    packed = row.pack(top_k=0)
+    out = packed_forward(model, packed, 0.7, attention="sdpa", logit_chunk_tokens=7)
+    logits = seen["hidden"] @ weight.T / 0.7  # the hidden states of the kept positions (logits_to_keep)
+    expected = logits.log_softmax(-1).gather(1, packed.target_ids[:, None]).squeeze(1)
+    error = (out.logprobs.double() - expected).abs().max().item()
+    assert seen["dtype"] == (torch.float32 if cast else torch.bfloat16)
+    assert (error < 1e-5) if cast else (error > 1e-4), error  # measured: 3e-7 and 1e-3
+    optimizer, _ = build_optimizer(config, model)
+    out.logprobs.sum().backward()
+    head = model.get_output_embeddings().weight
+    assert head.dtype == head.grad.dtype == torch.float32 and head.grad.full_tensor().abs().sum() > 0
+    optimizer.step()
+    with torch.no_grad():  # the reference's forwards (trainer/reference.py): the head gathered in float32 again
+        again = packed_forward(model, packed, 0.7, attention="sdpa", logit_chunk_tokens=7)
+    assert seen["dtype"] == (torch.float32 if cast else torch.bfloat16)
+    assert not torch.equal(again.logprobs, out.logprobs)  # the step moved the weights

@@ -129,21 +129,25 @@ def test_the_packed_forward_trains_a_vision_language_models_text_model_only():
 
 
 @pytest.mark.parametrize(
-    ("optim", "kind", "options"),
+    ("optim", "optim_args", "kind", "options"),
     [
-        ("adamw_torch", torch.optim.AdamW, {"betas": (0.8, 0.9), "eps": 1e-6, "fused": None, "foreach": None}),
-        ("adamw_torch_fused", torch.optim.AdamW, {"betas": (0.8, 0.9), "eps": 1e-6, "fused": True}),
-        ("sgd", torch.optim.SGD, {"momentum": 0}),
+        ("adamw_torch", "null", torch.optim.AdamW,
+         {"betas": (0.8, 0.9), "eps": 1e-6, "fused": None, "foreach": None, "amsgrad": False}),
+        ("adamw_torch_fused", "null", torch.optim.AdamW, {"betas": (0.8, 0.9), "eps": 1e-6, "fused": True}),
+        ("adamw_torch", "'amsgrad=true'", torch.optim.AdamW, {"betas": (0.8, 0.9), "amsgrad": True}),
+        ("sgd", "null", torch.optim.SGD, {"momentum": 0}),
+        ("sgd", "'momentum=0.9,nesterov=true'", torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "dampening": 0}),
     ],
-)
+)  # fmt: skip
 def test_trainer_optim_takes_transformers_names_and_steps_the_sharded_model(
-    optim, kind, options, random_tiny_model_dir, one_rank
+    optim, optim_args, kind, options, random_tiny_model_dir, one_rank
 ):
-    """Each choice is torch's optimizer with the trainer's rates, over FSDP2's sharded parameters (the default,
-    adamw_torch, is the AdamW asyncrl always built)."""
+    """Each choice is torch's optimizer with the trainer's rates and trainer.optim_args' keywords, over FSDP2's
+    sharded parameters (the default, adamw_torch, is the AdamW asyncrl always built)."""
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", f"trainer.optim={optim}",
-                                "trainer.learning_rate=1e-3", "trainer.weight_decay=0.01", "trainer.adam_beta1=0.8",
-                                "trainer.adam_beta2=0.9", "trainer.adam_epsilon=1e-6"]))  # fmt: skip
+                                f"trainer.optim_args={optim_args}", "trainer.learning_rate=1e-3",
+                                "trainer.weight_decay=0.01", "trainer.adam_beta1=0.8", "trainer.adam_beta2=0.9",
+                                "trainer.adam_epsilon=1e-6"]))  # fmt: skip
     model, optimizer, _ = sharded(config, load_model(config, str(random_tiny_model_dir)))
     assert type(optimizer) is kind and len(optimizer.param_groups) == 1
     assert optimizer.defaults["lr"] == 1e-3 and optimizer.defaults["weight_decay"] == 0.01
@@ -235,3 +239,13 @@ def test_tf32_switches_torch_matmul_precision_on_an_ampere_gpu_and_true_is_refus
     with pytest.raises(ConfigError, match="trainer.tf32=true needs an NVIDIA GPU of the Ampere generation or newer"):
         use_tf32(on)
     use_tf32(off)
+
+
+def test_cast_lm_head_to_fp32_refuses_a_head_tied_to_the_embeddings(random_tiny_model_dir):
+    """As TRL: casting a tied head would cast the input embeddings with it."""
+    config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", "model.cast_lm_head_to_fp32=true"]))
+    with pytest.raises(ConfigError) as error:
+        load_model(config, str(random_tiny_model_dir))
+    assert str(error.value) == (f"model.cast_lm_head_to_fp32=true needs an LM head of its own, and "
+                                f"{random_tiny_model_dir} ties it to the input embeddings (tie_word_embeddings): drop "
+                                "model.cast_lm_head_to_fp32")  # fmt: skip
