@@ -1,6 +1,8 @@
 """The trainer's GPU footprint as its warm-up measured it (trainer/memory.py), with the margin a server sharing its GPU
 must leave it. The figure is kept per shape in a small cache (``$ASYNCRL_CACHE_DIR``, else ``~/.cache/asyncrl``,
-``trainer_memory.json``), which the trainer writes and a vLLM launch command (serving/vllm.py) reads: below both.
+``trainer_memory.json``), which the trainer writes and reads (the next run of a shape launches vLLM on it at once),
+as does a vLLM command without a figure of its own run (serving/vllm.py: a printed one, ranks on the server's GPU):
+below both. A run's own figure is its plan's measured stage (asyncrl/run_plan.py).
 """
 
 from __future__ import annotations

@@ -18,8 +18,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig
 
@@ -32,9 +34,10 @@ from asyncrl.plan_file import read_plan, write_plan
 from asyncrl.trainer.exits import CONFIG_ERRORS, EXPECTED_ERRORS, terminate_on_sigterm
 
 if TYPE_CHECKING:
-    from asyncrl.run_plan import RunPlan
-    from asyncrl.serving.command import ServerCommand
+    from asyncrl.footprint import TrainerMemory
+    from asyncrl.run_plan import RunPlan, ServerCommand
     from asyncrl.serving.group import ServerGroup
+    from asyncrl.serving.handle import LaunchedServer
 
 log = logging.getLogger("asyncrl")
 
@@ -389,32 +392,34 @@ def _process_exists(pid: int) -> bool:
 
 
 def launch_command(plan: RunPlan, replica: int = 0) -> ServerCommand:
-    """The command of server ``replica`` this run launches (on the GPUs its plan placed it), once its token and
-    weights directory are claimed (one directory for every replica: a weight file is written once and each loads
-    it). vLLM reads the token as its --api-key from VLLM_API_KEY (serving/vllm.py says what that guards)."""
+    """The command of server ``replica`` this run launches, as its plan holds it (plan/assemble.py::commanded, or
+    ::measured for a vLLM that waited for the warm-up), once its token and weights directory are claimed (one
+    directory for every replica: a weight file is written once and each loads it). vLLM reads the token as its
+    --api-key from VLLM_API_KEY (serving/vllm.py says what that guards)."""
     from asyncrl.client import TOKEN_ENV
-    from asyncrl.serving.choice import server_command
 
+    if plan.server_commands is None:
+        raise ValueError("a launched server's command is its plan's: plan/assemble.py::plan_run decides it for a job")
     claim_server_access(plan)
-    command = server_command(plan, replica)
+    command = plan.server_commands[replica]
     if command.backend == "vllm":
         os.environ["VLLM_API_KEY"] = os.environ[TOKEN_ENV]
     return command
 
 
 def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup:
-    """A context manager: the supervised servers (server.replicas of them), or handles on running ones when
-    server.launch=false. ``wait=False``: launched servers are only started on entry; ``ready()`` waits for them.
-    A vLLM that shares the trainer's GPU starts when the trainer has measured its footprint in a warm-up step
-    (trainer/memory.py): its share is a launch flag."""
+    """A context manager: the supervised servers (server.replicas of them) as the plan's commands say, or handles on
+    running ones when server.launch=false. ``wait=False``: launched servers are only started on entry; ``ready()``
+    waits for them. A vLLM that shares the trainer's GPU starts when the trainer has measured its footprint in a
+    warm-up step (trainer/memory.py): its share is a launch flag, and its command the plan's measured stage
+    (``after_warm_up``)."""
     from asyncrl.serving.command import base_url, base_urls
     from asyncrl.serving.group import ServerGroup
-    from asyncrl.serving.handle import AttachedServer, DeferredServer, LaunchedServer
+    from asyncrl.serving.handle import AttachedServer, DeferredServer
 
     config = plan.config
-    timeout_s = config.server.timeout
     if not config.server.launch:
-        return ServerGroup([AttachedServer(url, timeout_s=timeout_s) for url in base_urls(config)], wait)
+        return ServerGroup([AttachedServer(url, timeout_s=config.server.timeout) for url in base_urls(config)], wait)
     deferred = False
     if plan.gpu_split is not None:  # a launched vLLM, on the GPUs the plan placed it
         from asyncrl.serving.vllm import measured_split_pending
@@ -427,18 +432,44 @@ def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup
             log.info("vLLM starts once the trainer has measured its memory (a warm-up step)")
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpu_split.trainer)  # the servers' are in their env
     (run_dir / "commands").mkdir(exist_ok=True)
-    servers: list[Any] = []
-    for replica in range(config.server.replicas):
-        name = "server" if config.server.replicas == 1 else f"server_{replica}"
+    replicas = range(config.server.replicas)
+    if not deferred:
+        return ServerGroup([launched_server(plan, run_dir, replica) for replica in replicas], wait)
+    launch = after_warm_up(plan, run_dir)
+    return ServerGroup([DeferredServer(partial(launch, replica), base_url(config, replica)) for replica in replicas],
+                       wait)  # fmt: skip
 
-        def launched(replica: int = replica, name: str = name) -> LaunchedServer:
-            command = launch_command(plan, replica)
-            (run_dir / "commands" / f"{name}.sh").write_text(shell_line(command.argv, command.env))
-            log_path = run_dir / "logs" / f"{name}.log"
-            return LaunchedServer(command, base_url(config, replica), log_path, timeout_s, wait=False)
 
-        servers.append(DeferredServer(launched, base_url(config, replica)) if deferred else launched())
-    return ServerGroup(servers, wait)
+def launched_server(plan: RunPlan, run_dir: Path, replica: int) -> LaunchedServer:
+    """Server ``replica`` started (not waited for) as its plan's command says, which commands/<name>.sh holds to
+    rerun it alone."""
+    from asyncrl.serving.command import base_url
+    from asyncrl.serving.handle import LaunchedServer
+
+    config = plan.config
+    name = "server" if config.server.replicas == 1 else f"server_{replica}"
+    command = launch_command(plan, replica)
+    (run_dir / "commands" / f"{name}.sh").write_text(shell_line(command.argv, command.env))
+    log_path = run_dir / "logs" / f"{name}.log"
+    return LaunchedServer(command, base_url(config, replica), log_path, config.server.timeout, wait=False)
+
+
+def after_warm_up(plan: RunPlan, run_dir: Path) -> Callable[[int, TrainerMemory | None], LaunchedServer]:
+    """How the servers that wait for the trainer's warm-up start: the first adds the plan's measured stage on the
+    footprint the warm-up measured (plan/assemble.py::measured) and writes it to plan.json, and each launches its
+    command from it. A restart's plan has the stage already, and launches its commands as they are."""
+    from asyncrl.plan.assemble import measured
+
+    staged = plan
+
+    def launch(replica: int, memory: TrainerMemory | None) -> LaunchedServer:
+        nonlocal staged
+        if staged.server_commands is None:
+            staged = measured(staged, memory)
+            write_plan(staged, run_dir)
+        return launched_server(staged, run_dir, replica)
+
+    return launch
 
 
 def serve_overrides(args: list[str]) -> list[str]:
@@ -487,11 +518,15 @@ SERVE_DIR = "runs/serve"
 
 
 def serve_plan(args: list[str]) -> RunPlan:
-    """`asyncrl serve ARGS`'s plan (``serve_overrides``), its directories decided as a training job's are."""
+    """`asyncrl serve ARGS`'s plan (``serve_overrides``), its directories and command decided as a training job's
+    are; a vLLM that a job would start after its trainer's warm-up has no trainer here to wait for, and takes its
+    share as a printed command does (plan/assemble.py::measured, on no figure of its own)."""
     from asyncrl.config.compose import compose
+    from asyncrl.plan.assemble import measured
 
     composed = compose(serve_overrides(args))
-    return plan_run(composed, Path(composed.trainer.output_dir or SERVE_DIR))
+    plan = plan_run(composed, Path(composed.trainer.output_dir or SERVE_DIR))
+    return plan if plan.server_commands is not None else measured(plan, None)
 
 
 def serve_forever(plan: RunPlan) -> None:

@@ -1,10 +1,12 @@
 """plan.json: the run plan as the file every process of a run reads (the launcher writes it, nothing else plans).
 
-The launcher plans once (plan/assemble.py::plan_run) and writes the plan into the run directory; the trainer's
-ranks, the ranks' launcher and a restart read it back. The schema is ``RunPlan`` itself: each of its fields is a key
-of the file (the config through the config's own typed schema, the flow rules and the GPU split through their
-dataclasses), checked on the way in, and nothing else is; the built components are not in it, each process builds
-its own from the config.
+The launcher plans once (plan/assemble.py::plan_run) and writes the plan into the run directory before anything
+starts; where a vLLM waits for the trainer's warm-up, it writes the plan again with its measured stage
+(plan/assemble.py::measured) before that vLLM starts. The trainer's ranks, the ranks' launcher and a restart read it
+back. The schema is ``RunPlan`` itself: each of its fields is a key of the file (the config through the config's own
+typed schema, the flow rules, the GPU split, the server commands and the measured memory through their dataclasses),
+checked on the way in, and nothing else is; the built components are not in it, each process builds its own from the
+config.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ def plan_record(plan: RunPlan) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     """A field's JSON value: the config as its YAML tree, other dataclasses as their compared fields (the flow rules
-    without their clock), paths as strings, enums as their values."""
+    without their clock), lists item by item, paths as strings, enums as their values."""
     if isinstance(value, Config):
         return OmegaConf.to_container(OmegaConf.structured(value), enum_to_str=True)
     if dataclasses.is_dataclass(value):
         return {field.name: _plain(getattr(value, field.name)) for field in fields(value) if field.compare}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, Enum):
@@ -88,13 +92,16 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
             return option(value)
         if typing.get_origin(option) is list and isinstance(value, list):
             return [_typed(f"{name}[{index}]", item, typing.get_args(option)[0]) for index, item in enumerate(value)]
+        if typing.get_origin(option) is dict and isinstance(value, dict):  # JSON's keys are strings
+            return {key: _typed(f"{name}.{key}", item, typing.get_args(option)[1]) for key, item in value.items()}
         if dataclasses.is_dataclass(option) and isinstance(value, dict):
             return _dataclass(name, value, option)
     raise PlanFileError(f"{PLAN_FILE}: {name}={value!r} is not a {hint}")
 
 
 def _dataclass(name: str, value: dict[str, Any], cls: type) -> Any:
-    """A dataclass field's value (the flow rules, the GPU split) from its compared fields, each checked."""
+    """A dataclass field's value (the flow rules, the GPU split, a server command, the measured memory) from its
+    compared fields, each checked."""
     hints = typing.get_type_hints(cls)
     names = [field.name for field in fields(cls) if field.compare]
     if sorted(value) != sorted(names):
@@ -114,8 +121,8 @@ def config_from_tree(tree: Any) -> Config:
 
 
 def write_plan(plan: RunPlan, run_dir: Path) -> Path:
-    """plan.json into ``run_dir``, atomically: a process that reads it meanwhile finds the old plan or the new one,
-    never part of one."""
+    """plan.json into ``run_dir``, atomically: a process that reads it meanwhile finds the old plan or the new one
+    (the decided stage, or the plan with its measured stage), never part of one."""
     path = run_dir / PLAN_FILE
     text = json.dumps(plan_record(plan), indent=2) + "\n"
     with tempfile.NamedTemporaryFile("w", dir=run_dir, prefix=f".{PLAN_FILE}.", delete=False) as file:

@@ -8,7 +8,7 @@ rule the plan froze.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.config.schema import Config, ModelDtype
 from asyncrl.flow import FlowControl
+from asyncrl.footprint import TrainerMemory
 
 if TYPE_CHECKING:
     from asyncrl.components import Components
@@ -55,11 +56,23 @@ class GpuSplit:
 
 
 @dataclass(frozen=True)
+class ServerCommand:
+    """A launched server's command line and environment (no secret: the token travels in the launcher's own
+    environment). Built by serving/ (choice.py::server_command) as the launcher plans, held in plan.json, run by
+    serving/handle.py::LaunchedServer and written to the run's commands/server.sh."""
+
+    backend: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """What a run decided once (plan/assemble.py), written to its directory as plan.json (asyncrl/plan_file.py) for
-    every process of the run to read. Not here, because they are not known at plan time: the memory split (the
-    trainer's warm-up measures it on the GPU), the server commands (they take that split) and the training token
-    budget (it takes the max_model_len the server reports)."""
+    every process of the run to read. In two stages: what is decided before anything starts, then the measured stage
+    (``trainer_memory`` and the commands of a vLLM that waited for it), added once the trainer's warm-up has measured
+    (plan/assemble.py::measured). Not here, because the server decides it: the training token budget (it takes the
+    max_model_len the server reports)."""
 
     config: Config
     flow: FlowControl
@@ -90,6 +103,16 @@ class RunPlan:
     one's --max-model-len, and the length the trainer sizes its warm-up rows to before the server answers; for the
     built-in server server.max_model_len. None for a built-in server without it (its model's context), or a plan not
     sized yet (plan/assemble.py::sized: a job's, or a printed command's)."""
+    server_commands: list[ServerCommand] | None = None
+    """Each launched server's command, replica after replica, as a job decided it before any starts
+    (plan/assemble.py::commanded) and launched it; a restart launches them again as they are. None for an attached
+    server, a plan that is not a job's, or a vLLM whose share of the trainer's GPU waits for the warm-up, until the
+    measured stage (plan/assemble.py::measured) adds its commands."""
+    trainer_memory: TrainerMemory | None = None
+    """The measured stage: the trainer's footprint that a vLLM sharing its GPU was given the rest of
+    (serving/vllm.py::shared_gpu_share), as its warm-up measured it, or, where that let vLLM boot beside the warm-up,
+    as an earlier run of this shape recorded it (asyncrl/footprint.py). None before the warm-up, or where no server
+    waits for it."""
 
     @cached_property
     def components(self) -> Components:

@@ -194,9 +194,43 @@ def test_a_restart_keeps_the_gpus_the_first_attempt_placed_its_servers_on(tmp_pa
     from asyncrl.run_plan import GpuSplit
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    plan = plan_run(compose(["server=vllm", "server.max_model_len=512"]), tmp_path)
+    plan = plan_run(compose(["server=vllm", "server.max_model_len=512", "server.vllm_version=0.33.0"]), tmp_path)
     write_plan(plan, tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # as launch.start_server leaves it
     again = resumed_plan(tmp_path, str(tmp_path / "checkpoints" / "step_000002"))
     assert again.gpu_split == plan.gpu_split == GpuSplit(["0"], ["1"]) and again.weight_transfer == "nccl"
     assert again.config.trainer.resume_from_checkpoint == str(tmp_path / "checkpoints" / "step_000002")
+    assert again.server_commands == plan.server_commands  # launched as the first attempt launched them
+    assert plan.server_commands[0].env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_a_vllm_waiting_for_the_warm_up_writes_the_measured_stage_once_and_a_restart_launches_it_as_written(
+    tmp_path, monkeypatch
+):
+    """vLLM on the trainer's only GPU: the plan written before anything starts has no command for it; its launch on
+    the warm-up's figure adds the measured stage (that figure, and the command whose share it gives) to plan.json.
+    A restart reads both and launches the command as written, whatever its own warm-up knows."""
+    import asyncrl.launch as launch
+    from asyncrl.footprint import GIB, TrainerMemory
+    from asyncrl.plan.assemble import plan_run
+    from asyncrl.plan_file import read_plan, write_plan
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path / "cache"))  # no earlier run's figure
+    launched: list[object] = []
+    monkeypatch.setattr(launch, "launched_server", lambda plan, run_dir, replica: launched.append(plan))
+    plan = plan_run(compose(["server=vllm", "server.max_model_len=512", "server.vllm_version=0.33.0"]), tmp_path)
+    assert plan.gpu_split is not None and plan.gpu_split.shared
+    write_plan(plan, tmp_path)
+    assert read_plan(tmp_path).server_commands is None and read_plan(tmp_path).trainer_memory is None
+    memory = TrainerMemory(30 * GIB, GIB, 80 * GIB)
+    launch.after_warm_up(plan, tmp_path)(0, memory)
+    staged = read_plan(tmp_path)
+    assert launched == [staged] and staged.trainer_memory == memory and staged.server_commands is not None
+    argv = staged.server_commands[0].argv
+    # the trainer needs 30 + 1 GiB + a margin of 0.3 x 31 GiB = 40.3 GiB of 80: vLLM gets the rest, 0.49
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.49"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".plan")] == []  # written whole, then renamed
+    again = launch.resumed_plan(tmp_path, None)
+    launch.after_warm_up(again, tmp_path)(0, TrainerMemory(50 * GIB, GIB, 80 * GIB))
+    assert launched[-1] is again and read_plan(tmp_path) == staged  # nothing derived again, nothing rewritten

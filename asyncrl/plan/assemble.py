@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -35,8 +36,12 @@ from asyncrl.plan.decide import (
     visible_gpus,
     weight_transfer,
 )
-from asyncrl.run_plan import RunPlan, ranks_per_node, world_size
+from asyncrl.run_plan import RunPlan, ServerCommand, ranks_per_node, world_size
+from asyncrl.serving.choice import server_command
 from asyncrl.serving.command import VLLM_LORA_RANKS
+
+if TYPE_CHECKING:
+    from asyncrl.footprint import TrainerMemory
 
 log = logging.getLogger(__name__)
 
@@ -459,13 +464,41 @@ def sized_for_printing(plan: RunPlan) -> tuple[RunPlan, str | None]:
         return sized(plan, DEFAULT_PROMPT_TOKENS), why
 
 
+def commanded(plan: RunPlan) -> RunPlan:
+    """The plan with its launched servers' commands decided (``launch_commands``) before any starts, so that
+    plan.json holds what runs and a restart launches the same. A vLLM that waits for the trainer's warm-up
+    (serving/vllm.py::measured_split_pending) gets its commands in the measured stage (``measured``)."""
+    if not plan.config.server.launch:
+        return plan
+    if plan.server_backend == "vllm":
+        from asyncrl.serving.vllm import measured_split_pending  # imports torch: only for a vLLM server
+
+        if measured_split_pending(plan):
+            return plan
+    return replace(plan, server_commands=launch_commands(plan))
+
+
+def measured(plan: RunPlan, memory: TrainerMemory | None) -> RunPlan:
+    """The plan's measured stage: ``memory``, the trainer's footprint its warm-up measured (None where none was:
+    trainer.warm_up=false, or `asyncrl serve`, which has no trainer), and the commands of the servers that waited for
+    it, a vLLM's share of the GPU it shares with the trainer taken from it (serving/vllm.py::shared_gpu_share)."""
+    staged = replace(plan, trainer_memory=memory)
+    return replace(staged, server_commands=launch_commands(staged))
+
+
+def launch_commands(plan: RunPlan) -> list[ServerCommand]:
+    """The command of each launched server, replica after replica (serving/choice.py::server_command)."""
+    return [server_command(plan, replica) for replica in range(plan.config.server.replicas)]
+
+
 def plan_run(cfg: DictConfig, run_dir: Path | None = None, *, fetch: bool = False) -> RunPlan:
     """A composed config (``asyncrl.config.compose.compose``), typed, checked and planned; with ``run_dir``, a
     job's plan, its directories decided (``job_dirs``), its checkpoint's config.json here
-    (``fetch_checkpoint_config``), its servers placed on the GPUs visible here (``placed``) and its server's
-    context decided (``sized``). ``fetch``: that file here too without a job (`asyncrl config --server-command`
-    prints the commands of the job the config starts, whose serving dtype reads it)."""
+    (``fetch_checkpoint_config``), its servers placed on the GPUs visible here (``placed``), its server's
+    context decided (``sized``) and its launched servers' commands (``commanded``). ``fetch``: that file here too
+    without a job (`asyncrl config --server-command` prints the commands of the job the config starts, whose serving
+    dtype reads it)."""
     config = to_config(cfg)
     if run_dir is None:
         return build_plan(config, job=fetch)
-    return sized(placed(build_plan(config, job_dirs(config, run_dir), job=True), visible_gpus()))
+    return commanded(sized(placed(build_plan(config, job_dirs(config, run_dir), job=True), visible_gpus())))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.serving.command import ServerCommand, builtin_command
+from asyncrl.serving.command import builtin_command
 
 if TYPE_CHECKING:
-    from asyncrl.run_plan import RunPlan
+    from asyncrl.run_plan import RunPlan, ServerCommand
     from asyncrl.serving.vllm import CheckpointKind
 
 

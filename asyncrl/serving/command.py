@@ -4,25 +4,14 @@ line as the plan decided it (serving/vllm.py builds vLLM's; serving/choice.py pi
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from asyncrl.config.schema import Config
 from asyncrl.flow import FlowControl
-
-if TYPE_CHECKING:
-    from asyncrl.run_plan import RunPlan
+from asyncrl.run_plan import RunPlan, ServerCommand
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM's --max-lora-rank accepts (the built-in server takes the same)."""
-
-
-@dataclass(frozen=True)
-class ServerCommand:
-    backend: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
 
 
 def base_url(config: Config, replica: int = 0) -> str:

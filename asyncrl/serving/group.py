@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.serving.handle import DeferredServer
 from asyncrl.serving.process import ServerStartError
+
+if TYPE_CHECKING:
+    from asyncrl.footprint import TrainerMemory
 
 
 class ServerGroup:
@@ -57,11 +60,12 @@ class ServerGroup:
         """Whether a replica is a vLLM on the trainer's GPU (launched with the share the warm-up left it)."""
         return any(isinstance(server, DeferredServer) for server in self.servers)
 
-    def start(self) -> None:
-        """Launch the replicas that waited for the trainer's warm-up, without waiting for their health."""
+    def start(self, memory: TrainerMemory | None = None) -> None:
+        """Launch the replicas that waited for the trainer's warm-up, on the footprint it measured (``memory``),
+        without waiting for their health."""
         for server in self.servers:
             if isinstance(server, DeferredServer):
-                server.start()
+                server.start(memory)
 
     def ready(self) -> None:
         """Return once every replica answers /health; a failed start raises naming the replica."""

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from asyncrl.serving.command import ServerCommand
+from asyncrl.run_plan import ServerCommand
 from asyncrl.serving.process import ServerProcess, ServerStartError, wait_for_health
+
+if TYPE_CHECKING:
+    from asyncrl.footprint import TrainerMemory
 
 KINDS = {"vllm": "vLLM", "builtin": "built-in"}
 """How lines name each backend (``ServerProcess.kind``)."""
@@ -47,13 +50,13 @@ class LaunchedServer(ServerProcess):
 
 
 class DeferredServer:
-    """A server launched at ``ready()`` rather than on entry: a vLLM whose share of the GPU it shares with the trainer
-    waits for the trainer's measured footprint (trainer/memory.py). ``launch`` builds the LaunchedServer then;
-    until it runs there is nothing to watch, so it counts as alive."""
+    """A server launched once the trainer has measured its footprint (trainer/memory.py), or at ``ready()`` when it
+    has not: a vLLM whose share of the GPU it shares with the trainer is taken from that figure. ``launch`` builds
+    the LaunchedServer then, from the figure; until it runs there is nothing to watch, so it counts as alive."""
 
     backend = "vllm"
 
-    def __init__(self, launch: Callable[[], LaunchedServer], base_url: str) -> None:
+    def __init__(self, launch: Callable[[TrainerMemory | None], LaunchedServer], base_url: str) -> None:
         self.launch = launch
         self.base_url = base_url.rstrip("/")
         self.server: LaunchedServer | None = None
@@ -66,10 +69,11 @@ class DeferredServer:
     def launched(self) -> bool:
         return self.server is not None
 
-    def start(self) -> None:
-        """Launch it without waiting for its health (at most once): the trainer compiles while it boots."""
+    def start(self, memory: TrainerMemory | None = None) -> None:
+        """Launch it on the trainer's ``memory`` (None: not measured) without waiting for its health (at most once):
+        the trainer compiles while it boots."""
         if self.server is None:
-            self.server = self.launch()
+            self.server = self.launch(memory)
             self.server.__enter__()
 
     def ready(self) -> None:

@@ -7,10 +7,10 @@ passed in, so tests and `asyncrl config` print the exact command without vLLM or
 with, which is what the startup checks quote when the server disagrees with the config.
 
 Access. A launched vLLM gets the run's token as its API key through the environment (``VLLM_API_KEY``, set by
-``launch.launch_command``; never on the command line or in commands/server.sh), and asyncrl's clients send it on
-every request. vLLM checks it only on paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``: completions,
-generation, /v1/models and the runtime LoRA endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter, which
-read any path the vLLM process can). The dev-mode routes (VLLM_SERVER_DEV_MODE=1) that the weight sync needs
+``launch.launch_command``; never on the command line, in commands/server.sh or in plan.json), and asyncrl's clients
+send it on every request. vLLM checks it only on paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``:
+completions, generation, /v1/models and the runtime LoRA endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter,
+which read any path the vLLM process can). The dev-mode routes (VLLM_SERVER_DEV_MODE=1) that the weight sync needs
 stay open to whoever reaches the port: /pause, /resume, /init_weight_transfer_engine, /start_weight_update,
 /update_weights (whose ipc payload vLLM unpickles, VLLM_ALLOW_INSECURE_SERIALIZATION=1), /finish_weight_update,
 /collective_rpc, /server_info (it lists the VLLM_* environment), /sleep, /wake_up. So keep vLLM on loopback
@@ -210,21 +210,23 @@ def truncating(config: Config) -> bool:
 OWN_GPU_SHARE = 0.9
 """--gpu-memory-utilization on GPUs the server has to itself (vLLM's default)."""
 SHARED_GPU_SHARE = 0.3
-"""On a GPU shared with the trainer before the trainer's footprint was measured (only printed commands: a run
-measures it before launching vLLM)."""
+"""On a GPU shared with the trainer before the trainer's footprint was measured (printed commands: a run measures it
+before launching vLLM)."""
 VLLM_OVERHEAD_BYTES = 2 * 2**30
 """vLLM's own activations, CUDA graphs and CUDA context beside its weights and KV cache."""
 
 
 def shared_gpu_share(plan: RunPlan, model_len: int, dtype: ModelDtype) -> tuple[float, str]:
     """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
-    (trainer/memory.py, recorded under its rows' token budget beside a server of ``model_len``) leaves, at most
-    OWN_GPU_SHARE; SHARED_GPU_SHARE before it was measured. Refused before launch when the rest cannot hold vLLM's
-    weights and one longest sequence's KV cache."""
+    (trainer/memory.py) leaves, at most OWN_GPU_SHARE. The footprint is the plan's measured stage (a launched vLLM
+    that waited for the warm-up), else the figure an earlier run of this shape recorded (asyncrl/footprint.py, under
+    its rows' token budget beside a server of ``model_len``: a printed command, ranks on the server's GPU);
+    SHARED_GPU_SHARE before any was measured. Refused before launch when the rest cannot hold vLLM's weights and one
+    longest sequence's KV cache."""
     from asyncrl.footprint import GIB, cached_memory
 
     config = plan.config
-    memory = cached_memory(config, plan.components.packer.rows(model_len)[1])
+    memory = plan.trainer_memory or cached_memory(config, plan.components.packer.rows(model_len)[1])
     if memory is None:
         return SHARED_GPU_SHARE, "the trainer's footprint is not measured yet: a run measures it before launching vLLM"
     rest = memory.gpu_bytes - memory.need_bytes

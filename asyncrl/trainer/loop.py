@@ -261,7 +261,8 @@ class Trainer:
     def _warm_up(self) -> TrainerMemory | None:
         """On CUDA, one step on synthetic rows (one of the token budget, one short) whose update is thrown away, by
         every rank: its measured footprint decides the memory a vLLM on the same GPU gets (trainer/memory.py), and
-        the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded."""
+        the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded. The
+        figure known beforehand is the plan's measured stage (a restart's) or this shape's from an earlier run."""
         from asyncrl.footprint import cached_memory
         from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, synthetic_rows
 
@@ -278,7 +279,7 @@ class Trainer:
         rows = synthetic_rows(row_factory, prompt, completion, c.sampling.num_generations, text.vocab_size, self.top_k)
         placement = [[index] * self.world for index in range(len(rows))]  # every rank runs every row
         mine = self.ranks.command("warm_up", split_rows(rows, placement, self.loss.norm(rows)))
-        known = cached_memory(c, shape)
+        known = self.prepared.plan.trainer_memory or cached_memory(c, shape)
 
         def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
             return measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c, self.reference), self.model,
@@ -308,11 +309,10 @@ class Trainer:
         return resolve_compile(self.config.trainer.compile_layers, next(self.model.parameters()).device) is not None
 
     def _measure_and_launch(self, step: Any, shape: int, known: TrainerMemory | None, started: float) -> TrainerMemory:
-        """The warm-up step(s) and a waiting vLLM's launch, in the order that starts vLLM soonest: at once where this
-        shape's figure is cached from an earlier run (its boot overlaps the whole warm-up), else after the first
-        measuring step."""
+        """The warm-up step(s) and a waiting vLLM's launch, in the order that starts vLLM soonest: at once on the
+        figure known for this shape (its boot overlaps the whole warm-up), else after the first measuring step."""
         if self.server.waits_for_warm_up and known is not None:
-            self.server.start()
+            self.server.start(known)
             memory = step(alone=False, known=known)
             self._warn_if_outgrown(memory, known, "this shape's recorded figure")
             self._launch_with(memory, shape)  # the figure for the next run; the server is up already
@@ -324,11 +324,11 @@ class Trainer:
         return memory
 
     def _launch_with(self, memory: TrainerMemory, shape: int) -> None:
-        """Record the figure (a waiting vLLM's launch command reads it), then launch the servers that waited."""
+        """Record the figure for the next run of this shape, then launch the servers that waited, on it."""
         from asyncrl.footprint import record_memory
 
         record_memory(self.config, shape, memory)
-        self.server.start()
+        self.server.start(memory)
 
     def _measure_eagerly_then_compile(self, step: Any, shape: int, started: float) -> TrainerMemory:
         """The footprint from an eager step (seconds; compiling the layers takes minutes at 2B), vLLM's launch with

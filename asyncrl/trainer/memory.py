@@ -11,7 +11,9 @@ warm-up is also the first call of the compiled layers, so the compiling is done 
 vLLM's share of a shared GPU is a launch flag: a vLLM beside the trainer launches after the warm-up measured (an
 eager step when the layers compile, then the compiling step while vLLM boots: trainer/loop.py). It must not boot
 beside the warm-up: while vLLM profiles its memory it counts every other allocation on the GPU as its own. The figure
-is kept per shape (asyncrl/footprint.py), which the launch command and ``asyncrl config --server-command`` read.
+goes to the waiting vLLM's launch, which adds it to the run's plan.json as the plan's measured stage with the command
+it gives (plan/assemble.py::measured), and is kept per shape (asyncrl/footprint.py) for the next run of the shape
+(whose vLLM then boots beside the warm-up) and ``asyncrl config --server-command``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ def test_its_vllm_loads_in_place_as_a_runs_does(ipc_release: ModuleType, tmp_pat
     from asyncrl.serving.vllm import vllm_command
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the GPU the job's plan places server and trainer on
+    monkeypatch.setattr("asyncrl.serving.vllm.installed_vllm_version", lambda: "0.33.0")  # as where it runs
     plan = ipc_release.tiny_plan(tmp_path)
     command = vllm_command(plan, version="0.33.0")
+    assert plan.server_commands == [command]  # what the job's plan launches
     assert "--worker-extension-cls" in command.argv and '{"backend": "ipc"}' in command.argv
     assert command.env["VLLM_SERVER_DEV_MODE"] == command.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"

@@ -1,12 +1,15 @@
 """The CLI with LoRA on CPU and a launched server: adapter-only syncs load each version under a new name that
 rollouts then request, and the checkpoint and final model hold the adapter (merged syncs: the LoRA sweep of
-test_multirun.py; resume: tests/trainer/test_lora.py)."""
+test_multirun.py; resume: tests/trainer/test_lora.py). The server launched is the command plan.json holds."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+
+from asyncrl.launch import shell_line
+from asyncrl.plan_file import read_plan
 
 from .helpers import run_cli, wait_no_marked
 from .test_train import common_args, steps_of
@@ -33,3 +36,9 @@ def test_lora_run_syncs_adapters_that_rollouts_request(random_tiny_model_dir, ar
     assert not (run_dir / ".vllm_lora").exists()  # the serving cache goes with the run; the adapter is saved:
     assert (run_dir / "model" / "adapter_model.safetensors").is_file()
     assert wait_no_marked(run.marker) == []
+    plan = read_plan(run_dir)  # the launcher decided the command before starting the server, and launched it
+    assert plan.server_commands is not None and len(plan.server_commands) == 1
+    command = plan.server_commands[0]
+    assert shell_line(command.argv, command.env) == (run_dir / "commands" / "server.sh").read_text()
+    assert command.backend == "builtin" and "--enable-lora" in command.argv  # its adapter slots
+    assert command.argv[command.argv.index("--weights-dir") + 1] == plan.config.server.weights_dir

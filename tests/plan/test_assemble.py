@@ -173,20 +173,26 @@ def test_fp16_on_a_machine_without_a_gpu_fails_naming_the_key(monkeypatch):
 def test_a_jobs_plan_sizes_vllms_context_once_and_its_command_reads_it(tmp_path, monkeypatch, random_tiny_model_dir):
     """The launcher measures the prompts as it plans (plan/decide.py::max_model_len); plan.json carries the figure to
     the trainer's warm-up and a restart, and the vLLM command takes it: nothing measures again."""
+    from asyncrl.serving.command import builtin_command
     from asyncrl.serving.vllm import vllm_command
 
     measured: list[str] = []
     monkeypatch.setattr("asyncrl.prompts.longest_prompt_tokens", lambda config: measured.append("once") or 100)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a launched vLLM's plan is placed on GPUs
-    vllm = ["server=vllm", f"model.name_or_path={random_tiny_model_dir}"]
+    vllm = ["server=vllm", f"model.name_or_path={random_tiny_model_dir}", "server.vllm_version=0.33.0"]
     plan = plan_run(compose(vllm), tmp_path)
     assert plan.max_model_len == 100 + plan.config.sampling.max_completion_length and measured == ["once"]
     write_plan(plan, tmp_path)
     assert read_plan(tmp_path).max_model_len == plan.max_model_len
+    assert plan.server_commands is not None and plan.server_commands[0] == vllm_command(plan)  # the job's, decided
     argv = vllm_command(plan, version="0.33.0").argv
     assert argv[argv.index("--max-model-len") + 1] == str(plan.max_model_len) and measured == ["once"]
     unsized = placed(plan_run(compose(vllm)), ["0", "1"])  # not a job's plan (`asyncrl config`): nothing measured
     assert unsized.max_model_len is None and measured == ["once"]
     with pytest.raises(ValueError, match="sized"):
         vllm_command(unsized, version="0.33.0")
-    assert plan_run(compose(["server=builtin"]), tmp_path / "builtin").max_model_len is None  # its model's context
+    builtin = plan_run(compose(["server=builtin"]), tmp_path / "builtin")
+    assert builtin.max_model_len is None  # its model's context
+    assert builtin.server_commands == [builtin_command(builtin)]
+    attached = ["server.launch=false", "server.base_url=http://127.0.0.1:9"]
+    assert plan_run(compose(attached), tmp_path / "attached").server_commands is None  # its user started it

@@ -116,8 +116,8 @@ def test_the_out_of_memory_line_names_the_measurement_the_split_and_the_keys():
 
 
 def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_compiling_one(tmp_path, monkeypatch):
-    """The figure vLLM's share comes from is an eager step's, recorded before the launch (whose command reads it);
-    the layers compile in a second step while vLLM boots, and that step's figure is the run's."""
+    """The figure vLLM's share comes from is an eager step's, recorded and handed to the launch (whose command takes
+    it); the layers compile in a second step while vLLM boots, and that step's figure is the run's."""
     from asyncrl.serving.group import ServerGroup
     from asyncrl.serving.handle import DeferredServer
     from asyncrl.trainer.loop import Trainer
@@ -134,10 +134,15 @@ def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_co
     layer = torch.compile(lambda x: x * 2, backend=backend)
 
     class Booting:
-        """What launch() returns: entering starts the server without waiting for it (LaunchedServer, wait=False)."""
+        """What launch(memory) returns: entering starts the server without waiting for it (LaunchedServer,
+        wait=False)."""
+
+        def __init__(self, memory: TrainerMemory | None) -> None:
+            assert cached_memory(config, 512) == memory  # recorded for the next run before the launch
+            self.memory = memory
 
         def __enter__(self) -> Booting:
-            events.append(("launch", cached_memory(config, 512)))
+            events.append(("launch", self.memory))
             return self
 
     eager, compiled = TrainerMemory(4 * GIB, GIB, 80 * GIB), TrainerMemory(5 * GIB, GIB, 80 * GIB)
@@ -171,8 +176,11 @@ def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_
     events: list[object] = []
 
     class Booting:
+        def __init__(self, memory: TrainerMemory | None) -> None:
+            self.memory = memory
+
         def __enter__(self) -> Booting:
-            events.append(("launch", cached_memory(config, 512)))
+            events.append(("launch", self.memory))
             return self
 
     def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
