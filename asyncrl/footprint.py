@@ -63,9 +63,9 @@ def cache_dir() -> Path:
 
 
 def shape_key(config: Config, token_budget: int) -> str:
-    """What decides the trainer's footprint (model, precision, LoRA, checkpointing, attention, compile, optimizer, row
-    size, top log-probabilities, reward models, torch and the GPU), hashed: runs that differ only elsewhere share a
-    figure."""
+    """What decides the trainer's footprint (model, precision, LoRA, checkpointing, attention, compile, the optimizer
+    and its arguments (amsgrad, SGD's momentum: more state), row size, top log-probabilities, reward models, torch
+    and the GPU), hashed: runs that differ only elsewhere share a figure."""
     from asyncrl.rewards.reward_model import reward_model_options
 
     t = config.trainer
@@ -73,7 +73,7 @@ def shape_key(config: Config, token_budget: int) -> str:
         "model": OmegaConf.to_container(OmegaConf.structured(config.model)),
         "lora": OmegaConf.to_container(OmegaConf.structured(config.lora)),
         "trainer": [t.gradient_checkpointing, t.logit_chunk_tokens, t.attention, t.compile_layers, t.bf16],
-        "precision_optimizer": [t.fp16, t.optim, t.gradient_checkpointing_kwargs],
+        "precision_optimizer": [t.fp16, t.optim, t.optim_args, t.gradient_checkpointing_kwargs],
         "packing": config.packing,
         "loss": config.loss,
         "top_k": config.sampling.num_sampler_logprobs,

@@ -28,14 +28,17 @@ class HubSource:
     repo_type: str
     """"model" or "dataset"."""
     revision: str | None = None
+    marker: str = "config.json"
+    """The file of a model repository whose cached copy says the cache holds it: a tokenizer's repository may have no
+    config.json (tokenizer_config.json then)."""
 
     def cached(self) -> bool:
-        """Whether the Hugging Face cache holds it: a model's config.json, or a dataset as ``datasets`` caches what it
-        loaded (the only copy its offline mode reads)."""
+        """Whether the Hugging Face cache holds it: a model's ``marker`` file, or a dataset as ``datasets`` caches what
+        it loaded (the only copy its offline mode reads)."""
         from huggingface_hub import constants, try_to_load_from_cache
 
         if self.repo_type == "model":
-            return isinstance(try_to_load_from_cache(self.repo_id, "config.json", revision=self.revision), str)
+            return isinstance(try_to_load_from_cache(self.repo_id, self.marker, revision=self.revision), str)
         cache = Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
         return (cache.expanduser() / self.repo_id.replace("/", "___")).is_dir()
 

@@ -14,14 +14,16 @@ from asyncrl.rewards.reward_model import reward_model_options
 
 
 def hub_sources(config: Config) -> list[HubSource]:
-    """The Hub ids the run reads: the model (and its tokenizer), the reward models, the training and evaluation
-    data."""
+    """The Hub ids the run reads: the model (and its tokenizer), the reward models (at their revision) and their
+    tokenizers, the training and evaluation data."""
     found = []
     if is_hub_id(config.model.name_or_path):
         found.append(HubSource("model.name_or_path", config.model.name_or_path, "model", config.model.revision))
     for key, options in reward_model_options(config):
         if is_hub_id(options.path):
-            found.append(HubSource(f"{key}.path", options.path, "model"))
+            found.append(HubSource(f"{key}.path", options.path, "model", options.revision))
+        if options.tokenizer is not None and is_hub_id(options.tokenizer):  # read at its default branch
+            found.append(HubSource(f"{key}.tokenizer", options.tokenizer, "model", marker="tokenizer_config.json"))
     evaluates = config.data.num_eval_prompts > 0
     for key, path in (
         ("data.path", config.data.path),

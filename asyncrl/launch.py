@@ -200,23 +200,32 @@ def resume_after_failure(run_dir: Path, output_dir: Path) -> str:
 
 
 def resume_line(run_dir: Path, output_dir: Path) -> str:
-    """How to continue the run: the command that resumes it from its newest checkpoint (the run's own overrides,
-    ``trainer.resume_from_checkpoint=latest`` and its directory), or before one, the command that starts it again."""
-    import shlex
-
+    """How to continue the run (``continue_line``) with the run's own overrides."""
     from hydra.core.hydra_config import HydraConfig
 
-    from asyncrl.trainer.checkpoint import checkpoint_step, list_checkpoints
-
     kept = other_overrides(list(HydraConfig.get().overrides.task), ("trainer.resume_from_checkpoint", "hydra.run.dir"))
+    return continue_line(kept, run_dir, output_dir)
+
+
+def continue_line(kept: list[str], run_dir: Path, output_dir: Path) -> str:
+    """The command that resumes the run from its newest checkpoint (``kept`` overrides,
+    ``trainer.resume_from_checkpoint=latest`` and its directory); a new run from that checkpoint's weights where it
+    holds the model only (trainer.save_only_model: a resume would be refused); before one, the command that starts
+    it again."""
+    import shlex
+
+    from asyncrl.trainer.checkpoint import checkpoint_step, holds_model_only, list_checkpoints, new_run_from
+
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
         return f"before its first checkpoint: nothing to resume; start again with: asyncrl train {shlex.join(kept)}"
+    newest = checkpoints[-1]
+    saved = f"{newest.name} (step {checkpoint_step(newest)})"
+    if holds_model_only(newest):
+        return (f"{saved} holds the model only (trainer.save_only_model), which cannot resume; go on in a new run "
+                f"from its weights: asyncrl train {shlex.join(kept)} {new_run_from(newest)}")  # fmt: skip
     resume = [*kept, "trainer.resume_from_checkpoint=latest", f"hydra.run.dir={run_dir}"]
-    return (
-        f"resume from {checkpoints[-1].name} (step {checkpoint_step(checkpoints[-1])}) with: "
-        f"asyncrl train {' '.join(shlex.quote(o) for o in resume)}"
-    )
+    return f"resume from {saved} with: asyncrl train {' '.join(shlex.quote(o) for o in resume)}"
 
 
 def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:

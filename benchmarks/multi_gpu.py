@@ -121,7 +121,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: Path, rows: list[Any]
             steps.append({"seconds": time.perf_counter() - started, "grad_norm": grad_norm,
                           "entropy": statistics.fmean(m["entropy"] for m in per_row)})  # fmt: skip
             if step == 0:
-                ranks.command("final", [str(out / "after_step_1")] * world)
+                ranks.command("model", [str(out / "after_step_1")] * world)
                 fsdp.save_weights(out / "after_step_1", model, optimizer, ranks, torch.float32, resumable=False)
         gathers = []
         for _ in range(3):

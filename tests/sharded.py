@@ -33,10 +33,12 @@ def save(
     ranks: Ranks,
     limit: int | None = None,
     processor_files: dict[str, bytes] | None = None,
+    model_only: bool = False,
 ) -> Path:
-    """A checkpoint of the sharded ``model`` as the Trainer writes it."""
+    """A checkpoint of the sharded ``model`` as the Trainer writes it (``model_only``: with trainer.save_only_model)."""
 
     def write(directory: Path) -> None:
-        fsdp.save_weights(directory, model, optimizer, ranks, None, resumable=True)
+        fsdp.save_weights(directory, model, optimizer, ranks, None, resumable=not model_only)
 
-    return save_checkpoint(output_dir, state, tokenizer, scheduler, limit, write, ranks.world, processor_files)
+    return save_checkpoint(output_dir, state, tokenizer, scheduler, limit, write, ranks.world, processor_files,
+                           model_only=model_only)  # fmt: skip

@@ -14,12 +14,12 @@ from asyncrl.hub import OFFLINE_BY_ENV
 from asyncrl.hub_sources import check_hub_sources, hub_sources
 
 
-def _cache_model(hub_cache: Path, repo_id: str) -> None:
+def _cache_model(hub_cache: Path, repo_id: str, file: str = "config.json") -> None:
     """The layout huggingface_hub downloads into: a snapshot per commit, refs/main naming it."""
     repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
     commit = "0" * 40
     (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "snapshots" / commit / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (repo / "snapshots" / commit / file).write_text(json.dumps({"model_type": "qwen3"}))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
 
@@ -35,6 +35,26 @@ def test_the_model_rewards_and_data_read_from_the_hub_are_listed():
     assert [s.key for s in hub_sources(config)] == ["model.name_or_path", "data.path"]
     config = to_config(compose(["reward_funcs=[{name: length}, {name: reward_model, path: org/rm}]"]))
     assert [(s.key, s.repo_id) for s in hub_sources(config)] == [("reward_funcs[1].path", "org/rm")]
+
+
+def test_a_reward_models_revision_and_tokenizer_are_read_from_the_hub(monkeypatch, tmp_path):
+    """TRL's reward_processing_classes: a tokenizer from another repository, which the offline check must find too;
+    a tokenizer's repository may hold no config.json."""
+    rm = "reward_funcs=[{name: reward_model, path: org/rm, revision: v2, tokenizer: org/rm-tokenizer}]"
+    config = to_config(compose([rm]))
+    assert [(s.key, s.repo_id, s.revision) for s in hub_sources(config)] == [
+        ("reward_funcs[0].path", "org/rm", "v2"),
+        ("reward_funcs[0].tokenizer", "org/rm-tokenizer", None),
+    ]
+    monkeypatch.setattr("asyncrl.hub_sources.unreachable", lambda: OFFLINE_BY_ENV)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    config.model.name_or_path = str(tmp_path)  # a local model, data and reward model: only the tokenizer is asked
+    config.data.path = str(tmp_path)
+    config.reward_funcs = [{"name": "reward_model", "path": str(tmp_path), "tokenizer": "org/rm-tokenizer"}]
+    with pytest.raises(ConfigError, match=r"^reward_funcs\[0\]\.tokenizer=org/rm-tokenizer: not on this machine"):
+        check_hub_sources(config)
+    _cache_model(tmp_path / "hub", "org/rm-tokenizer", "tokenizer_config.json")
+    assert check_hub_sources(config) is None
 
 
 def test_offline_a_hub_id_is_refused_unless_the_cache_has_it(monkeypatch, tmp_path):

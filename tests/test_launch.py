@@ -3,6 +3,7 @@ every server it launches has a free port."""
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -234,3 +235,27 @@ def test_a_vllm_waiting_for_the_warm_up_writes_the_measured_stage_once_and_a_res
     again = launch.resumed_plan(tmp_path, None)
     launch.after_warm_up(again, tmp_path)(0, TrainerMemory(50 * GIB, GIB, 80 * GIB))
     assert launched[-1] is again and read_plan(tmp_path) == staged  # nothing derived again, nothing rewritten
+
+
+def test_the_continue_line_resumes_a_whole_checkpoint_and_starts_anew_from_a_model_only_one(tmp_path):
+    """An interrupted or failed run says how to go on: resume from its newest checkpoint, or, where that holds the
+    model only (trainer.save_only_model), a new run from its weights, since a resume would be refused."""
+    from asyncrl.launch import continue_line
+
+    kept, run_dir = ["trainer.max_steps=9"], tmp_path / "run"
+    assert continue_line(kept, run_dir, tmp_path) == (
+        "before its first checkpoint: nothing to resume; start again with: asyncrl train trainer.max_steps=9"
+    )
+    for step, model_only in ((2, False), (4, True)):
+        checkpoint = tmp_path / "checkpoints" / f"step_{step:06d}"
+        checkpoint.mkdir(parents=True)
+        state = {"step": step, "model_version": step, "prompts_consumed": 0, "model_only": model_only}
+        (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+        line = continue_line(kept, run_dir, tmp_path)
+        if model_only:
+            assert line == ("step_000004 (step 4) holds the model only (trainer.save_only_model), which cannot "
+                            "resume; go on in a new run from its weights: asyncrl train trainer.max_steps=9 "
+                            f"model.name_or_path={checkpoint}")  # fmt: skip
+        else:
+            assert line == ("resume from step_000002 (step 2) with: asyncrl train trainer.max_steps=9 "
+                            f"trainer.resume_from_checkpoint=latest hydra.run.dir={run_dir}")  # fmt: skip

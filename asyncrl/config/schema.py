@@ -319,6 +319,10 @@ class TrainerConfig:
     """steps|no"""
     save_steps: int = 500
     save_total_limit: int | None = None
+    save_only_model: bool = False
+    """Checkpoints hold the model and tokenizer only (transformers' save_only_model): no optimizer, scheduler or RNG
+    state and no sharded resume files, so they are smaller and faster to write but do not resume; a new run starts
+    from one with model.name_or_path=CHECKPOINT (with LoRA: from `asyncrl export CHECKPOINT OUT`'s OUT)."""
     resume_from_checkpoint: str | None = None
     """latest | a checkpoint directory."""
     max_restarts: int = 0

@@ -145,6 +145,16 @@ def check_optim_args(config: Config) -> None:
     optimizer_kwargs(config.trainer)
 
 
+def check_save_only_model(config: Config) -> None:
+    """An automatic restart resumes from the newest checkpoint, which a model-only one cannot."""
+    t = config.trainer
+    if t.save_only_model and t.max_restarts > 0:
+        raise ConfigError(
+            f"trainer.save_only_model=true with trainer.max_restarts={t.max_restarts}: a restart resumes from a "
+            "checkpoint, which one holding the model only cannot; keep one (trainer.max_restarts=0)"
+        )
+
+
 def check_mixed_precision(config: Config) -> None:
     t = config.trainer
     if t.fp16 and t.bf16:
@@ -379,6 +389,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_staleness,
     check_trainer_rates,
     check_optim_args,
+    check_save_only_model,
     check_mixed_precision,
     check_ignored_kwargs,
     check_samples_per_step,

@@ -13,6 +13,9 @@ dtype (with LoRA: the adapter) that a server or ``from_pretrained`` loads (train
 Resuming reads nothing that can run code: ``optimizer.pt`` and ``rng_state.pt`` hold only tensors and plain
 Python values (numpy's RNG state as a list) and load with ``torch.load(weights_only=True)``. ``check_checkpoint``
 finds a damaged checkpoint (unreadable JSON, truncated weights, a missing file) before the server starts.
+
+With trainer.save_only_model a checkpoint holds the consolidated model, the tokenizer and ``trainer_state.json``
+(``model_only``) alone: a model directory, which ``check_checkpoint`` refuses to resume as such, not as damaged.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from asyncrl.config.schema import Config
 from asyncrl.interrupts import interrupts_deferred
+from asyncrl.lora import is_adapter_dir
 from asyncrl.model_kind import is_vision_language
 
 CHECKPOINT_PREFIX = "step_"
@@ -76,10 +80,13 @@ def save_checkpoint(
     write_weights: Callable[[Path], None],
     num_processes: int,
     processor_files: dict[str, bytes] | None = None,
+    *,
+    model_only: bool = False,
 ) -> Path:
     """``write_weights(directory)`` writes the model and optimizer states (with every rank: trainer/fsdp.py);
-    ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES). A stop signal waits until the checkpoint is
-    published (asyncrl/interrupts.py): the interrupted run resumes from it."""
+    ``processor_files`` go beside the tokenizer (see PROCESSOR_FILES). ``model_only`` (trainer.save_only_model): no
+    scheduler, RNG or rollout state, and ``trainer_state.json`` says so, for the resume checks. A stop signal waits
+    until the checkpoint is published (asyncrl/interrupts.py): the interrupted run resumes from it."""
     root = checkpoints_dir(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -88,8 +95,8 @@ def save_checkpoint(
     write_weights(tmp)
     tokenizer.save_pretrained(tmp)
     save_processor_files(processor_files or {}, tmp)
-    torch.save({"scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    torch.save(_rng_state(), tmp / "rng_state.pt")
+    if not model_only:
+        _save_resume_state(tmp, state, scheduler)
     (tmp / "trainer_state.json").write_text(
         json.dumps(
             {
@@ -97,18 +104,26 @@ def save_checkpoint(
                 "model_version": state.model_version,
                 "prompts_consumed": state.prompts_consumed,
                 "num_processes": num_processes,
+                "model_only": model_only,
                 "extra": state.extra,
             },
             indent=2,
         )
     )
-    rollout = {"prompt_index": state.prompt_index, "done_after_index": state.done_after_index}
-    (tmp / "rollout_state.json").write_text(json.dumps(rollout, indent=2))
     publish(tmp, final)
     if total_limit:
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _save_resume_state(directory: Path, state: TrainerState, scheduler: Any) -> None:
+    """What a resume restores beside the sharded model and optimizer: the scheduler, the RNG streams and where the
+    rollout worker goes on."""
+    torch.save({"scheduler": scheduler.state_dict()}, directory / "optimizer.pt")
+    torch.save(_rng_state(), directory / "rng_state.pt")
+    rollout = {"prompt_index": state.prompt_index, "done_after_index": state.done_after_index}
+    (directory / "rollout_state.json").write_text(json.dumps(rollout, indent=2))
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
@@ -203,10 +218,14 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
 
 
 def check_checkpoint(path: Path) -> None:
-    """Before anything starts: the checkpoint's state files parse, its torch states are whole archives whose RNG
-    state loads without running code, and its weights are whole safetensors files."""
-    for name, keys in STATE_KEYS.items():
-        _read_state(path, name, keys)
+    """Before anything starts: the checkpoint's state files parse, it holds more than the model, its torch states
+    are whole archives whose RNG state loads without running code, and its weights are whole safetensors files."""
+    if holds_model_only(path):
+        raise ResumeError(
+            f"trainer.resume_from_checkpoint={path} holds the model only (saved with trainer.save_only_model=true), "
+            f"no optimizer, scheduler or RNG state: start a new run from it with {new_run_from(path)}"
+        )
+    _read_state(path, "rollout_state.json", STATE_KEYS["rollout_state.json"])
     for name in TORCH_STATES:
         file = path / name
         if not file.is_file():
@@ -218,13 +237,27 @@ def check_checkpoint(path: Path) -> None:
         raise ResumeError(
             f"trainer.resume_from_checkpoint={path} has no {SHARDED_DIR}/ resume files: it was written by an asyncrl "
             "from before one trainer path for every rank count (CHANGELOG); resume it with that release, or start "
-            f"a new run from its weights with model.name_or_path={path}"
+            f"a new run from its weights with {new_run_from(path)}"
         )
     if not any(path.glob("*.safetensors")):
         raise _damaged(path, f"{path} holds no model weights (*.safetensors)")
     damaged = damaged_weights(path)
     if damaged:
         raise _damaged(path, damaged)
+
+
+def holds_model_only(path: Path) -> bool:
+    """Whether the checkpoint was saved with trainer.save_only_model (the key is absent from checkpoints written
+    before it existed: those are whole)."""
+    return bool(_read_state(path, "trainer_state.json", STATE_KEYS["trainer_state.json"]).get("model_only"))
+
+
+def new_run_from(path: Path) -> str:
+    """The override that starts a new run from a checkpoint's weights: its directory is a model directory, except
+    with LoRA, whose adapter ``asyncrl export`` merges into its base first."""
+    if is_adapter_dir(path):
+        return f"model.name_or_path=OUT after asyncrl export {path} OUT (it holds a LoRA adapter)"
+    return f"model.name_or_path={path}"
 
 
 def damaged_weights(directory: Path) -> str | None:

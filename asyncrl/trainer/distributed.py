@@ -3,11 +3,11 @@
 Rank 0 alone owns the rollout worker, the queue, the server's control client, logging, evaluation and
 checkpoint metadata. At each collective point it scatters a command to the followers: ``step`` (this rank's
 rows of the step, trained trainer.num_iterations times), ``sync`` (take part in the weight gathers),
-``save``/``final`` (write the sharded checkpoint / take part in the consolidated model) or ``stop``. A step is
-micro-batches of one row per rank, balanced by attention cost (packing/planner.py); a rank whose row in one is
-empty runs a copy of another row with a zero loss, because every rank must run the same forwards for FSDP's
-collectives to pair up. Each rank divides its loss by the step's trained tokens summed over all ranks, so the
-summed gradient is the single-process one.
+``save``/``model`` (write the sharded checkpoint / take part in the consolidated model alone: the final model, a
+trainer.save_only_model checkpoint) or ``stop``. A step is micro-batches of one row per rank, balanced by attention
+cost (packing/planner.py); a rank whose row in one is empty runs a copy of another row with a zero loss, because
+every rank must run the same forwards for FSDP's collectives to pair up. Each rank divides its loss by the step's
+trained tokens summed over all ranks, so the summed gradient is the single-process one.
 
 ``python -m asyncrl.trainer.rank_main RUN_DIR`` is one rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in its
 environment); torch's launcher starts them (asyncrl/trainer/launcher.py; torchrun on other nodes). Their process group
@@ -190,7 +190,7 @@ class Follower:
                 self._warm_up(payload)
             elif name == "sync":  # payload: the gathered dtype and whether only the adapter is, which set the buckets
                 fsdp.serve_gathers(self.model, self.ranks, *payload)
-            elif name in ("save", "final"):
+            elif name in ("save", "model"):
                 fsdp.save_weights(Path(payload), self.model, self.optimizer, self.ranks, self.dtype,
                                   resumable=name == "save")  # fmt: skip
             else:

@@ -210,7 +210,7 @@ class Trainer:
         if self.evaluations is not None:
             self._last_evaluation(self.evaluations)  # before the last checkpoint, which keeps it
         if self.config.trainer.save_strategy == "steps" and not self._should_save():
-            self._save()  # the last step is always resumable
+            self._save()  # the last step is always checkpointed
         self._save_final_model()
         if self.evaluations is not None:
             self.console.note(self.evaluations.summary(self._num_eval_prompts(), self.config.sampling.temperature))
@@ -593,9 +593,11 @@ class Trainer:
         self.state.extra["evaluation"] = results if step == self.state.step else {}  # a resume's "before"
         if self.scaler.is_enabled():
             self.state.extra["grad_scaler"] = self.scaler.state_dict()  # the loss scale every rank resumes with
-        path = save_checkpoint(self.output_dir, self.state, self.prepared.tokenizer, self.scheduler,
-                               self.config.trainer.save_total_limit, lambda tmp: self._write_sharded(tmp, "save"),
-                               self.world, self.processor_files)  # fmt: skip
+        t = self.config.trainer
+        write = "model" if t.save_only_model else "save"
+        path = save_checkpoint(self.output_dir, self.state, self.prepared.tokenizer, self.scheduler, t.save_total_limit,
+                               lambda tmp: self._write_sharded(tmp, write), self.world, self.processor_files,
+                               model_only=t.save_only_model)  # fmt: skip
         log.info("checkpoint %s", path)
         self.callbacks.call("on_save", self.state, checkpoint=path)
 
@@ -604,7 +606,7 @@ class Trainer:
         final = self.output_dir / "model"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self._write_sharded(tmp, "final")
+        self._write_sharded(tmp, "model")
         self.prepared.tokenizer.save_pretrained(tmp)
         save_processor_files(self.processor_files, tmp)
         publish(tmp, final)
@@ -619,7 +621,8 @@ class Trainer:
         self.console.finish(self.state.step, final, summary["wall_s"])
 
     def _write_sharded(self, directory: Path, command: str) -> None:
-        """With every rank: ``save`` the resume shards and the consolidated model, or the ``final`` model only."""
+        """With every rank: ``save`` the resume shards and the consolidated model, or the consolidated ``model``
+        alone (the final model, a trainer.save_only_model checkpoint)."""
         self.ranks.command(command, [str(directory)] * self.world)
         save_weights(directory, self.model, self.optimizer, self.ranks, torch_dtype(self.prepared.plan.serving_dtype),
                      resumable=command == "save")  # fmt: skip

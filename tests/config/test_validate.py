@@ -44,6 +44,7 @@ BAD_INPUTS = [
     (["reward_weights=[nan]"], "reward_weights=[nan]: every weight must be a finite number"),
     (["trainer.save_total_limit=-1"], "trainer.save_total_limit"),
     (["trainer.save_total_limit=0"], "trainer.save_total_limit"),
+    (["trainer.save_only_model=true", "trainer.max_restarts=2"], "trainer.save_only_model=true with trainer.max_re"),
     (["rollout.score_queue_maxsize=0"], "rollout.score_queue_maxsize"),
     (["rollout.max_consecutive_dropped_groups=0"], "rollout.max_consecutive_dropped_groups"),
     (["rollout.max_failed_group_fraction=1.5"], "rollout.max_failed_group_fraction"),

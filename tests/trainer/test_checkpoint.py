@@ -25,6 +25,7 @@ from asyncrl.trainer.checkpoint import (
     resolve_checkpoint,
 )
 from asyncrl.trainer.exits import terminate_on_sigterm
+from asyncrl.trainer.setup import check_model_path
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,11 @@ def saver(random_tiny_model_dir, one_rank):
     model, optimizer, scheduler = sharded(config, model)
     tokenizer = AutoTokenizer.from_pretrained(random_tiny_model_dir)
 
-    def saver(output_dir, step: int, limit: int | None = None, prompt_index: int = 0, done_after_index=()):
+    def saver(output_dir, step: int, limit: int | None = None, prompt_index: int = 0, done_after_index=(),
+              model_only: bool = False):  # fmt: skip
         state = TrainerState(step=step, model_version=step, prompt_index=prompt_index, prompts_consumed=0, extra={},
                              done_after_index=list(done_after_index))  # fmt: skip
-        return save(output_dir, state, model, tokenizer, optimizer, scheduler, one_rank, limit)
+        return save(output_dir, state, model, tokenizer, optimizer, scheduler, one_rank, limit, model_only=model_only)
 
     return saver
 
@@ -87,6 +89,27 @@ def test_a_checkpoint_from_before_one_trainer_path_is_refused_in_one_line(saver,
     check_checkpoint(path)
     shutil.rmtree(path / "sharded")
     with pytest.raises(ResumeError, match=r"no sharded/ resume files.* model.name_or_path="):
+        check_checkpoint(path)
+
+
+def test_a_model_only_checkpoint_is_a_model_directory_whose_resume_is_refused_in_one_line(saver, tmp_path):
+    """trainer.save_only_model: no optimizer, scheduler, RNG or rollout state and no sharded resume files; the
+    directory loads as a model (a new run's model.name_or_path), and a resume is refused as what it is, not as a
+    damaged checkpoint."""
+    path = saver(tmp_path, 3, model_only=True)
+    names = {p.name for p in path.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.json"} <= names
+    assert not names & {"optimizer.pt", "rng_state.pt", "rollout_state.json", "sharded"}
+    AutoModelForCausalLM.from_pretrained(path)
+    check_model_path(to_config(compose([f"model.name_or_path={path}"])))
+    with pytest.raises(ResumeError) as refused:
+        check_checkpoint(resolve_checkpoint("latest", tmp_path))
+    assert str(refused.value) == (
+        f"trainer.resume_from_checkpoint={path} holds the model only (saved with trainer.save_only_model=true), no "
+        f"optimizer, scheduler or RNG state: start a new run from it with model.name_or_path={path}"
+    )
+    (path / "adapter_config.json").write_text("{}")  # a LoRA run's checkpoint holds the adapter alone
+    with pytest.raises(ResumeError, match=rf"model.name_or_path=OUT after asyncrl export {path} OUT \(it holds a LoRA"):
         check_checkpoint(path)
 
 
