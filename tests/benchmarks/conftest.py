@@ -15,7 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def script_module(name: str) -> Iterator[ModuleType]:
     """benchmarks/NAME.py imported as module NAME for as long as the generator is suspended (its dataclasses look
-    their module up in sys.modules)."""
+    their module up in sys.modules); then sys.path as it was: a script that puts benchmarks/ on it (startup.py) would
+    otherwise leave benchmarks/packing.py ahead of tests/packing for every later import in this worker, a spawned
+    rank's included."""
+    path = list(sys.path)
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -23,6 +26,7 @@ def script_module(name: str) -> Iterator[ModuleType]:
     spec.loader.exec_module(module)
     yield module
     del sys.modules[name]
+    sys.path[:] = path
 
 
 @pytest.fixture(scope="module")

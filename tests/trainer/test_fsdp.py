@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from packing.packing_samples import build_tiny_qwen3, random_samples  # tests/packing
 
 from asyncrl.config.compose import compose, to_config
 from asyncrl.packing import TreeRow
@@ -19,6 +19,11 @@ from asyncrl.trainer.distributed import leave
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import buckets, gather_bucket, shard
 from asyncrl.trainer.model import build_optimizer, load_model
+
+# as tests/trainer/test_moe.py: a rank this file's tests spawn imports it afresh, with whatever sys.path the worker
+# had (benchmarks/packing.py ahead of tests/ once the benchmark scripts ran there), so by a name nothing else has
+sys.path.insert(0, str(Path(__file__).parents[1] / "packing"))
+from packing_samples import build_tiny_qwen3, random_samples  # noqa: E402
 
 WORLD = 2
 SHAPES = [(7, 3), (1, 5), (5,), (4, 4), (2, 3)]  # 7 and 5 rows split unevenly, 1 row leaves rank 1 empty
