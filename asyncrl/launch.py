@@ -431,7 +431,7 @@ def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup
         return ServerGroup([AttachedServer(url, timeout_s=config.server.timeout) for url in base_urls(config)], wait)
     deferred = False
     if plan.gpu_split is not None:  # a launched vLLM, on the GPUs the plan placed it
-        from asyncrl.serving.vllm import measured_split_pending
+        from asyncrl.plan.decide import measured_split_pending
 
         deferred = measured_split_pending(plan)
         cache = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"

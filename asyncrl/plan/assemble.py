@@ -27,6 +27,7 @@ from asyncrl.flow import FlowControl
 from asyncrl.plan.decide import (
     adapter_sync_by_config,
     max_model_len,
+    measured_split_pending,
     needed_gpus,
     resolve_backend,
     runtime_lora,
@@ -467,14 +468,11 @@ def sized_for_printing(plan: RunPlan) -> tuple[RunPlan, str | None]:
 def commanded(plan: RunPlan) -> RunPlan:
     """The plan with its launched servers' commands decided (``launch_commands``) before any starts, so that
     plan.json holds what runs and a restart launches the same. A vLLM that waits for the trainer's warm-up
-    (serving/vllm.py::measured_split_pending) gets its commands in the measured stage (``measured``)."""
+    (plan/decide.py::measured_split_pending) gets its commands in the measured stage (``measured``)."""
     if not plan.config.server.launch:
         return plan
-    if plan.server_backend == "vllm":
-        from asyncrl.serving.vllm import measured_split_pending  # imports torch: only for a vLLM server
-
-        if measured_split_pending(plan):
-            return plan
+    if measured_split_pending(plan):
+        return plan
     return replace(plan, server_commands=launch_commands(plan))
 
 

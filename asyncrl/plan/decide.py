@@ -1,6 +1,6 @@
 """The rules of the plan's derived decisions: the server backend, the serving dtype, whether syncs are merged
-before any server answers, whether a launched server gets runtime LoRA, the GPU split, the weight transfer and the
-server's context (max_model_len).
+before any server answers, whether a launched server gets runtime LoRA, the GPU split, the weight transfer, the
+server's context (max_model_len) and whether a launched vLLM waits for the trainer's measured memory.
 plan/assemble.py asks each once and freezes the answers in the RunPlan; nothing else derives them (a process reads
 its plan's, plan.json).
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import Config, LoraSync, ModelDtype, ServerBackend, WeightTransfer
-from asyncrl.run_plan import GpuSplit
+from asyncrl.run_plan import GpuSplit, RunPlan
 
 
 def resolve_backend(config: Config) -> str:
@@ -175,3 +175,15 @@ def model_context(config: Config) -> int | None:
 
     found = local_config_json(config.model.name_or_path, config.model.revision)
     return None if found is None else config_field(found, ("max_position_embeddings",), int)
+
+
+def measured_split_pending(plan: RunPlan) -> bool:
+    """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU and its share is not
+    set. Every run measures (an earlier run's figure is stale after a change of code or library, and a vLLM booting
+    beside the warm-up would count the trainer's allocations as its own while it profiles its memory)."""
+    sv = plan.config.server
+    if not sv.launch or sv.gpu_memory_utilization is not None or plan.server_backend != "vllm":
+        return False
+    if plan.world_size > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
+        return False
+    return plan.gpu_split is not None and plan.gpu_split.shared

@@ -284,18 +284,6 @@ def gpu_memory_utilization(plan: RunPlan, model_len: int, dtype: ModelDtype) -> 
     return share
 
 
-def measured_split_pending(plan: RunPlan) -> bool:
-    """Whether a launched vLLM must wait for the trainer's warm-up: it shares the trainer's GPU and its share is not
-    set. Every run measures (an earlier run's figure is stale after a change of code or library, and a vLLM booting
-    beside the warm-up would count the trainer's allocations as its own while it profiles its memory)."""
-    sv = plan.config.server
-    if not sv.launch or sv.gpu_memory_utilization is not None or plan.server_backend != "vllm":
-        return False
-    if plan.world_size > 1:  # ranks on the server's one GPU: their warm-up happens in other processes
-        return False
-    return plan.gpu_split is not None and plan.gpu_split.shared
-
-
 def api_server_count(plan: RunPlan, version: str) -> int | None:
     """server.api_server_count; else 1 for runtime LoRA (vLLM refuses more), 8 on vLLM >= 0.32, else vLLM's default."""
     if plan.config.server.api_server_count is not None:
