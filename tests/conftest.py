@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from stub_server import serve_in_thread
 from typer.testing import CliRunner
 
+from asyncrl.app_thread import serve_in_thread
 from asyncrl.cli import app
 from asyncrl.client import TOKEN_ENV, GenerationClient, SamplingParams, ensure_token
 from asyncrl.serving.process import ServerProcess

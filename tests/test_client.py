@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from stub_server import serve_in_thread
 
+from asyncrl.app_thread import serve_in_thread
 from asyncrl.client import (
     Completion,
     ControlClient,

@@ -99,7 +99,7 @@ LAYER = {
     "sampling": "below config",  # config/schema.py's sampling keys extend its Decoding
     "assets": "below config",  # config/compose.py finds the shipped model (asset_path)
     "config": "config",
-    **dict.fromkeys(("client", "data", "dtypes", "flow", "hub", "interrupts", "logs", "lora"), "base"),
+    **dict.fromkeys(("app_thread", "client", "data", "dtypes", "flow", "hub", "interrupts", "logs", "lora"), "base"),
     **dict.fromkeys(("metrics", "model_kind", "parent", "prompts", "recipes", "registry", "safetensors_files"), "base"),
     **dict.fromkeys(("advantages", "components", "environments", "losses", "packing", "rewards"), "components"),
     "footprint": "components",  # sizes the reward models beside the policy, for the trainer and the vLLM command

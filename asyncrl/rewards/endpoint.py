@@ -11,9 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import socket
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +19,7 @@ from fastapi import FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from asyncrl.app_thread import serve_in_thread
 from asyncrl.rewards.classifier import Classifier, load_classifier
 from asyncrl.rewards.reward_model import RewardModel, ScoringEndpoint
 
@@ -30,8 +28,6 @@ if TYPE_CHECKING:
     from asyncrl.rollout.scoring import RewardSource
 
 log = logging.getLogger(__name__)
-
-STARTUP_TIMEOUT_S = 30.0
 
 
 class ScoreRequest(BaseModel):
@@ -62,32 +58,6 @@ def build_app(classifiers: Sequence[Classifier], token: str) -> FastAPI:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI) -> Iterator[str]:
-    """``app`` on a loopback port bound here (no other process can take it between choosing and binding), in a
-    daemon thread, until the block ends; yields its base URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="asyncrl-reward-models",
-                              daemon=True)  # fmt: skip
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            sock.close()
-            raise RuntimeError("the reward models' scoring endpoint did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
-@contextlib.contextmanager
 def serving_reward_models(config: Config, sources: Sequence[RewardSource]) -> Iterator[None]:
     """For the block: the run's reward models loaded on this process's device (the trainer's rank 0: call it before
     the warm-up step measures the trainer's memory) and served, each ``RewardModel`` told where. Nothing without
@@ -104,7 +74,7 @@ def serving_reward_models(config: Config, sources: Sequence[RewardSource]) -> It
                    for key, model in entries]  # fmt: skip
     models = [model for _, model in entries]
     token = secrets.token_urlsafe(32)
-    with serve_in_thread(build_app(classifiers, token)) as base_url:
+    with serve_in_thread(build_app(classifiers, token), "asyncrl-reward-models") as base_url:
         log.info("reward models served on %s from %s: %s", device, base_url,
                  ", ".join(model.options.path for model in models))  # fmt: skip
         for index, model in enumerate(models):

@@ -9,11 +9,12 @@ import httpx
 import pytest
 import torch
 
+from asyncrl.app_thread import serve_in_thread
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose
 from asyncrl.plan.assemble import plan_run
 from asyncrl.rewards.classifier import load_classifier
-from asyncrl.rewards.endpoint import build_app, serve_in_thread, serving_reward_models
+from asyncrl.rewards.endpoint import build_app, serving_reward_models
 from asyncrl.rewards.reward_model import RewardModelOptions
 
 PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}]] * 2
