@@ -13,7 +13,7 @@ from typing import Any
 
 from asyncrl.rewards.base import REWARDS, Message, Reward, final_answer_text, message_text
 from asyncrl.rewards.boxed import last_boxed_answer
-from asyncrl.rewards.verifier import check_answer
+from asyncrl.rewards.verifier import check_answers
 
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
 
@@ -55,15 +55,14 @@ def accuracy(
         timeout_s: seconds math-verify may spend on one parse or comparison before the answer scores 0.0.
         reject_restated: an answer copied from the prompt (``restates_the_prompt``) scores 0.0 without a check.
     """
-    rewards: list[float | None] = []
+    pairs = []
     for prompt, completion, gold in zip(prompts, completions, solution, strict=True):
         answer = last_boxed_answer(final_answer_text(completion)) or ""
         gold_text = "" if gold is None else str(gold)
         if reject_restated and restates_the_prompt(answer, gold_text, prompt_text(prompt)):
             answer = ""  # math-verify scores an empty answer 0.0 (or None where the gold cannot be parsed)
-        verdict = check_answer(gold_text, answer, timeout_s)
-        rewards.append(None if verdict is None else float(verdict))
-    return rewards
+        pairs.append((gold_text, answer))
+    return [None if verdict is None else float(verdict) for verdict in check_answers(pairs, timeout_s)]
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ from threads; with its timeouts off, ``verify`` on an answer like ``9^{9^{9^9}}`
 runs math-verify on its own main thread with those timeouts on, the caller adds a hard deadline and kills a
 child that misses it, and a child exits when its stdin closes or its parent is gone (``exit_with_parent``: a
 verdict that runs on cannot keep it alive), so it cannot outlive its parent.
+
+A group's answers go to one child in one request, and verdicts are remembered (``VERDICTS``): near convergence a
+run sees the same few answers to each prompt over and over, and the rollout worker, whose one event loop also
+streams every completion, then scores hundreds of groups a second. A round trip per answer, each a thread waking
+for the GIL against that busy loop, made scoring what bounded the run (benchmarks/RESULTS.md, session 35).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 
 from asyncrl.parent import exit_with_parent
 
@@ -50,8 +57,9 @@ def parse_boxed(text: str, timeout_s: int) -> list:
 
 
 def serve() -> None:
-    """Child loop: one JSON ``[gold, answer, timeout_s]`` per stdin line -> one JSON verdict line. It ends when
-    its parent closes stdin; a terminal's Ctrl-C, which reaches it too, is ignored (no traceback per child)."""
+    """Child loop: one JSON ``[[[gold, answer], ...], timeout_s]`` per stdin line -> one JSON line of verdicts. It
+    ends when its parent closes stdin; a terminal's Ctrl-C, which reaches it too, is ignored (no traceback per
+    child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(os.getppid())
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
@@ -62,8 +70,8 @@ def serve() -> None:
     replies.write("ready\n")
     replies.flush()
     for line in sys.stdin:
-        gold, answer, timeout_s = json.loads(line)
-        replies.write(json.dumps(judge(gold, answer, timeout_s)) + "\n")
+        pairs, timeout_s = json.loads(line)
+        replies.write(json.dumps([judge(gold, answer, timeout_s) for gold, answer in pairs]) + "\n")
         replies.flush()
 
 
@@ -87,14 +95,16 @@ class VerifierProcess:
         line = self.process.stdout.readline() if ready else ""
         return line.strip() if line.endswith("\n") else None
 
-    def ask(self, gold: str, answer: str, timeout_s: int) -> str | None:
+    def ask(self, pairs: Sequence[tuple[str, str]], timeout_s: int) -> list[bool | None] | None:
+        """The verdicts on ``pairs`` (gold, answer), or None if the child gives none within their deadline."""
         assert self.process.stdin is not None
         try:
-            self.process.stdin.write(json.dumps([gold, answer, timeout_s]) + "\n")
+            self.process.stdin.write(json.dumps([list(pairs), timeout_s]) + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
             return None
-        return self.read_line(deadline_s(timeout_s))
+        reply = self.read_line(len(pairs) * deadline_s(timeout_s))
+        return None if reply is None else json.loads(reply)
 
     def close(self) -> None:
         self.process.kill()
@@ -124,18 +134,71 @@ def take_idle() -> VerifierProcess | None:
         child.close()
 
 
+class VerdictCache:
+    """The last ``size`` verdicts, by (gold, answer, timeout_s); shared by the threads that score."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.verdicts: OrderedDict[tuple[str, str, int], bool | None] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple[str, str, int]) -> tuple[bool, bool | None]:
+        """(found, verdict)."""
+        with self.lock:
+            if key not in self.verdicts:
+                return False, None
+            self.verdicts.move_to_end(key)
+            return True, self.verdicts[key]
+
+    def put(self, key: tuple[str, str, int], verdict: bool | None) -> None:
+        with self.lock:
+            self.verdicts[key] = verdict
+            self.verdicts.move_to_end(key)
+            if len(self.verdicts) > self.size:
+                self.verdicts.popitem(last=False)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.verdicts.clear()
+
+
+VERDICTS = VerdictCache(65536)
+"""A verdict that ran out of time is remembered as False too: the same answer would only run out again."""
+
+
 def check_answer(gold: str, answer: str, timeout_s: float = 5) -> bool | None:
     """None if ``gold`` is unparsable; False if ``answer`` is unparsable, wrong or takes too long; else True."""
+    return check_answers([(gold, answer)], timeout_s)[0]
+
+
+def check_answers(pairs: Sequence[tuple[str, str]], timeout_s: float = 5) -> list[bool | None]:
+    """``check_answer`` on each (gold, answer): remembered verdicts, then the rest in one request to one child."""
     timeout_s = max(1, math.ceil(timeout_s))  # SIGALRM counts whole seconds
+    found = {pair: VERDICTS.get((*pair, timeout_s)) for pair in dict.fromkeys(pairs)}
+    missing = [pair for pair, (hit, _) in found.items() if not hit]
+    verdicts = {pair: verdict for pair, (hit, verdict) in found.items() if hit}
+    if missing:
+        verdicts |= dict(zip(missing, _ask_child(missing, timeout_s), strict=True))
+    for pair in missing:
+        VERDICTS.put((*pair, timeout_s), verdicts[pair])
+    return [verdicts[pair] for pair in pairs]
+
+
+def _ask_child(pairs: list[tuple[str, str]], timeout_s: int) -> list[bool | None]:
+    """One child's verdicts on ``pairs``. A child that misses the deadline is killed, and the pairs are asked one at
+    a time (each of a new child's), so that the answer which hangs scores False and costs no other its verdict."""
     child = take_idle() or VerifierProcess()
-    reply = child.ask(gold, answer, timeout_s)
-    if reply is None:
-        logger.warning("math-verify gave no verdict on answer %.80r (gold %.80r) in time; child replaced", answer, gold)
+    verdicts = child.ask(pairs, timeout_s)
+    if verdicts is None or len(verdicts) != len(pairs):
         child.close()
-        return False
+        if len(pairs) > 1:
+            return [_ask_child([pair], timeout_s)[0] for pair in pairs]
+        logger.warning("math-verify gave no verdict on answer %.80r (gold %.80r) in time; child replaced", pairs[0][1],
+                       pairs[0][0])  # fmt: skip
+        return [False]
     with idle_lock:
         idle.append(child)
-    return json.loads(reply)
+    return verdicts
 
 
 @atexit.register

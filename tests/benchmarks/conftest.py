@@ -62,3 +62,8 @@ def time_to_accuracy() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def real_checkpoints() -> Iterator[ModuleType]:
     yield from script_module("real_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def scoring_rate() -> Iterator[ModuleType]:
+    yield from script_module("scoring_rate")
