@@ -14,7 +14,7 @@ import functools
 import inspect
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +86,7 @@ def environment_rows() -> list[dict[str, Any]]:
 
 @dataclass
 class Episode:
-    """One rollout's prompt and tools, and the environment instance it holds until ``Agents.end``."""
+    """One rollout's prompt and tools, and the environment instance it holds until ``Agents.release``."""
 
     prompt: Messages | str
     tools: list[Callable[..., Any]]
@@ -102,6 +102,8 @@ class Agents:
                  pool: Executor | None) -> None:  # fmt: skip
         self.tools, self.factories, self.pool = tools, factories, pool
         self._idle: dict[str | None, list[Any]] = defaultdict(list)
+        self._keys: dict[int, str | None] = {}
+        """Each instance's pool (its ``environment`` name), by id: instances live as long as the pools."""
 
     @classmethod
     def from_config(cls, config: Any, pool: Executor | None) -> Agents:
@@ -121,6 +123,7 @@ class Agents:
             return Episode(prompt, list(self.tools))
         key = self._route(row)
         env = self._idle[key].pop() if self._idle[key] else await self._off_loop(self.factories[key])
+        self._keys[id(env)] = key
         kwargs = {k: v for k, v in row.items() if k not in ("prompt", ROUTING_COLUMN)}
         started = time.monotonic()
         text = await self._hook(functools.partial(env.reset, **kwargs))
@@ -133,18 +136,21 @@ class Agents:
         return Episode(prompt, [*self.tools, *environment_tools(env)], env, key, reset_s)
 
     async def end(self, episode: Episode) -> tuple[tuple[type, float] | None, float | None]:
-        """((environment class, reward) or None, seconds in get_reward or None); the instance goes back to its pool."""
-        if episode.env is None:
+        """((environment class, reward) or None, seconds in get_reward or None). The instance stays the rollout's
+        until ``release``: the reward functions read its state as their ``environments`` argument."""
+        get_reward = getattr(episode.env, "get_reward", None)
+        if get_reward is None:
             return None, None
-        try:
-            get_reward = getattr(episode.env, "get_reward", None)
-            if get_reward is None:
-                return None, None
-            started = time.monotonic()
-            value = await self._hook(get_reward)
-            return (type(episode.env), float(value)), time.monotonic() - started
-        finally:
-            self._idle[episode.env_key].append(episode.env)
+        started = time.monotonic()
+        value = await self._hook(get_reward)
+        return (type(episode.env), float(value)), time.monotonic() - started
+
+    def release(self, envs: Iterable[Any]) -> None:
+        """Put instances back in their pools, for the next rollouts' ``reset``: after their group is scored, or
+        dropped."""
+        for env in envs:
+            if env is not None:
+                self._idle[self._keys[id(env)]].append(env)
 
     def _route(self, row: dict[str, Any]) -> str | None:
         if None in self.factories:

@@ -9,7 +9,8 @@ scored is dropped (too_few_scorable), and the trainer's group watch stops a run 
 
 Beside the dataset's columns, a function gets what TRL's GRPOTrainer hands its reward functions, where it takes them
 (by name or through ``**kwargs``): ``trainer_state`` (rollout/trainer_state.py), ``log_metric(name, value)`` (a
-scalar for the run's metrics) and ``log_extra(column, values)`` (a column of the completions table).
+scalar for the run's metrics), ``log_extra(column, values)`` (a column of the completions table) and, with
+rollout.environment_factory, ``environments`` (the instance each completion ran in, its episode's state intact).
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ async def score_group(
         **group.reward_kwargs,
     }
     offered = {"trainer_state": None, "log_metric": log.log_metric, "log_extra": log.log_extra}
+    if any(r.env is not None for r in group.rollouts):
+        offered["environments"] = [r.env for r in group.rollouts]
     extra = [taken(s.fn, offered) for s in sources]
     if any("trainer_state" in e for e in extra):
         state = trainer_state() if trainer_state is not None else RolloutState()

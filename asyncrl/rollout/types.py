@@ -46,6 +46,9 @@ class Rollout:
     """Added to the reward functions' sum; None = no reward from this source."""
     env_reward: tuple[type, float] | None = None
     """(environment class, its get_reward()) when the rollout ran in an environment that scores itself."""
+    env: Any = None
+    """The environment instance it ran in (rollout.environment_factory), its until the group is scored: the reward
+    functions get them as ``environments``."""
     tool_stats: Any = None
     """asyncrl.rollout.tools.ToolStats when the rollout had tools (the tools/* metrics); None otherwise."""
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)

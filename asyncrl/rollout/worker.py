@@ -329,6 +329,7 @@ class WorkerDriver:
                                         return_exceptions=True)  # fmt: skip
         rollouts = [r for r in outcomes if isinstance(r, Rollout)]
         if len(rollouts) < len(outcomes):
+            self.agents.release(r.env for r in rollouts)
             errors = [e for e in outcomes if not isinstance(e, Rollout)]
             self._drop_ungenerated(prompt.index, version, rollouts, errors)
             return
@@ -381,7 +382,10 @@ class WorkerDriver:
         group = job.group
         started = time.monotonic()
         state = functools.partial(rollout_state, self.config, job.version, job.prompt_index, len(self.spec.dataset))
-        per_source = await score_group(group, self.spec.reward_sources, state)
+        try:
+            per_source = await score_group(group, self.spec.reward_sources, state)
+        finally:
+            self.agents.release(r.env for r in group.rollouts)
         self.metrics["rollout/score_s"].append(time.monotonic() - started)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         drop = group_drop_reason(group.rewards)
@@ -415,14 +419,17 @@ class WorkerDriver:
 
     async def _one_rollout(self, row: dict[str, Any], group_id: int) -> Rollout:
         started = time.monotonic()
+        episode = None
         try:
             episode = await self.agents.begin(row)
             rollout = await self.loop.generate_one(episode.prompt, episode.tools, group_id)
+            rollout.env = episode.env
+            rollout.env_reward, reward_s = await self.agents.end(episode)
         except BaseException:
+            self.agents.release([episode.env] if episode is not None else [])
             self.admission.on_rollout_failed()
             self.changed.set()
             raise
-        rollout.env_reward, reward_s = await self.agents.end(episode)
         for name, seconds in (("env/reset_s", episode.reset_s), ("env/reward_s", reward_s)):
             if seconds is not None:
                 self.metrics[name].append(seconds)

@@ -53,3 +53,13 @@ def turns_constant(prompts, completions, completion_ids, *, after: int = 6, valu
     if len(TURNS_CONSTANT_CALLS) > after:
         return [value] * len(completion_ids)
     return [(i + 1) / (len(completion_ids) + 1) for i in range(len(completion_ids))]
+
+
+def episode_state(prompts, completions, completion_ids, environments, log_metric, target, **columns):
+    """0.0 for each completion (the environment's own reward trains); logs where the counters ended. Raises unless
+    each completion's instance still holds its own episode: the row's target, not a later episode's."""
+    for env, wanted in zip(environments, target, strict=True):
+        if env.target != int(wanted):
+            raise AssertionError(f"an environment holds target {env.target}, its completion's row {wanted}")
+    log_metric("episode/counter_mean", sum(env.counter for env in environments) / len(environments))
+    return [0.0] * len(completions)

@@ -1,4 +1,5 @@
-"""The agent recipe through the real CLI: tiny-counter calls IncrementEnv's tool, the env reward trains it.
+"""The agent recipe through the real CLI: tiny-counter calls IncrementEnv's tool, the env reward trains it, and a
+reward function reads each completion's environment instance (TRL's ``environments`` argument).
 
 A few steps only: the rise in success is measured by the recipe's full run (asyncrl/assets/README.md); this
 checks the plumbing (calls made and parsed, env reward and timings logged, checkpoint, no process left).
@@ -24,7 +25,8 @@ def test_counter_agent_recipe_calls_tools_and_trains_on_the_env_reward(tmp_path)
     run_dir = tmp_path / "run"
     run = run_cli(["train", "+recipe=counter_agent", f"trainer.max_steps={STEPS}", f"trainer.save_steps={STEPS}",
                    "logging.console=plain", "logging.report=false", f"hydra.run.dir={run_dir}",
-                   f"server.port={free_port()}"], timeout_s=300)  # fmt: skip
+                   f"server.port={free_port()}", "reward_funcs=[{name: 'tests.e2e.rewards:episode_state'}]"],
+                  timeout_s=300)  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
@@ -38,6 +40,7 @@ def test_counter_agent_recipe_calls_tools_and_trains_on_the_env_reward(tmp_path)
     rewards = logged("rewards/IncrementEnv/mean")
     assert rewards and all(0.0 <= r <= 1.0 for r in rewards)
     assert logged("env/reset_s") and logged("env/reward_s")
+    assert logged("episode/counter_mean")  # the reward function got the instances, each still on its own episode
     assert max(logged("rollout/turns_max")) >= 2  # a tool result went back to the model for another turn
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors").is_file()
     assert (run_dir / "model" / "model.safetensors").is_file()

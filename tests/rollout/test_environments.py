@@ -62,13 +62,18 @@ def test_instances_are_reused_and_rewards_name_the_class():
         episode = await agents.begin({"prompt": [{"role": "user", "content": "Set 2."}], "target": 2})
         episode.tools[0](step=2)
         reward, seconds = await agents.end(episode)
+        meanwhile = await agents.begin({"prompt": [{"role": "user", "content": "Set 3."}], "target": 3})
+        agents.release([episode.env, None])
         again = await agents.begin({"prompt": [{"role": "user", "content": "Set 5."}], "target": 5})
         for _ in range(3):
-            await games.end(await games.begin({}))
-        return episode, reward, seconds, again, await games.end(await games.begin({}))
+            game = await games.begin({})
+            await games.end(game)
+            games.release([game.env])
+        return episode, reward, seconds, meanwhile, again, await games.end(await games.begin({}))
 
-    episode, reward, seconds, again, no_reward = asyncio.run(main())
+    episode, reward, seconds, meanwhile, again, no_reward = asyncio.run(main())
     assert reward == (IncrementEnv, 1.0) and seconds >= 0 and episode.reset_s is not None
+    assert meanwhile.env is not episode.env  # held until released: its group's reward functions read its state
     assert again.env is episode.env and again.env.counter == 0  # same instance, reset for the new episode
     assert GameEnv.created == 1 and no_reward == (None, None)
 

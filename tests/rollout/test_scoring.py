@@ -20,7 +20,7 @@ from asyncrl.rollout.scoring import (
     score_group,
 )
 from asyncrl.rollout.trainer_state import rollout_state
-from asyncrl.rollout.types import RolloutGroup
+from asyncrl.rollout.types import Rollout, RolloutGroup
 
 
 def make_group(n: int = 3, rollout_rewards=None, row_index: int = 0) -> RolloutGroup:
@@ -156,6 +156,29 @@ def test_a_reward_gets_the_trainer_state_and_logs_metrics_and_completion_columns
     assert group_metrics(group, group.reward_components, None)["judge/agreement"] == [0.75]
     records = completion_records(group, np.zeros(3))
     assert [r["judge_note"] for r in records] == ["note 0", "note 1", "note 2"] and records[0]["reward"] == 1.0
+
+
+def test_with_environments_a_reward_reads_the_instance_each_completion_ran_in():
+    class Counter:
+        def __init__(self, count: int) -> None:
+            self.count = count
+
+    def by_state(completions, environments, **columns):
+        return [float(env.count) for env in environments]
+
+    def unaware(completions, **kw):  # without environments the rollouts offer none: a plain run's functions
+        assert "environments" not in kw
+        return [0.0] * len(completions)
+
+    group = make_group()
+    group.rollouts = [Rollout(completion=c, completion_ids=[1], turns=[], env=Counter(i)) for i, c in
+                      enumerate(group.completions)]  # fmt: skip
+    asyncio.run(score_group(group, [RewardSource("by_state", by_state)]))
+    assert list(group.rewards) == [0.0, 1.0, 2.0]
+    plain = make_group()
+    plain.rollouts = [Rollout(completion=c, completion_ids=[1], turns=[]) for c in plain.completions]
+    asyncio.run(score_group(plain, [RewardSource("unaware", unaware)]))
+    assert list(plain.rewards) == [0.0, 0.0, 0.0]
 
 
 def test_a_bad_log_call_names_the_reward_function():
