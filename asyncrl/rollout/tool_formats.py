@@ -8,6 +8,7 @@ tool result and is counted. Parsing never raises.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -197,20 +198,22 @@ def _json_or_python_word(value: str) -> Any:
 
 
 _ESCAPE = "<escape>"
+_GEMMA4_QUOTE = '<|"|>'
 _GEMMA_CALL = re.compile(r"\s*call:([^\s{]+)\{")
 _GEMMA_WORDS = {"true": True, "false": False, "null": None, "None": None}
 
 
-def parse_functiongemma_call(body: str, strings: StringParams) -> ToolCall:
-    """FunctionGemma (Gemma 3): ``call:NAME{key:value,...}`` between ``<start_function_call>`` and
-    ``<end_function_call>``. Strings sit between ``<escape>`` marks; numbers, true and false are bare; objects
-    ``{...}`` and lists ``[...]`` nest."""
+def parse_gemma_call(body: str, strings: StringParams, quote: str = _ESCAPE) -> ToolCall:
+    """FunctionGemma (Gemma 3) and Gemma 4: ``call:NAME{key:value,...}`` between ``<start_function_call>`` and
+    ``<end_function_call>`` (Gemma 4: ``<|tool_call>`` and ``<tool_call|>``). Strings sit between ``quote`` marks
+    (``<escape>``; Gemma 4's ``<|"|>``); numbers, true and false are bare; objects ``{...}`` and lists ``[...]``
+    nest."""
     head = _GEMMA_CALL.match(body)
     if head is None:
         return ToolCall("", {}, "tool call is not of the form call:name{key:value,...}")
     name = head.group(1)
     try:
-        arguments, end = _gemma_items(body, head.end(), "}")
+        arguments, end = _gemma_items(body, head.end(), "}", quote)
         if body[end:].strip():
             raise ValueError(f"text after the closing brace: {body[end:].strip()[:20]!r}")
     except RecursionError:
@@ -221,7 +224,7 @@ def parse_functiongemma_call(body: str, strings: StringParams) -> ToolCall:
     return ToolCall(name, arguments)
 
 
-def _gemma_items(text: str, i: int, close: str) -> tuple[dict[str, Any] | list[Any], int]:
+def _gemma_items(text: str, i: int, close: str, quote: str) -> tuple[dict[str, Any] | list[Any], int]:
     """The members of a ``{...}`` (close ``}``) or ``[...]`` (close ``]``) opened just before ``text[i]``."""
     items: dict[str, Any] | list[Any] = {} if close == "}" else []
     i = _skip_space(text, i)
@@ -229,10 +232,10 @@ def _gemma_items(text: str, i: int, close: str) -> tuple[dict[str, Any] | list[A
         return items, i + 1
     while True:
         if isinstance(items, dict):
-            key, i = _gemma_key(text, i)
-            items[key], i = _gemma_value(text, i)
+            key, i = _gemma_key(text, i, quote)
+            items[key], i = _gemma_value(text, i, quote)
         else:
-            value, i = _gemma_value(text, i)
+            value, i = _gemma_value(text, i, quote)
             items.append(value)
         i = _skip_space(text, i)
         if text.startswith(close, i):
@@ -242,10 +245,10 @@ def _gemma_items(text: str, i: int, close: str) -> tuple[dict[str, Any] | list[A
         i += 1
 
 
-def _gemma_key(text: str, i: int) -> tuple[str, int]:
+def _gemma_key(text: str, i: int, quote: str) -> tuple[str, int]:
     i = _skip_space(text, i)
-    if text.startswith(_ESCAPE, i):
-        key, i = _gemma_value(text, i)
+    if text.startswith(quote, i):
+        key, i = _gemma_value(text, i, quote)
     else:
         end = text.find(":", i)
         key, i = (text[i:end].strip(), end) if end >= 0 else ("", len(text))
@@ -255,18 +258,18 @@ def _gemma_key(text: str, i: int) -> tuple[str, int]:
     return str(key), i + 1
 
 
-def _gemma_value(text: str, i: int) -> tuple[Any, int]:
+def _gemma_value(text: str, i: int, quote: str) -> tuple[Any, int]:
     """One value starting at ``text[i]``, and the index just after it."""
     i = _skip_space(text, i)
-    if text.startswith(_ESCAPE, i):
-        end = text.find(_ESCAPE, i + len(_ESCAPE))
+    if text.startswith(quote, i):
+        end = text.find(quote, i + len(quote))
         if end < 0:
-            raise ValueError(f"a string opened with {_ESCAPE} is never closed")
-        return text[i + len(_ESCAPE) : end], end + len(_ESCAPE)
+            raise ValueError(f"a string opened with {quote} is never closed")
+        return text[i + len(quote) : end], end + len(quote)
     if text.startswith("{", i):
-        return _gemma_items(text, i + 1, "}")
+        return _gemma_items(text, i + 1, "}", quote)
     if text.startswith("[", i):
-        return _gemma_items(text, i + 1, "]")
+        return _gemma_items(text, i + 1, "]", quote)
     end = i
     while end < len(text) and text[end] not in ",}]":
         end += 1
@@ -278,7 +281,7 @@ def _gemma_value(text: str, i: int) -> tuple[Any, int]:
     except ValueError:
         number = None
     if not isinstance(number, int | float):
-        raise ValueError(f"{word!r} is neither a number, true, false nor a string between {_ESCAPE} marks")
+        raise ValueError(f"{word!r} is neither a number, true, false nor a string between {quote} marks")
     return number, end
 
 
@@ -346,11 +349,21 @@ _FORMATS = (
         "functiongemma",
         _blocks(
             r"<start_function_call>(.*?)<end_function_call>",
-            parse_functiongemma_call,
+            parse_gemma_call,
             drop=("<start_function_response>",),
         ),
         markers=("<start_function_call>", "<end_function_call>", _ESCAPE),
         detect=("<start_function_call>",),
+    ),
+    ToolFormat(
+        "gemma4",
+        _blocks(
+            r"<\|tool_call>(.*?)<tool_call\|>",
+            functools.partial(parse_gemma_call, quote=_GEMMA4_QUOTE),
+            drop=("<|tool_response>",),
+        ),
+        markers=("<|tool_call>", "<tool_call|>", _GEMMA4_QUOTE),
+        detect=("<|tool_call>",),
     ),
     ToolFormat("llama3", parse_llama3, ("<|python_tag|>",), ("<|python_tag|>", "<|start_header_id|>")),
     ToolFormat("hermes", _blocks(_HERMES_BLOCK, parse_hermes_call), ("<tool_call>", "</tool_call>"), ()),

@@ -187,7 +187,7 @@ DEEPSEEK_V3_STOCK = DEEPSEEK_R1_STOCK.replace("<｜Assistant｜><think>\\n", "<�
 
 @pytest.mark.parametrize(
     "fixture, preserves", [("llama3_2.jinja", True), ("glm4_5.jinja", True), ("functiongemma.jinja", True),
-                           ("deepseek_v3.jinja", False)],
+                           ("gemma4.jinja", True), ("deepseek_v3.jinja", False)],
 )  # fmt: skip
 def test_family_templates_on_the_tool_round_prefix_check(fixture, preserves):
     """The published templates as they are: DeepSeek's concatenates the arguments as text, so the object the

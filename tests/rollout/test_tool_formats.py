@@ -60,6 +60,8 @@ FAMILIES = {
     "functiongemma": Family("functiongemma.jinja", "functiongemma", ("<start_of_turn>", "<end_of_turn>",
                             "<start_function_call>", "<end_function_call>", "<start_function_response>",
                             "<end_function_response>", "<escape>")),
+    "gemma4": Family("gemma4.jinja", "gemma4", ("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
+                     "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>')),
     "qwen3_5": Family("qwen3_5_nothink.jinja", "qwen3_coder", ("<|im_start|>", "<|im_end|>", "<think>", "</think>",
                       "<tool_call>", "</tool_call>")),
     "qwen3_6": Family("qwen3_6.jinja", "qwen3_coder", ("<|im_start|>", "<|im_end|>", "<think>", "</think>",
@@ -191,6 +193,18 @@ def test_functiongemma_nested_values_and_malformed_calls():
     assert "<start_function_response>" not in content and content.count("<start_function_call>") == 3
 
 
+def test_gemma4_quotes_nested_values_and_malformed_calls():
+    q = '<|"|>'
+    text = (f"<|tool_call>call:add{{a:1,note:{q}x, {{y}}{q}}}<tool_call|>"
+            f"<|tool_call>call:plot{{data:[1,2.5],opts:{{{q}grid{q}:true,title:{q}T{q}}}}}<tool_call|>"
+            f"<|tool_call>call:add{{a:<escape>1<escape>}}<tool_call|><|tool_response>")  # fmt: skip
+    content, calls = parse_tool_calls(text, "gemma4")
+    assert (calls[0].name, calls[0].arguments) == ("add", {"a": 1, "note": "x, {y}"})
+    assert calls[1].arguments == {"data": [1, 2.5], "opts": {"grid": True, "title": "T"}}
+    assert calls[2].error is not None  # FunctionGemma's <escape> is no quote in Gemma 4
+    assert "<|tool_response>" not in content and content.count("<|tool_call>") == 1
+
+
 def test_a_runaway_qwen3_coder_value_stays_text():
     runaway = "<tool_call><function=add><parameter=a>" + "[" * 100_000 + "</parameter></function></tool_call>"
     assert parse_tool_calls(runaway, "qwen3_coder")[1][0].arguments == {"a": "[" * 100_000}
@@ -206,6 +220,7 @@ def test_a_runaway_qwen3_coder_value_stays_text():
                  "<arg_value>n</arg_value>\n</tool_call><tool_call>add\nstray</tool_call>"),
         ("functiongemma", "<start_function_call>call:add{a:1,note:<escape>n<escape>}<end_function_call>"
                           "<start_function_call>call:add{a:1<end_function_call>"),
+        ("gemma4", '<|tool_call>call:add{a:1,note:<|"|>n<|"|>}<tool_call|><|tool_call>call:add{a:1<tool_call|>'),
         ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=note>\nn\n"
                         "</parameter>\n</function>\n</tool_call><tool_call>\n<function=add>\n</tool_call>"),
     ],
@@ -218,7 +233,7 @@ def test_malformed_calls_fail_as_tool_results_and_count(fmt, text):
 
 
 def test_every_format_is_named_and_unknown_ones_refused():
-    assert set(FORMATS) == {"tiny", "deepseek_v3", "glm4", "qwen3_coder", "functiongemma", "llama3", "hermes"}
+    assert set(FORMATS) == {"tiny", "deepseek_v3", "glm4", "qwen3_coder", "functiongemma", "gemma4", "llama3", "hermes"}
     with pytest.raises(ValueError, match="rollout.tool_call_format='mistral'"):
         parse_tool_calls("", "mistral")
 
@@ -229,9 +244,10 @@ def test_every_format_is_named_and_unknown_ones_refused():
         ("hermes", "<tool_call>" + "[" * 100_000 + "</tool_call>"),
         ("deepseek_v3", "<｜tool▁call▁begin｜>add<｜tool▁sep｜>" + "[" * 100_000 + "<｜tool▁call▁end｜>"),
         ("functiongemma", "<start_function_call>call:add{a:" + "[" * 100_000 + "<end_function_call>"),
+        ("gemma4", "<|tool_call>call:add{a:" + "[" * 100_000 + "<tool_call|>"),
         ("tiny", "<tool_call>add(a=" + "[" * 100_000 + ")</tool_call>"),
     ],
-    ids=["hermes", "deepseek_v3", "functiongemma", "tiny"],
+    ids=["hermes", "deepseek_v3", "functiongemma", "gemma4", "tiny"],
 )
 def test_a_degenerate_completion_nested_without_end_is_a_failed_call_not_a_crash(fmt, text):
     (call,) = parse_tool_calls(text, fmt)[1]
