@@ -5,7 +5,8 @@ The reward (``drop_some``) gives every rollout of a chosen fraction of prompts t
 zero_std) and the others their closeness to a target length, which varies within a group (benchmarks/e2e.py's
 length-controlled loop draws each rollout's length). Which prompts drop is a hash of the prompt, so the fraction is
 the same at every speed. Each fraction is one `asyncrl train` run on the e2e benchmark's tiny random model with the
-server it launches (the built-in one on a CPU); the figure is the median ``perf/step_s`` after the first steps.
+server it launches (the built-in one on a CPU, vLLM on a GPU); the figure is the median ``perf/step_s`` after the
+first steps.
 
     python benchmarks/drop_rate.py                                # 0% and 70% dropped, 30 steps each, on the CPU
     python benchmarks/drop_rate.py --fractions 0,0.7 --prompts 64 --steps 40 -- data.retire_solved_after=2
@@ -52,6 +53,14 @@ def drop_some(prompts: Sequence[Any], completions: Sequence[Any], completion_ids
     return [-abs(len(ids) - target) / (1 + target + len(ids)) for ids in completion_ids]
 
 
+def server_overrides(device: str) -> list[str]:
+    """On a GPU the vLLM a user's run launches (the built-in server would bound the step there); on a CPU the
+    built-in one."""
+    if device == "cuda":
+        return ["server.backend=vllm", "server.dtype=bfloat16"]
+    return ["server.backend=builtin", f"server.device={device}", "server.dtype=float32"]
+
+
 def overrides(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float) -> list[str]:
     _, median, sigma, max_len, budget = WORKLOAD[args.shape]
     return [
@@ -60,8 +69,7 @@ def overrides(args: argparse.Namespace, model_dir: Path, data: Path, fraction: f
         "loss=clipped", f"sampling.num_generations={GROUP_SIZE}", f"sampling.max_completion_length={max_len}",
         "sampling.num_sampler_logprobs=0", "rollout.loop_cls=benchmarks.e2e:LengthControlledLoop",
         f"++rollout.options={{median_tokens: {median}, sigma: {sigma}}}", "rollout.max_consecutive_dropped_groups=null",
-        "server.backend=builtin", f"server.device={args.device}", f"server.port={free_port()}",
-        f"server.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
+        *server_overrides(args.device), f"server.port={free_port()}",
         f"packing.token_budget={budget}", f"trainer.max_steps={args.steps}", "trainer.save_strategy=no",
         "trainer.learning_rate=1e-6", "logging.console=plain", "logging.report=false",
     ]  # fmt: skip
