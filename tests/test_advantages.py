@@ -209,7 +209,8 @@ def test_the_rollout_loop_calls_every_estimator_with_the_per_function_rewards():
 
 def test_scoring_a_group_keeps_the_per_function_rewards():
     group = SimpleNamespace(prompts=[[]] * 2, completions=[[]] * 2, completions_ids=[[1], [1, 2]], reward_kwargs={},
-                            rollout_rewards=[None, None], env_rewards=[None, None], row_index=0)  # fmt: skip
+                            rollout_rewards=[None, None], env_rewards=[None, None], row_index=0,
+                            rollouts=[])  # fmt: skip
     sources = [RewardSource("len", lambda completion_ids, **_: [float(len(c)) for c in completion_ids]),
                RewardSource("none", lambda completion_ids, **_: [None, 1.0])]  # fmt: skip
     asyncio.run(score_group(group, sources))
