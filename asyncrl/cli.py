@@ -157,11 +157,18 @@ def config(
     plan_file: bool = typer.Option(
         False, "--plan", help="Print the run plan instead (JSON: the plan.json a run's processes read)."
     ),
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(help="A run's own: the config and plan its plan.json holds (no overrides), its commands."),
+    ] = None,
 ) -> None:
     """Print the composed, validated config as YAML (same overrides as train)."""
     from asyncrl.config.compose import compose, to_yaml
     from asyncrl.plan.assemble import plan_run
 
+    if run_dir is not None:
+        _print_run(run_dir, list(ctx.args), plan_file=plan_file, server_command=server_command)
+        return
     plan = _checked(lambda: plan_run(compose(list(ctx.args)), fetch=server_command))
     if plan_file:
         import json
@@ -184,6 +191,34 @@ def config(
         typer.echo("".join(shell_line(command.argv, command.env) for command in commands), nl=False)
         return
     typer.echo(to_yaml(plan.config), nl=False)
+
+
+def _print_run(run_dir: Path, overrides: list[str], *, plan_file: bool, server_command: bool) -> None:
+    """`asyncrl config --run-dir DIR`: what that run decided, read from its plan.json (checked against this asyncrl's
+    schema), not planned again: its config as YAML, its plan (--plan) or the commands it launched its servers with."""
+    import json
+
+    from asyncrl.config.compose import to_yaml
+    from asyncrl.config.errors import ConfigError
+    from asyncrl.launch import shell_line
+    from asyncrl.plan_file import plan_record, read_plan
+
+    def read():  # type: ignore[no-untyped-def]
+        if overrides:
+            raise ConfigError(f"--run-dir {run_dir} prints what that run decided: drop the overrides {overrides}")
+        return read_plan(run_dir)
+
+    plan = _checked(read)
+    if plan_file:
+        typer.echo(json.dumps(plan_record(plan), indent=2))
+    elif server_command:
+        if not plan.server_commands:
+            typer.secho(f"{run_dir}'s plan.json holds no server command: the run attached to its server "
+                        "(server.launch=false), or stopped before its vLLM was given its share", err=True)  # fmt: skip
+            raise typer.Exit(1)
+        typer.echo("".join(shell_line(c.argv, c.env) for c in plan.server_commands), nl=False)
+    else:
+        typer.echo(to_yaml(plan.config), nl=False)
 
 
 @app.command(cls=_Command)

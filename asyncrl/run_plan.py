@@ -103,6 +103,9 @@ class RunPlan:
     one's --max-model-len, and the length the trainer sizes its warm-up rows to before the server answers; for the
     built-in server server.max_model_len. None for a built-in server without it (its model's context), or a plan not
     sized yet (plan/assemble.py::sized: a job's, or a printed command's)."""
+    prompt_tokens: int | None = None
+    """The longest training prompt in tokens (data.max_prompt_length when set), measured once by the launcher where a
+    vLLM's context or an attached server's check takes it (plan/assemble.py::sized); None where nothing does."""
     server_commands: list[ServerCommand] | None = None
     """Each launched server's command, replica after replica, as a job decided it before any starts
     (plan/assemble.py::commanded) and launched it; a restart launches them again as they are. None for an attached
@@ -113,6 +116,21 @@ class RunPlan:
     (serving/vllm.py::shared_gpu_share), as its warm-up measured it, or, where that let vLLM boot beside the warm-up,
     as an earlier run of this shape recorded it (asyncrl/footprint.py). None before the warm-up, or where no server
     waits for it."""
+
+    def needed_context(self, backend: str) -> int:
+        """The fewest tokens a server of ``backend`` (as it reports itself) must hold for this run:
+        server.max_model_len; else for vLLM the longest prompt and one turn's completion (a launched one with tools:
+        the context it was given); else one completion (the built-in server serves its model's whole context)."""
+        config = self.config
+        if config.server.max_model_len is not None:
+            return config.server.max_model_len
+        if backend != "vllm":
+            return config.sampling.max_completion_length + 1
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens + config.sampling.max_completion_length
+        if self.max_model_len is None:
+            raise RuntimeError("the run plan is not sized (plan/assemble.py::sized): its prompts were never measured")
+        return self.max_model_len
 
     @cached_property
     def components(self) -> Components:

@@ -166,7 +166,7 @@ def phase_sync(backend: str, out: Path) -> None:
             model_info = info["model_config"]
             print("[sync] /server_info: logprobs_mode", model_info["logprobs_mode"], "| max_model_len",
                   model_info["max_model_len"], "| weight_transfer_config", info["weight_transfer_config"])  # fmt: skip
-        sync = build_weight_sync(plan, control, out, prepared)
+        sync = build_weight_sync(plan, control, out)
         print(f"[sync] startup checks passed: {sync.facts}; transport {type(sync.transport).__name__}")
         model = load_model(config, config.model.name_or_path).to(device).eval()
         sync.init(model)
@@ -242,7 +242,7 @@ def phase_lora(backend: str, out: Path, steps: int, modes: list[str]) -> None:
         print(f"[lora] server {server.backend} healthy after {time.perf_counter() - started:.1f} s; command:")
         print("      ", (out / "commands" / "server.sh").read_text().strip())
         with ControlClient(server.base_url, timeout_s=600) as control:
-            sync = build_weight_sync(plan, control, out, prepared)
+            sync = build_weight_sync(plan, control, out)
             assert isinstance(sync, AdapterSync), type(sync)
             model = load_model(config, config.model.name_or_path).to(device).eval()
             sync.init(model)

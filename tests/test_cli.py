@@ -41,6 +41,26 @@ def test_config_error_is_one_line_and_exit_code_2():
     assert "sampling.top_p=0.9 needs sampling.top_k > 0" in result.output
 
 
+def test_config_run_dir_prints_what_that_run_decided_from_its_plan(tmp_path):
+    import json
+
+    from asyncrl.config.compose import compose
+    from asyncrl.plan.assemble import plan_run
+    from asyncrl.plan_file import write_plan
+
+    write_plan(plan_run(compose(["server=builtin", "sampling.temperature=0.7"]), tmp_path), tmp_path)
+    printed = runner.invoke(app, ["config", "--run-dir", str(tmp_path)])
+    assert printed.exit_code == 0 and "temperature: 0.7" in printed.output
+    plan = runner.invoke(app, ["config", "--plan", "--run-dir", str(tmp_path)])
+    assert json.loads(plan.output)["server_backend"] == "builtin"
+    commands = runner.invoke(app, ["config", "--server-command", "--run-dir", str(tmp_path)])
+    assert commands.exit_code == 0 and "asyncrl.engine" in commands.output
+    with_overrides = runner.invoke(app, ["config", "--run-dir", str(tmp_path), "sampling.temperature=1.0"])
+    assert with_overrides.exit_code == 2 and "drop the overrides" in with_overrides.output
+    missing = runner.invoke(app, ["config", "--run-dir", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2 and "no plan" in missing.output
+
+
 def test_a_sweep_value_that_cannot_compose_fails_in_one_line_before_any_job(tmp_path):
     sweep = tmp_path / "sweep"
     result = runner.invoke(app, ["train", "-m", "trainer.lr_scheduler_type=cosine,cosinee", "trainer.seed=1,2",

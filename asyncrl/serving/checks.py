@@ -15,9 +15,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.client import ControlClient, ServerError
-from asyncrl.config.schema import Config, WeightTransfer
+from asyncrl.config.schema import Config, ServerBackend, WeightTransfer
 from asyncrl.flow import FlowControl
-from asyncrl.prompts import longest_prompt_tokens
 from asyncrl.serving import vllm
 from asyncrl.serving.command import max_lora_rank, max_loras, served_model_name
 
@@ -52,16 +51,16 @@ class ServerFacts:
     """The GPUs one server spans (tensor x pipeline x data parallel)."""
 
 
-def check_server(plan: RunPlan, control: ControlClient, *, dataset: Any = None, tokenizer: Any = None) -> ServerFacts:
-    """Run every check of the server against the run's plan; ``dataset`` and ``tokenizer`` (already loaded by the
-    caller) measure the longest prompt."""
+def check_server(plan: RunPlan, control: ControlClient) -> ServerFacts:
+    """Run every check of the server against the run's plan."""
     config, expected = plan.config, plan.server_backend
     version = control.version()
     backend = "builtin" if version.startswith(BUILTIN_VERSION_PREFIX) else "vllm"
     fix = _Fix(plan, backend)
-    if config.server.launch and expected != backend:
-        raise ServerCheckError(f"server.backend={expected} but the server at {control.base_url} reports {version}")
-    max_model_len = _check_model(config, control, fix, _needed_model_len(config, backend, dataset, tokenizer))
+    if expected != backend and (config.server.launch or config.server.backend != ServerBackend.auto):
+        raise ServerCheckError(f"server.backend={expected} but the server at {control.base_url} reports {version}"
+                               + ("" if config.server.launch else f": set server.backend={backend}"))  # fmt: skip
+    max_model_len = _check_model(config, control, fix, plan.needed_context(backend))
     _check_dev_mode(control, fix)
     if backend == "builtin":
         return ServerFacts(backend, version, max_model_len, "builtin", _candidate_sets(config, control, fix, True))
@@ -84,12 +83,10 @@ def check_server(plan: RunPlan, control: ControlClient, *, dataset: Any = None, 
     )
 
 
-def check_servers(
-    plan: RunPlan, controls: list[ControlClient], *, dataset: Any = None, tokenizer: Any = None
-) -> ServerFacts:
+def check_servers(plan: RunPlan, controls: list[ControlClient]) -> ServerFacts:
     """``check_server`` on every replica; they must speak the same weight transfer (one round reaches them all),
     and the run's context is the shortest of theirs. CUDA IPC reaches only one server, on the trainer's GPU."""
-    facts = [check_server(plan, control, dataset=dataset, tokenizer=tokenizer) for control in controls]
+    facts = [check_server(plan, control) for control in controls]
     first = facts[0]
     for index, other in enumerate(facts[1:], start=1):
         if (other.backend, other.weight_transfer) != (first.backend, first.weight_transfer):
@@ -146,15 +143,6 @@ def _check_model(config: Config, control: ControlClient, fix: _Fix, needed: int)
             key=f"server.max_model_len={needed}",
         )
     return served
-
-
-def _needed_model_len(config: Config, backend: str, dataset: Any, tokenizer: Any) -> int:
-    """vLLM: what its --max-model-len was derived from. Built-in: server.max_model_len, else one completion."""
-    if config.server.max_model_len is not None:
-        return config.server.max_model_len
-    if backend == "vllm":
-        return longest_prompt_tokens(config, dataset, tokenizer) + config.sampling.max_completion_length
-    return config.sampling.max_completion_length + 1
 
 
 def _check_dev_mode(control: ControlClient, fix: _Fix) -> None:

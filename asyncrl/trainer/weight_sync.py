@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -196,17 +196,13 @@ class WeightSync:
                 log.warning("weight sync close: %s", error)
 
 
-def build_weight_sync(
-    plan: RunPlan, control: ControlClient | ControlGroup, run_dir: Path, prepared: Any = None
-) -> WeightSync | AdapterSync:
+def build_weight_sync(plan: RunPlan, control: ControlClient | ControlGroup, run_dir: Path) -> WeightSync | AdapterSync:
     """Check the running servers against the plan, then build the sync backend they speak (not yet init'ed),
     reaching every one of them: adapter-only sync when lora.sync resolves to it on each (``use_adapter_sync``),
-    else a merged/full weight round, in the plan's serving dtype. ``prepared``: the trainer's data and tokenizer,
-    which size the model length the checks expect (None: the checks load them)."""
+    else a merged/full weight round, in the plan's serving dtype."""
     config, flow = plan.config, plan.flow
     group = control if isinstance(control, ControlGroup) else ControlGroup([control])
-    dataset, tokenizer = getattr(prepared, "dataset", None), getattr(prepared, "tokenizer", None)
-    facts = check_servers(plan, group.controls, dataset=dataset, tokenizer=tokenizer)
+    facts = check_servers(plan, group.controls)
     log.info(
         "server %s %s: max_model_len %d, weight transfer %s, candidate sets %s",
         facts.backend,

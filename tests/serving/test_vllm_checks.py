@@ -17,7 +17,10 @@ from asyncrl.serving.vllm import WORKER_EXTENSION
 
 
 def attached(url: str, *overrides: str) -> Any:
+    """An attached server its user names built-in (server.backend=builtin: nothing measures prompts with a tokenizer
+    named like the fake model)."""
     return to_config(compose(["server.launch=false", f"server.base_url={url}", f"model.name_or_path={SERVED_NAME}",
+                              "server.backend=builtin",
                               *overrides]))  # fmt: skip
 
 
@@ -45,7 +48,8 @@ def test_builtin_server_that_agrees_passes_and_returns_candidate_sets(live_serve
 
 def test_wrong_served_name_names_the_flag(live_server):
     with pytest.raises(ServerCheckError, match="not 'other-model'.*--served-model-name other-model"):
-        run_checks(to_config(compose(["server.launch=false", f"server.base_url={live_server.base_url}",
+        run_checks(to_config(compose(["server.launch=false", "server.backend=builtin",
+                                      f"server.base_url={live_server.base_url}",
                                       "model.name_or_path=other-model"])))  # fmt: skip
 
 
@@ -62,6 +66,11 @@ def test_launched_server_mismatch_names_the_config_key(live_server):
     config.server.backend = type(config.server.backend)("vllm")
     with pytest.raises(ServerCheckError, match="server.backend=vllm but the server .* reports asyncrl-builtin"):
         run_checks(config)
+    with pytest.raises(
+        ServerCheckError,
+        match="server.backend=vllm but the server .* reports asyncrl-builtin.*: set server.backend=builtin$",
+    ):  # attached: a backend named is checked too
+        run_checks(attached_vllm(live_server.base_url))
 
 
 def test_builtin_server_without_dev_endpoints_names_dev_mode(serve_app):
