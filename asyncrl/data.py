@@ -5,24 +5,34 @@ GRPO page allows (plain text, tokenized as it is: no chat template; its completi
 Checked before anything starts: a missing `prompt` column or prompts of neither form fail with a message saying what
 was found, and so does a row that carries an image (asyncrl trains on text only, vision-language models included:
 nothing would hand the image to the server or to the training forward pass).
+With data.streaming the split is a ``PromptStream``: its first rows are checked so at load, each row as the worker
+reads it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from datasets import Dataset, Value, load_dataset, load_from_disk
+from datasets import Dataset, IterableDataset, Value, load_dataset, load_from_disk
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import Config
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 IMAGE_COLUMNS = ("images", "image")
 """The columns that carry a row's images in TRL's vision-language datasets."""
 _MEDIA_KEYS = ("image", "image_url", "video")
 """Keys of a content part without a ``type`` that make it an image or a video."""
+HEAD_ROWS = 100
+"""A streamed split's first rows, read at load: its columns and prompt form are checked on them."""
+T = TypeVar("T")
 
 
 class DatasetError(ValueError):
@@ -31,6 +41,14 @@ class DatasetError(ValueError):
 
 def load_prompts(path: str, *, name: str | None = None, split: str = "train", key: str = "data.path") -> Dataset:
     """``key`` is the config key that named ``path``, for the error when nothing is found there."""
+    dataset = open_split(path, name, split, key, streaming=False)
+    check_prompts(dataset, path)
+    return dataset
+
+
+def open_split(path: str, name: str | None, split: str, key: str, *, streaming: bool) -> Dataset | IterableDataset:
+    """The split a file, a saved directory or a Hub id holds; ``streaming``: an IterableDataset that reads rows only as
+    they are asked for (a saved directory's memory-mapped Arrow files through ``to_iterable_dataset``)."""
     source = Path(path)
     if source.suffix in _FILE_BUILDERS and not source.exists():
         raise DatasetError(f"{key}={path}: no such file")
@@ -40,32 +58,34 @@ def load_prompts(path: str, *, name: str | None = None, split: str = "train", ke
             raise DatasetError(
                 f"data file {path}: unsupported extension {source.suffix!r} (use .json, .jsonl, .parquet)"
             )
-        dataset = _load_file(source, builder, key)
-    elif source.is_dir() and any((source / f).exists() for f in ("dataset_dict.json", "state.json")):
+        return _load_file(source, builder, key, streaming)
+    if source.is_dir() and any((source / f).exists() for f in ("dataset_dict.json", "state.json")):
         loaded = load_from_disk(str(source))
         dataset = loaded[split] if hasattr(loaded, "keys") else loaded
-    else:
-        try:
-            dataset = load_dataset(path, name, split=split)
-        except (FileNotFoundError, ConnectionError) as exc:  # not a directory, file or reachable hub dataset
-            raise DatasetError(f"{key}={path}: {exc}") from exc
-    check_prompts(dataset, path)
-    return dataset
+        return dataset.to_iterable_dataset() if streaming else dataset
+    try:
+        return load_dataset(path, name, split=split, streaming=streaming)
+    except (FileNotFoundError, ConnectionError) as exc:  # not a directory, file or reachable hub dataset
+        raise DatasetError(f"{key}={path}: {exc}") from exc
 
 
-def _load_file(source: Path, builder: str, key: str) -> Dataset:
-    """A json/jsonl/parquet file; an empty one, or a JSON Lines row that does not parse, named with its line."""
+def _load_file(source: Path, builder: str, key: str, streaming: bool = False) -> Dataset | IterableDataset:
+    """A json/jsonl/parquet file; an empty one, or a JSON Lines row that does not parse, named with its line. Streamed,
+    its rows are parsed as they are read: checking every line first would read the whole file."""
     if source.stat().st_size == 0:
         raise DatasetError(f"{key}={source}: the file is empty; give a data file with a 'prompt' column")
-    if source.suffix == ".jsonl":
+    if source.suffix == ".jsonl" and not streaming:
         _check_json_lines(source, key)
     try:
-        return load_dataset(builder, data_files=str(source), split="train")
+        return load_dataset(builder, data_files=str(source), split="train", streaming=streaming)
     except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for one unreadable file
-        raise DatasetError(
-            f"{key}={source}: cannot be read as {source.suffix[1:]} ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
-        ) from exc
+        raise DatasetError(unreadable(f"{key}={source}", f"as {source.suffix[1:]} ", exc)) from exc
+
+
+def unreadable(what: str, how: str, exc: Exception) -> str:
+    """The one-line error for data that datasets or pyarrow could not read: ``what`` cannot be read ``how``."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{what}: cannot be read {how}({type(exc).__name__}: {first})"
 
 
 def _check_json_lines(source: Path, key: str) -> None:
@@ -88,6 +108,126 @@ def _check_json_lines(source: Path, key: str) -> None:
                 )
 
 
+def load_train_prompts(config: Config) -> Dataset | PromptStream:
+    """data.path's split: whole, or with data.streaming a ``PromptStream`` (its first HEAD_ROWS rows checked here)."""
+    d = config.data
+    if not d.streaming:
+        return load_prompts(d.path, name=d.name, split=d.split)
+    rows = open_split(d.path, d.name, d.split, "data.path", streaming=True)
+    seed = config.trainer.seed if d.shuffle else None
+    return PromptStream(rows, d.path, first_rows(rows, HEAD_ROWS, d.path), seed, d.shuffle_buffer_size)
+
+
+def load_eval_prompts(config: Config) -> Dataset | None:
+    """data.eval_path's split (None: no evaluation); with data.streaming only its first data.num_eval_prompts rows,
+    the ones evaluated, are read: an eval split as big as the training one (or that one) costs no more."""
+    d = config.data
+    if not d.eval_path or d.num_eval_prompts <= 0:
+        return None
+    if not d.streaming:
+        return load_prompts(d.eval_path, name=d.name, split=d.eval_split, key="data.eval_path")
+    rows = open_split(d.eval_path, d.name, d.eval_split, "data.eval_path", streaming=True)
+    return first_rows(rows, d.num_eval_prompts, d.eval_path)
+
+
+def first_rows(rows: IterableDataset, count: int, source: str) -> Dataset:
+    """A stream's first ``count`` rows as a Dataset, checked as a whole split is (``check_prompts``)."""
+    try:
+        head = list(itertools.islice(rows, count))
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for one unreadable row
+        raise DatasetError(unreadable(f"dataset {source}", "", exc)) from exc
+    if not head:
+        raise DatasetError(f"dataset {source} is empty")
+    dataset = Dataset.from_list(head, features=rows.features)
+    check_prompts(dataset, source)
+    return dataset
+
+
+@dataclass
+class PromptStream:
+    """A split read as a stream (data.streaming): datasets' IterableDataset, whose rows the rollout worker reads as it
+    needs them, never the whole split. Its length is unknown until a pass ends (so the run stops at
+    trainer.max_steps); each pass is reshuffled in a buffer (datasets' ``set_epoch``: seed + pass) and a resume reads
+    and drops the rows consumed before it, as the stream cannot seek. Pickled into the worker, which reads it."""
+
+    rows: IterableDataset
+    source: str
+    head: Dataset
+    """The first rows, checked at load: the columns and the prompt form (``standard_prompts`` reads them)."""
+    seed: int | None = None
+    """None: unshuffled, the split's own order (the rows of the same split loaded whole, in the same order)."""
+    buffer_size: int = 1000
+    rows_per_pass: int | None = None
+    """Known once a pass has been read to its end (in the process that reads it)."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return self.head.column_names
+
+    def __getitem__(self, column: str) -> Any:
+        """A column is never read whole: only the longest prompt, sizing vLLM's context, would ask it."""
+        raise DatasetError(
+            f"dataset {self.source} is streamed (data.streaming=true): its '{column}' column cannot be read whole, as "
+            "measuring the longest prompt for vLLM's context would; set data.max_prompt_length or server.max_model_len"
+        )
+
+    def prompts_from(self, start: int) -> Iterator[tuple[int, int, dict[str, Any], int, bool]]:
+        """(index, position in its pass, row, pass, whether it ends its pass) of each prompt from the ``start``-th
+        on, pass after pass without end. The rows before ``start`` are read and dropped, whole passes skipped
+        unread once a pass's length is known."""
+        index = 0
+        for epoch in itertools.count():
+            if self.rows_per_pass is not None and start - index >= self.rows_per_pass:
+                index += self.rows_per_pass
+                continue
+            position = -1
+            for position, (row, last) in enumerate(with_last(self.pass_rows(epoch))):
+                if index >= start:
+                    check_streamed_row(row, position, epoch, self.source)
+                    yield index, position, row, epoch, last
+                index += 1
+            if position < 0:
+                raise DatasetError(f"dataset {self.source} is empty")
+            self.rows_per_pass = position + 1
+
+    def pass_rows(self, epoch: int) -> IterableDataset:
+        """Pass ``epoch``'s rows: the split's order, or shuffled in the buffer, the same again on resume."""
+        if self.seed is None:
+            return self.rows
+        shuffled = self.rows.shuffle(seed=self.seed, buffer_size=self.buffer_size)
+        shuffled.set_epoch(epoch)
+        return shuffled
+
+
+def epoch_rows(dataset: Dataset | PromptStream | Sequence[dict[str, Any]]) -> int | None:
+    """Rows per epoch: the dataset's length, a stream's once this process has read a pass to its end, else None."""
+    return dataset.rows_per_pass if isinstance(dataset, PromptStream) else len(dataset)
+
+
+def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """Each item and whether it is the last: a stream's end shows only when the next read finds nothing."""
+    iterator = iter(items)
+    for current in iterator:
+        for following in iterator:
+            yield current, False
+            current = following
+        yield current, True
+
+
+def check_streamed_row(row: dict[str, Any], position: int, epoch: int, source: str) -> None:
+    """What ``check_prompts`` asks of a whole split, asked of one streamed row as the worker reads it."""
+    prompt = row.get("prompt")
+    where = f"dataset {source}: the row at position {position} of pass {epoch}"
+    if not (isinstance(prompt, str) or _is_conversation(prompt)):
+        raise DatasetError(f"{where} has a 'prompt' that is neither a string nor a list of {{'role', 'content'}} "
+                           f"messages: {str(prompt)[:80]!r}")  # fmt: skip
+    media = [c for c in IMAGE_COLUMNS if row.get(c)]
+    if not media and isinstance(prompt, list):
+        media = [kind for message in prompt if (kind := _media_part(message["content"])) is not None]
+    if media:
+        raise DatasetError(f"{where} carries an image or video ({media[0]}): asyncrl trains on text only")
+
+
 def check_prompts(dataset: Dataset, source: str) -> None:
     if "prompt" not in dataset.column_names:
         raise DatasetError(
@@ -105,8 +245,10 @@ def check_prompts(dataset: Dataset, source: str) -> None:
     check_text_only(dataset, source)
 
 
-def standard_prompts(rows: Dataset | Sequence[dict[str, Any]]) -> bool:
-    """Whether the prompts are plain text (a string column: every row is one) rather than conversations."""
+def standard_prompts(rows: Dataset | PromptStream | Sequence[dict[str, Any]]) -> bool:
+    """Whether the prompts are plain text (a string column: every row is one) rather than conversations; a stream's
+    checked first rows say it."""
+    rows = rows.head if isinstance(rows, PromptStream) else rows
     return len(rows) > 0 and isinstance(rows[0]["prompt"], str)
 
 

@@ -81,6 +81,8 @@ def shape_key(config: Config, token_budget: int) -> str:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+    if t.optimizer_factory is not None:  # its own optimizer's state: a figure of its own
+        parts["optimizer_factory"] = t.optimizer_factory
     reward_models = reward_model_options(config)
     if reward_models:  # loaded on the trainer's GPU before the warm-up (rewards/endpoint.py): part of the footprint
         parts["reward_models"] = [(options.path, options.dtype) for _, options in reward_models]

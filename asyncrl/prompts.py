@@ -77,9 +77,9 @@ def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: obj
     )
     if key not in _PROMPT_LENGTHS:
         if dataset is None:
-            from asyncrl.data import load_prompts
+            from asyncrl.data import load_train_prompts
 
-            dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
+            dataset = load_train_prompts(config)  # a stream (data.streaming) refuses to be measured, in one line
         if tokenizer is None:
             tokenizer = load_tokenizer(config)
         kwargs = config.sampling.chat_template_kwargs

@@ -19,6 +19,7 @@ def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
     assert cached_memory(to_config(compose(["trainer.logit_chunk_tokens=7"])), 512) is None
     assert cached_memory(to_config(compose(["trainer.learning_rate=1e-3"])), 512) == memory  # not a shape change
     assert cached_memory(to_config(compose(["trainer.optim_args='amsgrad=true'"])), 512) is None  # a third state tensor
+    assert cached_memory(to_config(compose(["trainer.optimizer_factory=my.optim:build"])), 512) is None  # its own state
     assert cached_memory(to_config(compose(["reward_funcs=[{name: length, scale: 2.0}]"])), 512) == memory
     with_a_reward_model = ["reward_funcs=[{name: reward_model, path: org/rm}]"]  # loaded on the trainer's GPU
     assert cached_memory(to_config(compose(with_a_reward_model)), 512) is None

@@ -3,10 +3,10 @@ of trainer.optim's optimizer (trainer/model.py builds it with them) and checked 
 (config/validate.py).
 
 transformers parses the same string and hands each optimizer the keys it knows, as floats or booleans, dropping the
-rest: its SGD takes momentum, dampening, weight_decay and nesterov, its AdamW none. Here a key the optimizer does not
-take is refused rather than dropped, AdamW takes ``amsgrad`` (a torch AdamW keyword transformers' Trainer never
-passes), and what has a key of its own (the learning rate, the weight decay, AdamW's betas and epsilon) is set there,
-not twice.
+rest: its SGD takes momentum, dampening, weight_decay and nesterov, Adagrad lr_decay, weight_decay and eps, RMSprop
+momentum, alpha, eps, weight_decay and centered, AdamW none. Here a key the optimizer does not take is refused rather
+than dropped, AdamW takes ``amsgrad`` (a torch AdamW keyword transformers' Trainer never passes), and what has a key
+of its own (the learning rate, the weight decay, AdamW's betas and epsilon) is set there, not twice.
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ OPTIM_ARGS: dict[str, dict[str, type]] = {
     OptimizerName.adamw_torch: {"amsgrad": bool},
     OptimizerName.adamw_torch_fused: {"amsgrad": bool},
     OptimizerName.sgd: {"momentum": float, "dampening": float, "nesterov": bool},
+    OptimizerName.adagrad: {"lr_decay": float, "eps": float},
+    OptimizerName.rmsprop: {"momentum": float, "alpha": float, "eps": float, "centered": bool},
 }
 """trainer.optim -> the optim_args keys its torch optimizer takes, with the type each value is read as."""
+NON_NEGATIVE = ("momentum", "lr_decay", "alpha", "eps")
+"""The keys whose negative values torch's optimizers refuse as they are built, in the trainer: refused here first."""
 OWN_KEYS = (
     "the learning rate, weight decay and AdamW's betas and epsilon are trainer.learning_rate, trainer.weight_decay, "
     "trainer.adam_beta1, trainer.adam_beta2 and trainer.adam_epsilon"
@@ -47,7 +51,7 @@ def optimizer_kwargs(t: TrainerConfig) -> dict[str, Any]:
         if key in kwargs:
             raise ConfigError(f"{where}: {key} is given twice")
         kwargs[key] = _value(where, key, text, accepted[key])
-    _check_sgd(where, kwargs)
+    _check_ranges(where, kwargs)
     return kwargs
 
 
@@ -63,10 +67,10 @@ def _value(where: str, key: str, text: str, kind: type) -> float | bool:
         raise ConfigError(f"{where}: {key}={text} must be a number") from None
 
 
-def _check_sgd(where: str, kwargs: dict[str, Any]) -> None:
-    """What torch's SGD refuses when it is built, in the trainer: said here, before anything starts."""
-    momentum, dampening = kwargs.get("momentum", 0.0), kwargs.get("dampening", 0.0)
-    if momentum < 0:
-        raise ConfigError(f"{where}: momentum={momentum} must be >= 0")
-    if kwargs.get("nesterov") and (momentum <= 0 or dampening != 0):
+def _check_ranges(where: str, kwargs: dict[str, Any]) -> None:
+    """What torch's optimizers refuse when they are built, in the trainer: said here, before anything starts."""
+    for key in NON_NEGATIVE:
+        if kwargs.get(key, 0.0) < 0:
+            raise ConfigError(f"{where}: {key}={kwargs[key]} must be >= 0")
+    if kwargs.get("nesterov") and (kwargs.get("momentum", 0.0) <= 0 or kwargs.get("dampening", 0.0) != 0):
         raise ConfigError(f"{where}: nesterov=true needs momentum > 0 and dampening=0 (torch's SGD)")

@@ -55,13 +55,17 @@ class LrSchedulerType(StrEnum):
 
 
 class OptimizerName(StrEnum):
-    """trainer.optim: transformers' names (OptimizerNames) of the optimizers that step FSDP2's sharded (DTensor)
-    parameters, which asyncrl trains at every world size (asyncrl/trainer/model.py builds them). Not offered, as
-    they fail on them: Adafactor (torch's and transformers'), bitsandbytes' 8-bit AdamW (bitsandbytes 0.50)."""
+    """trainer.optim: transformers' names (OptimizerNames) of torch's optimizers that step FSDP2's sharded (DTensor)
+    parameters, which asyncrl trains at every world size (asyncrl/trainer/model.py builds them). Not offered: Adafactor
+    (torch's and transformers') and bitsandbytes' 8-bit AdamW (0.50), which fail on them; the names of other packages'
+    optimizers (torchao, GaLore, APOLLO, LOMO, schedule-free, ...) and of other devices' kernels (XLA, NPU), which
+    trainer.optimizer_factory can build."""
 
     adamw_torch = "adamw_torch"
     adamw_torch_fused = "adamw_torch_fused"
     sgd = "sgd"
+    adagrad = "adagrad"
+    rmsprop = "rmsprop"
 
 
 class LoraSync(str, Enum):
@@ -213,6 +217,11 @@ class ServerConfig:
     re-quantizes every layer as its weights arrive (layerwise reload); asyncrl's in-place ipc loader
     (server.ipc_direct_load) would skip that, so a quantized server never gets it. vLLM only, 16-bit serving only;
     null: the checkpoint's own weights."""
+    model_impl: str = "auto"
+    """The model's implementation in vLLM (its --model-impl; TRL's vllm_model_impl): auto (vLLM's own where it has
+    one, else transformers'), vllm, or transformers (transformers' modeling code inside vLLM's engine, e.g. for an
+    architecture vLLM does not implement). The built-in server runs transformers' code already: it takes auto and
+    transformers, and refuses vllm."""
     vllm_version: str | None = None
     """The vLLM release `vllm serve` runs, for its version-dependent flags; default: the installed vllm."""
     max_logprobs: int = 20
@@ -284,11 +293,25 @@ class TrainerConfig:
     """TF32 for the trainer's float32 matmuls and convolutions on an Ampere or newer GPU (true) or IEEE float32
     (false), as transformers' TrainingArguments.tf32; null keeps torch's default (IEEE). true needs such a GPU."""
     optim: OptimizerName = OptimizerName.adamw_torch
-    """adamw_torch | adamw_torch_fused (torch's fused kernel) | sgd (torch's): each takes learning_rate and
-    weight_decay, AdamW the adam_* keys too."""
+    """adamw_torch | adamw_torch_fused (torch's fused kernel) | sgd | adagrad | rmsprop (torch's): each takes
+    learning_rate and weight_decay, AdamW the adam_* keys too."""
     optim_args: str | None = None
     """The optimizer's other keywords as transformers' comma-separated key=value string: sgd takes momentum, dampening
-    and nesterov (e.g. 'momentum=0.9,nesterov=true'), AdamW amsgrad (asyncrl/config/optim_args.py)."""
+    and nesterov (e.g. 'momentum=0.9,nesterov=true'), adagrad lr_decay and eps, rmsprop momentum, alpha, eps and
+    centered, AdamW amsgrad (asyncrl/config/optim_args.py)."""
+    optimizer_factory: str | None = None
+    """Import path ('pkg.module:function') of the optimizer's factory, in place of trainer.optim and optim_args (TRL's
+    optimizers=(optimizer, _), as a function since each trainer rank builds its own): called as
+    function(named_parameters, config), with the trainable (name, parameter) pairs, FSDP2's sharded DTensors (build
+    the optimizer over them as they are), and the run's Config (trainer.learning_rate and the like are yours to read),
+    it returns a torch.optim.Optimizer. Its state must be in optimizer.state (checkpoints save it, resharded), and a
+    step at learning rate 0 must leave the weights (the GPU warm-up's step)."""
+    scheduler_factory: str | None = None
+    """Import path ('pkg.module:function') of the learning-rate schedule's factory, in place of lr_scheduler_type and
+    warmup_steps (TRL's optimizers=(_, scheduler)): called as function(optimizer, num_training_steps), with the run's
+    optimizer and trainer.max_steps (required), it returns a torch.optim.lr_scheduler.LRScheduler of that optimizer,
+    stepped once per optimizer step (not ReduceLROnPlateau, which reads a metric). Its state_dict() must hold tensors
+    and plain values (a checkpoint's optimizer.pt loads with torch.load(weights_only=True))."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one training device at the training precision, for perf/*_mfu; None: asyncrl's table
     of GPUs (trainer/flops.py); MFU is not logged where neither knows the device."""
@@ -349,6 +372,16 @@ class DataConfig:
     """The first N rows of the eval split are scored before and after training; 0 = no evaluation."""
     shuffle: bool = True
     """Seeded shuffle per epoch (seed = trainer.seed + epoch), reproduced on resume."""
+    streaming: bool = False
+    """Read the split as a stream (datasets' streaming=True, an IterableDataset), never whole: for a split too big
+    to download or hold. Its length is unknown, so trainer.max_steps is required; each pass is shuffled in a buffer
+    (shuffle_buffer_size); a resume reads and drops the rows consumed before it. Refused with
+    retire_solved_after and a mapping of environments (both need every row); vLLM's context then needs
+    max_prompt_length or server.max_model_len (the longest prompt cannot be measured). The eval split is streamed
+    too: only its first num_eval_prompts rows are read."""
+    shuffle_buffer_size: int = 1000
+    """data.streaming with data.shuffle: rows the shuffle buffer holds (datasets' buffer_size); each pass draws from
+    it at random, seeded by trainer.seed + pass."""
     max_prompt_length: int | None = None
     """Prompts longer than this (tokens) are skipped and counted."""
     retire_solved_after: int | None = None
@@ -388,8 +421,9 @@ class RolloutConfig:
     """Import path of an environment class/factory, or a mapping name -> import path routed by the dataset's
     `environment` column; one instance per rollout, its public methods are tools."""
     tool_call_format: str = "auto"
-    """auto|hermes|llama3|deepseek_v3|glm4|qwen3_coder|functiongemma|tiny: how tool calls are parsed from the model's
-    output; auto reads the chat template (qwen3_coder: Qwen3.5, Qwen3.6 and Qwen3-Coder's <function=NAME> calls)."""
+    """auto|hermes|llama3|deepseek_v3|glm4|qwen3_coder|functiongemma|gemma4|tiny: how tool calls are parsed from the
+    model's output; auto reads the chat template (qwen3_coder: Qwen3.5, Qwen3.6 and Qwen3-Coder's <function=NAME>
+    calls; gemma4: Gemma 4's <|tool_call>call:NAME{...}<tool_call|>)."""
     chat_template: str = "auto"
     """auto|keep|path to a .jinja file. auto: with tools or environments, a known family (Qwen3, DeepSeek-V3/R1,
     Llama 3.1-3.3) whose stock template is not prefix-preserving, or cannot render a turn of several tool calls, gets

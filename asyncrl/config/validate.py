@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.optim_args import optimizer_kwargs
-from asyncrl.config.schema import Config, LoraSync, LrSchedulerType
+from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, OptimizerName
 from asyncrl.sampling import REQUEST_FIELD_KEYS, REWEIGHTING_FIELDS
 
 
@@ -138,6 +138,29 @@ def check_trainer_rates(config: Config) -> None:
             f"trainer.lr_scheduler_type={t.lr_scheduler_type} decays over optimizer steps, which an epoch-based "
             "run cannot know in advance: set trainer.max_steps too"
         )
+
+
+def check_optimizer_factories(config: Config) -> None:
+    """trainer.optimizer_factory and scheduler_factory build what other keys would: those keys are refused beside
+    them rather than ignored, and the schedule's factory is given trainer.max_steps, which an epoch-based run cannot
+    know in advance. The functions themselves are checked where the trainer calls them (trainer/model.py)."""
+    t = config.trainer
+    replaced = (
+        ("optimizer_factory", "optim", t.optim != OptimizerName.adamw_torch),
+        ("optimizer_factory", "optim_args", bool(t.optim_args)),
+        ("scheduler_factory", "lr_scheduler_type", t.lr_scheduler_type != LrSchedulerType.constant),
+        ("scheduler_factory", "lr_scheduler_kwargs", bool(t.lr_scheduler_kwargs)),
+        ("scheduler_factory", "warmup_steps", t.warmup_steps != 0),
+    )
+    for factory, key, is_set in replaced:
+        value = getattr(t, key)
+        if is_set and getattr(t, factory) is not None:
+            shown = repr(value) if type(value) is str else value  # optim_args quoted, as Hydra takes it
+            raise ConfigError(f"trainer.{key}={shown} does nothing beside trainer.{factory}={getattr(t, factory)}, "
+                              f"whose function replaces it: drop trainer.{key}")  # fmt: skip
+    if t.scheduler_factory is not None and t.max_steps <= 0:
+        raise ConfigError(f"trainer.scheduler_factory={t.scheduler_factory} is given the run's optimizer steps, which "
+                          "an epoch-based run cannot know in advance: set trainer.max_steps too")  # fmt: skip
 
 
 def check_optim_args(config: Config) -> None:
@@ -279,6 +302,26 @@ def check_vllm_server(config: Config) -> None:
         )
 
 
+def check_model_impl(config: Config) -> None:
+    """server.model_impl is one of vLLM's --model-impl choices for a language model (its terratorch, for geospatial
+    models, left out), which a built-in server must be able to honour."""
+    impl = config.server.model_impl
+    if impl not in ("auto", "vllm", "transformers"):
+        raise ConfigError(f"server.model_impl={impl} must be auto, vllm or transformers (vLLM's --model-impl)")
+    check_builtin_model_impl(config, config.server.backend.value)
+
+
+def check_builtin_model_impl(config: Config, backend: str) -> None:
+    """The built-in server runs transformers' modeling code, what model_impl=transformers asks of vLLM, and never
+    vLLM's. ``backend``: server.backend here; the resolved one when the built-in server's command is built
+    (serving/command.py), so server=auto refuses too."""
+    if backend == "builtin" and config.server.model_impl == "vllm":
+        raise ConfigError(
+            "server.model_impl=vllm asks for vLLM's implementation of the model, and the built-in server runs "
+            "transformers' (it takes auto or transformers): set server=vllm, or server.model_impl=auto"
+        )
+
+
 def check_replicas(config: Config) -> None:
     """Several servers: launched (server.replicas) or attached (server.base_urls), never both, and each gets
     every weight sync, which ipc (one co-located server) and one sharded trainer's rank 0 cannot give."""
@@ -381,6 +424,34 @@ def check_data_source(config: Config) -> None:
         )
 
 
+def check_streaming(config: Config) -> None:
+    """A streamed split (data.streaming) has no length to count epochs by, and is never held whole: what needs
+    every row at once is refused."""
+    d = config.data
+    if not d.streaming:
+        return
+    if d.path is None:
+        raise ConfigError("data.streaming=true streams data.path, which is not set: set data.path or drop streaming")
+    if config.trainer.max_steps <= 0:
+        raise ConfigError(
+            f"data.streaming=true: a stream's length is unknown, so trainer.max_steps={config.trainer.max_steps} "
+            "cannot leave the epochs to end the run: set trainer.max_steps=N"
+        )
+    if d.shuffle_buffer_size < 1:
+        raise ConfigError(f"data.shuffle_buffer_size={d.shuffle_buffer_size} must be >= 1")
+    if d.retire_solved_after is not None:
+        raise ConfigError(
+            f"data.retire_solved_after={d.retire_solved_after} retires rows by their place in the split, which a "
+            "streamed split (data.streaming=true) reshuffles every pass: drop one of the two"
+        )
+    if hasattr(config.rollout.environment_factory, "items"):
+        raise ConfigError(
+            "rollout.environment_factory maps names to environments, and every row's routing column is checked "
+            "before the run: a streamed split (data.streaming=true) cannot be read whole for that; use a single "
+            "environment, or drop data.streaming"
+        )
+
+
 CHECKS: tuple[Callable[[Config], None], ...] = (
     check_sampling_ranges,
     check_truncation_needs_top_k,
@@ -388,6 +459,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_generation_kwargs,
     check_staleness,
     check_trainer_rates,
+    check_optimizer_factories,
     check_optim_args,
     check_save_only_model,
     check_mixed_precision,
@@ -398,9 +470,11 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_replicas,
     check_lora,
     check_vllm_server,
+    check_model_impl,
     check_rollout_limits,
     check_reward_funcs,
     check_data_source,
+    check_streaming,
     check_hub,
     check_completion_tables,
 )

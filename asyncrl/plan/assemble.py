@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from asyncrl.components import Components
 from asyncrl.config.compose import to_config
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, ModelDtype
+from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, ModelDtype, ServerBackend
 from asyncrl.flow import FlowControl
 from asyncrl.plan.decide import (
     adapter_sync_by_config,
@@ -170,6 +170,16 @@ def check_callbacks(config: Config) -> None:
 
     for path in config.trainer.callbacks:
         resolve_callback(path)
+
+
+def check_optimizer_factories(config: Config) -> None:
+    """trainer.optimizer_factory and scheduler_factory import as functions of the two arguments the trainer passes,
+    before a model loads (what they return is checked when the trainer calls them)."""
+    from asyncrl.trainer.model import FACTORY_CALLS, resolve_factory
+
+    for key in FACTORY_CALLS:
+        if getattr(config.trainer, key) is not None:
+            resolve_factory(config, key)
 
 
 def check_agent_config(config: Config) -> None:
@@ -321,6 +331,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_lr_scheduler,
     check_gradient_checkpointing_kwargs,
     check_callbacks,
+    check_optimizer_factories,
     check_agent_config,
 )
 COMPONENT_CHECKS: tuple[Callable[[Config, Components], None], ...] = (
@@ -434,15 +445,23 @@ read here (TRL's max_prompt_length default)."""
 
 def sized(plan: RunPlan, prompt_tokens: int | None = None) -> RunPlan:
     """The plan with its server's context decided (plan/decide.py::max_model_len): the training prompts are measured
-    here, once, when vLLM's context takes them, so that the launched server's command, the trainer's warm-up and a
-    restart read one figure. ``prompt_tokens``: the longest prompt, given instead."""
+    here, once, when vLLM's context takes them or an attached server is to be checked against them, so that the
+    launched server's command, the trainer's warm-up, the server checks and a restart read one figure.
+    ``prompt_tokens``: the longest prompt, given instead."""
+    measured: list[int] = []
 
     def longest_prompt() -> int:
         from asyncrl.prompts import longest_prompt_tokens
 
-        return longest_prompt_tokens(plan.config) if prompt_tokens is None else prompt_tokens
+        if not measured:
+            measured.append(longest_prompt_tokens(plan.config) if prompt_tokens is None else prompt_tokens)
+        return measured[0]
 
-    return replace(plan, max_model_len=max_model_len(plan.config, plan.server_backend, longest_prompt))
+    sv = plan.config.server
+    context = max_model_len(plan.config, plan.server_backend, longest_prompt)
+    if not sv.launch and sv.max_model_len is None and sv.backend != ServerBackend.builtin:
+        longest_prompt()  # an attached server may be a vLLM whatever this machine would launch
+    return replace(plan, max_model_len=context, prompt_tokens=measured[0] if measured else None)
 
 
 def sized_for_printing(plan: RunPlan) -> tuple[RunPlan, str | None]:

@@ -52,12 +52,12 @@ class RolloutState:
     samples generated before it, dropped groups included)."""
 
 
-def rollout_state(config: Config, model_version: int, prompt_index: int, num_rows: int) -> RolloutState:
+def rollout_state(config: Config, model_version: int, prompt_index: int, num_rows: int | None) -> RolloutState:
     """The state a group generated under ``model_version`` for the ``prompt_index``-th prompt of a stream of
-    ``num_rows``-row epochs gives its reward functions."""
+    ``num_rows``-row epochs gives its reward functions; None: a streamed split before its first pass ended (epoch 0)."""
     t = config.trainer
     return RolloutState(
-        epoch=prompt_index / max(num_rows, 1),
+        epoch=prompt_index / max(num_rows, 1) if num_rows is not None else 0.0,
         global_step=model_version * config.staleness.weight_sync_steps,
         max_steps=max(t.max_steps, 0),
         logging_steps=t.logging_steps,

@@ -37,6 +37,7 @@ import numpy as np
 from asyncrl.advantages import Estimator, group_drop_reason, silent_rewards
 from asyncrl.client import ROLLOUT_MODEL, GenerationClient, ServerError, policy_model
 from asyncrl.config.schema import Config
+from asyncrl.data import PromptStream, epoch_rows
 from asyncrl.flow import FlowControl
 from asyncrl.parent import exit_with_parent
 from asyncrl.rollout.admission import WorkerFlow
@@ -117,7 +118,11 @@ class Prompt:
 
 def prompts(spec: WorkerSpec) -> Iterator[Prompt]:
     """The prompt stream from ``spec.start_prompt_index``, epoch after epoch in each epoch's recorded order, to
-    ``spec.total_prompts`` (or for ever)."""
+    ``spec.total_prompts`` (or for ever); a streamed split (data.streaming) in its passes' order, for ever."""
+    if isinstance(spec.dataset, PromptStream):
+        for index, position, row, epoch, last in spec.dataset.prompts_from(spec.start_prompt_index):
+            yield Prompt(index, position, row, epoch, ends_epoch=last)
+        return
     n_rows = len(spec.dataset)
     index, order_epoch, order = spec.start_prompt_index, -1, np.arange(0)
     while spec.total_prompts is None or index < spec.total_prompts:
@@ -381,7 +386,8 @@ class WorkerDriver:
         """Score the group, compute its advantages, feed its lag to the pacer, and queue it."""
         group = job.group
         started = time.monotonic()
-        state = functools.partial(rollout_state, self.config, job.version, job.prompt_index, len(self.spec.dataset))
+        rows = epoch_rows(self.spec.dataset)
+        state = functools.partial(rollout_state, self.config, job.version, job.prompt_index, rows)
         try:
             per_source = await score_group(group, self.spec.reward_sources, state)
         finally:

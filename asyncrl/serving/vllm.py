@@ -332,6 +332,8 @@ def vllm_command(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))
     if sv.quantization is not None:
         argv += ["--quantization", sv.quantization]
+    if sv.model_impl != "auto":  # vLLM's default
+        argv += ["--model-impl", sv.model_impl]
     if transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled over HTTP
         if sv.ipc_direct_load and sv.quantization is None:  # a quantized server loads through vLLM's engine

@@ -22,6 +22,7 @@ from rich.markup import escape
 from asyncrl.client import policy_model
 from asyncrl.config.schema import Config
 from asyncrl.control_group import ControlGroup
+from asyncrl.data import epoch_rows
 from asyncrl.dtypes import torch_dtype
 from asyncrl.evaluate import EvalRecord, evaluate
 from asyncrl.footprint import GIB, TrainerMemory
@@ -162,7 +163,7 @@ class Trainer:
         self.trackers = build_trackers(c, self.run_dir)
         self.callbacks = Callbacks(c)
         self.completions: list[dict[str, Any]] = []
-        self.sync = build_weight_sync(self.prepared.plan, self.control, self.run_dir, self.prepared)
+        self.sync = build_weight_sync(self.prepared.plan, self.control, self.run_dir)
         self.sync.init(self._sync_view())
         if resume is not None:
             self._push(self.state.model_version)  # the server starts from the base weights
@@ -481,7 +482,9 @@ class Trainer:
         metrics["num_tokens"] = self.num_tokens
         metrics["model_version"] = self.state.model_version
         metrics["perf/restarts"] = self.restarts
-        metrics["epoch"] = self.progress.consumed / max(1, len(self.prepared.dataset))
+        rows = epoch_rows(self.prepared.dataset)
+        if rows is not None:  # a streamed split's length is unknown here (its passes are read by the worker)
+            metrics["epoch"] = self.progress.consumed / max(1, rows)
         metrics["time_s"] = time.time() - self.run_started
         self.sink.write(self.state.step, metrics)
         self.trackers.write(self.state.step, metrics)

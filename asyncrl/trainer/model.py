@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from asyncrl.config.optim_args import optimizer_kwargs
 from asyncrl.config.schema import Config, OptimizerName, TrainerConfig
 from asyncrl.dtypes import torch_dtype
 from asyncrl.model_kind import auto_model_class, non_text_prefixes
+from asyncrl.registry import RegistryError, import_object
 
 log = logging.getLogger(__name__)
 
@@ -176,31 +178,98 @@ def _adamw(t: TrainerConfig, params: list[torch.nn.Parameter], **extra: Any) -> 
                              **extra)  # fmt: skip
 
 
-def _sgd(t: TrainerConfig, params: list[torch.nn.Parameter], **extra: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=t.learning_rate, weight_decay=t.weight_decay, **extra)
+def _rate_and_decay(
+    cls: type[torch.optim.Optimizer], t: TrainerConfig, params: list[torch.nn.Parameter], **extra: Any
+) -> torch.optim.Optimizer:
+    return cls(params, lr=t.learning_rate, weight_decay=t.weight_decay, **extra)
 
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     OptimizerName.adamw_torch: _adamw,
     OptimizerName.adamw_torch_fused: partial(_adamw, fused=True),
-    OptimizerName.sgd: _sgd,
+    OptimizerName.sgd: partial(_rate_and_decay, torch.optim.SGD),
+    OptimizerName.adagrad: partial(_rate_and_decay, torch.optim.Adagrad),
+    OptimizerName.rmsprop: partial(_rate_and_decay, torch.optim.RMSprop),
 }
 """trainer.optim -> its optimizer over the trainable parameters, with the arguments transformers' Trainer gives it
 (trainer.optim_args' keywords too), in one parameter group: weight_decay applies to every trainable parameter
-(transformers' Trainer exempts biases and norms)."""
+(transformers' Trainer exempts biases and norms; a trainer.optimizer_factory can). Adagrad's and RMSprop's eps are
+torch's defaults (1e-10, 1e-8), as transformers leaves them, unless optim_args sets one."""
+
+FACTORY_CALLS = {
+    "optimizer_factory": "function(named_parameters, config)",
+    "scheduler_factory": "function(optimizer, num_training_steps)",
+}
+"""trainer.optimizer_factory and scheduler_factory -> how the trainer calls the function each names."""
+
+
+def resolve_factory(config: Config, key: str) -> Callable[..., Any]:
+    """The function trainer.<key> names, importable and taking the two arguments it is given, or one ConfigError
+    naming the key: what can be checked before the function runs."""
+    path = getattr(config.trainer, key)
+    try:
+        factory = import_object(path)
+    except RegistryError as exc:
+        raise ConfigError(f"trainer.{key}: {exc}") from exc
+    try:
+        inspect.signature(factory).bind(None, None)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"trainer.{key}: '{path}' cannot be called as {FACTORY_CALLS[key]} ({exc}): name a function "
+                          "of those two arguments") from exc  # fmt: skip
+    return factory
+
+
+def _factory_optimizer(config: Config, named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+    """trainer.optimizer_factory's optimizer, refused in one line unless it is a torch optimizer over the parameters
+    it was given: over copies or local shards (DTensor.to_local) it would step tensors the model does not use."""
+    path = config.trainer.optimizer_factory
+    optimizer = resolve_factory(config, "optimizer_factory")(named, config)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"trainer.optimizer_factory: '{path}' returned a {type(optimizer).__name__}, not a "
+                          "torch.optim.Optimizer: return one built over the parameters it is given")  # fmt: skip
+    given = {id(param) for _, param in named}
+    if any(id(param) not in given for group in optimizer.param_groups for param in group["params"]):
+        raise ConfigError(f"trainer.optimizer_factory: '{path}' returned an optimizer over tensors it was not given "
+                          "(copies, or DTensor.to_local() shards): build it over the named_parameters' parameters "
+                          "as they are")  # fmt: skip
+    return optimizer
+
+
+def _factory_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> Any:
+    """trainer.scheduler_factory's schedule over trainer.max_steps, refused in one line unless it is a schedule of
+    ``optimizer`` that the loop can step without a metric (each optimizer step calls scheduler.step())."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    path = config.trainer.scheduler_factory
+    scheduler = resolve_factory(config, "scheduler_factory")(optimizer, config.trainer.max_steps)
+    if not isinstance(scheduler, LRScheduler) or isinstance(scheduler, ReduceLROnPlateau):
+        raise ConfigError(f"trainer.scheduler_factory: '{path}' returned a {type(scheduler).__name__}, not a "
+                          "torch.optim.lr_scheduler.LRScheduler stepped without a metric (e.g. LambdaLR)")  # fmt: skip
+    if scheduler.optimizer is not optimizer:
+        raise ConfigError(f"trainer.scheduler_factory: '{path}' returned the schedule of another optimizer: build "
+                          "it over the optimizer it is given")  # fmt: skip
+    return scheduler
 
 
 def build_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> Any:
-    """transformers' schedule trainer.lr_scheduler_type over trainer.max_steps optimizer steps."""
+    """trainer.scheduler_factory's schedule, else transformers' trainer.lr_scheduler_type over trainer.max_steps
+    optimizer steps."""
+    t = config.trainer
+    if t.scheduler_factory is not None:
+        return _factory_scheduler(config, optimizer)
     from transformers import get_scheduler
 
-    t = config.trainer
     return get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.warmup_steps,
                          num_training_steps=max(t.max_steps, 1),
                          scheduler_specific_kwargs=dict(t.lr_scheduler_kwargs))  # fmt: skip
 
 
 def build_optimizer(config: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[config.trainer.optim](config.trainer, params, **optimizer_kwargs(config.trainer))
+    """The optimizer over the trainable parameters (after FSDP2 sharded them: DTensors) and its schedule."""
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    t = config.trainer
+    if t.optimizer_factory is not None:
+        optimizer = _factory_optimizer(config, named)
+    else:
+        optimizer = OPTIMIZERS[t.optim](t, [param for _, param in named], **optimizer_kwargs(t))
     return optimizer, build_scheduler(config, optimizer)

@@ -70,7 +70,7 @@ def check_tf32_device(config: Config) -> None:
 def prepare(plan: RunPlan) -> Prepared:
     """Everything the run needs besides the model and the server, checked before the server starts
     (``plan``: asyncrl.plan.assemble.plan_run)."""
-    from asyncrl.data import load_prompts
+    from asyncrl.data import load_eval_prompts, load_train_prompts
     from asyncrl.rollout.environments import check_routing, environment_rows
     from asyncrl.rollout.loop import AsyncRolloutLoop
     from asyncrl.trainer.moe import check_router_aux_coef
@@ -80,12 +80,8 @@ def prepare(plan: RunPlan) -> Prepared:
     if config.data.path is None:
         dataset = environment_rows()  # validated: a single environment supplies each prompt from reset()
     else:
-        dataset = load_prompts(config.data.path, name=config.data.name, split=config.data.split)
-    eval_dataset = None
-    if config.data.eval_path and config.data.num_eval_prompts > 0:
-        eval_dataset = load_prompts(
-            config.data.eval_path, name=config.data.name, split=config.data.eval_split, key="data.eval_path"
-        )
+        dataset = load_train_prompts(config)  # data.streaming: a PromptStream, read by the worker
+    eval_dataset = load_eval_prompts(config)
     loop_cls = import_object(config.rollout.loop_cls)
     if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
         raise TypeError(f"rollout.loop_cls={config.rollout.loop_cls} is not a subclass of AsyncRolloutLoop")

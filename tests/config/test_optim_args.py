@@ -4,10 +4,12 @@ optimizer does not take, or cannot be, fails in one line when the config is comp
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.config.optim_args import optimizer_kwargs
+from asyncrl.config.optim_args import NON_NEGATIVE, OPTIM_ARGS, optimizer_kwargs
+from asyncrl.trainer.model import OPTIMIZERS
 
 
 @pytest.mark.parametrize(
@@ -17,6 +19,12 @@ from asyncrl.config.optim_args import optimizer_kwargs
         ("sgd", "momentum=0.5,dampening=0.1,nesterov=0", {"momentum": 0.5, "dampening": 0.1, "nesterov": False}),
         ("adamw_torch", "amsgrad=True", {"amsgrad": True}),
         ("adamw_torch_fused", "amsgrad=no", {"amsgrad": False}),
+        ("adagrad", "lr_decay=0.01,eps=1e-10", {"lr_decay": 0.01, "eps": 1e-10}),
+        (
+            "rmsprop",
+            "momentum=0.9,alpha=0.95,eps=1e-6,centered=yes",
+            {"momentum": 0.9, "alpha": 0.95, "eps": 1e-6, "centered": True},
+        ),
         ("sgd", None, {}),
     ],
 )
@@ -46,6 +54,12 @@ OWN_KEYS = (
         ("sgd", "nesterov=maybe", "nesterov=maybe must be true or false"),
         ("sgd", "momentum=0.9,momentum=0.5", "momentum is given twice"),
         ("sgd", "momentum=-0.5", "momentum=-0.5 must be >= 0"),
+        ("adagrad", "momentum=0.9", f"trainer.optim=adagrad takes lr_decay, eps here, not momentum ({OWN_KEYS})"),
+        ("rmsprop", "nesterov=true", f"trainer.optim=rmsprop takes momentum, alpha, eps, centered here, not nesterov "
+                                     f"({OWN_KEYS})"),
+        ("adagrad", "lr_decay=-0.1", "lr_decay=-0.1 must be >= 0"),
+        ("rmsprop", "alpha=-0.9", "alpha=-0.9 must be >= 0"),
+        ("rmsprop", "eps=-1e-08", "eps=-1e-08 must be >= 0"),
         ("sgd", "nesterov=true", "nesterov=true needs momentum > 0 and dampening=0 (torch's SGD)"),
         ("sgd", "momentum=0.9,dampening=0.1,nesterov=true", "nesterov=true needs momentum > 0 and dampening=0 "
                                                             "(torch's SGD)"),
@@ -55,3 +69,16 @@ def test_optim_args_the_optimizer_cannot_take_fail_in_one_line(optim, text, line
     with pytest.raises(ConfigError) as error:
         to_config(compose([f"trainer.optim={optim}", f"trainer.optim_args='{text}'"]))
     assert str(error.value) == f"trainer.optim_args={text!r}: {line}"
+
+
+@pytest.mark.parametrize(
+    ("optim", "key"), [(o, k) for o, keys in OPTIM_ARGS.items() for k in keys if k in NON_NEGATIVE]
+)
+def test_the_negative_values_refused_at_compose_are_those_torch_refuses(optim, key):
+    """Each optimizer's key refused below 0 when the config is composed would have failed later, in the trainer, as
+    torch's optimizer was built; at 0 both take it."""
+    config = to_config(compose([f"trainer.optim={optim}"]))
+    param = [torch.nn.Parameter(torch.zeros(2))]
+    OPTIMIZERS[optim](config.trainer, param, **{key: 0.0})
+    with pytest.raises(ValueError):
+        OPTIMIZERS[optim](config.trainer, param, **{key: -0.1})

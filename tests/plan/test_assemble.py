@@ -55,6 +55,11 @@ BAD_INPUTS = [
      "trainer.gradient_checkpointing_kwargs.reentrant: torch.utils.checkpoint.checkpoint takes no such argument "
      "(it takes use_reentrant, context_fn, determinism_check, debug, early_stop, preserve_rng_state)"),
     (["trainer.callbacks=[my_pkg.callbacks:Stop]"], "trainer.callbacks: cannot import module 'my_pkg.callbacks'"),
+    (["trainer.optimizer_factory=my_pkg.optim:build"],
+     "trainer.optimizer_factory: cannot import module 'my_pkg.optim'"),
+    (["trainer.scheduler_factory=asyncrl.rewards.format:boxed_format", "trainer.max_steps=10"],
+     "trainer.scheduler_factory: 'asyncrl.rewards.format:boxed_format' cannot be called as "
+     "function(optimizer, num_training_steps)"),
 ]  # fmt: skip
 
 
@@ -196,3 +201,19 @@ def test_a_jobs_plan_sizes_vllms_context_once_and_its_command_reads_it(tmp_path,
     assert builtin.server_commands == [builtin_command(builtin)]
     attached = ["server.launch=false", "server.base_url=http://127.0.0.1:9"]
     assert plan_run(compose(attached), tmp_path / "attached").server_commands is None  # its user started it
+
+
+def test_an_attached_servers_needed_context_comes_from_the_prompts_measured_once(tmp_path, monkeypatch):
+    """The launcher measures the prompts for an attached server that may be a vLLM (server.backend auto or vllm): the
+    checks each rank makes against it read plan.json's figure. One named built-in measures nothing."""
+    measured: list[str] = []
+    monkeypatch.setattr("asyncrl.prompts.longest_prompt_tokens", lambda config: measured.append("once") or 100)
+    attached = ["server.launch=false", "server.base_url=http://127.0.0.1:9", "sampling.max_completion_length=64"]
+    plan = plan_run(compose(attached), tmp_path)
+    write_plan(plan, tmp_path)
+    assert read_plan(tmp_path).prompt_tokens == 100 and measured == ["once"]
+    assert (plan.needed_context("vllm"), plan.needed_context("builtin")) == (164, 65)
+    builtin = plan_run(compose([*attached, "server.backend=builtin"]), tmp_path / "builtin")
+    assert builtin.prompt_tokens is None and measured == ["once"] and builtin.needed_context("builtin") == 65
+    fixed = plan_run(compose([*attached, "server.max_model_len=300"]), tmp_path / "fixed")
+    assert fixed.prompt_tokens is None and fixed.needed_context("vllm") == 300 and measured == ["once"]

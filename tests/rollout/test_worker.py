@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import itertools
+import json
+import pickle
 import time
 import warnings
 from collections.abc import Callable
@@ -15,16 +18,18 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from asyncrl.config.compose import compose
+from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
+from asyncrl.data import epoch_rows, load_train_prompts
 from asyncrl.flow import FlowControl
 from asyncrl.plan.assemble import plan_run
 from asyncrl.rollout.channels import WorkerChannels
 from asyncrl.rollout.loop import AsyncRolloutLoop
 from asyncrl.rollout.scoring import RewardSource
 from asyncrl.rollout.spawn import send_spec, spawn_worker
+from asyncrl.rollout.trainer_state import rollout_state
 from asyncrl.rollout.types import EndOfBatch, PromptDone, RolloutSample, TurnRecord
-from asyncrl.rollout.worker import WorkerDriver, WorkerSpec, run_worker
+from asyncrl.rollout.worker import WorkerDriver, WorkerSpec, prompts, run_worker
 from asyncrl.serving.command import served_model_name
 from asyncrl.trainer.setup import prepare
 
@@ -343,3 +348,21 @@ def test_prompts_solved_k_times_in_a_row_retire_and_an_epoch_of_them_ends_the_pr
 
     asyncio.run(scenario())
     assert sum(drained_metrics(channels)["rollout/retired_prompt_count"]) >= 3
+
+
+def test_a_streamed_split_feeds_the_worker_from_its_resume_point_and_its_rewards_see_the_epoch(tmp_path):
+    """data.streaming: the worker reads the PromptStream (pickled to it) from the checkpoint's prompt on, pass after
+    pass, as it would the same rows loaded whole; a reward's trainer_state.epoch is known once a pass has ended."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"{i} + {i} =", "answer": str(2 * i)}) for i in range(3)))
+    config = to_config(compose([f"data.path={path}", "data.streaming=true", "data.shuffle=false",
+                                "trainer.max_steps=5"]))  # fmt: skip
+    spec = local_spec()
+    spec.config, spec.dataset, spec.total_prompts, spec.start_prompt_index = config, load_train_prompts(config), None, 2
+    spec.dataset = pickle.loads(pickle.dumps(spec.dataset))
+    taken = list(itertools.islice(prompts(spec), 5))
+    assert [(p.index, p.row_index, p.row["answer"], p.epoch, p.ends_epoch) for p in taken] == [
+        (2, 2, "4", 0, True), (3, 0, "0", 1, False), (4, 1, "2", 1, False), (5, 2, "4", 1, True), (6, 0, "0", 2, False)
+    ]  # fmt: skip
+    assert epoch_rows(spec.dataset) == 3 and rollout_state(config, 0, 4, epoch_rows(spec.dataset)).epoch == 4 / 3
+    assert rollout_state(config, 0, 4, None).epoch == 0.0  # before the worker has read a pass to its end

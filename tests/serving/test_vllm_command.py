@@ -448,3 +448,13 @@ def test_a_float32_server_of_a_gated_deltanet_model_is_refused_before_launch():
         command(["server.dtype=float32"], checkpoint=CheckpointKind(gated_deltanet=True))
     argv = command(["server.dtype=float32"]).argv  # an attention-only model may serve in float32 when asked
     assert argv[argv.index("--dtype") + 1] == "float32"
+
+
+def test_model_impl_reaches_vllm_as_its_flag_and_auto_leaves_vllms_default():
+    """TRL's vllm_model_impl: server.model_impl is vLLM's --model-impl; a bad value is refused when composed."""
+    for impl in ("transformers", "vllm"):
+        argv = command([f"server.model_impl={impl}"]).argv
+        assert argv[argv.index("--model-impl") + 1] == impl and argv.count("--model-impl") == 1
+    assert "--model-impl" not in command([]).argv
+    with pytest.raises(ConfigError, match=r"^server.model_impl=terratorch must be auto, vllm or transformers"):
+        to_config(compose([*BASE, "server.model_impl=terratorch"]))

@@ -137,13 +137,19 @@ def test_the_packed_forward_trains_a_vision_language_models_text_model_only():
         ("adamw_torch", "'amsgrad=true'", torch.optim.AdamW, {"betas": (0.8, 0.9), "amsgrad": True}),
         ("sgd", "null", torch.optim.SGD, {"momentum": 0}),
         ("sgd", "'momentum=0.9,nesterov=true'", torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "dampening": 0}),
+        ("adagrad", "null", torch.optim.Adagrad, {"lr_decay": 0, "eps": 1e-10, "fused": None}),
+        ("adagrad", "'lr_decay=0.01,eps=1e-8'", torch.optim.Adagrad, {"lr_decay": 0.01, "eps": 1e-8}),
+        ("rmsprop", "null", torch.optim.RMSprop, {"momentum": 0, "alpha": 0.99, "eps": 1e-8, "centered": False}),
+        ("rmsprop", "'momentum=0.9,alpha=0.95,centered=true'", torch.optim.RMSprop,
+         {"momentum": 0.9, "alpha": 0.95, "centered": True}),
     ],
 )  # fmt: skip
 def test_trainer_optim_takes_transformers_names_and_steps_the_sharded_model(
     optim, optim_args, kind, options, random_tiny_model_dir, one_rank
 ):
     """Each choice is torch's optimizer with the trainer's rates and trainer.optim_args' keywords, over FSDP2's
-    sharded parameters (the default, adamw_torch, is the AdamW asyncrl always built)."""
+    sharded parameters (the default, adamw_torch, is the AdamW asyncrl always built); Adagrad's and RMSprop's eps are
+    torch's defaults, as transformers leaves them."""
     config = to_config(compose([f"model.name_or_path={random_tiny_model_dir}", f"trainer.optim={optim}",
                                 f"trainer.optim_args={optim_args}", "trainer.learning_rate=1e-3",
                                 "trainer.weight_decay=0.01", "trainer.adam_beta1=0.8", "trainer.adam_beta2=0.9",
