@@ -140,6 +140,9 @@ class StepAssembler:
         micro-batch goes back among the held ones (``_opens_next_step``). ``sync_follows``: the weights move after
         this step (staleness.weight_sync_steps); if not, the next step trains at the same version, so no sample
         is at its last chance in this one."""
+        # A dead worker ends the run now, samples held or not: the restart resumes from the last checkpoint, so
+        # steps trained after it died would be thrown away, and generation stays down until it restarts.
+        self._check_worker()
         micro_batches: list[list[Row]] = []
         wait_s, overflow, taken = 0.0, False, 0
         self.expiring.start_step()

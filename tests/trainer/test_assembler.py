@@ -152,6 +152,22 @@ def test_worker_failure_is_raised_as_its_line_with_the_traceback_as_details():
     assert err.value.details.startswith("Traceback")
 
 
+def test_a_worker_that_died_ends_the_next_step_though_its_samples_are_held():
+    """Its samples would train steps that the restart from the last checkpoint throws away."""
+    channels, _ = scripted_channels()
+    asm, _, _ = assembler(channels)
+    put(channels, *(sample(i) for i in range(12)))
+    asm.next_step()
+    assert asm.held > 0
+
+    def dead() -> None:
+        raise RolloutWorkerError("the rollout worker exited with code -9 without an error")
+
+    asm.health_check = dead  # the trainer's check (trainer/loop.py::_check_processes) finding the worker gone
+    with pytest.raises(RolloutWorkerError, match="exited with code -9"):
+        asm.next_step()
+
+
 def test_a_silent_worker_fails_naming_what_it_waited_on():
     channels, _ = scripted_channels()
     channels.set_status("waiting for 16 rollouts in flight")
