@@ -18,12 +18,13 @@ With several servers (server.replicas, server.base_urls) the control client is a
 written once (the replicas share one weights directory) and every server loads them; NCCL spans all servers in
 one group; ipc reaches one co-located server only (serving/checks.py::check_servers refuses more).
 
-The pause is ``mode=keep, clear_cache=true``, deliberately. keep freezes in-flight requests instead of
-aborting them, so no generated token is thrown away. clear_cache=true then preempts them and drops the
-prefix cache: after resume every request re-prefills under the new weights, so no token is ever computed
-on a KV cache the old weights produced and no new prompt reuses old-weight prefix blocks. clear_cache=false
-would save that re-prefill but run the new weights on the old cache, a mixture of two policies that no
-logprob describes. Each HTTP call is checked and timed out (server.timeout); the transfer runs on a
+The pause is ``mode=keep``: it freezes in-flight requests instead of aborting them, so no generated token is
+thrown away. By default with ``clear_cache=true``, which then preempts them and drops the prefix cache: after
+resume every request re-prefills under the new weights, so no token is ever computed on a KV cache the old
+weights produced and no new prompt reuses old-weight prefix blocks. staleness.in_flight_weight_updates sends
+``clear_cache=false`` (PipelineRL's in-flight updates): no re-prefill, the new weights run on the old cache, and
+each token's sampler log-probability, which the importance correction reads, is still the one it was drawn with.
+Each HTTP call is checked and timed out (server.timeout); the transfer runs on a
 watchdog; a failed round closes the half-finished update (best effort), resumes the server and raises
 ``WeightSyncError`` naming the step. The trainer's control group also watches its servers while a call waits
 (asyncrl/control_group.py): a server that dies or hangs mid-round raises ServerStartError at once, or after
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAUSE_MODE = "keep"
-CLEAR_CACHE = True
 CLEANUP_TIMEOUT_S = 30.0
 __all__ = ["WEIGHT_SYNC", "AdapterSync", "Transport", "WeightSync", "WeightSyncError", "build_weight_sync"]
 
@@ -81,8 +81,11 @@ class WeightSync:
     adapter_prefix: str | None = None  # the policy is served under the base model's name (AdapterSync's differs)
     adapter_only = False  # it sends every weight (merged under LoRA); AdapterSync reads only the trained ones
 
-    def __init__(self, control: Control, transport: Transport, facts: ServerFacts | None = None) -> None:
+    def __init__(self, control: Control, transport: Transport, facts: ServerFacts | None = None, *,
+                 in_flight: bool = False) -> None:  # fmt: skip
         self.control, self.transport, self.facts = control, transport, facts
+        self.clear_cache = not in_flight
+        """False: staleness.in_flight_weight_updates (the module docstring says what each keeps)."""
         self._resuming: Background[float] | None = None
         self._paused_at = 0.0
         self._unreported: dict[str, float] = {}
@@ -102,7 +105,7 @@ class WeightSync:
         failure: WeightSyncError | None = None
         stage_s = pause_s = barrier_s = 0.0
         self._paused_at = started = time.perf_counter()
-        pausing = Background("POST /pause", self.control.pause, PAUSE_MODE, CLEAR_CACHE)
+        pausing = Background("POST /pause", self.control.pause, PAUSE_MODE, self.clear_cache)
         try:
             try:
                 run_step("stage", self.transport.stage, model)
@@ -217,7 +220,7 @@ def build_weight_sync(plan: RunPlan, control: ControlClient | ControlGroup, run_
         return AdapterSync(group, config, output_dir, facts, flow=flow, dtype=plan.serving_dtype)
     make = WEIGHT_SYNC.get(facts.weight_transfer)
     transport = make(config=config, run_dir=run_dir, dtype=plan.serving_dtype, facts=facts)
-    return WeightSync(group, transport, facts)
+    return WeightSync(group, transport, facts, in_flight=config.staleness.in_flight_weight_updates)
 
 
 def syncs_adapters(config: Config, group: ControlGroup, backend: str, flow: FlowControl, decided: bool | None) -> bool:

@@ -4,6 +4,7 @@ it naming the server; a launched vLLM gets merged syncs. The transports' own tes
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -18,10 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.client import ControlClient, ServerError
+from asyncrl.client import ControlClient, GenerationClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.control_group import ControlGroup
 from asyncrl.plan.assemble import build_plan, plan_run
+from asyncrl.sampling import SamplingParams
 from asyncrl.serving.command import LAUNCHED_VLLM_MERGES, served_name
 from asyncrl.serving.group import ServerGroup
 from asyncrl.serving.process import ServerProcess, ServerStartError
@@ -254,3 +256,50 @@ def test_auto_lora_against_the_vllm_asyncrl_launches_merges_and_says_why(caplog)
         assert syncs_adapters(config, ControlGroup([]), "vllm", flow, decided=False) is False
         assert syncs_adapters(config, ControlGroup([]), "vllm", flow, decided=None) is True
     assert caplog.messages == [f"lora.sync=auto chose merged sync: {LAUNCHED_VLLM_MERGES}"]
+
+
+def metric(text: str, name: str) -> float:
+    """A counter or gauge of the server's /metrics (the built-in server's, in vLLM's names)."""
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match is not None, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def round_with_requests_in_flight(server, model, tmp_path, name: str, in_flight: bool) -> tuple[float, list[int]]:
+    """(requests the server preempted, tokens each long request got) across a round that lands while 4 requests
+    of 240 tokens are being decoded."""
+    outputs: list[int] = []
+
+    async def generate() -> None:
+        async with GenerationClient(server.base_url, name, timeout_s=120) as client:
+            params = SamplingParams(max_tokens=240, ignore_eos=True, seed=1)
+            done = await asyncio.gather(*(client.complete([4, 30, 31, 32, 5], params) for _ in range(4)))
+        outputs.extend(len(out.token_ids) for out in done)
+
+    with ControlClient(server.base_url, timeout_s=60) as control:
+        sync = WeightSync(control, FileTransport(tmp_path), in_flight=in_flight)
+        sync.init(model)
+        before = metric(control.metrics_text(), "vllm:num_preemptions_total")
+        requests = threading.Thread(target=asyncio.run, args=(generate(),))
+        requests.start()
+        deadline = time.monotonic() + 30
+        while metric(control.metrics_text(), "vllm:num_requests_running") < 4:
+            assert time.monotonic() < deadline, "the requests never ran"
+        sync.push(model, 1)
+        sync.settle()
+        requests.join(120)
+        preempted = metric(control.metrics_text(), "vllm:num_preemptions_total") - before
+        sync.close()
+    return preempted, outputs
+
+
+def test_in_flight_weight_updates_keep_the_requests_decoding_across_a_round(fresh_server, model, random_tiny_model_dir,
+                                                                           tmp_path):  # fmt: skip
+    """staleness.in_flight_weight_updates: the round's pause keeps the cache (clear_cache=false), so the requests
+    in flight go on where they stopped; by default they are preempted and prefilled again under the new weights."""
+    name = served_name(str(random_tiny_model_dir))
+    perturb(model, seed=2)
+    kept, outputs = round_with_requests_in_flight(fresh_server(), model, tmp_path, name, in_flight=True)
+    assert kept == 0 and outputs == [240] * 4
+    preempted, outputs = round_with_requests_in_flight(fresh_server(), model, tmp_path, name, in_flight=False)
+    assert preempted >= 1 and outputs == [240] * 4
