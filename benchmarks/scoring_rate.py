@@ -7,9 +7,10 @@ sync reward function runs in a thread that must win the GIL back from that loop 
 
 This runs ``score_group`` (asyncrl/rollout/scoring.py) with the recipes' ``accuracy`` and ``format`` rewards on
 groups of 8 answers to two-operand sums (most right, some off by one, as a model near convergence answers), one group
-at a time as the worker does, while a coroutine keeps the loop busy for a chosen share of each millisecond.
+at a time or several at once (rollout.score_concurrency), while a coroutine keeps the loop busy for a chosen share of
+each millisecond.
 
-    python benchmarks/scoring_rate.py                       # loop idle and 80% busy, 5 s each
+    python benchmarks/scoring_rate.py                       # loop idle and 80% busy, 1 and 4 at once, 5 s each
     python benchmarks/scoring_rate.py --busy 0,0.5,0.9 --prompts 64
 
 ``--prompts``: how many distinct prompts the groups cycle through (few: a run revisiting its prompts; many: fresh
@@ -60,17 +61,24 @@ async def keep_busy(share: float, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.001 * (1 - share))
 
 
-async def groups_per_s(share: float, prompts: int, seconds: float, seed: int) -> float:
+async def groups_per_s(share: float, prompts: int, seconds: float, seed: int, concurrency: int = 1) -> float:
+    """Groups scored a second by ``concurrency`` scorers (rollout.score_concurrency) with the loop ``share`` busy."""
     rng = random.Random(seed)
     operands = [(rng.randint(10, 999), rng.randint(10, 999)) for _ in range(prompts)]
     sources = [RewardSource("accuracy", Accuracy(AccuracyOptions())), RewardSource("format", Format())]
-    await score_group(arithmetic_group(1, 1, rng), sources)  # start a verifier child outside the timing
+    warm_up = (score_group(arithmetic_group(1, 1, rng), sources) for _ in range(concurrency))
+    await asyncio.gather(*warm_up)  # start the verifier children outside the timing
     stop = asyncio.Event()
     busy = asyncio.create_task(keep_busy(share, stop))
     started, scored = time.perf_counter(), 0
-    while time.perf_counter() - started < seconds:
-        await score_group(arithmetic_group(*operands[scored % prompts], rng), sources)
-        scored += 1
+
+    async def scorer() -> None:
+        nonlocal scored
+        while time.perf_counter() - started < seconds:
+            scored += 1
+            await score_group(arithmetic_group(*operands[scored % prompts], rng), sources)
+
+    await asyncio.gather(*(scorer() for _ in range(concurrency)))
     stop.set()
     await busy
     return scored / (time.perf_counter() - started)
@@ -82,13 +90,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=100_000, help="distinct prompts the groups cycle through")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated groups scored at once")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     rows = []
     for share in (float(s) for s in args.busy.split(",")):
-        rate = asyncio.run(groups_per_s(share, args.prompts, args.seconds, args.seed))
-        rows.append({"busy": share, "prompts": args.prompts, "groups_per_s": round(rate, 1)})
-        print(f"loop busy {share:.0%}, {args.prompts} prompts: {rate:,.0f} groups/s")
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            rate = asyncio.run(groups_per_s(share, args.prompts, args.seconds, args.seed, concurrency))
+            rows.append({"busy": share, "prompts": args.prompts, "concurrency": concurrency,
+                         "groups_per_s": round(rate, 1)})  # fmt: skip
+            print(f"loop busy {share:.0%}, {args.prompts} prompts, {concurrency} at once: {rate:,.0f} groups/s")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scoring_rate.json").write_text(json.dumps(rows, indent=1) + "\n")
 

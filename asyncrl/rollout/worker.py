@@ -8,8 +8,8 @@ Spawned by trainer rank 0 (``spawn_worker``, then ``send_spec``) with no GPU and
   smaller of the KV-load and staleness caps on rollouts in flight, room in the scoring queue) lets a group start;
 - generate: ``_generate`` (a task per group) runs its rollouts and puts it in the scoring queue, or drops it (its
   prompt too long, or its requests failed after the client's retries);
-- score: ``_score_loop`` takes the generated groups one at a time, in the order they finished, and ``_score``
-  scores them and computes advantages;
+- score: ``_score_loop`` takes the generated groups in the order they finished, rollout.score_concurrency at a time,
+  and ``_score`` scores each and computes its advantages;
 - queue: ``_queue`` sends the group's samples, or a ``PromptDone`` saying why it was dropped, to the trainer.
 
 The worker wakes on events: a finished rollout or group sets ``changed``, the trainer's stop request (a thread
@@ -235,7 +235,7 @@ class WorkerDriver:
                             asyncio.create_task(self._report()),
                             asyncio.create_task(poller.run()),
                             tasks.create_task(self._watch_stop()),
-                            tasks.create_task(self._score_loop()),
+                            tasks.create_task(self._score_loop(tasks)),
                         ]
                         threading.Thread(target=self._listen_for_stop, args=(asyncio.get_running_loop(),),
                                          name="asyncrl-stop", daemon=True).start()  # fmt: skip
@@ -374,13 +374,24 @@ class WorkerDriver:
 
     # ---- score and queue -------------------------------------------------------------------------------------
 
-    async def _score_loop(self) -> None:
-        """Score the generated groups one at a time, in the order their generation finished."""
+    async def _score_loop(self, tasks: asyncio.TaskGroup) -> None:
+        """Score the generated groups in the order their generation finished, rollout.score_concurrency at a time:
+        near convergence a step scores hundreds of groups, and a slow reward function (a sandbox, a judge over HTTP)
+        or a busy event loop would otherwise bound the run at one group's latency each. A group is taken from the
+        queue only once a slot is free, so a full queue still holds generation back."""
+        slots = asyncio.Semaphore(self.config.rollout.score_concurrency)
         while True:
+            await slots.acquire()
             job = await self.score_queue.get()
             self.changed.set()  # room in the scoring queue
             self.metrics["rollout/score_wait_s"].append(time.monotonic() - job.group.queued_at)
+            tasks.create_task(self._score_in_slot(job, slots))
+
+    async def _score_in_slot(self, job: ScoreJob, slots: asyncio.Semaphore) -> None:
+        try:
             await self._score(job)
+        finally:
+            slots.release()
 
     async def _score(self, job: ScoreJob) -> None:
         """Score the group, compute its advantages, feed its lag to the pacer, and queue it."""

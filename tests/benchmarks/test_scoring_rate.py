@@ -23,5 +23,5 @@ def test_an_arithmetic_group_scores_its_right_answers_two_and_the_others_one(sco
 
 
 def test_the_rate_counts_groups_scored_with_the_loop_busy(scoring_rate: ModuleType) -> None:
-    rate = asyncio.run(scoring_rate.groups_per_s(0.5, prompts=4, seconds=0.3, seed=0))
-    assert rate > 0
+    for concurrency in (1, 2):
+        assert asyncio.run(scoring_rate.groups_per_s(0.5, prompts=4, seconds=0.3, seed=0, concurrency=concurrency)) > 0

@@ -10,6 +10,7 @@ import gc
 import itertools
 import json
 import pickle
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -366,3 +367,51 @@ def test_a_streamed_split_feeds_the_worker_from_its_resume_point_and_its_rewards
     ]  # fmt: skip
     assert epoch_rows(spec.dataset) == 3 and rollout_state(config, 0, 4, epoch_rows(spec.dataset)).epoch == 4 / 3
     assert rollout_state(config, 0, 4, None).epoch == 0.0  # before the worker has read a pass to its end
+
+
+class Overlap:
+    """A sync reward that holds its call until another group's call overlaps it (or ``wait_s`` passes), and counts
+    the most calls at once."""
+
+    __name__ = "overlap"
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s, self.lock, self.met = wait_s, threading.Lock(), threading.Event()
+        self.now = self.most = 0
+
+    def __call__(self, completion_ids: list[list[int]], **_: object) -> list[float]:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            if self.now > 1:
+                self.met.set()
+        self.met.wait(self.wait_s)
+        with self.lock:
+            self.now -= 1
+        return [float(len(ids)) for ids in completion_ids]
+
+
+def scored_at_once(concurrency: int, wait_s: float) -> int:
+    """The most groups the worker scored at once with rollout.score_concurrency=``concurrency``, over 4 groups."""
+    channels = WorkerChannels.create(10**6, in_process=True)
+    overlap = Overlap(wait_s)
+    spec = local_spec(reward=by_length, total_prompts=4)
+    spec.config.rollout.score_concurrency, spec.loop_cls = concurrency, OpenLoop
+    spec.reward_sources = [RewardSource("overlap", overlap)]
+    driver = WorkerDriver(spec, channels)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(driver.run())
+        await until(lambda: "all prompts generated" in channels.get_status(), "the end of its prompts")
+        channels.stop()
+        await run
+
+    asyncio.run(scenario())
+    assert [type(item) for item in sent(channels)].count(RolloutSample) == 8  # every group scored and sent
+    return overlap.most
+
+
+def test_groups_are_scored_score_concurrency_at_a_time():
+    """The first group is scored alone (admission starts the next once it is done); the later ones overlap."""
+    assert scored_at_once(2, wait_s=1.0) == 2
+    assert scored_at_once(1, wait_s=0.05) == 1  # one group at a time: no call ever meets another
