@@ -110,7 +110,7 @@ def _check_before_loading(plan: RunPlan) -> str | None:
     before the job loads anything, which would otherwise fail late (vLLM's launch, after the data and tokenizer) or
     slowly (a load waiting through the Hub's retries, then a traceback). Returns a note when the Hub does not answer
     and the cache serves."""
-    from asyncrl.hub_push import check_hub_push
+    from asyncrl.hub_push import check_completions_hub, check_hub_push
     from asyncrl.hub_sources import check_hub_sources
 
     config = plan.config
@@ -122,6 +122,7 @@ def _check_before_loading(plan: RunPlan) -> str | None:
         check_launchable(config)
         placed(plan, visible_gpus())  # as many GPUs as the split needs (the job places its plan on them)
     check_hub_push(config)
+    check_completions_hub(config)
     return check_hub_sources(config)
 
 

@@ -1,9 +1,11 @@
 """Pushing a run's model to the Hugging Face Hub (hub.push_to_hub) with transformers' Trainer semantics: the
 repository is created as the job starts, the final model goes at the end, and with hub.hub_strategy each checkpoint
 too, as the trainer saves it. Every push carries a model card (README.md) holding the run's config and its held-out
-evaluation. huggingface_hub's HfApi uploads.
+evaluation. huggingface_hub's HfApi uploads. The dataset repository of logging.log_completions_hub_repo is created here
+too, as the job starts; the trainer fills it (trainer/completions_hub.py).
 
-launch.py runs a training job inside ``pushing``; the CLI calls ``check_hub_push`` before the job loads anything.
+launch.py runs a training job inside ``pushing``; the CLI calls ``check_hub_push`` and ``check_completions_hub`` before
+the job loads anything.
 """
 
 from __future__ import annotations
@@ -32,22 +34,54 @@ class HubPushError(RuntimeError):
 
 
 def check_hub_push(config: Config) -> None:
-    """hub.push_to_hub needs a Hub that answers and a token, checked before the job loads anything; the token's write
-    access shows when the job creates the repository (``HubPush.create``)."""
-    if not config.hub.push_to_hub:
-        return
+    """hub.push_to_hub needs a Hub that answers and a token (``check_hub_writable``)."""
+    if config.hub.push_to_hub:
+        check_hub_writable(
+            "hub.push_to_hub=true", "set hub.push_to_hub=false and upload <output_dir>/model later (hf upload)"
+        )
+
+
+def check_completions_hub(config: Config) -> None:
+    """logging.log_completions_hub_repo, the same: its files are kept in <run_dir>/completions either way."""
+    repo = config.logging.log_completions_hub_repo
+    if repo is not None:
+        check_hub_writable(
+            f"logging.log_completions_hub_repo={repo}",
+            f"set logging.log_completions_hub_repo=null and upload <run_dir>/completions later (hf upload {repo} "
+            "<run_dir>/completions --repo-type dataset)",
+        )
+
+
+def check_hub_writable(setting: str, instead: str) -> None:
+    """``setting`` uploads to the Hub: checked before the job loads anything, the Hub answers and a token exists; the
+    token's write access shows when the job creates the repository (``create_repo``)."""
     from huggingface_hub import get_token
 
     from asyncrl.hub import unreachable
 
     why = unreachable()
     if why is not None:
-        raise ConfigError(
-            f"hub.push_to_hub=true, but the Hub cannot be reached ({why}): run where it answers, or set "
-            "hub.push_to_hub=false and upload <output_dir>/model later (hf upload)"
-        )
+        raise ConfigError(f"{setting}, but the Hub cannot be reached ({why}): run where it answers, or {instead}")
     if get_token() is None:
-        raise ConfigError("hub.push_to_hub=true needs a Hugging Face token that may write: hf auth login, or HF_TOKEN")
+        raise ConfigError(f"{setting} needs a Hugging Face token that may write: hf auth login, or HF_TOKEN")
+
+
+def create_repo(key: str, name: str, private: bool | None, repo_type: str | None = None) -> tuple[Any, str]:
+    """Create the repository ``name`` (``key``'s value; a model's unless ``repo_type``), or find it, as transformers
+    does when its Trainer is built: a token that cannot write there refuses the run before it trains rather than after.
+    Returns huggingface_hub's HfApi and the repository's full id (a bare name is in the token's user's namespace)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    api = HfApi()
+    try:
+        url = api.create_repo(name, private=private, repo_type=repo_type, exist_ok=True)
+    except (HfHubHTTPError, HFValidationError) as exc:
+        raise ConfigError(
+            f"{key}={name}: the Hub refused to create the repository ({first_line(exc)}): check that the token may "
+            f"write there (hf auth whoami), or set another {key}"
+        ) from exc
+    return api, url.repo_id
 
 
 @dataclass(frozen=True)
@@ -62,21 +96,10 @@ class HubPush:
 
     @classmethod
     def create(cls, config: Config, run_dir: Path) -> HubPush:
-        """Create the repository, or find it, as transformers does when its Trainer is built: a token that cannot
-        write there refuses the run before it trains rather than after."""
-        from huggingface_hub import HfApi
-        from huggingface_hub.errors import HfHubHTTPError, HFValidationError
-
+        """Create the repository, or find it (``create_repo``)."""
         name = config.hub.hub_model_id or config.run_name or run_dir.name
-        api = HfApi()
-        try:
-            url = api.create_repo(name, private=config.hub.hub_private_repo, exist_ok=True)
-        except (HfHubHTTPError, HFValidationError) as exc:
-            raise ConfigError(
-                f"hub.hub_model_id={name}: the Hub refused to create the repository ({_first_line(exc)}): check that "
-                "the token may write there (hf auth whoami), or set another hub.hub_model_id"
-            ) from exc
-        return cls(config, run_dir, url.repo_id, api)
+        api, repo_id = create_repo("hub.hub_model_id", name, config.hub.hub_private_repo)
+        return cls(config, run_dir, repo_id, api)
 
     def push_checkpoint(self, checkpoint: Path) -> None:
         """One save under hub.hub_strategy: the checkpoint's model at the repository's root (its resume-only files
@@ -101,7 +124,7 @@ class HubPush:
             self._upload(model_dir, "End of training")
         except Exception as exc:  # noqa: BLE001 - whatever the upload raised: the model is on disk, the line says so
             raise HubPushError(
-                f"pushing {model_dir} to {self.repo_id} on the Hub failed ({type(exc).__name__}: {_first_line(exc)}); "
+                f"pushing {model_dir} to {self.repo_id} on the Hub failed ({type(exc).__name__}: {first_line(exc)}); "
                 f"the model is saved there: hf upload {self.repo_id} {model_dir}"
             ) from exc
 
@@ -191,7 +214,11 @@ class CheckpointWatch:
 @contextlib.contextmanager
 def pushing(config: Config, run_dir: Path, interval_s: float = WATCH_INTERVAL_S) -> Iterator[None]:
     """Around a training job, with hub.push_to_hub: create the repository, push checkpoints as hub.hub_strategy says
-    while the job runs, and the final model (<output_dir>/model) once it has ended well."""
+    while the job runs, and the final model (<output_dir>/model) once it has ended well. With
+    logging.log_completions_hub_repo its dataset repository is created first, the trainer filling it."""
+    repo = config.logging.log_completions_hub_repo
+    if repo is not None:
+        create_repo("logging.log_completions_hub_repo", repo, config.hub.hub_private_repo, repo_type="dataset")
     if not config.hub.push_to_hub:
         yield
         return
@@ -209,5 +236,6 @@ def pushing(config: Config, run_dir: Path, interval_s: float = WATCH_INTERVAL_S)
     push.push_model(output_dir / "model")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An error's first non-empty line, for a one-line message."""
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)

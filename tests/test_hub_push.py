@@ -1,28 +1,27 @@
-"""Pushing to the Hub against a local endpoint that records what arrives: the repository, each commit's files and
-the model card, under each hub.hub_strategy; and the refusals before anything trains."""
+"""Pushing to the Hub against a local endpoint that records what arrives (tests/fake_hub.py): the repository, each
+commit's files and the model card, under each hub.hub_strategy; logging.log_completions_hub_repo's dataset repository,
+created as the job starts; and the refusals before anything trains."""
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import threading
+import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from huggingface_hub import constants
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
-from asyncrl.hub_push import HubPushError, check_hub_push, pushing
+from asyncrl.hub_push import HubPushError, check_completions_hub, check_hub_push, pushing
+from tests.fake_hub import FakeHub, serving_fake_hub
 
 REPO = "org/tiny-arith-grpo"
+REPO_KEY = "logging.log_completions_hub_repo"
 EVAL = {"before": {"eval/greedy_reward": 1.0, "eval/sampled_reward": 0.25},
         "after": {"eval/greedy_reward": 1.0, "eval/sampled_reward": 0.75},
         "before_model": "base model", "before_step": 0, "after_step": 4}  # fmt: skip
@@ -30,73 +29,10 @@ MODEL_FILES = {"config.json", "model.safetensors", "README.md"}
 RESUME_FILES = {"sharded/__0_0.distcp", "optimizer.pt", "rng_state.pt", "trainer_state.json", "rollout_state.json"}
 
 
-@dataclass
-class Commit:
-    summary: str
-    files: dict[str, bytes]
-
-
-@dataclass
-class FakeHub:
-    """The Hub's endpoints that HfApi.create_repo and upload_folder call; every file arrives inline (the preupload
-    answer makes each a regular, not an LFS, upload)."""
-
-    endpoint: str = ""
-    created: list[dict[str, Any]] = field(default_factory=list)
-    commits: list[Commit] = field(default_factory=list)
-    refuse: bool = False
-    """Answer creations and commits with 403, as the Hub does a token that may not write."""
-
-
-def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            if hub.refuse and (self.path == "/api/repos/create" or "/commit/" in self.path):
-                return self._answer({"error": "You don't have the rights to create a model under this namespace"}, 403)
-            if self.path == "/api/repos/create":
-                request = json.loads(body)
-                hub.created.append(request)
-                return self._answer({"url": f"{hub.endpoint}/{request['organization']}/{request['name']}"})
-            if self.path == "/api/validate-yaml":
-                return self._answer({"errors": [], "warnings": []})
-            if "/preupload/" in self.path:
-                files = json.loads(body)["files"]
-                return self._answer({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                               for f in files]})  # fmt: skip
-            lines = [json.loads(line) for line in body.decode().splitlines()]
-            files = {op["value"]["path"]: base64.b64decode(op["value"]["content"]) for op in lines[1:]}
-            hub.commits.append(Commit(lines[0]["value"]["summary"], files))
-            return self._answer({"commitUrl": f"{hub.endpoint}/{REPO}/commit/{'a' * 40}", "commitOid": "a" * 40})
-
-        def _answer(self, payload: dict[str, Any], status: int = 200) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    return Handler
-
-
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
-    """HfApi pointed at a local endpoint, with a token and online."""
-    fake = FakeHub()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    fake.endpoint = f"http://127.0.0.1:{server.server_port}"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    monkeypatch.setattr(constants, "ENDPOINT", fake.endpoint)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_TOKEN", "hf_test")
-    yield fake
-    server.shutdown()
-    thread.join()
+    with serving_fake_hub(monkeypatch) as fake:
+        yield fake
 
 
 def push_config(strategy: str) -> Config:
@@ -167,7 +103,7 @@ def test_each_save_pushes_its_model_and_the_strategys_checkpoints_beside_trainin
 
 
 def test_a_token_that_may_not_write_refuses_the_run_before_it_trains(hub, tmp_path):
-    hub.refuse = True
+    hub.fail_with = 403
     with pytest.raises(ConfigError) as info, pushing(push_config("end"), tmp_path):
         pytest.fail("the job ran")
     assert str(info.value).startswith(f"hub.hub_model_id={REPO}: the Hub refused to create the repository (403")
@@ -176,24 +112,65 @@ def test_a_token_that_may_not_write_refuses_the_run_before_it_trains(hub, tmp_pa
 
 def test_a_failed_save_push_warns_and_a_failed_final_push_says_how_to_upload(hub, tmp_path, caplog):
     with pytest.raises(HubPushError) as info, pushing(push_config("every_save"), tmp_path, interval_s=0.01):
-        hub.refuse = True  # after the repository exists
+        hub.fail_with = 403  # after the repository exists
         save_checkpoint(tmp_path, 2)
         write_model(tmp_path / "model")
     assert str(info.value).endswith(f"the model is saved there: hf upload {REPO} {tmp_path / 'model'}")
     assert [r.levelno for r in caplog.records if "pushing step_000002" in r.getMessage()] == [logging.WARNING]
 
 
-def test_pushing_needs_a_hub_that_answers_and_a_token(monkeypatch):
-    config = push_config("end")
+def completions_config(repo: str, *overrides: str) -> Config:
+    return to_config(compose(["logging.log_completions=true", f"logging.log_completions_hub_repo={repo}", *overrides]))
+
+
+def test_the_completions_dataset_repository_is_created_as_the_job_starts(hub, tmp_path):
+    """Without hub.push_to_hub too; private as hub.hub_private_repo says; nothing else goes up from the launcher."""
+    with pushing(completions_config("org/completions", "hub.hub_private_repo=true"), tmp_path):
+        assert hub.created == [
+            {"name": "completions", "organization": "org", "type": "dataset", "visibility": "private"}
+        ]
+    assert hub.commits == []
+
+
+def test_a_token_that_may_not_write_the_completions_repository_refuses_the_run(hub, tmp_path):
+    hub.fail_with = 403
+    with pytest.raises(ConfigError) as info, pushing(completions_config("org/completions"), tmp_path):
+        pytest.fail("the job ran")
+    message = str(info.value)
+    assert message.startswith(f"{REPO_KEY}=org/completions: the Hub refused to create the repository (403 Forbidden")
+    assert message.endswith(f"or set another {REPO_KEY}") and "\n" not in message
+
+
+UPLOADS = [
+    (check_hub_push, ["hub.push_to_hub=true"], "hub.push_to_hub=true", "hub.push_to_hub=false"),
+    (
+        check_completions_hub,
+        ["logging.log_completions=true", "logging.log_completions_hub_repo=completions"],
+        "logging.log_completions_hub_repo=completions",
+        "logging.log_completions_hub_repo=null",
+    ),
+]
+
+
+@pytest.mark.parametrize(("check", "overrides", "setting", "off"), UPLOADS, ids=["push_to_hub", "completions"])
+def test_an_upload_needs_a_hub_that_answers_and_a_token(monkeypatch, check, overrides, setting, off):
+    config = to_config(compose(overrides))
     monkeypatch.setattr("asyncrl.hub.unreachable", lambda: "HF_HUB_OFFLINE=1")
-    with pytest.raises(ConfigError, match=r"^hub.push_to_hub=true, but the Hub cannot be reached \(HF_HUB_OFFLINE=1\)"):
-        check_hub_push(config)
+    unreached = rf"^{re.escape(setting)}, but the Hub cannot be reached \(HF_HUB_OFFLINE=1\): run where it answers, or"
+    with pytest.raises(ConfigError, match=rf"{unreached} set {re.escape(off)} and upload"):
+        check(config)
     monkeypatch.setattr("asyncrl.hub.unreachable", lambda: None)
     monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
-    with pytest.raises(ConfigError, match=r"^hub.push_to_hub=true needs a Hugging Face token that may write"):
-        check_hub_push(config)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(setting)} needs a Hugging Face token that may write"):
+        check(config)
     monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_test")
-    check_hub_push(config)
-    config.hub.push_to_hub = False
+    check(config)
     monkeypatch.setattr("asyncrl.hub.unreachable", lambda: "never asked")
-    check_hub_push(config)
+    check(to_config(compose([*overrides, off])))
+
+
+def test_the_completions_can_be_uploaded_by_hand_if_the_hub_does_not_answer(monkeypatch):
+    monkeypatch.setattr("asyncrl.hub.unreachable", lambda: "HF_HUB_OFFLINE=1")
+    with pytest.raises(ConfigError) as info:
+        check_completions_hub(completions_config("completions"))
+    assert str(info.value).endswith("(hf upload completions <run_dir>/completions --repo-type dataset)")

@@ -134,6 +134,12 @@ class StalenessConfig:
     """Ceiling on rollouts in flight (environments, tool threads and server connections)."""
     rollout_worker_timeout: float = 300.0
     """Seconds without worker progress before the trainer aborts, saying what the worker waited on."""
+    in_flight_weight_updates: bool = False
+    """A weight sync keeps the server's KV cache: requests in flight go on under the new weights where they stopped
+    (PipelineRL's in-flight updates) instead of being preempted and prefilled again. Each token keeps the sampler's
+    log-probability it was drawn with, so the importance correction holds per token; a sample's staleness is still
+    counted from the version its group started under (its oldest). Off: no token is computed on a cache the old
+    weights made."""
 
 
 @dataclass
@@ -399,8 +405,11 @@ class RolloutConfig:
     completions (completion i draws from seed + i, as vLLM's child requests): the worker's CPU per request is what
     bounds the rate of short completions. false: one request per rollout (a server refusing n gets that anyway)."""
     score_queue_maxsize: int = 16
-    """Generated groups waiting to be scored (one at a time); a full queue blocks their generation tasks
-    (rollout/score_block_s) and admission starts no new group until it has room."""
+    """Generated groups waiting to be scored; a full queue blocks their generation tasks (rollout/score_block_s) and
+    admission starts no new group until it has room."""
+    score_concurrency: int = 4
+    """Groups scored at once. A sync reward function runs in a thread, so it may run on several groups at the same
+    time and must be thread-safe (as tools must); 1: one group at a time, in the order their generation finished."""
     max_consecutive_dropped_groups: int | None = 256
     """Stop the run, saying why (zero_std, too_few_scorable, failed, prompt_too_long, stale, oversize) and which
     rewards, once this many groups in a row gave nothing to train, after saving the model and a checkpoint; null:
@@ -438,8 +447,14 @@ class LoggingConfig:
     log_completions: bool = False
     num_completions_to_print: int | None = None
     log_unique_prompts: bool = False
-    """The trackers' completions table keeps only the first completion of each prompt (TRL's log_unique_prompts; the
-    console's table is unchanged). Needs log_completions and a tracker in report_to."""
+    """The trackers' completions table (and log_completions_hub_repo's) keeps only the first completion of each prompt
+    (TRL's log_unique_prompts; the console's table is unchanged). Needs log_completions and a tracker in report_to or
+    log_completions_hub_repo."""
+    log_completions_hub_repo: str | None = None
+    """Hub dataset repository (owner/name, or name in the token's user's namespace) that each logging step's
+    completions table goes to as data/step_N.parquet (TRL's log_completions_hub_repo), uploaded beside training and
+    kept in <run_dir>/completions; public unless hub.hub_private_repo=true. Needs log_completions and a token that
+    may write."""
     console: str = "auto"
     """auto|live|plain: live rich display when stdout is a terminal."""
     project: str = "asyncrl"

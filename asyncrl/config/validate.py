@@ -351,6 +351,8 @@ def check_rollout_limits(config: Config) -> None:
     r = config.rollout
     if r.score_queue_maxsize < 1:
         raise ConfigError(f"rollout.score_queue_maxsize={r.score_queue_maxsize} must be >= 1")
+    if r.score_concurrency < 1:
+        raise ConfigError(f"rollout.score_concurrency={r.score_concurrency} must be >= 1")
     if r.max_consecutive_dropped_groups is not None and r.max_consecutive_dropped_groups < 1:
         raise ConfigError(
             f"rollout.max_consecutive_dropped_groups={r.max_consecutive_dropped_groups} must be >= 1 (null: never stop)"
@@ -379,12 +381,23 @@ def check_reward_funcs(config: Config) -> None:
 
 
 def check_completion_tables(config: Config) -> None:
-    """logging.log_unique_prompts thins the trackers' completions table: without that table it would do nothing."""
+    """logging.log_unique_prompts thins the completions table of the trackers and the Hub: without one it would do
+    nothing."""
     lg = config.logging
-    if lg.log_unique_prompts and not (lg.log_completions and lg.report_to):
+    if lg.log_unique_prompts and not (lg.log_completions and (lg.report_to or lg.log_completions_hub_repo)):
         raise ConfigError(
-            "logging.log_unique_prompts=true thins the trackers' completions table, which this run does not log: "
-            "set logging.log_completions=true and logging.report_to=[...], or drop it"
+            "logging.log_unique_prompts=true thins the completions table, which this run does not log: set "
+            "logging.log_completions=true and logging.report_to=[...] or logging.log_completions_hub_repo, or drop it"
+        )
+
+
+def check_completions_hub_repo(config: Config) -> None:
+    """logging.log_completions_hub_repo uploads the table logging.log_completions makes: without it, nothing."""
+    lg = config.logging
+    if lg.log_completions_hub_repo is not None and not lg.log_completions:
+        raise ConfigError(
+            f"logging.log_completions_hub_repo={lg.log_completions_hub_repo} uploads the completions that "
+            "logging.log_completions=true logs: set it, or drop logging.log_completions_hub_repo"
         )
 
 
@@ -477,6 +490,7 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_streaming,
     check_hub,
     check_completion_tables,
+    check_completions_hub_repo,
 )
 
 

@@ -49,6 +49,7 @@ from asyncrl.trainer.checkpoint import (
     save_processor_files,
     source_processor_files,
 )
+from asyncrl.trainer.completions_hub import start_completions_hub
 from asyncrl.trainer.console import Console
 from asyncrl.trainer.distributed import (
     PassResult,
@@ -161,6 +162,7 @@ class Trainer:
         self.restarts = restart_count(self.run_dir)
         self.console = Console(c, self.flow, start_step=self.state.step)
         self.trackers = build_trackers(c, self.run_dir)
+        self.completions_hub = start_completions_hub(c, self.run_dir)  # logging.log_completions_hub_repo
         self.callbacks = Callbacks(c)
         self.completions: list[dict[str, Any]] = []
         self.sync = build_weight_sync(self.prepared.plan, self.control, self.run_dir)
@@ -493,6 +495,8 @@ class Trainer:
         if self.completions:
             self.console.log_completions(self.completions)
             self.trackers.write_completions(self.state.step, self.completions)
+            if self.completions_hub is not None:
+                self.completions_hub.write(self.state.step, self.completions)
             self.completions = []
 
     def _drain_worker_metrics(self) -> None:
@@ -646,6 +650,8 @@ class Trainer:
         self.sync.close()
         report_last_row()
         self.trackers.close()
+        if self.completions_hub is not None:
+            self.completions_hub.close()  # waits a bounded time for the last commit
         self.console.close()
 
 

@@ -67,7 +67,7 @@ BAD_INPUTS = [
     (["+sampling.generation_kwargs.seed=5"], "kwargs.seed: asyncrl sets seed itself, on every request: remove it"),
     (["hub.push_to_hub=true", "hub.hub_model_id=a/b/c"], "hub.hub_model_id=a/b/c: Repo id must be in the form"),
     (["trainer.fp16=true", "trainer.bf16=true"], "trainer.fp16=true and trainer.bf16=true ask for two mixed"),
-    (["logging.log_unique_prompts=true"], "logging.log_unique_prompts=true thins the trackers' completions table"),
+    (["logging.log_unique_prompts=true"], "logging.log_unique_prompts=true thins the completions table"),
     (
         ["logging.log_unique_prompts=true", "logging.report_to=[tensorboard]"],
         "set logging.log_completions=true and logging.report_to=[...]",
