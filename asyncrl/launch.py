@@ -72,8 +72,8 @@ def _hydra_job(cfg: DictConfig) -> None:
     quiet_progress_bars()  # Hydra has set the job's logging up: libraries' bars would break its lines
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        plan = plan_run(cfg, run_dir)
-    except ConfigError as exc:
+        plan = plan_run(cfg, run_dir)  # a job's plan measures the prompts: a dataset error is a config error too
+    except CONFIG_ERRORS as exc:
         _refuse(exc, run_dir)
     config = plan.config
     try:

@@ -168,6 +168,9 @@ TRAIN_CASES = {
     "resume without optimizer.pt": (["trainer.resume_from_checkpoint=latest"], "{root}/run-no-optimizer", 2,
                                     "step_000002/optimizer.pt is missing"),
     "a finished run's directory": ([], "{root}/run-done", 2, "{root}/run-done already holds a run"),
+    "streamed prompts an attached vLLM would be sized by": (
+        ["data.streaming=true", "server.launch=false", "server.base_url=http://127.0.0.1:9"], "{tmp}/run", 2,
+        "is streamed (data.streaming=true): its 'prompt' column cannot be read whole"),
     "resume from a pickled rng_state.pt": (["trainer.resume_from_checkpoint=latest"], "{root}/run-pickled-rng", 2,
                                            "rng_state.pt holds Python objects that only a code-running load can "
                                            "restore (numpy"),
