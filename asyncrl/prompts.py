@@ -63,9 +63,9 @@ def load_tokenizer(config: Config) -> Any:
 _PROMPT_LENGTHS: dict[tuple[object, ...], int] = {}
 
 
-def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: object = None) -> int:
-    """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model);
-    ``dataset`` and ``tokenizer``: already loaded by the caller, else loaded here."""
+def longest_prompt_tokens(config: Config) -> int:
+    """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model: a
+    sweep's jobs share it). The launcher measures it once for the run's plan (plan/assemble.py::sized)."""
     if config.data.max_prompt_length is not None:
         return config.data.max_prompt_length
     key = (
@@ -76,12 +76,10 @@ def longest_prompt_tokens(config: Config, dataset: object = None, tokenizer: obj
         json.dumps(config.sampling.chat_template_kwargs, sort_keys=True),
     )
     if key not in _PROMPT_LENGTHS:
-        if dataset is None:
-            from asyncrl.data import load_train_prompts
+        from asyncrl.data import load_train_prompts
 
-            dataset = load_train_prompts(config)  # a stream (data.streaming) refuses to be measured, in one line
-        if tokenizer is None:
-            tokenizer = load_tokenizer(config)
+        dataset = load_train_prompts(config)  # a stream (data.streaming) refuses to be measured, in one line
+        tokenizer = load_tokenizer(config)
         kwargs = config.sampling.chat_template_kwargs
         _PROMPT_LENGTHS[key] = max(len(render_prompt(tokenizer, p, kwargs)) for p in dataset["prompt"])  # type: ignore[index]
     return _PROMPT_LENGTHS[key]

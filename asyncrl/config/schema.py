@@ -23,6 +23,14 @@ class ServerBackend(str, Enum):
     builtin = "builtin"
 
 
+class ModelImpl(str, Enum):
+    """vLLM's --model-impl choices for a language model (its terratorch, for geospatial models, left out)."""
+
+    auto = "auto"
+    vllm = "vllm"
+    transformers = "transformers"
+
+
 class WeightTransfer(str, Enum):
     auto = "auto"
     nccl = "nccl"
@@ -223,7 +231,7 @@ class ServerConfig:
     re-quantizes every layer as its weights arrive (layerwise reload); asyncrl's in-place ipc loader
     (server.ipc_direct_load) would skip that, so a quantized server never gets it. vLLM only, 16-bit serving only;
     null: the checkpoint's own weights."""
-    model_impl: str = "auto"
+    model_impl: ModelImpl = ModelImpl.auto
     """The model's implementation in vLLM (its --model-impl; TRL's vllm_model_impl): auto (vLLM's own where it has
     one, else transformers'), vllm, or transformers (transformers' modeling code inside vLLM's engine, e.g. for an
     architecture vLLM does not implement). The built-in server runs transformers' code already: it takes auto and

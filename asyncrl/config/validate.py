@@ -302,26 +302,6 @@ def check_vllm_server(config: Config) -> None:
         )
 
 
-def check_model_impl(config: Config) -> None:
-    """server.model_impl is one of vLLM's --model-impl choices for a language model (its terratorch, for geospatial
-    models, left out), which a built-in server must be able to honour."""
-    impl = config.server.model_impl
-    if impl not in ("auto", "vllm", "transformers"):
-        raise ConfigError(f"server.model_impl={impl} must be auto, vllm or transformers (vLLM's --model-impl)")
-    check_builtin_model_impl(config, config.server.backend.value)
-
-
-def check_builtin_model_impl(config: Config, backend: str) -> None:
-    """The built-in server runs transformers' modeling code, what model_impl=transformers asks of vLLM, and never
-    vLLM's. ``backend``: server.backend here; the resolved one when the built-in server's command is built
-    (serving/command.py), so server=auto refuses too."""
-    if backend == "builtin" and config.server.model_impl == "vllm":
-        raise ConfigError(
-            "server.model_impl=vllm asks for vLLM's implementation of the model, and the built-in server runs "
-            "transformers' (it takes auto or transformers): set server=vllm, or server.model_impl=auto"
-        )
-
-
 def check_replicas(config: Config) -> None:
     """Several servers: launched (server.replicas) or attached (server.base_urls), never both, and each gets
     every weight sync, which ipc (one co-located server) and one sharded trainer's rank 0 cannot give."""
@@ -483,7 +463,6 @@ CHECKS: tuple[Callable[[Config], None], ...] = (
     check_replicas,
     check_lora,
     check_vllm_server,
-    check_model_impl,
     check_rollout_limits,
     check_reward_funcs,
     check_data_source,

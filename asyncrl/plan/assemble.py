@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from asyncrl.components import Components
 from asyncrl.config.compose import to_config
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, ModelDtype, ServerBackend
+from asyncrl.config.schema import Config, LoraSync, LrSchedulerType, ModelDtype, ModelImpl, ServerBackend
 from asyncrl.flow import FlowControl
 from asyncrl.plan.decide import (
     adapter_sync_by_config,
@@ -272,6 +272,15 @@ def check_structured_outputs(config: Config, backend: str) -> None:
         )
 
 
+def check_builtin_model_impl(config: Config, backend: str) -> None:
+    """The built-in server runs transformers' modeling code, what model_impl=transformers asks of vLLM, never vLLM's."""
+    if config.server.model_impl == ModelImpl.vllm and backend == "builtin":
+        raise ConfigError(
+            "server.model_impl=vllm asks for vLLM's implementation of the model, and the built-in server runs "
+            "transformers' (it takes auto or transformers): set server=vllm, or server.model_impl=auto"
+        )
+
+
 def check_loss_requirements(config: Config, components: Components) -> None:
     if "sampler_top_logprobs" in components.loss.requires and config.sampling.num_sampler_logprobs < 1:
         raise ConfigError(
@@ -321,6 +330,7 @@ BACKEND_CHECKS: tuple[Callable[[Config, str], None], ...] = (
     check_quantization,
     check_generation_kwargs_fields,
     check_structured_outputs,
+    check_builtin_model_impl,
 )
 CHECKS: tuple[Callable[[Config], None], ...] = (
     check_lora_rank_choice,

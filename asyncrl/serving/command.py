@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from asyncrl.config.schema import Config
-from asyncrl.config.validate import check_builtin_model_impl
 from asyncrl.flow import FlowControl
 from asyncrl.run_plan import RunPlan, ServerCommand
 
@@ -51,10 +50,9 @@ def served_name(name_or_path: str) -> str:
 
 def builtin_command(plan: RunPlan, replica: int = 0) -> ServerCommand:
     """The built-in server's command for replica ``replica``, as the plan decided its serving dtype, flow and
-    adapter choice; refused for server.model_impl=vllm (under server=auto too), which it cannot run."""
+    adapter choice."""
     config = plan.config
     sv = config.server
-    check_builtin_model_impl(config, "builtin")
     argv = [
         sys.executable, "-m", "asyncrl.engine",
         "--model", config.model.name_or_path,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import Config, ModelDtype
+from asyncrl.config.schema import Config, ModelDtype, ModelImpl
 from asyncrl.lora import adapter_modules
 from asyncrl.model_kind import is_vision_language
 from asyncrl.serving.command import (
@@ -332,8 +332,8 @@ def vllm_command(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(split.replica(replica))
     if sv.quantization is not None:
         argv += ["--quantization", sv.quantization]
-    if sv.model_impl != "auto":  # vLLM's default
-        argv += ["--model-impl", sv.model_impl]
+    if sv.model_impl != ModelImpl.auto:  # vLLM's default
+        argv += ["--model-impl", sv.model_impl.value]
     if transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled over HTTP
         if sv.ipc_direct_load and sv.quantization is None:  # a quantized server loads through vLLM's engine

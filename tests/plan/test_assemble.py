@@ -55,6 +55,8 @@ BAD_INPUTS = [
      "trainer.gradient_checkpointing_kwargs.reentrant: torch.utils.checkpoint.checkpoint takes no such argument "
      "(it takes use_reentrant, context_fn, determinism_check, debug, early_stop, preserve_rng_state)"),
     (["trainer.callbacks=[my_pkg.callbacks:Stop]"], "trainer.callbacks: cannot import module 'my_pkg.callbacks'"),
+    (["server=builtin", "server.model_impl=vllm"],
+     "server.model_impl=vllm asks for vLLM's implementation of the model, and the built-in server runs transformers'"),
     (["trainer.optimizer_factory=my_pkg.optim:build"],
      "trainer.optimizer_factory: cannot import module 'my_pkg.optim'"),
     (["trainer.scheduler_factory=asyncrl.rewards.format:boxed_format", "trainer.max_steps=10"],
@@ -217,3 +219,10 @@ def test_an_attached_servers_needed_context_comes_from_the_prompts_measured_once
     assert builtin.prompt_tokens is None and measured == ["once"] and builtin.needed_context("builtin") == 65
     fixed = plan_run(compose([*attached, "server.max_model_len=300"]), tmp_path / "fixed")
     assert fixed.prompt_tokens is None and fixed.needed_context("vllm") == 300 and measured == ["once"]
+
+
+def test_model_impl_vllm_is_refused_where_server_auto_resolves_to_the_builtin_server(monkeypatch):
+    monkeypatch.setattr("asyncrl.plan.assemble.resolve_backend", lambda config: "builtin")  # a GPU machine too
+    with pytest.raises(ConfigError, match=r"^server.model_impl=vllm asks for vLLM's implementation") as refused:
+        plan_run(compose(["server=auto", "server.model_impl=vllm"]))
+    assert "\n" not in str(refused.value)
