@@ -320,6 +320,7 @@ def summarise(run: dict[str, Any], profiled: bool = False) -> dict[str, Any]:
         "sync_transfer_s": mean("perf/weight_sync_transfer_s", 1),
         "sync_max_s": max(series("perf/weight_sync_s")[1:] or [math.nan]),
         "gen_paused_s": mean("perf/generation_paused_s", 1),
+        "preempted_per_step": mean("rollout/vllm_preemption_count", 1),
         "gen_tokens_per_s": mean("rollout/generated_tokens_per_s", 1), "concurrency": mean("rollout/concurrency", 1),
         "logp_diff": mean("sampling/sampling_logp_difference/mean", 1),
         "samples_per_step": mean("batch/samples_per_step", 1), "backpressure_s": mean("rollout/backpressure_s", 1),
@@ -354,6 +355,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory", type=float, default=0.3, help="vLLM --gpu-memory-utilization")
     parser.add_argument("--standalone-requests", type=int, default=512)
     parser.add_argument("--no-flat", action="store_true", help="skip the flat-packing run")
+    parser.add_argument("--in-flight-too", action="store_true", help="each --staleness run again with "
+                        "staleness.in_flight_weight_updates=true, against the same server (issue 57)")  # fmt: skip
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     parser.add_argument("--builtin-too", action="store_true", help="also time the built-in server on the GPU")
     parser.add_argument("--eager", action="store_true", help="vLLM --enforce-eager (no CUDA graphs, faster start)")
@@ -534,6 +537,9 @@ def run_variants(args: argparse.Namespace, prefix: str) -> list[tuple[str, list[
     """The training runs against one server, named and with their overrides: one per --staleness value, then the
     flat-packing one."""
     variants = [(f"{prefix}staleness{k}", [f"staleness.max_staleness={k}"]) for k in args.staleness.split(",")]
+    if args.in_flight_too:  # the plain runs first, then their in-flight twins
+        variants += [(f"{prefix}inflight_{name}", [*extra, "staleness.in_flight_weight_updates=true"])
+                     for name, extra in list(variants)]  # fmt: skip
     flat = ["staleness.max_staleness=2", "packing=flat", f"packing.token_budget={WORKLOAD[args.shape][4]}"]
     return variants + ([] if args.no_flat else [(f"{prefix}flat_staleness2", flat)])
 
@@ -651,17 +657,17 @@ def print_table(result: dict[str, Any]) -> None:
     sync = by_name.get("staleness0")
     print(
         "\n| run | steps | samples/step | to last step s | steady s/step | samples/s | speedup vs sync "
-        "| sync s mean/max (pause wait/transfer) | gen paused s | gen tok/s (concurrency) | trained tok/s | MFU "
-        "| pack ratio | stale mean/max | dropped | overlap | logp diff |"
+        "| sync s mean/max (pause wait/transfer) | gen paused s | preempted/step | gen tok/s (concurrency) "
+        "| trained tok/s | MFU | pack ratio | stale mean/max | dropped | overlap | logp diff |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         speedup = samples_per_s(r) / samples_per_s(sync) if sync else float("nan")  # sync steps can be larger
         print(f"| {r['name']} | {r['steps']} | {r['samples_per_step']:.0f} | {r['time_to_last_step_s']:.1f} | "
               f"{r['steady_step_s']:.2f} | {samples_per_s(r):.1f} | {speedup:.2f}x | "
               f"{r['sync_s']:.3f}/{r.get('sync_max_s', math.nan):.3f} "
               f"({r['sync_pause_s']:.3f}/{r['sync_transfer_s']:.3f}) | "
-              f"{r.get('gen_paused_s', math.nan):.3f} | "
+              f"{r.get('gen_paused_s', math.nan):.3f} | {r.get('preempted_per_step', math.nan):.0f} | "
               f"{r['gen_tokens_per_s']:,.0f} ({r['concurrency']:.0f}) | {r['trained_tokens_per_s']:,.0f} | "
               f"{r['mfu']:.1%} | "
               f"{r['packing_ratio']:.2f} | {r['staleness_mean']:.2f}/{r['staleness_max']:.0f} | "
