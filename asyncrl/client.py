@@ -160,6 +160,25 @@ class Completion:
         )
 
     @classmethod
+    def from_chat_choice(cls, choice: dict[str, Any], prompt_ids: Sequence[int]) -> Completion:
+        """Read a /v1/chat/completions choice made with return_token_ids and return_tokens_as_token_ids (OpenAI's
+        logprobs content: one entry per token, its top_logprobs keyed "token_id:N")."""
+        if choice.get("token_ids") is None:
+            raise ValueError("chat completion choice has no token_ids: the request must set return_token_ids")
+        content = (choice.get("logprobs") or {}).get("content")
+        return cls(
+            token_ids=list(choice["token_ids"]),
+            logprobs=None if content is None else [entry["logprob"] for entry in content],
+            top_logprobs=None if content is None else [
+                {parse_token_key(top["token"]): top["logprob"] for top in entry.get("top_logprobs") or []}
+                for entry in content
+            ],
+            sampling_masks=None,
+            finish_reason=choice["finish_reason"],
+            prompt_token_ids=list(prompt_ids),
+        )  # fmt: skip
+
+    @classmethod
     def from_generate_choice(cls, choice: dict[str, Any], prompt_ids: Sequence[int]) -> Completion:
         """Read an /inference/v1/generate choice (token ids in and out, logprobs as {token_id, logprob} lists)."""
         content = (choice.get("logprobs") or {}).get("content")
@@ -290,6 +309,32 @@ class GenerationClient:
         }
         response = await self._post("/v1/completions", with_n(body, n), n)
         return [Completion.from_choice(choice) for choice in choices(response, n, "/v1/completions")]
+
+    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams) -> Completion:
+        """One turn of a conversation the server renders: prompts with images, which vLLM's tokens-in endpoint does
+        not take (rollout/images.py). The completion's ``prompt_token_ids`` are the server's rendering; candidate
+        sets do not come back (chat has no sampling mask), so a truncating sampler's ratios are biased as on
+        /v1/completions."""
+        if params.return_sampling_mask:
+            self._no_candidate_sets("prompts with images go through /v1/chat/completions")
+        fields = completion_fields(replace(params, return_sampling_mask=False))
+        top = fields.pop("logprobs")
+        body = {
+            "model": ROLLOUT_MODEL.get() or self.model,
+            "messages": messages,
+            **fields,
+            "logprobs": top is not None,
+            **({"top_logprobs": top} if top else {}),
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        try:
+            response = await self._post("/v1/chat/completions", body)
+        except PolicyRetired as error:
+            logger.info("ending a rollout whose policy left the server: %s", error.message)
+            return Completion([], [], None, None, "abort", [])
+        (choice,) = choices(response, 1, "/v1/chat/completions")
+        return Completion.from_chat_choice(choice, response["prompt_token_ids"])
 
     async def _generate(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
         """``n`` completions of one /inference/v1/generate request (vLLM's tokens-in/tokens-out endpoint, with the

@@ -3,8 +3,9 @@
 A prompt is conversational (a list of {role, content} messages: the chat template renders it) or standard, as TRL's
 GRPO page allows (plain text, tokenized as it is: no chat template; its completions are plain text too).
 Checked before anything starts: a missing `prompt` column or prompts of neither form fail with a message saying what
-was found, and so does a row that carries an image (asyncrl trains on text only, vision-language models included:
-nothing would hand the image to the server or to the training forward pass).
+was found, and so does a row with media asyncrl does not train on: a video, an image a server would have to fetch
+(an ``image_url`` part), or images beside a plain-text prompt. A conversation's images come in an ``image`` /
+``images`` column (TRL's vision-language datasets) or as its image parts (rollout/images.py places them).
 With data.streaming the split is a ``PromptStream``: its first rows are checked so at load, each row as the worker
 reads it.
 """
@@ -30,6 +31,8 @@ IMAGE_COLUMNS = ("images", "image")
 """The columns that carry a row's images in TRL's vision-language datasets."""
 _MEDIA_KEYS = ("image", "image_url", "video")
 """Keys of a content part without a ``type`` that make it an image or a video."""
+_TRAINED_PARTS = ("text", "image")
+"""Content part types asyncrl trains on (an image part's image in it, or from the row's image column)."""
 HEAD_ROWS = 100
 """A streamed split's first rows, read at load: its columns and prompt form are checked on them."""
 T = TypeVar("T")
@@ -221,11 +224,11 @@ def check_streamed_row(row: dict[str, Any], position: int, epoch: int, source: s
     if not (isinstance(prompt, str) or _is_conversation(prompt)):
         raise DatasetError(f"{where} has a 'prompt' that is neither a string nor a list of {{'role', 'content'}} "
                            f"messages: {str(prompt)[:80]!r}")  # fmt: skip
-    media = [c for c in IMAGE_COLUMNS if row.get(c)]
-    if not media and isinstance(prompt, list):
-        media = [kind for message in prompt if (kind := _media_part(message["content"])) is not None]
+    if isinstance(prompt, str) and any(row.get(c) for c in IMAGE_COLUMNS):
+        raise DatasetError(f"{where} has images and a plain-text prompt: {PLAIN_WITH_IMAGES}")
+    media = [] if isinstance(prompt, str) else [kind for m in prompt if (kind := _untrained_part(m["content"]))]
     if media:
-        raise DatasetError(f"{where} carries an image or video ({media[0]}): asyncrl trains on text only")
+        raise DatasetError(f"{where} has a {media[0]!r} content part: {UNTRAINED_FIX}")
 
 
 def check_prompts(dataset: Dataset, source: str) -> None:
@@ -242,7 +245,7 @@ def check_prompts(dataset: Dataset, source: str) -> None:
             f"dataset {source}: 'prompt' must be a list of {{'role', 'content'}} messages (conversational) or a "
             f"string (standard), found {type(first).__name__}: {str(first)[:80]!r}"
         )
-    check_text_only(dataset, source)
+    check_media(dataset, source)
 
 
 def standard_prompts(rows: Dataset | PromptStream | Sequence[dict[str, Any]]) -> bool:
@@ -252,28 +255,57 @@ def standard_prompts(rows: Dataset | PromptStream | Sequence[dict[str, Any]]) ->
     return len(rows) > 0 and isinstance(rows[0]["prompt"], str)
 
 
-def check_text_only(dataset: Dataset, source: str) -> None:
-    """Refuse the first row with an image: a value in an ``images``/``image`` column (read through Arrow, no image
-    decoded) or a non-text content part in its prompt. The prompts are scanned only when their ``content`` is not
-    plain strings (the dataset's features say so up front), so a text dataset costs nothing."""
-    fix = "asyncrl trains on text only (a vision-language model too: its vision tower stays frozen)"
-    for column in (c for c in IMAGE_COLUMNS if c in dataset.column_names):
-        row = _first_present(dataset.with_format("arrow")[column])
-        if row is not None:
-            raise DatasetError(
-                f"dataset {source}: row {row} carries an image in its '{column}' column: {fix}; "
-                f"drop the column (dataset.remove_columns('{column}')) or those rows"
-            )
-    if _is_text(dataset.features["prompt"]) or _plain_text_content(dataset.features["prompt"]):
+PLAIN_WITH_IMAGES = "give the prompt as a conversation ([{'role': 'user', 'content': ...}]) for its images"
+UNTRAINED_FIX = ("asyncrl trains on text and images: give images in an 'image'/'images' column or as image parts "
+                 "(no video, no image URL to fetch)")  # fmt: skip
+
+
+def check_media(dataset: Dataset, source: str) -> None:
+    """Refuse the first row with media asyncrl does not train on: images (a value in an ``images``/``image``
+    column, read through Arrow, no image decoded) beside plain-text prompts, or a content part other than text and
+    image in a prompt. The prompts are scanned only when their ``content`` is not plain strings (the dataset's
+    features say so up front), so a text dataset costs nothing."""
+    if _is_text(dataset.features["prompt"]):
+        for column in (c for c in IMAGE_COLUMNS if c in dataset.column_names):
+            row = _first_present(dataset.with_format("arrow")[column])
+            if row is not None:
+                raise DatasetError(f"dataset {source}: row {row} has images in its '{column}' column and a "
+                                   f"plain-text prompt: {PLAIN_WITH_IMAGES}")  # fmt: skip
+        return
+    if _plain_text_content(dataset.features["prompt"]):
         return
     for row, messages in enumerate(dataset["prompt"]):
         for message in messages:
-            kind = _media_part(message["content"])
+            kind = _untrained_part(message["content"])
             if kind is not None:
-                raise DatasetError(
-                    f"dataset {source}: row {row}'s prompt has a {kind!r} content part: {fix}; "
-                    "keep only its text parts ({'type': 'text', ...}) or drop those rows"
-                )
+                raise DatasetError(f"dataset {source}: row {row}'s prompt has a {kind!r} content part: {UNTRAINED_FIX}")
+
+
+def most_images(dataset: Dataset) -> int:
+    """The most images one row's prompt has (an ``images`` list, an ``image``, or image parts): vLLM's
+    --limit-mm-per-prompt. The image columns are read through Arrow (no image decoded)."""
+    table = dataset.with_format("arrow")
+    counts = [0]
+    if "images" in dataset.column_names:
+        lengths = pc.list_value_length(table["images"])
+        counts.append(int(pc.max(pc.fill_null(lengths, 0)).as_py() or 0))
+    if "image" in dataset.column_names:
+        counts.append(int(pc.any(pc.is_valid(table["image"])).as_py() or False))
+    if not (_is_text(dataset.features["prompt"]) or _plain_text_content(dataset.features["prompt"])):
+        counts += [sum(_media_part([part]) == "image" for m in messages for part in _content_parts(m))
+                   for messages in dataset["prompt"]]  # fmt: skip
+    return max(counts)
+
+
+def _content_parts(message: dict[str, Any]) -> list[Any]:
+    content = message["content"]
+    return content if isinstance(content, list) else []
+
+
+def has_images(rows: Dataset | PromptStream) -> bool:
+    """Whether the prompts carry images (a stream's checked first rows say it): the run needs a vision-language
+    checkpoint."""
+    return most_images(rows.head if isinstance(rows, PromptStream) else rows) > 0
 
 
 def _first_present(values: pa.Array | pa.ChunkedArray) -> int | None:
@@ -305,6 +337,17 @@ def _media_part(content: Any) -> str | None:
             return type(part).__name__
         kind = str(part.get("type") or next((key for key in _MEDIA_KEYS if part.get(key) is not None), "text"))
         if kind != "text":
+            return kind
+    return None
+
+
+def _untrained_part(content: Any) -> str | None:
+    """The type of the first content part asyncrl does not train on (a video, an image URL); None when it has none."""
+    if not isinstance(content, list):
+        return None
+    for part in content:
+        kind = _media_part([part])
+        if kind is not None and kind not in _TRAINED_PARTS:
             return kind
     return None
 

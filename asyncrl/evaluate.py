@@ -22,6 +22,15 @@ import numpy as np
 from asyncrl.client import GenerationClient
 from asyncrl.config.schema import Config
 from asyncrl.prompts import completion_of, render_prompt
+from asyncrl.rollout.images import (
+    ImageProcessing,
+    data_folder,
+    image_processing,
+    place_row_images,
+    prompt_images,
+    request_messages,
+    template_messages,
+)
 from asyncrl.rollout.scoring import RewardSource, score_group
 from asyncrl.rollout.types import RolloutGroup
 from asyncrl.sampling import SamplingParams
@@ -34,9 +43,35 @@ def _no_progress(label: str, done: int, total: int) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class EvalPrompt:
+    """A held-out prompt as the server gets it: its tokens, or for a prompt with images its chat messages (the
+    server renders those; ``ids`` is then the expected rendering, for the completion's budget)."""
+
+    ids: list[int]
+    messages: list[dict[str, Any]] | None = None
+
+
+def eval_prompts(config: Config, tokenizer: Any, rows: list[dict[str, Any]]) -> list[EvalPrompt]:
+    """Each row's prompt as the server gets it; rows with images as chat messages (rollout/images.py)."""
+    s = config.sampling
+    processing: ImageProcessing | None = None
+    prompts = []
+    for row in rows:
+        images = prompt_images(row["prompt"])
+        if not images:
+            prompts.append(EvalPrompt(render_prompt(tokenizer, row["prompt"], s.chat_template_kwargs)))
+            continue
+        processing = processing or image_processing(config)
+        urls, patches = processing.prepare(images)
+        rendered = render_prompt(tokenizer, template_messages(row["prompt"]), s.chat_template_kwargs)
+        prompts.append(EvalPrompt(processing.expand(rendered, patches), request_messages(row["prompt"], urls)))
+    return prompts
+
+
 async def _complete_all(
     client: GenerationClient,
-    prompts: list[list[int]],
+    prompts: list[EvalPrompt],
     params: list[SamplingParams],
     concurrency: int,
     done: Callable[[int], None] = lambda finished: None,
@@ -45,10 +80,10 @@ async def _complete_all(
     gate = asyncio.Semaphore(concurrency)
     finished = 0
 
-    async def one(ids: list[int], p: SamplingParams) -> Any:
+    async def one(prompt: EvalPrompt, p: SamplingParams) -> Any:
         nonlocal finished
         async with gate:
-            out = await client.complete(ids, p)
+            out = await (client.complete(prompt.ids, p) if prompt.messages is None else client.chat(prompt.messages, p))
         finished += 1
         done(finished)
         return out
@@ -67,13 +102,13 @@ async def _evaluate(
     progress: Progress,
 ) -> dict[str, float]:
     s = config.sampling
-    prompts = [render_prompt(tokenizer, row["prompt"], s.chat_template_kwargs) for row in rows]
+    prompts = eval_prompts(config, tokenizer, rows)
     results: dict[str, float] = {}
     async with GenerationClient(base_urls, model_name, timeout_s=config.server.timeout) as client:
         # greedy as top-1 sampling: vLLM >= 0.28 started with --return-sampling-mask refuses temperature 0
         passes = (("greedy", 1.0, 1, 1), ("sampled", s.temperature, s.top_k, s.num_generations_eval))
         for label, temperature, top_k, copies in passes:
-            asked = [ids for ids in prompts for _ in range(copies)]  # each prompt's copies side by side
+            asked = [prompt for prompt in prompts for _ in range(copies)]  # each prompt's copies side by side
             total = len(asked)
             params = [
                 SamplingParams.of(
@@ -82,9 +117,9 @@ async def _evaluate(
                     top_k=top_k,
                     logprobs=None,
                     seed=config.trainer.seed + i,
-                    max_tokens=max(1, min(s.max_completion_length, max_model_len - len(ids))),
+                    max_tokens=max(1, min(s.max_completion_length, max_model_len - len(prompt.ids))),
                 )
-                for i, ids in enumerate(asked)
+                for i, prompt in enumerate(asked)
             ]
             concurrency = config.server.max_num_seqs * len(client.servers)  # each server's batch
             outs = await _complete_all(client, asked, params, concurrency=concurrency,
@@ -131,7 +166,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean reward of greedy and sampled completions on the first ``data.num_eval_prompts`` eval rows, spread over
     the servers at ``base_urls``; ``progress`` is told as the completions come back (the console shows it)."""
-    rows = [dataset[i] for i in range(min(len(dataset), config.data.num_eval_prompts))]
+    folder = data_folder(config.data.eval_path) if config.data.eval_path is not None else None
+    rows = [place_row_images(dataset[i], folder) for i in range(min(len(dataset), config.data.num_eval_prompts))]
     return asyncio.run(_evaluate(config, base_urls, model_name, tokenizer, rows, sources, max_model_len, progress))
 
 

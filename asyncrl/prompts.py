@@ -8,6 +8,7 @@ evaluation must give the model the same tokens, from the same tokenizer (``load_
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,9 +64,15 @@ def load_tokenizer(config: Config) -> Any:
 _PROMPT_LENGTHS: dict[tuple[object, ...], int] = {}
 
 
-def longest_prompt_tokens(config: Config) -> int:
+RowTokens = Callable[[Any, dict[str, Any]], int]
+"""``(tokenizer, row) -> the row's prompt length`` where rendering its prompt does not say it (its images)."""
+
+
+def longest_prompt_tokens(config: Config, image_rows: Callable[[Config], RowTokens] | None = None) -> int:
     """data.max_prompt_length, else the longest chat-rendered prompt of the training data (cached per data+model: a
-    sweep's jobs share it). The launcher measures it once for the run's plan (plan/assemble.py::sized)."""
+    sweep's jobs share it). The launcher measures it once for the run's plan (plan/assemble.py::sized).
+    ``image_rows(config)``: how a row with images is measured, asked for when the data has images
+    (rollout/images.py::image_prompt_tokens: each image as the server expands it)."""
     if config.data.max_prompt_length is not None:
         return config.data.max_prompt_length
     key = (
@@ -76,10 +83,14 @@ def longest_prompt_tokens(config: Config) -> int:
         json.dumps(config.sampling.chat_template_kwargs, sort_keys=True),
     )
     if key not in _PROMPT_LENGTHS:
-        from asyncrl.data import load_train_prompts
+        from asyncrl.data import has_images, load_train_prompts
 
         dataset = load_train_prompts(config)  # a stream (data.streaming) refuses to be measured, in one line
         tokenizer = load_tokenizer(config)
         kwargs = config.sampling.chat_template_kwargs
-        _PROMPT_LENGTHS[key] = max(len(render_prompt(tokenizer, p, kwargs)) for p in dataset["prompt"])  # type: ignore[index]
+        if image_rows is not None and has_images(dataset):
+            row_tokens = image_rows(config)
+            _PROMPT_LENGTHS[key] = max(row_tokens(tokenizer, row) for row in dataset)  # type: ignore[union-attr]
+        else:
+            _PROMPT_LENGTHS[key] = max(len(render_prompt(tokenizer, p, kwargs)) for p in dataset["prompt"])  # type: ignore[index]
     return _PROMPT_LENGTHS[key]

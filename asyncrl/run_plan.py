@@ -106,6 +106,9 @@ class RunPlan:
     prompt_tokens: int | None = None
     """The longest training prompt in tokens (data.max_prompt_length when set), measured once by the launcher where a
     vLLM's context or an attached server's check takes it (plan/assemble.py::sized); None where nothing does."""
+    prompt_images: int = 0
+    """The most images one training or held-out prompt has (a vLLM's --limit-mm-per-prompt), counted where a
+    launched vLLM's command takes it (plan/assemble.py::sized); 0 for text."""
     server_commands: list[ServerCommand] | None = None
     """Each launched server's command, replica after replica, as a job decided it before any starts
     (plan/assemble.py::commanded) and launched it; a restart launches them again as they are. None for an attached

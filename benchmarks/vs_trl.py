@@ -169,10 +169,10 @@ sys.path.insert(0, str(REPO))
 from asyncrl.metrics import read_jsonl  # noqa: E402
 from asyncrl.plan.assemble import build_plan  # noqa: E402
 from asyncrl.serving.vllm import (  # noqa: E402
-    TEXT_ONLY_LIMITS,
     CheckpointKind,
     checkpoint_kind,
     flashinfer_importable,
+    media_limits,
 )
 
 TOOLS = ("trl", "asyncrl")
@@ -541,7 +541,7 @@ def as_asyncrl_launches(kind: CheckpointKind) -> None:
     Hopper vLLM's default gated-DeltaNet prefill imports it."""
     from trl.generation import vllm_generation
 
-    extra: dict[str, Any] = {"limit_mm_per_prompt": json.loads(TEXT_ONLY_LIMITS)} if kind.vision_language else {}
+    extra: dict[str, Any] = {"limit_mm_per_prompt": json.loads(media_limits(0))} if kind.vision_language else {}
     if kind.gated_deltanet and not flashinfer_importable():
         extra["gdn_prefill_backend"] = "triton"
     engine = vllm_generation.LLM

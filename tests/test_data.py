@@ -1,5 +1,5 @@
-"""Prompt datasets: files, saved directories and hub ids through `datasets`; bad datasets fail early, a row that
-carries an image included (asyncrl trains on text only)."""
+"""Prompt datasets: files, saved directories and hub ids through `datasets`; bad datasets fail early, a row with
+media asyncrl does not train on included (videos, image URLs, images beside a plain-text prompt)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ from asyncrl.data import (
     DatasetError,
     PromptStream,
     check_prompts,
+    has_images,
     load_eval_prompts,
     load_prompts,
     load_train_prompts,
+    most_images,
     standard_prompts,
 )
 from asyncrl.rewards import REWARDS
@@ -131,29 +133,36 @@ TEXT = {"type": "text", "text": "What is 1+1?"}
 
 
 @pytest.mark.parametrize(
-    ("rows", "message"),
+    ("rows", "message", "fix"),
     [
-        ([{"prompt": user(TEXT)}, {"prompt": user(TEXT)}, {"prompt": user({"type": "image", "image": "a.png"}, TEXT)}],
-         "row 2's prompt has a 'image' content part"),
+        ([{"prompt": user(TEXT)}, {"prompt": user(TEXT)}, {"prompt": user({"type": "video", "video": "a.mp4"}, TEXT)}],
+         "row 2's prompt has a 'video' content part", "asyncrl trains on text and images"),
         ([{"prompt": user(TEXT)}, {"prompt": user({"image_url": "http://x/cat.png"})}],
-         "row 1's prompt has a 'image_url' content part"),
-        ([{"prompt": user(TEXT), "images": []}, {"prompt": user(TEXT), "images": ["cat.png"]}],
-         "row 1 carries an image in its 'images' column"),
-        ([{"prompt": [{"role": "user", "content": "hi"}], "image": None},
-          {"prompt": [{"role": "user", "content": "hi"}], "image": "cat.png"}],
-         "row 1 carries an image in its 'image' column"),
+         "row 1's prompt has a 'image_url' content part", "asyncrl trains on text and images"),
+        ([{"prompt": "hi", "images": []}, {"prompt": "hi", "images": ["cat.png"]}],
+         "row 1 has images in its 'images' column and a plain-text prompt", "give the prompt as a conversation"),
+        ([{"prompt": "hi", "image": None}, {"prompt": "hi", "image": "cat.png"}],
+         "row 1 has images in its 'image' column and a plain-text prompt", "give the prompt as a conversation"),
     ],
 )  # fmt: skip
-def test_a_row_with_an_image_is_refused_naming_it(rows, message):
+def test_a_row_with_media_asyncrl_does_not_train_on_is_refused_naming_it(rows, message, fix):
     with pytest.raises(DatasetError) as info:
         check_prompts(Dataset.from_list(rows), "vlm.jsonl")
-    assert str(info.value).startswith(f"dataset vlm.jsonl: {message}: asyncrl trains on text only")
+    assert str(info.value).startswith(f"dataset vlm.jsonl: {message}: {fix}")
     assert "\n" not in str(info.value)
 
 
-def test_text_parts_and_empty_image_columns_pass():
+def test_images_in_a_column_or_in_image_parts_pass_and_are_counted():
     rows = [{"prompt": user(TEXT, TEXT), "images": []}, {"prompt": user(TEXT), "images": None}]
     check_prompts(Dataset.from_list(rows), "text.jsonl")
+    assert most_images(Dataset.from_list(rows)) == 0 and not has_images(Dataset.from_list(rows))
+    rows = [{"prompt": user(TEXT), "images": ["a.png", "b.png"]}, {"prompt": user(TEXT), "images": ["a.png"]}]
+    check_prompts(Dataset.from_list(rows), "vlm.jsonl")
+    assert most_images(Dataset.from_list(rows)) == 2
+    parts = [{"prompt": user({"type": "image"}, {"type": "image"}, {"type": "image"}, TEXT), "image": None}]
+    check_prompts(Dataset.from_list(parts), "vlm.jsonl")
+    assert most_images(Dataset.from_list(parts)) == 3 and has_images(Dataset.from_list(parts))
+    assert most_images(Dataset.from_list([{"prompt": user(TEXT), "image": "a.png"}])) == 1
 
 
 def streamed(*overrides: str, path: Path = SAMPLE) -> Config:
@@ -222,12 +231,14 @@ def test_a_streamed_split_is_checked_on_its_first_rows_and_each_row_as_it_is_rea
         load_train_prompts(streamed(path=bad))
     late = tmp_path / "late.jsonl"
     rows = [{"prompt": user({"type": "text", "text": f"{i}+{i}?"}), "solution": str(i)} for i in range(HEAD_ROWS + 2)]
-    rows[HEAD_ROWS + 1]["prompt"] = user({"type": "image", "text": "cat.png"})
+    rows[HEAD_ROWS + 1]["prompt"] = user({"type": "video", "text": "cat.mp4"})
     late.write_text("\n".join(json.dumps(r) for r in rows))
     stream = load_train_prompts(streamed("data.shuffle=false", path=late))
     assert not standard_prompts(stream) and standard_prompts(load_train_prompts(streamed(path=plain_file(tmp_path))))
     assert len(solutions(stream, 0, HEAD_ROWS + 1)) == HEAD_ROWS + 1
-    with pytest.raises(DatasetError, match=rf"the row at position {HEAD_ROWS + 1} of pass 0 carries an image or video"):
+    with pytest.raises(
+        DatasetError, match=rf"the row at position {HEAD_ROWS + 1} of pass 0 has a 'video' content part"
+    ):
         solutions(stream, 0, HEAD_ROWS + 2)
 
 

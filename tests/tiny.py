@@ -9,7 +9,8 @@ enough for top-k, top-p and seeds to matter.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,25 @@ def live_server(tiny_model_dir: Path, weights_root: Path, tmp_path_factory: pyte
     url = f"http://127.0.0.1:{port}"
     with ServerProcess(argv, base_url=url, log_path=log_path, env=env, startup_timeout_s=120) as process:
         yield LiveServer(process.base_url, tiny_model_dir, process)
+
+
+def engines(model: torch.nn.Module, max_model_len: int, max_num_seqs: int,
+            eos_token_id: int) -> Iterator[Callable[..., object]]:  # fmt: skip
+    """A fixture's body: ``make(**overrides)`` starts an engine on ``model`` (EngineConfig fields overridden), each
+    stopped when the test ends."""
+    from asyncrl.engine.core import Engine, EngineConfig
+
+    started: list[Engine] = []
+
+    def make(**overrides: int) -> Engine:
+        tokens = max_num_seqs * max_model_len
+        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_tokens=tokens,
+                              eos_token_ids=frozenset({eos_token_id}))  # fmt: skip
+        engine = Engine(model, replace(config, **overrides))
+        engine.start()
+        started.append(engine)
+        return engine
+
+    yield make
+    for engine in started:
+        engine.stop()

@@ -19,6 +19,7 @@ from asyncrl.client import TOKEN_ENV
 from asyncrl.dtypes import DTYPES, torch_dtype
 from asyncrl.engine.api import BuiltinServer, build_app, prepare_serving_process
 from asyncrl.engine.core import Engine, EngineConfig
+from asyncrl.engine.images import load_image_prompts
 from asyncrl.engine.lora import AdapterSet, LoraLimits
 from asyncrl.model_kind import auto_model_class
 from asyncrl.serving.command import VLLM_LORA_RANKS
@@ -36,7 +37,7 @@ def positive_int(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.engine", description=__doc__)
-    parser.add_argument("--model", required=True, help="local path or Hub id of a causal LM (or a VLM: text only)")
+    parser.add_argument("--model", required=True, help="local path or Hub id of a causal LM or a vision-language model")
     parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -61,8 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def load_served_model(path: str, dtype: torch.dtype | str, trust_remote_code: bool) -> torch.nn.Module:
-    """The checkpoint's model; a vision-language one whole, so the names of its weights are the trainer's; it serves
-    text only."""
+    """The checkpoint's model; a vision-language one whole, so the names of its weights are the trainer's (and chat
+    requests may hold images, ``images.py``)."""
     auto = auto_model_class(path, trust_remote_code=trust_remote_code)
     return auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
@@ -130,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     dtype = torch_dtype(args.dtype) or "auto"
     model = load_served_model(args.model, dtype, args.trust_remote_code)
     model = model.to(device).eval()
+    image_prompts = load_image_prompts(model, tokenizer, args.model, args.trust_remote_code)
     max_model_len = context_length(model, args.max_model_len)
     kv_cache_tokens = args.kv_cache_tokens or args.max_num_seqs * max_model_len
     eos = eos_token_ids(model, tokenizer)
@@ -155,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_logprobs=args.max_logprobs,
         weights_dir=args.weights_dir,
         token=token,
+        image_prompts=image_prompts,
     )
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     app = build_app(server)

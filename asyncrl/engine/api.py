@@ -45,6 +45,7 @@ from asyncrl.engine.chat import ChatCompletionRequest, chat_completion_response
 from asyncrl.engine.chat import as_completion_request as chat_as_completion
 from asyncrl.engine.core import Engine, EngineStats, EngineUnavailable
 from asyncrl.engine.generate import GenerateRequest, as_completion_request, generate_response
+from asyncrl.engine.images import ImageInputs, ImagePrompts
 from asyncrl.engine.lora import AdapterNotFound
 from asyncrl.engine.protocol import (
     CompletionRequest,
@@ -159,6 +160,7 @@ class BuiltinServer:
         max_logprobs: int,
         weights_dir: Path | None = None,
         token: str | None = None,
+        image_prompts: ImagePrompts | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -170,6 +172,8 @@ class BuiltinServer:
         self.weights = WeightUpdater(engine, self.allowed)
         self.token = token
         """None: no route needs a token (in-process tests only; ``__main__`` always has one)."""
+        self.image_prompts = image_prompts
+        """None: chat requests with images are a 400 (a text-only model)."""
 
     async def completions(self, request: Request, body: CompletionRequest) -> dict[str, Any]:
         results = await self._run(request, body)
@@ -177,8 +181,9 @@ class BuiltinServer:
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> dict[str, Any]:
         """OpenAI's chat endpoint: the messages through the model's chat template, then /v1/completions' path."""
-        completion = chat_as_completion(body, self.tokenizer, self.engine.config.max_model_len)
-        results = await self._run(request, completion)
+        max_model_len = self.engine.config.max_model_len
+        completion, images = chat_as_completion(body, self.tokenizer, max_model_len, self.image_prompts)
+        results = await self._run(request, completion, images)
         return chat_completion_response(results, completion, self.texts, self.served_model_name)
 
     async def generate(self, request: Request, body: GenerateRequest) -> dict[str, Any]:
@@ -187,9 +192,11 @@ class BuiltinServer:
         results = await self._run(request, completion)
         return generate_response(results, completion, self.served_model_name)
 
-    async def _run(self, request: Request, body: CompletionRequest) -> list[GenerationResult]:
-        """Validate ``body`` against this server, generate its ``n`` completions, and abort them if its client
-        disconnects."""
+    async def _run(
+        self, request: Request, body: CompletionRequest, images: ImageInputs | None = None
+    ) -> list[GenerationResult]:
+        """Validate ``body`` against this server, generate its ``n`` completions (of a prompt with ``images``), and
+        abort them if its client disconnects."""
         generation = build_generation_request(
             body,
             self.tokenizer,
@@ -198,6 +205,7 @@ class BuiltinServer:
             max_logprobs=self.max_logprobs,
             vocab_size=self.engine.vocab_size,
             adapters=self.adapter_names(),
+            images=images,
         )
         children = fan_out(generation, body.n)
         waiter = asyncio.gather(*(asyncio.wrap_future(self.engine.submit(child)) for child in children))

@@ -15,6 +15,12 @@ holds: zeros) and a zero key and value to the delta rule (which leaves the zero 
 the decay). Only rounding differs (the chunked delta rule's 64-token chunks fall elsewhere): tests/engine/
 test_hybrid_batch.py finds the states within 1e-6 and logprobs within 1e-4 of an unpadded forward. A free slot's
 dummy decodes into its states, but a row taking the slot overwrites them whole.
+
+Rows with images (``images.py``) join through a prefill of input embeddings in which the vision tower's features
+replace their image tokens', at Qwen's M-RoPE positions: position ids are then [4, rows, width], the text positions
+(which masks read) over the three M-RoPE axes, and a row without images has its text positions on all four. Each
+decoding step gives a row with images its text position plus its ``rope_delta``. A re-prefilled row (preemption)
+takes its images again from its request.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from asyncrl.engine.cache import SlackCache
+from asyncrl.engine.images import ImageInputs
 from asyncrl.engine.lora import AdapterSet
 from asyncrl.engine.rows import DecodeRow
 
@@ -66,7 +73,8 @@ class RunningBatch:
         tokens = [[0 if row is None else row.output_ids[-1]] for row in self._slots]
         input_ids = torch.tensor(tokens, device=self._device)
         adapters = [(row or self.rows[0]).request.adapter for row in self._slots]
-        logits = self._forward(input_ids, lengths + 1, lengths.unsqueeze(1), self._cache, adapters)
+        positions = self._decode_positions(lengths)
+        logits = self._forward({"input_ids": input_ids}, lengths + 1, positions, self._cache, adapters)
         for row in self.rows:
             row.cached_len += 1
         if self._slots == self.rows:
@@ -76,23 +84,28 @@ class RunningBatch:
     def join(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Prefill ``rows`` together, write their cache into free slots; return their next-token logits.
 
-        Rows with the same tokens under the same adapter (a GRPO group's rollouts arrive together with one
-        prompt) are prefilled once and their cache copied, so a group of G costs one prompt's prefill, not G."""
+        Rows with the same tokens under the same adapter and images (a GRPO group's rollouts arrive together with
+        one prompt) are prefilled once and their cache copied, so a group of G costs one prompt's prefill, not G."""
         sequences = [row.tokens() for row in rows]
-        distinct: dict[tuple[tuple[int, ...], str | None], int] = {}
+        distinct: dict[tuple[tuple[int, ...], str | None, ImageInputs | None], int] = {}
         source = [
-            distinct.setdefault((tuple(tokens), row.request.adapter), len(distinct))
+            distinct.setdefault((tuple(tokens), row.request.adapter, row.request.images), len(distinct))
             for tokens, row in zip(sequences, rows, strict=True)
         ]
         leaders = [source.index(index) for index in range(len(distinct))]  # the first row of each distinct sequence
         unique = [sequences[leader] for leader in leaders]
         adapters = [rows[leader].request.adapter for leader in leaders]
+        images = [rows[leader].request.images for leader in leaders]
         width = max(len(tokens) for tokens in unique)
         input_ids = torch.tensor([[0] * (width - len(s)) + s for s in unique], device=self._device)
         lengths = torch.tensor([len(s) for s in unique], device=self._device)
         positions = (torch.arange(width, device=self._device) - (width - lengths).unsqueeze(1)).clamp(min=0)
+        inputs = {"input_ids": input_ids}
+        if any(inputs is not None for inputs in images):
+            positions = self._prefill_positions(positions, unique, images)
+            inputs = {"inputs_embeds": self._embed_images(input_ids, width - lengths, images)}
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, lengths, positions, cache, adapters)
+        logits = self._forward(inputs, lengths, positions, cache, adapters)
         for row, tokens in zip(rows, sequences, strict=True):
             row.cached_len = len(tokens)
         copies = None if len(unique) == len(rows) else torch.tensor(source, device=self._device)
@@ -146,21 +159,59 @@ class RunningBatch:
             self._slots[slot] = row
             self._slot_of[row] = slot
 
+    def _decode_positions(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Each slot's position for its next token: its cached length, [slots, 1]; while a row with images runs,
+        [4, slots, 1], the text positions over M-RoPE's three, which run ``rope_delta`` ahead for rows with images."""
+        if all(row.request.images is None for row in self.rows):
+            return lengths.unsqueeze(1)
+        images = [None if row is None else row.request.images for row in self._slots]
+        deltas = [0 if inputs is None else inputs.rope_delta for inputs in images]
+        shifted = lengths + torch.tensor(deltas, device=self._device)
+        return torch.stack([lengths, shifted, shifted, shifted]).unsqueeze(2)
+
+    def _prefill_positions(
+        self, positions: torch.Tensor, sequences: list[list[int]], images: list[ImageInputs | None]
+    ) -> torch.Tensor:
+        """[4, rows, width]: the left-padded text positions over each row's M-RoPE positions (its images' layout,
+        or its text positions when it has none)."""
+        mrope = positions.unsqueeze(0).repeat(4, 1, 1)
+        for row, (tokens, inputs) in enumerate(zip(sequences, images, strict=True)):
+            if inputs is not None:
+                mrope[1:, row, mrope.shape[2] - len(tokens) :] = inputs.positions(len(tokens)).to(self._device)
+        return mrope
+
+    def _embed_images(
+        self, input_ids: torch.Tensor, padding: torch.Tensor, images: list[ImageInputs | None]
+    ) -> torch.Tensor:
+        """The prefill's input embeddings with each image token's replaced by the vision tower's features. Done
+        here rather than by the model, which would take every image token id in the rows as an image's, also one
+        that a row generated before it was preempted."""
+        present = [(row, inputs) for row, inputs in enumerate(images) if inputs is not None]
+        pixel_values = torch.cat([inputs.pixel_values for _, inputs in present]).to(self._device)
+        grid = torch.cat([inputs.image_grid_thw for _, inputs in present]).to(self._device)
+        features = torch.cat(self.model.get_image_features(pixel_values, grid).pooler_output)
+        rows = torch.cat([torch.full_like(inputs.token_indices, row) for row, inputs in present]).to(self._device)
+        columns = torch.cat([inputs.token_indices.to(self._device) + padding[row] for row, inputs in present])
+        embeds = self.model.get_input_embeddings()(input_ids)
+        embeds[rows, columns] = features.to(embeds.dtype)
+        return embeds
+
     def _forward(
         self,
-        input_ids: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
         lengths: torch.Tensor,
         positions: torch.Tensor,
         cache: DynamicCache,
         adapters: list[str | None],
     ) -> torch.Tensor:
-        """Run the model, each row under its adapter; ``lengths`` are the rows' lengths in the cache after it."""
-        width = cache.get_seq_length() + input_ids.shape[1]
+        """Run the model on ``inputs`` (input_ids or inputs_embeds), each row under its adapter; ``lengths`` are the
+        rows' lengths in the cache after it."""
+        width = cache.get_seq_length() + positions.shape[-1]
         mask = torch.arange(width, device=self._device).unsqueeze(0) >= (width - lengths).unsqueeze(1)
         extra = self._adapters.select(self.model, adapters) if self._adapters else {}
         with sdpa_kernel(ATTENTION_BACKENDS):
             output = self.model(
-                input_ids=input_ids,
+                **inputs,
                 attention_mask=mask.long(),
                 position_ids=positions,
                 use_cache=True,

@@ -4,7 +4,9 @@ to a served run's model as they talk to vLLM.
 The messages go through the model's chat template as a rollout's prompt does (``render_prompt``: the served model
 sees the tokens it was trained on), and the request then takes /v1/completions' path: the same sampling fields,
 validation, generation and refusals (streaming and stop strings are a 400 there, so here too), ``n`` completions
-as choices. Tools are a 400 as well: their calls would come back as text, not parsed into ``tool_calls``.
+as choices. Tools are a 400 as well: their calls would come back as text, not parsed into ``tool_calls``. Image
+content parts (``images.py``) reach a vision-language model's chat template and prefill; a text-only model refuses
+them. With ``return_token_ids`` the response carries the prompt's and each choice's token ids, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
+from asyncrl.engine.images import NO_IMAGES, ImageInputs, ImagePrompts, split_images
 from asyncrl.engine.protocol import (
     CompletionRequest,
     TokenTexts,
@@ -43,10 +46,14 @@ class ChatCompletionRequest(BaseModel):
 
 
 def as_completion_request(
-    body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, max_model_len: int
-) -> CompletionRequest:
-    """The conversation rendered by the chat template, as a /v1/completions request of token ids. Without a
-    token limit it may fill the context, as OpenAI's and vLLM's chat routes do."""
+    body: ChatCompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    max_model_len: int,
+    image_prompts: ImagePrompts | None = None,
+) -> tuple[CompletionRequest, ImageInputs | None]:
+    """The conversation rendered by the chat template, as a /v1/completions request of token ids, and its images'
+    inputs (None without images). Without a token limit it may fill the context, as OpenAI's and vLLM's chat
+    routes do."""
     if body.tools:
         raise ValueError("the built-in server does not support tools in chat completions (it does not parse tool "
                          "calls): send the conversation without them")  # fmt: skip
@@ -54,31 +61,25 @@ def as_completion_request(
         raise ValueError("top_logprobs needs logprobs: true")
     if tokenizer.chat_template is None:
         raise ValueError("the served model's tokenizer has no chat template: send a prompt to /v1/completions")
-    messages = [{**message, "content": _text(message.get("content"))} for message in body.messages]
+    messages, image_parts = split_images(body.messages)
+    if image_parts and image_prompts is None:
+        raise ValueError(NO_IMAGES)
     try:
         prompt = render_prompt(tokenizer, messages, body.chat_template_kwargs or {})
     except TemplateError as error:
         raise ValueError(f"messages: the chat template refused them: {error}") from error
+    images = None
+    if image_parts:
+        prompt, images = image_prompts.inputs(prompt, image_parts)
     fields = body.model_extra or {}
     limit = fields.get("max_tokens") if body.max_completion_tokens is None else body.max_completion_tokens
-    return CompletionRequest.model_validate({
+    completion = CompletionRequest.model_validate({
         **fields,
         "prompt": prompt,
         "max_tokens": max_model_len if limit is None else limit,  # capped to the context's room
         "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
     })  # fmt: skip
-
-
-def _text(content: Any) -> Any:
-    """A message's content as the template expects it: OpenAI's list of text parts joined (vLLM's "string"
-    format); anything but text is a 400, as the built-in server serves text only."""
-    if not isinstance(content, list):
-        return content
-    kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
-    if kinds - {"text"}:
-        raise ValueError(f"messages: content parts of type {sorted(map(str, kinds - {'text'}))}: the built-in server "
-                         "serves text only")  # fmt: skip
-    return "\n".join(part["text"] for part in content)
+    return completion, images
 
 
 def chat_completion_response(
@@ -90,6 +91,7 @@ def chat_completion_response(
     return {
         **response_envelope("chat.completion", f"chatcmpl-{request_id(results)}", model, choices),
         "usage": usage(results),
+        "prompt_token_ids": results[0].prompt_ids if body.return_token_ids else None,
     }
 
 
@@ -98,8 +100,9 @@ def chat_choice(index: int, result: GenerationResult, body: CompletionRequest, t
     logprobs = None
     if body.logprobs is not None:
         tops = result.top_logprobs or [[] for _ in result.token_ids]
+        as_ids = bool(body.return_tokens_as_token_ids)
         content = [
-            {**_token(texts, token_id, logprob), "top_logprobs": [_token(texts, c, v) for c, v in top]}
+            {**_token(texts, token_id, logprob, as_ids), "top_logprobs": [_token(texts, c, v, as_ids) for c, v in top]}
             for token_id, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
         ]
         logprobs = {"content": content, "refusal": None}
@@ -110,9 +113,11 @@ def chat_choice(index: int, result: GenerationResult, body: CompletionRequest, t
         "logprobs": logprobs,
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
+        "token_ids": result.token_ids if body.return_token_ids else None,
     }
 
 
-def _token(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+def _token(texts: TokenTexts, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
+    """A logprobs entry; ``as_ids`` (vLLM's return_tokens_as_token_ids): the token as "token_id:N"."""
     text = texts.texts[token_id]
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": f"token_id:{token_id}" if as_ids else text, "logprob": logprob, "bytes": list(text.encode())}

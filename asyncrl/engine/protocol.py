@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from asyncrl.engine.images import ImageInputs
 from asyncrl.engine.rows import GenerationRequest, GenerationResult
 from asyncrl.sampling import SamplingParams
 
@@ -155,9 +156,10 @@ def build_generation_request(
     max_logprobs: int,
     vocab_size: int,
     adapters: Collection[str] = (),
+    images: ImageInputs | None = None,
 ) -> GenerationRequest:
-    """Validate a request against this server and turn it into the engine's request; a ``model`` naming a
-    loaded LoRA adapter runs under it."""
+    """Validate a request against this server and turn it into the engine's request (with its prompt's ``images``);
+    a ``model`` naming a loaded LoRA adapter runs under it."""
     if body.model is not None and body.model != served_model_name and body.model not in adapters:
         raise ModelNotFound(f"The model `{body.model}` does not exist.")
     _check_supported(body)
@@ -179,6 +181,7 @@ def build_generation_request(
         prompt_ids=prompt,
         params=_sampling_params(body, max_tokens=min(max_tokens, max_model_len - len(prompt))),
         adapter=body.model if body.model in adapters else None,
+        images=images,
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncrl.engine.images import ImageInputs
 from asyncrl.engine.sampling import Draw, RowInput, top_logprobs
 from asyncrl.sampling import SamplingParams
 
@@ -21,6 +22,8 @@ class GenerationRequest:
     params: SamplingParams
     adapter: str | None = None
     """The LoRA adapter the request runs under (its ``model``); None: the base weights."""
+    images: ImageInputs | None = None
+    """The prompt's images (a chat request's image parts); None: text only."""
 
 
 @dataclass(frozen=True, slots=True)

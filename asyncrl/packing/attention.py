@@ -402,13 +402,27 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
 
 
 def attach_tree_attention(model: torch.nn.Module) -> None:
-    """Route the model's attention through the tree plans (idempotent); rejects unsupported models first."""
+    """Route the model's attention through the tree plans (idempotent); rejects unsupported models first. A vision
+    tower keeps its own attention: its patches are not the row's tokens (packing/images.py passes it images)."""
     inner = unwrap_model(model)
     if inner.config._attn_implementation == TREE_ATTENTION:
         return
     check_model(inner)
     _register()
+    towers = [(tower, tower.config._attn_implementation) for tower in _vision_towers(inner)]
     inner.set_attn_implementation(TREE_ATTENTION)
+    for tower, implementation in towers:
+        tower.set_attn_implementation(implementation)
+
+
+def _vision_towers(model: Any) -> list[Any]:
+    """The sub-models of a vision-language model built on its vision config."""
+    from transformers import PreTrainedModel
+
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is vision]
 
 
 @functools.cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.packing.images import row_images
 from asyncrl.packing.row import PackedRow, Segment, loss_slots
 from asyncrl.rollout.types import RolloutSample
 
@@ -38,5 +39,6 @@ class FlatRow:
             position_ids=torch.tensor(position_ids, dtype=torch.long),
             segments=segments,
             samples=list(self.samples),
+            images=row_images(self.samples, offsets),
             **slots,  # type: ignore[arg-type]
         )

@@ -54,6 +54,21 @@ def path_keys(segments: list[Segment], window: int | None = None) -> PathKeys:
 
 
 @dataclass
+class RowImages:
+    """What a row with images gives the model beyond its tokens: built by the packers, read by the forward
+    (packing/images.py)."""
+
+    pixel_values: torch.Tensor  # [P, F] the row's images, each once, in the layout order of their placeholders
+    image_grid_thw: torch.Tensor  # [N, 3] long, in the same order
+    token_id: int
+    merge_size: int
+    layouts: list[tuple[int, torch.Tensor]]
+    """Per sample with images: its index in the row's samples and the layout position of each of its tokens."""
+    positions: torch.Tensor
+    """[P / merge_size**2] long: the layout positions of the images' placeholders, one per merged patch, in order."""
+
+
+@dataclass
 class PackedRow:
     input_ids: torch.Tensor  # [L] long
     position_ids: torch.Tensor  # [L] long: depth in the sample (trie depth for tree packing)
@@ -67,6 +82,8 @@ class PackedRow:
     sampler_top_logprobs: torch.Tensor | None = None  # [T, K] float, -inf where padded
     sampling_masks: list[list[int] | None] | None = None  # [T] candidate sets (top-k/top-p), None = full vocab
     samples: list[RolloutSample] = field(default_factory=list)
+    images: RowImages | None = None
+    """The samples' images, each once, and what their M-RoPE positions need (packing/images.py); None: text only."""
 
     @property
     def num_forwarded(self) -> int:

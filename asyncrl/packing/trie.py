@@ -2,13 +2,15 @@
 
 `TreeRow` is both the planner's state (`fits`/`add` price a sample by its *novel* tokens, so `token_budget`
 bounds unique tokens) and the collator (`pack` lays the trie out depth-first). Nodes are keyed on
-(token, next token): a fork happens one token early, so the logits of every node predict exactly one token.
+(token, next token): a fork happens one token early, so the logits of every node predict exactly one token. An
+image's placeholder tokens are keyed by the image instead (`_keys`), so that samples share them only whole.
 """
 
 from __future__ import annotations
 
 import torch
 
+from asyncrl.packing.images import DistinctImages, image_spans, row_images
 from asyncrl.packing.row import PackedRow, Segment, loss_slots
 from asyncrl.rollout.types import RolloutSample
 
@@ -34,6 +36,7 @@ class TreeRow:
         self._roots: dict[Key, int] = {}
         self._sample_nodes: list[list[int]] = []
         self._cached: tuple[RolloutSample, int, int] | None = None
+        self._images = DistinctImages()
 
     def fits(self, sample: RolloutSample) -> bool:
         return self.num_tokens + sample.num_tokens - self.shared_prefix(sample) <= self.token_budget
@@ -43,16 +46,16 @@ class TreeRow:
         cached = self._cached
         if cached is not None and cached[0] is sample and cached[1] == self.num_tokens:
             return cached[2]
-        shared = len(self._walk(sample.sequence.token_ids, claim=False))
+        shared = len(self._walk(self._keys(sample), claim=False))
         self._cached = (sample, self.num_tokens, shared)
         return shared
 
     def add(self, sample: RolloutSample) -> None:
-        tokens = sample.sequence.token_ids
-        nodes = self._walk(tokens, claim=True)
+        tokens, keys = sample.sequence.token_ids, self._keys(sample)
+        nodes = self._walk(keys, claim=True)
         parent = nodes[-1] if nodes else ROOT
         for i in range(len(nodes), len(tokens)):
-            parent = self._new_node(parent, tokens[i], _next(tokens, i), depth=i)
+            parent = self._new_node(parent, keys[i], tokens[i], depth=i)
             nodes.append(parent)
         self.samples.append(sample)
         self._sample_nodes.append(nodes)
@@ -69,34 +72,51 @@ class TreeRow:
             position_ids=torch.tensor([self._depth[n] for n in order], dtype=torch.long),
             segments=self._segments(order),
             samples=list(self.samples),
+            images=row_images(self.samples, offsets),
             **loss_slots(self.samples, offsets, top_k),  # type: ignore[arg-type]
         )
 
-    def _walk(self, tokens: list[int], *, claim: bool) -> list[int]:
-        """Nodes of the longest prefix of ``tokens`` in the trie; ``claim`` re-keys a reused leaf in place."""
+    def _keys(self, sample: RolloutSample) -> list[Key]:
+        """Each token's (token, next token) key. An image's placeholders (the same id for every image) are keyed
+        (image, token after the image) instead, image = END - 1 - its index in the row's DistinctImages: samples
+        share an image's tokens only when it is the same image, and a fork never splits an image, so each image's
+        placeholders stay one run in the layout (the model fills a run with one whole image's features)."""
+        tokens, images = sample.sequence.token_ids, sample.sequence.images
+        if images is None:
+            return list(zip(tokens, [*tokens[1:], END], strict=True))
+        spans = image_spans(sample)
+        keyed = list(tokens)
+        for (start, end), index in zip(spans, self._images.indices(images), strict=True):
+            keyed[start:end] = [END - 1 - index] * (end - start)
+        keys = list(zip(keyed, [*keyed[1:], END], strict=True))
+        for start, end in spans:
+            keys[start:end] = [keys[end - 1]] * (end - start)
+        return keys
+
+    def _walk(self, keys: list[Key], *, claim: bool) -> list[int]:
+        """Nodes of the longest prefix of ``keys`` in the trie; ``claim`` re-keys a reused leaf in place."""
         nodes: list[int] = []
         children = self._roots
-        for i, token in enumerate(tokens):
-            key = (token, _next(tokens, i))
+        for key in keys:
             node = children.get(key)
             if node is None:
                 node = _reusable(children, key)
                 if node is None:
                     break
                 if claim and key[1] != END:
-                    del children[(token, END)]
+                    del children[(key[0], END)]
                     children[key] = node
             nodes.append(node)
             children = self._children[node]
         return nodes
 
-    def _new_node(self, parent: int, token: int, next_token: int, depth: int) -> int:
+    def _new_node(self, parent: int, key: Key, token: int, depth: int) -> int:
         node = len(self._token)
         self._token.append(token)
         self._depth.append(depth)
         self._parent.append(parent)
         self._children.append({})
-        (self._roots if parent == ROOT else self._children[parent])[(token, next_token)] = node
+        (self._roots if parent == ROOT else self._children[parent])[key] = node
         self.num_tokens += 1
         return node
 
@@ -124,10 +144,6 @@ class TreeRow:
             path_ending_at[node] = kv_index
             start = index + 1
         return segments
-
-
-def _next(tokens: list[int], i: int) -> int:
-    return tokens[i + 1] if i + 1 < len(tokens) else END
 
 
 def _reusable(children: dict[Key, int], key: Key) -> int | None:

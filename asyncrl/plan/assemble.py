@@ -462,16 +462,32 @@ def sized(plan: RunPlan, prompt_tokens: int | None = None) -> RunPlan:
 
     def longest_prompt() -> int:
         from asyncrl.prompts import longest_prompt_tokens
+        from asyncrl.rollout.images import image_prompt_tokens
 
         if not measured:
-            measured.append(longest_prompt_tokens(plan.config) if prompt_tokens is None else prompt_tokens)
+            given = prompt_tokens is not None
+            measured.append(prompt_tokens if given else longest_prompt_tokens(plan.config, image_prompt_tokens))
         return measured[0]
 
     sv = plan.config.server
     context = max_model_len(plan.config, plan.server_backend, longest_prompt)
     if not sv.launch and sv.max_model_len is None and sv.backend != ServerBackend.builtin:
         longest_prompt()  # an attached server may be a vLLM whatever this machine would launch
-    return replace(plan, max_model_len=context, prompt_tokens=measured[0] if measured else None)
+    readable = prompt_tokens is None  # a printed command's data that cannot be read here gives its length instead
+    images = prompt_images(plan.config) if plan.server_backend == "vllm" and sv.launch and readable else 0
+    return replace(plan, max_model_len=context, prompt_tokens=measured[0] if measured else None,
+                   prompt_images=images)  # fmt: skip
+
+
+def prompt_images(config: Config) -> int:
+    """The most images a training prompt (of a streamed split: of its first rows) or held-out prompt has."""
+    from asyncrl.data import PromptStream, load_eval_prompts, load_train_prompts, most_images
+
+    if config.data.path is None:
+        return 0
+    train = load_train_prompts(config)
+    splits = [train.head if isinstance(train, PromptStream) else train, load_eval_prompts(config)]
+    return max(most_images(split) for split in splits if split is not None)
 
 
 def sized_for_printing(plan: RunPlan) -> tuple[RunPlan, str | None]:

@@ -22,6 +22,7 @@ from asyncrl.advantages import Estimator, estimate_advantages
 from asyncrl.client import GenerationClient, SamplingParams
 from asyncrl.config.schema import Config
 from asyncrl.prompts import Messages, completion_of, render_prompt
+from asyncrl.rollout.images import ImageProcessing, image_processing, prompt_images, request_messages, template_messages
 from asyncrl.rollout.reconcile import reconcile
 from asyncrl.rollout.tools import (
     ToolStats,
@@ -75,6 +76,12 @@ class AsyncRolloutLoop:
         standard (plain-text) prompt gets one turn, its completion the text (no tools: trainer/setup.py checks)."""
         if isinstance(prompt, str):
             return await self.complete_text(prompt)
+        images = prompt_images(prompt)
+        if images:
+            if tools:
+                raise ValueError("a prompt with images and tools: tools returning to an image prompt are not "
+                                 "supported yet (rollout.tools, rollout.environment_factory)")  # fmt: skip
+            return await self.complete_images(prompt, images)
         by_name = {tool_name(fn): fn for fn in tools}
         schemas = tool_schemas(tools) if tools else None
         cap = self.config.sampling.max_tool_calling_iterations
@@ -111,6 +118,31 @@ class AsyncRolloutLoop:
         turn = await self.generate_one_turn(prompt_ids)
         text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
         return Rollout(completion=completion_of(prompt, text), completion_ids=list(turn.output_ids), turns=[turn])
+
+    async def complete_images(self, prompt: Messages, images: list[Any]) -> Rollout:
+        """One turn after a conversation with images, which the server renders (rollout/images.py): its prompt
+        tokens are the server's, checked against the patches the trainer gets."""
+        urls, patches = self.image_processing.prepare(images)
+        prompt_ids = self.image_processing.expand(self.render(template_messages(prompt)), patches)
+        self.check_prompt_length(prompt_ids)
+        out = await self.client.chat(request_messages(prompt, urls), self.sampling_params(prompt_ids))
+        if out.finish_reason != "abort":
+            self.image_processing.check(out.prompt_token_ids, patches)
+        turn = TurnRecord(
+            prompt_ids=out.prompt_token_ids or prompt_ids,
+            output_ids=list(out.token_ids),
+            output_log_probs=list(out.logprobs or []),
+            output_sampler_logprobs=out.top_logprobs if self.config.sampling.num_sampler_logprobs else None,
+            finish_reason=out.finish_reason,
+            images=patches,
+        )
+        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        return Rollout(completion=completion_of(prompt, text), completion_ids=list(turn.output_ids), turns=[turn])
+
+    @functools.cached_property
+    def image_processing(self) -> ImageProcessing:
+        """The checkpoint's image processor, loaded at the first prompt with images."""
+        return image_processing(self.config)
 
     def check_prompt_length(self, prompt_ids: list[int]) -> None:
         """Raise PromptTooLong for a prompt over data.max_prompt_length, or without room in the server's context

@@ -22,7 +22,7 @@ def reconcile(turns: list[TurnRecord]) -> list[TrainingSequence]:
             _append(current, turn.prompt_ids[len(held) :], context=True)  # type: ignore[arg-type]
         else:
             current = TrainingSequence(token_ids=[], mask=[], sampler_logprobs=[], sampler_top_logprobs=[],
-                                       sampling_masks=[])  # fmt: skip
+                                       sampling_masks=[], images=turn.images)  # fmt: skip
             sequences.append(current)
             _append(current, turn.prompt_ids, context=True)
         _append_output(current, turn)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from asyncrl.prompts import Messages
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -30,6 +33,8 @@ class TurnRecord:
     """Per output token: the sampler's top log-probabilities by token id (score centering)."""
     finish_reason: str = "stop"
     """stop (EOS or stop token), length (budget or context), abort."""
+    images: PromptImages | None = None
+    """The patches of the images in ``prompt_ids`` (rollout/images.py); None for a text-only prompt."""
 
 
 @dataclass
@@ -60,6 +65,22 @@ class Rollout:
 
 
 @dataclass
+class PromptImages:
+    """The image processor's outputs for the images of a sample's prompt, in prompt order: they travel with the
+    sample's tokens to the trainer, whose packed forward runs them through the vision tower (packing/images.py)."""
+
+    pixel_values: torch.Tensor
+    """[patches, features]: every image's flattened patches, one image after the other (t * h * w rows each)."""
+    image_grid_thw: torch.Tensor
+    """[images, 3] long: each image's patch grid (t, h, w) before merging."""
+    token_id: int
+    """The placeholder token (the model's config.image_token_id): each image stands in the sample's tokens as one
+    contiguous run of t * h * w / merge_size**2 of them, one per merged patch."""
+    merge_size: int
+    """The vision tower's spatial_merge_size (the processor's merge_size)."""
+
+
+@dataclass
 class TrainingSequence:
     """Tokens of one training sample, built from a rollout's turns by reconciliation.
 
@@ -74,6 +95,8 @@ class TrainingSequence:
     sampling_masks: list[list[int] | None] | None = None
     truncated: bool = False
     """The rollout's last turn did not end on a stop (length budget or abort): mask_truncated_completions drops it."""
+    images: PromptImages | None = None
+    """The prompt's images, whose placeholders are in ``token_ids``; None for a text-only sample."""
 
     @property
     def num_trained(self) -> int:

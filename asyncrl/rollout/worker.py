@@ -45,6 +45,7 @@ from asyncrl.rollout.channels import STOP, WorkerChannels
 from asyncrl.rollout.concurrency import LoadPoller
 from asyncrl.rollout.environments import Agents
 from asyncrl.rollout.group_metrics import completion_records, group_metrics
+from asyncrl.rollout.images import data_folder, place_row_images
 from asyncrl.rollout.loop import AsyncRolloutLoop, PromptTooLong
 from asyncrl.rollout.scoring import RewardFunctionError, RewardSource, score_group
 from asyncrl.rollout.solved import RetireSolved, common_reward
@@ -118,10 +119,12 @@ class Prompt:
 
 def prompts(spec: WorkerSpec) -> Iterator[Prompt]:
     """The prompt stream from ``spec.start_prompt_index``, epoch after epoch in each epoch's recorded order, to
-    ``spec.total_prompts`` (or for ever); a streamed split (data.streaming) in its passes' order, for ever."""
+    ``spec.total_prompts`` (or for ever); a streamed split (data.streaming) in its passes' order, for ever. A row's
+    images (its image column) are placed in its prompt (rollout/images.py)."""
+    folder = data_folder(spec.config.data.path)
     if isinstance(spec.dataset, PromptStream):
         for index, position, row, epoch, last in spec.dataset.prompts_from(spec.start_prompt_index):
-            yield Prompt(index, position, row, epoch, ends_epoch=last)
+            yield Prompt(index, position, place_row_images(row, folder), epoch, ends_epoch=last)
         return
     n_rows = len(spec.dataset)
     index, order_epoch, order = spec.start_prompt_index, -1, np.arange(0)
@@ -130,7 +133,8 @@ def prompts(spec: WorkerSpec) -> Iterator[Prompt]:
         if epoch != order_epoch:
             order_epoch, order = epoch, prompt_order(n_rows, epoch, spec.config.trainer.seed, spec.config.data.shuffle)
         row_index = int(order[position])
-        yield Prompt(index, row_index, spec.dataset[row_index], epoch, ends_epoch=position == n_rows - 1)
+        row = place_row_images(spec.dataset[row_index], folder)
+        yield Prompt(index, row_index, row, epoch, ends_epoch=position == n_rows - 1)
         index += 1
 
 

@@ -56,8 +56,12 @@ SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out gates /inference/v1/generat
 MANY_API_SERVERS_SINCE = (0, 32)  # top log-probabilities stop costing throughput with 8 API servers
 MANY_API_SERVERS = 8
 WORKER_EXTENSION = "asyncrl.weights.vllm_extension.WeightBufferExtension"  # in-place ipc loads (not imported here)
-TEXT_ONLY_LIMITS = json.dumps({"image": 0, "video": 0})
-"""--limit-mm-per-prompt for a vision-language checkpoint trained text-only: vLLM skips multimodal profiling."""
+
+
+def media_limits(images: int) -> str:
+    """--limit-mm-per-prompt for a vision-language checkpoint: the most images a prompt of the run has (0 for text
+    only: vLLM then skips multimodal profiling), no video."""
+    return json.dumps({"image": images, "video": 0})
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -186,14 +190,15 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def checkpoint_flags(kind: CheckpointKind) -> list[str]:
-    """A vision-language checkpoint serves text only (asyncrl never sends images); a gated-DeltaNet hybrid
+def checkpoint_flags(kind: CheckpointKind, images: int = 0) -> list[str]:
+    """A vision-language checkpoint serves as many images a prompt as the run's prompts hold (``images``: the
+    plan's prompt_images; none for text); a gated-DeltaNet hybrid
     prefills with vLLM's Triton kernels when flashinfer (its default GDN prefill imports it) is missing here.
     Served adapters get LoRA slots only in the modules they target: left to itself vLLM also wraps the embeddings
     and the LM head, which costs memory and, for a checkpoint with tied embeddings and a vocabulary smaller than
     its hidden size, fails its own LoRA warm-up (vLLM 0.26: ``set_lora`` copies a hidden-sized dummy into the
     vocabulary-sized LM-head slot)."""
-    flags = ["--limit-mm-per-prompt", TEXT_ONLY_LIMITS] if kind.vision_language else []
+    flags = ["--limit-mm-per-prompt", media_limits(images)] if kind.vision_language else []
     if kind.gated_deltanet and not flashinfer_importable():
         flags += ["--gdn-prefill-backend", "triton"]
     if kind.lora_modules:
@@ -353,7 +358,7 @@ def vllm_command(
     if plan.runtime_lora:
         argv += lora_flags(config, plan.flow)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    argv += checkpoint_flags(kind)
+    argv += checkpoint_flags(kind, plan.prompt_images)
     if config.model.revision:
         argv += ["--revision", config.model.revision]
     if config.model.trust_remote_code:

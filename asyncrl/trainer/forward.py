@@ -27,6 +27,7 @@ import torch
 from asyncrl.config.schema import Config
 from asyncrl.packing.attention import RowPlans, attach_tree_attention, attention_windows, unwrap_model
 from asyncrl.packing.deltanet import PLAN_KEYWORD, build_recurrent_plan, conv_kernel_size, deltanet_layers
+from asyncrl.packing.images import image_features, image_inputs
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import compile_options
 from asyncrl.trainer.token_logprobs import compute_token_logprobs
@@ -87,10 +88,9 @@ def packed_forward(
     softcap = final_softcap(inner.config)
     head = inner.get_output_embeddings()
     extra = {"output_router_logits": True} if router_aux else {}
-    with _head_input(head) as captured:
+    with _head_input(head) as captured, image_features(inner, row, device):
         output = model(
-            input_ids=row.input_ids[None].to(device),
-            position_ids=row.position_ids[None].to(device),
+            **row_inputs(inner, row, device),
             logits_to_keep=row.token_index.to(device),
             use_cache=False,
             tree_plan=RowPlans.build(attention, row, device, attention_windows(inner)),
@@ -111,6 +111,13 @@ def packed_forward(
     )
     aux_loss = output.aux_loss if router_aux else None
     return ForwardOutput(out.logprobs, out.top_logprobs, out.entropy, time.perf_counter() - started, aux_loss)
+
+
+def row_inputs(model: torch.nn.Module, row: PackedRow, device: torch.device) -> dict[str, torch.Tensor]:
+    """The row's tokens and positions; for a row with images, M-RoPE position ids (packing/images.py)."""
+    if row.images is not None:
+        return image_inputs(model, row, device)
+    return {"input_ids": row.input_ids[None].to(device), "position_ids": row.position_ids[None].to(device)}
 
 
 def recurrent_kwargs(model: torch.nn.Module, row: PackedRow, device: torch.device) -> dict:

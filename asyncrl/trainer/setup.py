@@ -93,6 +93,7 @@ def prepare(plan: RunPlan) -> Prepared:
     check_router_aux_coef(config)
     check_tf32_device(config)
     check_routing(dataset, config.rollout.environment_factory)
+    check_images(config, dataset, eval_dataset, plan.world_size)
     return Prepared(dataset, eval_dataset, tokenizer, plan, loop_cls)
 
 
@@ -129,6 +130,40 @@ def check_prompt_forms(config: Config, dataset: Any, eval_dataset: Any | None) -
                           "environments (rollout.tools, rollout.environment_factory): give conversational prompts "
                           "(a list of {role, content} messages per row) or drop those keys")  # fmt: skip
     return not standard or (eval_dataset is not None and not standard_prompts(eval_dataset))
+
+
+def check_images(config: Config, dataset: Any, eval_dataset: Any | None, world_size: int) -> None:
+    """Prompts with images need a vision-language checkpoint with an image processor, and take no tools yet (a tool
+    loop's later turns would be rendered without the images' patches)."""
+    from asyncrl.config.errors import ConfigError
+    from asyncrl.data import has_images
+    from asyncrl.model_kind import is_vision_language
+    from asyncrl.rollout.images import checkpoint_config, image_processing
+
+    sources = [("data.path", config.data.path, dataset), ("data.eval_path", config.data.eval_path, eval_dataset)]
+    found = [(key, path) for key, path, rows in sources if rows is not None and path is not None and has_images(rows)]
+    if not found:
+        return
+    key, path = found[0]
+    m = config.model
+    model_config = checkpoint_config(config)
+    if not is_vision_language(model_config):
+        raise ConfigError(f"{key}={path} has images, and model.name_or_path={m.name_or_path} is a text-only "
+                          "checkpoint: give a vision-language one (e.g. Qwen/Qwen3.5-2B) or a dataset without "
+                          "images")  # fmt: skip
+    if config.rollout.tools or config.rollout.environment_factory is not None:
+        raise ConfigError(f"{key}={path} has images: tools and environments (rollout.tools, "
+                          "rollout.environment_factory) do not take image prompts yet; drop those keys")  # fmt: skip
+    if world_size > 1:
+        raise ConfigError(f"{key}={path} has images: one training GPU only for now (a rank whose row has "
+                          "no image would skip the vision tower's collectives); set trainer.gpus=1 "
+                          "trainer.nnodes=1")  # fmt: skip
+    try:
+        image_processing(config, model_config)
+    except (OSError, ImportError, ValueError) as error:
+        first = str(error).strip().splitlines()[0]
+        message = f"model.name_or_path={m.name_or_path}: cannot process the images of {key} ({first})"
+        raise ConfigError(message) from error
 
 
 def check_agents(config: Config, tokenizer: Any, conversational: bool = True) -> None:

@@ -29,6 +29,9 @@ def batch_metrics(step: Step, rows: list[PackedRow], token_budget: int) -> dict[
         "batch/packing_ratio": raw / max(forwarded, 1),
         "batch/pad_frac": 0.0,
     }
+    images = [len(r.images.image_grid_thw) for r in rows if r.images is not None]
+    if images:  # a vision-language run's: the images the vision tower ran on (a tree row's shared ones once)
+        out["batch/images_per_step"] = float(sum(images))
     return out
 
 

@@ -63,3 +63,17 @@ def episode_state(prompts, completions, completion_ids, environments, log_metric
             raise AssertionError(f"an environment holds target {env.target}, its completion's row {wanted}")
     log_metric("episode/counter_mean", sum(env.counter for env in environments) / len(environments))
     return [0.0] * len(completions)
+
+
+def image_reward(prompts, completions, completion_ids, **columns):
+    """1 for each completion whose prompt holds its row's image, decoded (a PIL image in an image part): the reward
+    functions see the conversation the model saw, as TRL's do; the row's image column comes along."""
+    from PIL import Image
+
+    def has_image(prompt) -> bool:
+        parts = [part for message in prompt for part in (message["content"] if isinstance(message["content"], list)
+                                                         else [])]  # fmt: skip
+        return any(part.get("type") == "image" and isinstance(part.get("image"), Image.Image) for part in parts)
+
+    assert all(value for value in columns["image"]), "the row's image column reaches the reward functions"
+    return [float(has_image(prompt)) for prompt in prompts]

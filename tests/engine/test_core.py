@@ -6,28 +6,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny import EOS_ID, VOCAB_SIZE
+from tiny import EOS_ID, VOCAB_SIZE, engines
 
-from asyncrl.engine.core import Engine, EngineConfig
+from asyncrl.engine.core import Engine
 from asyncrl.engine.rows import GenerationRequest, GenerationResult
 from asyncrl.sampling import SamplingParams
 
 
 @pytest.fixture
 def make_engine(tiny_model):
-    engines = []
-
-    def make(**overrides) -> Engine:
-        config = EngineConfig(max_model_len=64, max_num_seqs=16, kv_cache_tokens=16 * 64,
-                              eos_token_ids=frozenset({EOS_ID}))  # fmt: skip
-        engine = Engine(tiny_model, replace(config, **overrides))
-        engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.stop()
+    yield from engines(tiny_model, max_model_len=64, max_num_seqs=16, eos_token_id=EOS_ID)
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int, **settings) -> GenerationRequest:

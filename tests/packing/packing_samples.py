@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncrl.rollout.types import RolloutSample, TrainingSequence
+from asyncrl.rollout.types import PromptImages, RolloutSample, TrainingSequence
 
 VOCAB_SIZE = 48
+IMAGE_TOKEN, VISION_START, VISION_END = 47, 45, 46
+"""build_tiny_vlm's image placeholder and the tokens a chat template puts around an image."""
 
 
 def make_sample(
@@ -98,6 +100,37 @@ def build_tiny_hybrid(seed: int = 0, vision: bool = False) -> torch.nn.Module:
                     module.A_log.uniform_(-3.0, -1.0)
                     module.dt_bias.uniform_(-1.0, 0.0)
     return model
+
+
+def build_tiny_vlm(seed: int = 0, deltanet: bool = True) -> torch.nn.Module:
+    """build_tiny_hybrid's vision-language model (a one-block vision tower, 16x16 patches merged 2x2) in float64,
+    its image tokens inside the tiny vocabulary; without ``deltanet``, its four text layers all attention (Qwen3.5's
+    gated-DeltaNet layers compute in float32 whatever the model's dtype)."""
+    model = build_tiny_hybrid(seed, vision=True)
+    config = model.config
+    config.image_token_id = IMAGE_TOKEN
+    config.vision_start_token_id, config.vision_end_token_id = VISION_START, VISION_END
+    if not deltanet:
+        config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = type(model)(config)
+    return model.double()
+
+
+def make_images(model: torch.nn.Module, grids: list[list[int]], seed: int) -> PromptImages:
+    """Random pixel values (float64) for images of the given (t, h, w) patch grids, shaped for ``model``'s tower."""
+    vision = model.config.vision_config
+    features = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    grid = torch.tensor(grids, dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(int(grid.prod(-1).sum()), features, generator=generator, dtype=torch.float64)
+    return PromptImages(pixels, grid, IMAGE_TOKEN, vision.spatial_merge_size)
+
+
+def placeholders(images: PromptImages, index: int) -> list[int]:
+    """Image ``index``'s placeholder tokens: one per merged patch."""
+    return [IMAGE_TOKEN] * (int(images.image_grid_thw[index].prod()) // images.merge_size**2)
 
 
 def build_tiny_gemma3(

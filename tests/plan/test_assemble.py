@@ -184,7 +184,7 @@ def test_a_jobs_plan_sizes_vllms_context_once_and_its_command_reads_it(tmp_path,
     from asyncrl.serving.vllm import vllm_command
 
     measured: list[str] = []
-    monkeypatch.setattr("asyncrl.prompts.longest_prompt_tokens", lambda config: measured.append("once") or 100)
+    monkeypatch.setattr("asyncrl.prompts.longest_prompt_tokens", lambda config, *_: measured.append("once") or 100)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a launched vLLM's plan is placed on GPUs
     vllm = ["server=vllm", f"model.name_or_path={random_tiny_model_dir}", "server.vllm_version=0.33.0"]
     plan = plan_run(compose(vllm), tmp_path)
@@ -209,7 +209,7 @@ def test_an_attached_servers_needed_context_comes_from_the_prompts_measured_once
     """The launcher measures the prompts for an attached server that may be a vLLM (server.backend auto or vllm): the
     checks each rank makes against it read plan.json's figure. One named built-in measures nothing."""
     measured: list[str] = []
-    monkeypatch.setattr("asyncrl.prompts.longest_prompt_tokens", lambda config: measured.append("once") or 100)
+    monkeypatch.setattr("asyncrl.prompts.longest_prompt_tokens", lambda config, *_: measured.append("once") or 100)
     attached = ["server.launch=false", "server.base_url=http://127.0.0.1:9", "sampling.max_completion_length=64"]
     plan = plan_run(compose(attached), tmp_path)
     write_plan(plan, tmp_path)

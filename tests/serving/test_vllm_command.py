@@ -461,3 +461,23 @@ def test_model_impl_reaches_vllm_as_its_flag_and_auto_leaves_vllms_default():
     with pytest.raises(HydraException) as refused:  # Hydra refuses it when composing: the CLI's one line says
         to_config(compose([*BASE, "server.model_impl=terratorch"]))
     assert config_error_line(refused.value).startswith("server.model_impl: Invalid value 'terratorch', expected one")
+
+
+def test_a_vision_language_run_with_images_lets_vllm_take_its_most_images(tmp_path, monkeypatch):
+    """--limit-mm-per-prompt from the data: the most images one training or held-out prompt has, no video."""
+    import json
+
+    from asyncrl.assets.tiny_vlm import save_tiny_vlm
+
+    monkeypatch.setattr("asyncrl.serving.vllm.flashinfer_importable", lambda: True)
+    model = save_tiny_vlm(tmp_path / "vlm")
+    prompt = [{"role": "user", "content": "How many?"}]
+    rows = [{"prompt": prompt, "images": ["a.png"] * n, "solution": str(n)} for n in (1, 3, 2)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": prompt, "image": "a.png", "solution": "1"}))
+    config = to_config(compose([*BASE, f"model.name_or_path={model}", f"data.path={tmp_path / 'train.jsonl'}",
+                                f"data.eval_path={tmp_path / 'eval.jsonl'}", "data.max_prompt_length=64"]))  # fmt: skip
+    plan = sized(placed(build_plan(config), ["0", "1"]))
+    assert plan.prompt_images == 3
+    argv = vllm_command(plan, version="0.33.0").argv
+    assert " ".join(["--limit-mm-per-prompt", '{"image": 3, "video": 0}']) in " ".join(argv)

@@ -37,3 +37,28 @@ def test_tf32_on_a_machine_without_a_gpu_is_refused_before_the_server_starts(mon
     with pytest.raises(ConfigError, match=r"^trainer.tf32=true: TF32 is a mode of NVIDIA GPUs .* drop trainer.tf32$"):
         prepare(plan_run(compose(["trainer.tf32=true"])))
     check_tf32_device(to_config(compose(["trainer.tf32=false"])))  # false: nothing to switch off, as transformers
+
+
+def test_image_prompts_need_a_vision_language_checkpoint_one_training_gpu_and_no_tools(tmp_path):
+    from datasets import Dataset
+
+    from asyncrl.assets.tiny_vlm import save_tiny_vlm
+    from asyncrl.trainer.setup import check_images
+
+    vlm = save_tiny_vlm(tmp_path / "vlm")
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "How many?"}], "image": "a.png"}])
+    text = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "image": None}])
+
+    def config(*overrides: str):
+        return to_config(compose(["data.path=train.jsonl", *overrides]))
+
+    check_images(config(), text, None, world_size=1)  # no images: no checkpoint read
+    with pytest.raises(ConfigError, match=r"^data.path=train.jsonl has images, and model.name_or_path=.* text-only"):
+        check_images(config(), rows, None, world_size=1)
+    check_images(config(f"model.name_or_path={vlm}"), rows, None, world_size=1)
+    with pytest.raises(ConfigError, match="tools and environments .* do not take image prompts yet"):
+        check_images(config(f"model.name_or_path={vlm}", "rollout.tools=[math:sqrt]"), rows, None, 1)
+    with pytest.raises(ConfigError, match="one training GPU only for now"):
+        check_images(config(f"model.name_or_path={vlm}"), rows, None, world_size=2)
+    with pytest.raises(ConfigError, match=r"^data.eval_path=eval.jsonl has images"):
+        check_images(config("data.eval_path=eval.jsonl"), text, rows, world_size=1)
