@@ -8,6 +8,7 @@ text tab.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Mapping
 from importlib.util import find_spec
@@ -18,6 +19,7 @@ from accelerate.tracking import GeneralTracker, TensorBoardTracker, TrackioTrack
 from omegaconf import OmegaConf
 
 from asyncrl.config.schema import Config
+from asyncrl.rollout.images import IMAGES_COLUMN, image_count
 from asyncrl.rollout.scoring import table_columns
 
 
@@ -69,6 +71,22 @@ def _trackio_table(tracker: GeneralTracker, step: int, columns: list[str], rows:
 
     tracker.log({COMPLETIONS: trackio.Table(dataframe=DataFrame(rows, columns=columns))}, step=step)
 
+
+def _wandb_image(images: list[bytes]) -> Any:
+    """A row's first image as wandb shows media in a table cell (one per cell)."""
+    import wandb
+    from PIL import Image
+
+    return wandb.Image(Image.open(io.BytesIO(images[0])))
+
+
+IMAGE_CELLS: dict[str, Callable[[list[bytes]], Any]] = {
+    "tensorboard": image_count,
+    "wandb": _wandb_image,
+    "trackio": image_count,
+}
+"""How each tracker's table shows a row's images: wandb as an image, the others (a Markdown table; trackio's
+DataFrame) as a count."""
 
 TABLES: dict[str, Callable[[GeneralTracker, int, list[str], list[list[Any]]], None]] = {
     "tensorboard": _tensorboard_table,
@@ -124,14 +142,21 @@ class Trackers:
         if self.unique_prompts:
             records = first_per_prompt(records)
         columns = table_columns(records)
-        rows = [[record.get(column) for column in columns] for record in records]
         for tracker in self.trackers:
+            show = IMAGE_CELLS[tracker.name]
+            rows = [[_cell(record, column, show) for column in columns] for record in records]
             TABLES[tracker.name](tracker, step, columns, rows)
 
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
+
+
+def _cell(record: dict[str, Any], column: str, show_images: Callable[[list[bytes]], Any]) -> Any:
+    """A record's value in ``column``; its images as the tracker shows them."""
+    value = record.get(column)
+    return show_images(value) if column == IMAGES_COLUMN and value else value
 
 
 def build_trackers(config: Config, run_dir: Path) -> Trackers:

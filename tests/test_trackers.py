@@ -123,3 +123,25 @@ def test_unique_prompts_keep_the_first_completion_of_each_prompt_in_the_table(tm
     (event,) = events.Tensors("completions/text_summary")
     html = markdown_to_safe_html(event.tensor_proto.string_val[0])
     assert html.count("<tr>") == 3 and html.index("2+2?") < html.index("3+3?") and "five" not in html
+
+
+def test_a_rows_images_reach_wandb_as_an_image_and_the_text_tables_as_a_count(tmp_path, monkeypatch):
+    """logging.log_multimodal's thumbnails: a wandb.Image of the first (one medium a cell), and "N images" where the
+    table is text (TensorBoard's Markdown, trackio's DataFrame)."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 4), "blue").save(buffer, format="PNG")
+    records = [{**RECORDS[0], "images": [buffer.getvalue(), buffer.getvalue()]}, RECORDS[1]]
+    wandb_module = SimpleNamespace(Table=lambda **table: table, Image=lambda image: ("wandb.Image", image.size))
+    monkeypatch.setitem(sys.modules, "wandb", wandb_module)
+    monkeypatch.setitem(sys.modules, "trackio", SimpleNamespace(Table=lambda **table: table))
+    wandb, trackio = WandBTracker("run"), TrackioTracker("project")
+    wandb.run, trackio.run = FakeRun(), FakeRun()
+    Trackers([wandb, trackio]).write_completions(3, records)
+    ((logged, _),) = wandb.run.logged
+    assert [row[-1] for row in logged["completions"]["data"]] == [("wandb.Image", (8, 4)), None]
+    ((logged, _),) = trackio.run.logged
+    assert logged["completions"]["dataframe"]["images"].tolist()[0] == "2 images"

@@ -454,6 +454,10 @@ class LoggingConfig:
     """Trackers through accelerate: tensorboard, wandb, trackio."""
     log_completions: bool = False
     num_completions_to_print: int | None = None
+    log_multimodal: bool = True
+    """The completions table (log_completions) carries each prompt's images as thumbnails in an ``images`` column
+    (TRL's log_multimodal): a wandb or trackio image, PNG bytes in log_completions_hub_repo's files, a count on the
+    console and in TensorBoard. false: the prompt's text alone (smaller logs for large images)."""
     log_unique_prompts: bool = False
     """The trackers' completions table (and log_completions_hub_repo's) keeps only the first completion of each prompt
     (TRL's log_unique_prompts; the console's table is unchanged). Needs log_completions and a tracker in report_to or

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.rollout.images import IMAGES_COLUMN, prompt_images, thumbnail
 from asyncrl.rollout.reconcile import drift
 from asyncrl.rollout.tools import ToolStats
 from asyncrl.rollout.types import RolloutGroup
@@ -71,23 +72,30 @@ def tool_metrics(stats: list[ToolStats]) -> dict[str, list[float]]:
     return dict(out)
 
 
-def completion_records(group: RolloutGroup, advantages: np.ndarray) -> list[dict[str, object]]:
-    """Rows for the console's completion table: last prompt message, completion text, reward, advantage, and the
-    columns the reward functions added (``log_extra``)."""
+def completion_records(group: RolloutGroup, advantages: np.ndarray, images: bool = False) -> list[dict[str, object]]:
+    """Rows for the completions table: last prompt message, completion text, reward, advantage, and the columns the
+    reward functions added (``log_extra``); ``images`` (logging.log_multimodal): the prompt's images as thumbnails
+    (PNG bytes) in an ``images`` column, for prompts that have any."""
     assert group.rewards is not None
+    thumbnails = [[thumbnail(image) for image in prompt_images(prompt)] if images else [] for prompt in group.prompts]
     return [
         {"prompt": _last_text(prompt), "completion": _last_text(completion), "reward": float(reward),
-         "advantage": float(advantage), **{column: values[i] for column, values in group.extra_columns.items()}}
+         "advantage": float(advantage), **{column: values[i] for column, values in group.extra_columns.items()},
+         **({IMAGES_COLUMN: thumbnails[i]} if thumbnails[i] else {})}
         for i, (prompt, completion, reward, advantage) in enumerate(zip(
             group.prompts, group.completions, group.rewards, advantages, strict=True))
     ]  # fmt: skip
 
 
 def _last_text(conversation: Any) -> str:
-    """A plain text as it is; a conversation's last message's content."""
+    """A plain text as it is; a conversation's last message's content, its text parts joined and each image part
+    shown as <image>."""
     if isinstance(conversation, str):
         return conversation
-    return str(conversation[-1].get("content", "")) if conversation else ""
+    content = conversation[-1].get("content", "") if conversation else ""
+    if not isinstance(content, list):
+        return str(content)
+    return "".join("<image>" if part.get("type") == "image" else str(part.get("text", "")) for part in content)
 
 
 def _lengths(group: RolloutGroup) -> dict[str, list[float]]:

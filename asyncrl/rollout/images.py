@@ -150,6 +150,26 @@ def data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+IMAGES_COLUMN = "images"
+"""The completions table's column of a prompt's images (logging.log_multimodal)."""
+THUMBNAIL_PIXELS = 128
+"""A logged image's longest side at most."""
+
+
+def thumbnail(image: Any) -> bytes:
+    """The image shrunk to THUMBNAIL_PIXELS on its longest side, as PNG bytes (what the completions table logs)."""
+    small = image.copy()
+    small.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_count(images: list[bytes]) -> str:
+    """A row's images (the completions table's thumbnails) where a table shows text: how many."""
+    return f"{len(images)} image{'' if len(images) == 1 else 's'}"
+
+
 def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
     content = message.get("content")
     return [part for part in content if isinstance(part, dict)] if isinstance(content, list) else []

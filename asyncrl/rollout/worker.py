@@ -467,7 +467,7 @@ class WorkerDriver:
         for name, values in group_metrics(group, per_source, drop).items():
             self.metrics[name].extend(values)
         if self.config.logging.log_completions:
-            self.completion_records.extend(completion_records(group, advantages))
+            self.completion_records.extend(completion_records(group, advantages, self.config.logging.log_multimodal))
 
     # ---- plumbing --------------------------------------------------------------------------------------------
 

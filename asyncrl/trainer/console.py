@@ -24,6 +24,7 @@ from rich.table import Table
 
 from asyncrl.config.schema import Config
 from asyncrl.flow import FlowControl
+from asyncrl.rollout.images import IMAGES_COLUMN, image_count
 from asyncrl.rollout.scoring import TABLE_COLUMNS, table_columns
 
 HIGH_WAIT_FRAC = 0.1
@@ -136,6 +137,11 @@ def servers_text(metrics: Mapping[str, Any]) -> str | None:
 def _fmt(metrics: Mapping[str, Any], key: str, fmt: str) -> str:
     value = _value(metrics, key)
     return "-" if value is None else fmt.format(value)
+
+
+def _extra(record: dict[str, Any], name: str) -> str:
+    """A ``log_extra`` column's cell; the prompt's images (logging.log_multimodal) as their count."""
+    return image_count(record[name]) if name == IMAGES_COLUMN else str(record[name])
 
 
 def _text(value: Any) -> str:
@@ -295,7 +301,7 @@ class Console:
                 escape(_text(r["completion"])),
                 _fmt(r, "reward", "{:.3f}"),
                 _fmt(r, "advantage", "{:+.3f}"),
-                *(escape(str(r[name])) if name in r else "-" for name in extra),
+                *(escape(_extra(r, name)) if name in r else "-" for name in extra),
             )
         self.console.print(table)
 

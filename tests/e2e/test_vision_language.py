@@ -51,6 +51,7 @@ def test_an_image_dataset_trains_a_vision_language_checkpoint(tmp_path):
                    "data.num_eval_prompts=8", rewards, f"trainer.max_steps={STEPS}", f"trainer.save_steps={STEPS}",
                    "trainer.samples_per_step=16", "sampling.max_completion_length=8", "server=builtin",
                    f"server.port={free_port()}", "logging.console=plain", "logging.report=false",
+                   "logging.log_completions=true", "logging.num_completions_to_print=2",
                    f"hydra.run.dir={run_dir}"], timeout_s=300)  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
     steps = read_jsonl(run_dir / "metrics.jsonl")
@@ -64,6 +65,7 @@ def test_an_image_dataset_trains_a_vision_language_checkpoint(tmp_path):
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert evaluation["before"]["eval/greedy_reward"] > 0  # the held-out prompts' images went to the server too
     assert (run_dir / "model" / "model.safetensors").is_file()
+    assert "<image>How many squares?" in run.output and "1 image" in run.output  # the completions table
     assert wait_no_marked(run.marker) == []
 
 

@@ -197,3 +197,22 @@ def test_a_bad_log_call_names_the_reward_function():
     for fn, message in cases.items():
         with pytest.raises(RewardFunctionError, match=message):
             asyncio.run(score_group(make_group(), [RewardSource(fn.__name__, fn)]))
+
+
+def test_a_prompts_images_go_into_its_completions_rows_as_thumbnails_when_asked():
+    """logging.log_multimodal: each row's prompt images as PNG thumbnails at most 128 pixels a side; the prompt's
+    text shows where each image stood."""
+    import io
+
+    from PIL import Image
+
+    group = make_group(2)
+    image = Image.new("RGB", (400, 100), "red")
+    parts = [{"type": "image", "image": image}, {"type": "text", "text": "How many?"}]
+    group.prompts = [[{"role": "user", "content": parts}], [{"role": "user", "content": "text only"}]]
+    group.rewards = np.array([1.0, 0.0])
+    records = completion_records(group, np.zeros(2), images=True)
+    assert records[0]["prompt"] == "<image>How many?" and "images" not in records[1]
+    (small,) = records[0]["images"]
+    assert Image.open(io.BytesIO(small)).size == (128, 32)
+    assert "images" not in completion_records(group, np.zeros(2), images=False)[0]
