@@ -310,11 +310,14 @@ class GenerationClient:
         response = await self._post("/v1/completions", with_n(body, n), n)
         return [Completion.from_choice(choice) for choice in choices(response, n, "/v1/completions")]
 
-    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams) -> Completion:
+    async def chat(
+        self, messages: list[dict[str, Any]], params: SamplingParams, tools: list[dict[str, Any]] | None = None
+    ) -> Completion:
         """One turn of a conversation the server renders: prompts with images, which vLLM's tokens-in endpoint does
         not take (rollout/images.py). The completion's ``prompt_token_ids`` are the server's rendering; candidate
         sets do not come back (chat has no sampling mask), so a truncating sampler's ratios are biased as on
-        /v1/completions."""
+        /v1/completions. ``tools``: their schemas, for the chat template only (``tool_choice`` none: the server
+        parses no call; the rollout loop reads the calls from the tokens, as for any turn)."""
         if params.return_sampling_mask:
             self._no_candidate_sets("prompts with images go through /v1/chat/completions")
         fields = completion_fields(replace(params, return_sampling_mask=False))
@@ -327,6 +330,7 @@ class GenerationClient:
             **({"top_logprobs": top} if top else {}),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
+            **({"tools": tools, "tool_choice": "none"} if tools else {}),
         }
         try:
             response = await self._post("/v1/chat/completions", body)

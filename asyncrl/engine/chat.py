@@ -4,7 +4,8 @@ to a served run's model as they talk to vLLM.
 The messages go through the model's chat template as a rollout's prompt does (``render_prompt``: the served model
 sees the tokens it was trained on), and the request then takes /v1/completions' path: the same sampling fields,
 validation, generation and refusals (streaming and stop strings are a 400 there, so here too), ``n`` completions
-as choices. Tools are a 400 as well: their calls would come back as text, not parsed into ``tool_calls``. Image
+as choices. Tools are a 400 as well (their calls would come back as text, not parsed into ``tool_calls``) unless
+``tool_choice`` is none, as vLLM renders them then and answers text. Image
 content parts (``images.py``) reach a vision-language model's chat template and prefill; a text-only model refuses
 them. With ``return_token_ids`` the response carries the prompt's and each choice's token ids, as vLLM's does.
 """
@@ -42,6 +43,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -54,9 +56,10 @@ def as_completion_request(
     """The conversation rendered by the chat template, as a /v1/completions request of token ids, and its images'
     inputs (None without images). Without a token limit it may fill the context, as OpenAI's and vLLM's chat
     routes do."""
-    if body.tools:
+    if body.tools and body.tool_choice != "none":
         raise ValueError("the built-in server does not support tools in chat completions (it does not parse tool "
-                         "calls): send the conversation without them")  # fmt: skip
+                         "calls): send the conversation without them, or with tool_choice none (the template "
+                         "renders them, the reply is text)")  # fmt: skip
     if body.top_logprobs is not None and not body.logprobs:
         raise ValueError("top_logprobs needs logprobs: true")
     if tokenizer.chat_template is None:
@@ -65,7 +68,7 @@ def as_completion_request(
     if image_parts and image_prompts is None:
         raise ValueError(NO_IMAGES)
     try:
-        prompt = render_prompt(tokenizer, messages, body.chat_template_kwargs or {})
+        prompt = render_prompt(tokenizer, messages, body.chat_template_kwargs or {}, body.tools)
     except TemplateError as error:
         raise ValueError(f"messages: the chat template refused them: {error}") from error
     images = None

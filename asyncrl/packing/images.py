@@ -5,10 +5,10 @@ The packers call `row_images` (TreeRow keys placeholders through `DistinctImages
 image's tokens only when it is the same image, and only whole); `packed_forward` calls `image_inputs` and
 `image_features`.
 
-An image's placeholders are the runs of the placeholder token in the sample's prompt (before its first trained
-token). A completion may hold the placeholder token too (a model can sample any id): there it is text, so the
-forward writes the vision tower's features into the embeddings at the images' runs itself, where the model's own
-forward would take every placeholder id in the row for an image's.
+An image's placeholders are the runs of the placeholder token among the sample's context tokens (its prompt, and a
+tool result's images in a multi-turn sample). A completion may hold the placeholder token too (a model can sample
+any id): a trained token, it is text, so the forward writes the vision tower's features into the embeddings at the
+images' runs itself, where the model's own forward would take every placeholder id in the row for an image's.
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ def split_images(images: PromptImages) -> list[Image]:
 
 
 def image_spans(sample: RolloutSample) -> list[tuple[int, int]]:
-    """Each image's placeholder tokens [start, end) in the sample's prompt, in order: one contiguous run per image,
-    of its merged patch count (t * h * w / merge_size**2), which is what the forward fills with the image's
-    features."""
+    """Each image's placeholder tokens [start, end) among the sample's context tokens (its prompt, and the tool
+    results of a multi-turn one), in order: one contiguous run per image, of its merged patch count
+    (t * h * w / merge_size**2), which is what the forward fills with the image's features."""
     images = sample.sequence.images
     assert images is not None
     patches = images.image_grid_thw.prod(-1).tolist()
     counts = [p // images.merge_size**2 for p in patches]
     sequence = sample.sequence
-    prompt_end = sequence.mask.index(1) if 1 in sequence.mask else len(sequence.token_ids)
-    at = [i for i, token in enumerate(sequence.token_ids[:prompt_end]) if token == images.token_id]
+    at = [i for i, (token, trained) in enumerate(zip(sequence.token_ids, sequence.mask, strict=True))
+          if token == images.token_id and not trained]  # fmt: skip
     spans, used = [], 0
     for count in counts:
         run = at[used : used + count]

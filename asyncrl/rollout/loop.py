@@ -34,7 +34,7 @@ from asyncrl.rollout.tools import (
     tool_name,  # fmt: skip
     tool_schemas,
 )
-from asyncrl.rollout.types import Rollout, RolloutGroup, TurnRecord
+from asyncrl.rollout.types import PromptImages, Rollout, RolloutGroup, TurnRecord
 
 RENDERED_PROMPTS = 256
 """Prompts whose tokens ``render`` keeps: more than the groups a worker has in flight start at once."""
@@ -73,24 +73,22 @@ class AsyncRolloutLoop:
     async def generate_one(self, prompt: Messages | str, tools: list[Callable[..., Any]], group_id: int = 0) -> Rollout:
         """One rollout, the tool loop: render the whole conversation, sample a turn, run the tools it calls,
         append their results, repeat until a turn calls none (or the iteration cap or the context is hit). A
-        standard (plain-text) prompt gets one turn, its completion the text (no tools: trainer/setup.py checks)."""
+        standard (plain-text) prompt gets one turn, its completion the text (no tools: trainer/setup.py checks). A
+        conversation with images (its prompt's, or a tool result's) turns through the server's chat route."""
         if isinstance(prompt, str):
             return await self.complete_text(prompt)
-        images = prompt_images(prompt)
-        if images:
-            if tools:
-                raise ValueError("a prompt with images and tools: tools returning to an image prompt are not "
-                                 "supported yet (rollout.tools, rollout.environment_factory)")  # fmt: skip
-            return await self.complete_images(prompt, images)
         by_name = {tool_name(fn): fn for fn in tools}
         schemas = tool_schemas(tools) if tools else None
         cap = self.config.sampling.max_tool_calling_iterations
         messages, completion, turns = list(prompt), [], []
         stats = ToolStats() if tools else None
-        prompt_ids = self.render(messages, schemas)
+        prompt_ids, images = self.render_conversation(messages, schemas)
         self.check_prompt_length(prompt_ids)
         while True:
-            turn = await self.generate_one_turn(prompt_ids)
+            if images is None:
+                turn = await self.generate_one_turn(prompt_ids)
+            else:
+                turn = await self.generate_image_turn(messages, schemas, prompt_ids, images)
             turns.append(turn)
             text = decode_turn(self.tokenizer, turn.output_ids, self.tool_call_format if tools else None)
             content, calls = parse_tool_calls(text, self.tool_call_format, schemas) if tools else (text, [])
@@ -102,7 +100,7 @@ class AsyncRolloutLoop:
                 break
             completion.extend(await run_tool_calls(calls, by_name, self.tool_pool, stats))
             messages = [*prompt, *completion]
-            prompt_ids = self.render(messages, schemas)
+            prompt_ids, images = self.render_conversation(messages, schemas)
             if len(prompt_ids) >= self.max_model_len:
                 break  # no room left for another turn: the rollout ends on the tool results
         return Rollout(
@@ -119,16 +117,31 @@ class AsyncRolloutLoop:
         text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
         return Rollout(completion=completion_of(prompt, text), completion_ids=list(turn.output_ids), turns=[turn])
 
-    async def complete_images(self, prompt: Messages, images: list[Any]) -> Rollout:
-        """One turn after a conversation with images, which the server renders (rollout/images.py): its prompt
-        tokens are the server's, checked against the patches the trainer gets."""
+    def render_conversation(
+        self, messages: Messages, tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], tuple[list[str], PromptImages] | None]:
+        """The conversation's prompt tokens, and for one with images (rollout/images.py) the tokens as the server
+        expands them and the images as a request sends them (data URLs) and the trainer takes them (patches)."""
+        images = prompt_images(messages)
+        if not images:
+            return self.render(messages, tools), None
         urls, patches = self.image_processing.prepare(images)
-        prompt_ids = self.image_processing.expand(self.render(template_messages(prompt)), patches)
-        self.check_prompt_length(prompt_ids)
-        out = await self.client.chat(request_messages(prompt, urls), self.sampling_params(prompt_ids))
+        return self.image_processing.expand(self.render(template_messages(messages), tools), patches), (urls, patches)
+
+    async def generate_image_turn(
+        self,
+        messages: Messages,
+        tools: list[dict[str, Any]] | None,
+        prompt_ids: list[int],
+        images: tuple[list[str], PromptImages],
+    ) -> TurnRecord:
+        """One turn of a conversation with images, which the server renders: its prompt tokens are the server's,
+        checked against the patches the trainer gets."""
+        urls, patches = images
+        out = await self.client.chat(request_messages(messages, urls), self.sampling_params(prompt_ids), tools)
         if out.finish_reason != "abort":
             self.image_processing.check(out.prompt_token_ids, patches)
-        turn = TurnRecord(
+        return TurnRecord(
             prompt_ids=out.prompt_token_ids or prompt_ids,
             output_ids=list(out.token_ids),
             output_log_probs=list(out.logprobs or []),
@@ -136,8 +149,6 @@ class AsyncRolloutLoop:
             finish_reason=out.finish_reason,
             images=patches,
         )
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(completion=completion_of(prompt, text), completion_ids=list(turn.output_ids), turns=[turn])
 
     @functools.cached_property
     def image_processing(self) -> ImageProcessing:

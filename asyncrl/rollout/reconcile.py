@@ -20,6 +20,8 @@ def reconcile(turns: list[TurnRecord]) -> list[TrainingSequence]:
         held = current.token_ids if current is not None else None
         if held is not None and turn.prompt_ids[: len(held)] == held:
             _append(current, turn.prompt_ids[len(held) :], context=True)  # type: ignore[arg-type]
+            if turn.images is not None:  # the conversation's images so far: the held ones and a tool result's
+                current.images = turn.images  # type: ignore[union-attr]
         else:
             current = TrainingSequence(token_ids=[], mask=[], sampler_logprobs=[], sampler_top_logprobs=[],
                                        sampling_masks=[], images=turn.images)  # fmt: skip

@@ -85,7 +85,7 @@ async def run_tool_calls(
 
 async def _run_one(
     call: ToolCall, tools: dict[str, Callable[..., Any]], pool: Executor | None, stats: ToolStats
-) -> tuple[str, bool]:
+) -> tuple[str | list[dict[str, Any]], bool]:
     if call.error is not None:
         return f"Error: {call.error}", True
     fn = tools.get(call.name)
@@ -103,7 +103,34 @@ async def _run_one(
             result = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, **call.arguments))
     except Exception as exc:
         return f"Error: {call.name} raised {type(exc).__name__}: {exc}", True
-    return result if isinstance(result, str) else json.dumps(result, default=str), False
+    if isinstance(result, str):
+        return result, False
+    if not has_image_block(result):
+        return json.dumps(result, default=str), False
+    try:
+        return content_blocks(result), False
+    except (ValueError, OSError) as exc:  # a block that is neither an image nor a text, or an unreadable image
+        return f"Error: {call.name} returned {exc}", True
+
+
+def has_image_block(result: Any) -> bool:
+    """A tool result given as a list of content blocks with an image among them (TRL's multimodal tool responses)."""
+    return isinstance(result, list) and any(isinstance(b, dict) and b.get("type") == "image" for b in result)
+
+
+def content_blocks(result: list[Any]) -> list[dict[str, Any]]:
+    """A multimodal tool result as a message's content parts: each image decoded (rollout/images.py), text as it
+    is; the model's next turn sees them (its server renders the images)."""
+    from asyncrl.rollout.images import decode_image
+
+    parts = []
+    for block in result:
+        if not (isinstance(block, dict) and block.get("type") in ("image", "text")):
+            raise ValueError(f"a tool result's content block {str(block)[:60]!r}: give {{'type': 'image', 'image': "
+                             "...} or {'type': 'text', 'text': ...}")  # fmt: skip
+        image = block.get("image")
+        parts.append({"type": "image", "image": decode_image(image)} if block["type"] == "image" else dict(block))
+    return parts
 
 
 def render_tool_round(tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> tuple[str, str]:

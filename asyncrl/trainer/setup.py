@@ -133,8 +133,8 @@ def check_prompt_forms(config: Config, dataset: Any, eval_dataset: Any | None) -
 
 
 def check_images(config: Config, dataset: Any, eval_dataset: Any | None, world_size: int) -> None:
-    """Prompts with images need a vision-language checkpoint with an image processor, and take no tools yet (a tool
-    loop's later turns would be rendered without the images' patches)."""
+    """Prompts with images need a vision-language checkpoint with an image processor and, for now, one training GPU
+    (a rank whose row has no image would skip the vision tower's collectives)."""
     from asyncrl.config.errors import ConfigError
     from asyncrl.data import has_images
     from asyncrl.model_kind import is_vision_language
@@ -151,9 +151,6 @@ def check_images(config: Config, dataset: Any, eval_dataset: Any | None, world_s
         raise ConfigError(f"{key}={path} has images, and model.name_or_path={m.name_or_path} is a text-only "
                           "checkpoint: give a vision-language one (e.g. Qwen/Qwen3.5-2B) or a dataset without "
                           "images")  # fmt: skip
-    if config.rollout.tools or config.rollout.environment_factory is not None:
-        raise ConfigError(f"{key}={path} has images: tools and environments (rollout.tools, "
-                          "rollout.environment_factory) do not take image prompts yet; drop those keys")  # fmt: skip
     if world_size > 1:
         raise ConfigError(f"{key}={path} has images: one training GPU only for now (a rank whose row has "
                           "no image would skip the vision tower's collectives); set trainer.gpus=1 "

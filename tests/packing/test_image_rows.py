@@ -148,8 +148,7 @@ def embedded_alone(model: torch.nn.Module, sample) -> torch.Tensor:
     transformers' own forward would take every placeholder id for an image's."""
     sequence = sample.sequence
     tokens = torch.tensor(sequence.token_ids)[None]
-    prompt = torch.zeros_like(tokens, dtype=torch.int)
-    prompt[0, : sequence.mask.index(1)] = (tokens[0, : sequence.mask.index(1)] == IMAGE_TOKEN).int()
+    prompt = ((tokens == IMAGE_TOKEN) & (torch.tensor(sequence.mask)[None] == 0)).int()
     images = sequence.images
     features = torch.cat(list(model.model.get_image_features(images.pixel_values, images.image_grid_thw).pooler_output))
     embeds = model.get_input_embeddings()(tokens).clone()
@@ -173,6 +172,31 @@ def test_a_completion_that_samples_the_placeholder_id_keeps_it_as_text(row_cls):
                for c, completion in enumerate([[IMAGE_TOKEN, 10, IMAGE_TOKEN], [11, IMAGE_TOKEN]])]  # fmt: skip
     for sample in samples:
         sample.sequence.images = copy.deepcopy(x)
+    row = pack(samples, row_cls)
+    reference = copy.deepcopy(model)
+    packed = packed_forward(model, row, TEMPERATURE, attention="sdpa").logprobs
+    expected = torch.cat([embedded_alone(reference, sample) for sample in row.samples])
+    torch.testing.assert_close(packed, expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("row_cls", [TreeRow, FlatRow])
+def test_a_tool_results_image_after_a_trained_turn_is_an_image_of_the_sample(row_cls):
+    """A multi-turn sample: the prompt's image, a trained turn, a tool result holding a second image (context), a
+    second trained turn; two samples share the first turn, one of them also the tool's image."""
+    model = build_tiny_vlm(7, deltanet=False)
+    images = make_images(model, [[1, 4, 4], [1, 2, 6]], seed=8)
+    prompt = SYSTEM + [6, VISION_START, *placeholders(images, 0), VISION_END, 7]
+    turn, tool = [10, 11, 12], [8, VISION_START, *placeholders(images, 1), VISION_END, 9]
+    samples = []
+    for s, answer in enumerate([[13, 14], [15]]):
+        tokens = prompt + turn + tool + answer
+        sample = make_sample(tokens, len(prompt), 0, 0.7 - s, seed=s)
+        start = len(prompt) + len(turn)
+        sample.sequence.mask[start : start + len(tool)] = [0] * len(tool)  # the tool's result is context
+        sample.sequence.sampler_logprobs[start : start + len(tool)] = [0.0] * len(tool)
+        sample.sequence.images = copy.deepcopy(images)
+        samples.append(sample)
+    assert [len(packing_images.image_spans(sample)) for sample in samples] == [2, 2]
     row = pack(samples, row_cls)
     reference = copy.deepcopy(model)
     packed = packed_forward(model, row, TEMPERATURE, attention="sdpa").logprobs

@@ -165,3 +165,76 @@ def test_a_turn_with_images_goes_through_the_server_and_its_sample_carries_the_p
         (sequence,) = reconcile(rollout.turns)
         assert sequence.images is turn.images and sequence.token_ids[: len(expected)] == expected
         assert torch.equal(sequence.images.pixel_values, processing.patches(prompt_images(prompt)).pixel_values)
+
+
+def test_a_tool_that_returns_content_blocks_with_an_image_gives_them_to_the_next_turn():
+    """TRL's multimodal tool responses: a list of image and text blocks becomes the tool message's content parts
+    (the image decoded); a block of another kind is the call's failure, not the rollout's."""
+    from asyncrl.rollout.tools import ToolCall, ToolStats, run_tool_calls
+
+    def screenshot(region: str) -> list:
+        """Grab a region.
+
+        Args:
+            region: which one
+        """
+        return [{"type": "image", "image": square(color="green")}, {"type": "text", "text": f"{region} grabbed"}]
+
+    def broken(region: str) -> list:
+        """Return a bad block.
+
+        Args:
+            region: which one
+        """
+        return [{"type": "image", "image": square()}, {"type": "audio"}]
+
+    stats = ToolStats()
+    calls = [ToolCall("screenshot", {"region": "top"}), ToolCall("broken", {"region": "top"})]
+    good, bad = asyncio.run(run_tool_calls(calls, {"screenshot": screenshot, "broken": broken}, None, stats))
+    (image,) = prompt_images([good])
+    assert good["content"][1] == {"type": "text", "text": "top grabbed"} and image.mode == "RGB"
+    assert bad["content"].startswith("Error: broken returned") and stats.failures == 1
+
+
+def test_a_tool_results_image_joins_the_next_turns_images_and_the_training_sample(vlm_dir, vlm_server):
+    """After a tool result with an image, the next turn goes through the server with both images (and the tools'
+    schemas, for the template only); its sample holds both images' patches."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.tools import tool_schemas
+
+    def look(region: str) -> str:
+        """Look.
+
+        Args:
+            region: where
+        """
+        return region
+
+    config = to_config(compose([f"model.name_or_path={vlm_dir}", "sampling.max_completion_length=4"]))
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    prompt = with_images(QUESTION, [square()])
+    schemas = tool_schemas([look])
+
+    async def two_turns() -> list:
+        async with GenerationClient(vlm_server.base_url, served_name(str(vlm_dir)), timeout_s=60) as client:
+            loop = AsyncRolloutLoop(config, tokenizer, client, advantage_fn=None, max_model_len=256)
+            ids, images = loop.render_conversation(prompt, schemas)
+            first = await loop.generate_image_turn(prompt, schemas, ids, images)
+            reply = {"role": "assistant", "content": tokenizer.decode(first.output_ids, skip_special_tokens=True)}
+            tool = {"role": "tool", "name": "look", "content": [{"type": "image", "image": square((56, 32), "blue")},
+                                                                {"type": "text", "text": "here"}]}  # fmt: skip
+            conversation = [*prompt, reply, tool]
+            ids, images = loop.render_conversation(conversation, schemas)
+            return [first, await loop.generate_image_turn(conversation, schemas, ids, images)]
+
+    first, second = asyncio.run(two_turns())
+    assert first.images.image_grid_thw.shape == (1, 3) and second.images.image_grid_thw.shape == (2, 3)
+    *_, last = reconcile([first, second])
+    assert last.images is second.images
+    from asyncrl.packing.images import image_spans
+    from asyncrl.rollout.types import RolloutSample
+
+    sample = RolloutSample(sequence=last, advantage=1.0, reward=1.0, group_id=0, row_index=0, prompt_index=0,
+                           model_version=0, rollout_id="r")  # fmt: skip
+    assert len(image_spans(sample)) == 2  # both images' placeholders are the sample's context

@@ -39,7 +39,7 @@ def test_tf32_on_a_machine_without_a_gpu_is_refused_before_the_server_starts(mon
     check_tf32_device(to_config(compose(["trainer.tf32=false"])))  # false: nothing to switch off, as transformers
 
 
-def test_image_prompts_need_a_vision_language_checkpoint_one_training_gpu_and_no_tools(tmp_path):
+def test_image_prompts_need_a_vision_language_checkpoint_and_one_training_gpu(tmp_path):
     from datasets import Dataset
 
     from asyncrl.assets.tiny_vlm import save_tiny_vlm
@@ -56,8 +56,7 @@ def test_image_prompts_need_a_vision_language_checkpoint_one_training_gpu_and_no
     with pytest.raises(ConfigError, match=r"^data.path=train.jsonl has images, and model.name_or_path=.* text-only"):
         check_images(config(), rows, None, world_size=1)
     check_images(config(f"model.name_or_path={vlm}"), rows, None, world_size=1)
-    with pytest.raises(ConfigError, match="tools and environments .* do not take image prompts yet"):
-        check_images(config(f"model.name_or_path={vlm}", "rollout.tools=[math:sqrt]"), rows, None, 1)
+    check_images(config(f"model.name_or_path={vlm}", "rollout.tools=[math:sqrt]"), rows, None, 1)
     with pytest.raises(ConfigError, match="one training GPU only for now"):
         check_images(config(f"model.name_or_path={vlm}"), rows, None, world_size=2)
     with pytest.raises(ConfigError, match=r"^data.eval_path=eval.jsonl has images"):
