@@ -64,7 +64,7 @@ class ImagePrompts:
 
     def inputs(self, prompt: list[int], parts: list[dict[str, Any]]) -> tuple[list[int], ImageInputs]:
         """The prompt with each image placeholder expanded to one per merged patch, and its images' inputs."""
-        images = [decode_image(image_url(part)) for part in parts]
+        images = [decode_data_url(image_url(part)) for part in parts]
         placeholders = prompt.count(self.image_token_id)
         if placeholders != len(images):
             raise ValueError(f"messages: the chat template rendered {placeholders} image placeholders for "
@@ -139,7 +139,7 @@ def image_url(part: dict[str, Any]) -> str:
     return url
 
 
-def decode_image(url: str) -> Any:
+def decode_data_url(url: str) -> Any:
     """The RGB image of a base64 ``data:`` URL."""
     from PIL import Image, UnidentifiedImageError
 
