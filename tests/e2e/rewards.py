@@ -75,5 +75,5 @@ def image_reward(prompts, completions, completion_ids, **columns):
                                                          else [])]  # fmt: skip
         return any(part.get("type") == "image" and isinstance(part.get("image"), Image.Image) for part in parts)
 
-    assert all(value for value in columns["image"]), "the row's image column reaches the reward functions"
+    assert all(value is not None for value in columns["image"]), "the row's image column reaches the reward functions"
     return [float(has_image(prompt)) for prompt in prompts]

@@ -23,9 +23,13 @@ STEPS = 2
 
 
 def test_shapes_recipe_trains_the_tiny_vlm_on_its_images(tmp_path):
+    """Also: the reward functions see each prompt's image (tests/e2e/rewards.py::image_reward) and the completions
+    table shows where it stood (logging.log_multimodal)."""
     run_dir = tmp_path / "run"
+    rewards = "reward_funcs=[{name: accuracy}, {name: 'tests.e2e.rewards:image_reward'}]"
     run = run_cli(["train", "+recipe=shapes", f"trainer.max_steps={STEPS}", f"trainer.save_steps={STEPS}",
-                   "data.num_eval_prompts=8", "logging.console=plain", "logging.report=false",
+                   "data.num_eval_prompts=8", "logging.console=plain", "logging.report=false", rewards,
+                   "logging.log_completions=true", "logging.num_completions_to_print=2",
                    f"hydra.run.dir={run_dir}", f"server.port={free_port()}"], timeout_s=300)  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
     steps = read_jsonl(run_dir / "metrics.jsonl")
@@ -36,6 +40,8 @@ def test_shapes_recipe_trains_the_tiny_vlm_on_its_images(tmp_path):
 
     assert logged("batch/images_per_step") and min(logged("batch/images_per_step")) >= 1
     assert logged("rewards/accuracy/mean") and all(0.0 <= r <= 1.0 for r in logged("rewards/accuracy/mean"))
+    assert logged("rewards/image_reward/mean") and min(logged("rewards/image_reward/mean")) == 1.0
+    assert "<image>How many squares?" in run.output and "1 image" in run.output  # the completions table
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert {"eval/greedy_reward", "eval/sampled_reward"} <= set(evaluation["before"]) & set(evaluation["after"])
     assert (run_dir / "model" / "model.safetensors").is_file()

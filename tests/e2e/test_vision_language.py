@@ -1,31 +1,20 @@
-"""A vision-language run through the real CLI on CPU: rows with an ``image`` column (file paths beside the data
-file) train the tiny Qwen3.5 vision-language checkpoint through the built-in server, which renders each prompt with
-its image; the trainer's rows carry the images' patches, the reward functions see the images, the held-out
-evaluation sends them too. A text-only checkpoint given images is one line before anything starts.
-
-A few steps only: this checks the plumbing; learning an image task is a recipe's run.
-"""
+"""Images given to a text-only checkpoint through the real CLI: one line before anything starts. A vision-language
+run through the CLI is the shapes recipe's test (test_shapes_recipe.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
 import pytest
 from PIL import Image, ImageDraw
 
-from asyncrl.assets.tiny_vlm import save_tiny_vlm
-from asyncrl.metrics import read_jsonl
 from asyncrl.serving.process import free_port
 
-from .helpers import run_cli, wait_no_marked
+from .helpers import run_cli
 
 pytestmark = pytest.mark.e2e
-
-STEPS = 2
-
 
 def squares_data(folder: Path, rows: int = 24) -> Path:
     """``How many squares?`` over images of 1-4 black squares, each image a PNG beside the data file."""
@@ -42,31 +31,6 @@ def squares_data(folder: Path, rows: int = 24) -> Path:
         lines.append(json.dumps({"prompt": prompt, "image": f"{index}.png", "solution": str(count)}))
     (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
     return folder / "train.jsonl"
-
-
-def test_an_image_dataset_trains_a_vision_language_checkpoint(tmp_path):
-    model, data, run_dir = save_tiny_vlm(tmp_path / "vlm"), squares_data(tmp_path), tmp_path / "run"
-    rewards = "reward_funcs=[{name: length, scale: 0.1}, {name: 'tests.e2e.rewards:image_reward'}]"
-    run = run_cli(["train", f"model.name_or_path={model}", f"data.path={data}", f"data.eval_path={data}",
-                   "data.num_eval_prompts=8", rewards, f"trainer.max_steps={STEPS}", f"trainer.save_steps={STEPS}",
-                   "trainer.samples_per_step=16", "sampling.max_completion_length=8", "server=builtin",
-                   f"server.port={free_port()}", "logging.console=plain", "logging.report=false",
-                   "logging.log_completions=true", "logging.num_completions_to_print=2",
-                   f"hydra.run.dir={run_dir}"], timeout_s=300)  # fmt: skip
-    assert run.returncode == 0, run.output[-3000:]
-    steps = read_jsonl(run_dir / "metrics.jsonl")
-    assert [s["step"] for s in steps if "batch/samples_per_step" in s] == list(range(1, STEPS + 1))
-
-    def logged(key: str) -> list[float]:
-        return [s[key] for s in steps if s.get(key) is not None and not math.isnan(s[key])]
-
-    assert logged("batch/images_per_step") and min(logged("batch/images_per_step")) >= 1  # patches reached the rows
-    assert logged("rewards/image_reward/mean") and min(logged("rewards/image_reward/mean")) == 1.0
-    evaluation = json.loads((run_dir / "eval.json").read_text())
-    assert evaluation["before"]["eval/greedy_reward"] > 0  # the held-out prompts' images went to the server too
-    assert (run_dir / "model" / "model.safetensors").is_file()
-    assert "<image>How many squares?" in run.output and "1 image" in run.output  # the completions table
-    assert wait_no_marked(run.marker) == []
 
 
 def test_a_text_only_checkpoint_given_images_is_one_line(tmp_path):
