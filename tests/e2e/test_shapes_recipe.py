@@ -28,7 +28,8 @@ def test_shapes_recipe_trains_the_tiny_vlm_on_its_images(tmp_path):
     run_dir = tmp_path / "run"
     rewards = "reward_funcs=[{name: accuracy}, {name: 'tests.e2e.rewards:image_reward'}]"
     run = run_cli(["train", "+recipe=shapes", f"trainer.max_steps={STEPS}", f"trainer.save_steps={STEPS}",
-                   "data.num_eval_prompts=8", "logging.console=plain", "logging.report=false", rewards,
+                   "data.num_eval_prompts=4", "trainer.samples_per_step=16", "logging.console=plain",
+                   "logging.report=false", rewards,
                    "logging.log_completions=true", "logging.num_completions_to_print=2",
                    f"hydra.run.dir={run_dir}", f"server.port={free_port()}"], timeout_s=300)  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]

@@ -16,6 +16,7 @@ from .helpers import run_cli
 
 pytestmark = pytest.mark.e2e
 
+
 def squares_data(folder: Path, rows: int = 24) -> Path:
     """``How many squares?`` over images of 1-4 black squares, each image a PNG beside the data file."""
     rng = random.Random(0)
