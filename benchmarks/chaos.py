@@ -636,6 +636,9 @@ def main() -> int:
         pids = [pid for pid, _ in processes(run.marker)]
         signal_pids(pids, signal.SIGCONT)
         signal_pids(pids, signal.SIGKILL)
+        if isolated:  # the tmpfs goes with the namespace; its mount point would stay behind in /tmp
+            subprocess.run(["umount", str(work)], check=False)
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def chaos(args: argparse.Namespace, run: Run, kinds: list[str], rng: random.Random, isolated: bool, work: Path,
