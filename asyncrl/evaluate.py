@@ -65,7 +65,7 @@ def eval_prompts(config: Config, tokenizer: Any, rows: list[dict[str, Any]]) -> 
         processing = processing or image_processing(config)
         urls, patches = processing.prepare(images)
         rendered = render_prompt(tokenizer, template_messages(row["prompt"]), s.chat_template_kwargs)
-        prompts.append(EvalPrompt(processing.expand(rendered, patches), request_messages(row["prompt"], urls)))
+        prompts.append(EvalPrompt(patches.expand(rendered), request_messages(row["prompt"], urls)))
     return prompts
 
 

@@ -89,7 +89,7 @@ def adapter_base(model_dir: Path, base: str | None) -> str:
 
 def load_merged(model_dir: Path, base: str | None) -> tuple[Any, str | None]:
     """The model in float32, with the adapter merged into its base when ``model_dir`` holds one; a vision-language
-    model whole (its vision tower as trained: untouched)."""
+    model whole (its vision tower as trained: untouched unless model.freeze_vision_tower=false trained it)."""
     if not is_adapter_dir(model_dir):
         return auto_model_class(model_dir).from_pretrained(model_dir, dtype=torch.float32), None
     from peft import PeftModel

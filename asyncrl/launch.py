@@ -338,6 +338,7 @@ def _check_resume(config: Config, run_dir: Path) -> None:
     from asyncrl.trainer.checkpoint import (
         check_checkpoint,
         check_no_later_checkpoints,
+        check_vision_tower,
         resolve_checkpoint,
     )
 
@@ -348,6 +349,7 @@ def _check_resume(config: Config, run_dir: Path) -> None:
         return
     resume = resolve_checkpoint(spec, output_dir)
     check_checkpoint(resume)
+    check_vision_tower(config, resume)
     check_no_later_checkpoints(resume, output_dir)
 
 

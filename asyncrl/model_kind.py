@@ -14,7 +14,8 @@ import torch
 
 def is_vision_language(model_config: Any) -> bool:
     """A checkpoint with a vision part (its config has a ``vision_config``: Qwen3.5/3.6, Qwen3-VL, Gemma 3, LLaVA):
-    it loads with AutoModelForImageTextToText and asyncrl trains and serves its text model only."""
+    it loads with AutoModelForImageTextToText, and asyncrl trains its text model only unless
+    model.freeze_vision_tower=false."""
     return getattr(model_config, "vision_config", None) is not None
 
 
@@ -60,8 +61,9 @@ def auto_model_class(path: str | os.PathLike[str], **source: Any) -> Any:
 
 def non_text_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
     """The names, each with a trailing dot, of a vision-language model's modules outside its text model and LM head
-    (the vision tower, the projector): frozen, never adapted by LoRA and skipped by weight sync, since text-only
-    data never reaches them. () for a text-only model. ``model`` is the transformers model (not a peft wrapper)."""
+    (the vision tower, the projector): frozen unless model.freeze_vision_tower=false (trainer/model.py), never
+    adapted by LoRA, and skipped by weight sync while frozen. () for a text-only model. ``model`` is the
+    transformers model (not a peft wrapper)."""
     if not is_vision_language(getattr(model, "config", None)):
         return ()
     text = (model.get_decoder(), model.get_output_embeddings())

@@ -55,14 +55,15 @@ def overrides(backend: str) -> list[str]:
 
 
 def build_qwen3_5_shape(out: Path, name: str, text: dict[str, Any], vision: dict[str, Any]) -> Path:
-    """A random Qwen3.5 vision-language checkpoint (``text`` and ``vision`` override the tiny hybrid's config) with
-    the tiny-arith tokenizer, in bfloat16, written to ``out / name``."""
-    from asyncrl.assets.model_families import build_model, hybrid_vlm_config, save_checkpoint
-    from asyncrl.assets.tiny_model import build_tokenizer
+    """A random Qwen3.5 vision-language checkpoint (tiny-vlm's config with tied embeddings and 16-pixel patches, as
+    Qwen3.5's; ``text`` and ``vision`` override it) with tiny-vlm's tokenizer, in bfloat16, written to
+    ``out / name``."""
+    from asyncrl.assets.model_families import build_model, save_checkpoint
+    from asyncrl.assets.tiny_vlm import build_vlm_config, build_vlm_tokenizer
 
-    tokenizer = build_tokenizer()
-    config = hybrid_vlm_config(tokenizer, **text)
-    for key, value in vision.items():
+    tokenizer = build_vlm_tokenizer()
+    config = build_vlm_config(tokenizer, **{"tie_word_embeddings": True, **text})
+    for key, value in {"patch_size": 16, **vision}.items():
         setattr(config.vision_config, key, value)
     return save_checkpoint(build_model(config, tokenizer).to(torch.bfloat16), tokenizer, out / name)
 

@@ -111,14 +111,11 @@ def served_vs_local(base_url: str, model: torch.nn.Module, name: str) -> float:
 
 @pytest.fixture(scope="session")
 def random_tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen3.5 vision-language checkpoint (gated-DeltaNet hybrid text model, one-block vision tower,
-    image-processor config) with the tiny model's tokenizer."""
-    from asyncrl.assets.model_families import build_model, hybrid_vlm_config, save_checkpoint
-    from asyncrl.assets.tiny_model import build_tokenizer
+    """``asyncrl.assets.tiny_vlm``'s random checkpoint (seed 0): a Qwen3.5 vision-language model (gated-DeltaNet
+    hybrid text model, one-block vision tower) that takes images."""
+    from asyncrl.assets.tiny_vlm import save_tiny_vlm
 
-    tokenizer = build_tokenizer()
-    return save_checkpoint(build_model(hybrid_vlm_config(tokenizer), tokenizer), tokenizer,
-                           tmp_path_factory.mktemp("random-tiny-vlm"))  # fmt: skip
+    return save_tiny_vlm(tmp_path_factory.mktemp("random-tiny-vlm"), seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
     assert cached_memory(config, 512) == memory
     assert cached_memory(config, 1024) is None  # another row size
     assert cached_memory(to_config(compose(["trainer.logit_chunk_tokens=7"])), 512) is None
+    assert cached_memory(to_config(compose(["model.freeze_vision_tower=false"])), 512) is None  # a tower's state
     assert cached_memory(to_config(compose(["trainer.learning_rate=1e-3"])), 512) == memory  # not a shape change
     assert cached_memory(to_config(compose(["trainer.optim_args='amsgrad=true'"])), 512) is None  # a third state tensor
     assert cached_memory(to_config(compose(["trainer.optimizer_factory=my.optim:build"])), 512) is None  # its own state

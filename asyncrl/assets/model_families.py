@@ -1,5 +1,6 @@
 """Tiny random checkpoints of the model families asyncrl trains beyond dense Qwen3: a gated-DeltaNet hybrid
-(Qwen3.5 text), the same hybrid as a vision-language checkpoint (Qwen3.5), and a Mixture-of-Experts model.
+(Qwen3.5 text) and a Mixture-of-Experts model. The vision-language one (Qwen3.5 around this hybrid) is
+``tiny_vlm``'s.
 
 Tests and benchmarks build them from transformers' own config classes with the tiny-arith tokenizer, so
 nothing is downloaded; ``save_checkpoint`` writes the `save_pretrained` layout a Hub checkpoint has (plus an
@@ -34,22 +35,6 @@ def hybrid_text_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> 
     )  # fmt: skip
     fields.update(overrides)
     return Qwen3_5TextConfig(**fields)
-
-
-def hybrid_vlm_config(tokenizer: PreTrainedTokenizerFast, **text_overrides: Any) -> PretrainedConfig:
-    """The hybrid text model inside a Qwen3.5 vision-language checkpoint with a one-block vision tower."""
-    from transformers import Qwen3_5Config
-
-    text = hybrid_text_config(tokenizer, **text_overrides)
-    vision = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=text.hidden_size,
-        num_position_embeddings=64,
-    )
-    return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
 
 
 def moe_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> PretrainedConfig:

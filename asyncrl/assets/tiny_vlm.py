@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -59,20 +60,21 @@ def build_vlm_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_vlm_config(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    """Qwen3.5 around ``model_families``' hybrid text model, its vision token ids those of ``tokenizer``. The
-    embeddings are untied: with tied ones the random model repeats its last token whatever the image, and greedy
-    generations could not tell images apart."""
+def build_vlm_config(tokenizer: PreTrainedTokenizerFast, **text_overrides: Any) -> PretrainedConfig:
+    """Qwen3.5 around ``model_families``' hybrid text model (``text_overrides`` change it: tests and benchmarks
+    build other shapes from it), its vision token ids those of ``tokenizer``. The embeddings are untied unless
+    overridden: with tied ones the random model repeats its last token whatever the image, and greedy generations
+    could not tell images apart."""
     from transformers import Qwen3_5Config
 
-    text = hybrid_text_config(tokenizer, tie_word_embeddings=False)
+    text = hybrid_text_config(tokenizer, **{"tie_word_embeddings": False, **text_overrides})
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size,
                   patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, num_position_embeddings=64)  # fmt: skip
     token_id = tokenizer.convert_tokens_to_ids
     return Qwen3_5Config(
         text_config=text.to_dict(),
         vision_config=vision,
-        tie_word_embeddings=False,
+        tie_word_embeddings=text.tie_word_embeddings,
         vision_start_token_id=token_id(VISION_START),
         image_token_id=token_id(IMAGE_PAD),
         vision_end_token_id=token_id(VISION_END),

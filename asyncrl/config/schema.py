@@ -113,6 +113,12 @@ class ModelConfig:
     """The LM head of the policy and the reference in float32, its input cast up, so its logits are float32 matmuls
     over float32 weights where the rest computes in bfloat16 (TRL's cast_lm_head_to_fp32, from ScaleRL): under FSDP2
     the head is a unit of its own, gathered in float32 (trainer/fsdp.py). Refused with tied embeddings, as TRL's."""
+    freeze_vision_tower: bool = True
+    """A vision-language checkpoint's modules outside its text model (the vision tower, the projector/merger) stay as
+    loaded, as the spec trains these checkpoints: no gradients or optimizer state, and weight syncs never send them
+    (the server keeps its own). false trains them with the text model (float32 master weights and optimizer state:
+    more memory) and every sync sends them, e.g. when the images are unlike the tower's pretraining. Refused with
+    LoRA, whose adapters stay out of the tower; nothing to unfreeze on a text-only checkpoint."""
 
 
 @dataclass

@@ -268,6 +268,11 @@ def check_lora(config: Config) -> None:
         raise ConfigError("lora.target_modules must not include lm_head: adapters on lm_head are not supported")
     if sv.max_lora_rank is not None and lora.r > sv.max_lora_rank:
         raise ConfigError(f"lora.r={lora.r} exceeds server.max_lora_rank={sv.max_lora_rank}")
+    if not config.model.freeze_vision_tower:
+        raise ConfigError(
+            "model.freeze_vision_tower=false with lora.enabled=true: LoRA adapts the text model only and keeps the "
+            "vision tower frozen; drop one of them (model.freeze_vision_tower=true, or lora.enabled=false)"
+        )
     if config.model.disable_dropout and lora.dropout > 0:
         raise ConfigError(
             f"lora.dropout={lora.dropout} with model.disable_dropout=true: the adapters' dropout would be asked for "

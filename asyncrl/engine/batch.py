@@ -31,7 +31,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
-from asyncrl.engine.cache import SlackCache
+from asyncrl.engine.cache import SlackCache, prefill_cache
 from asyncrl.engine.images import ImageInputs
 from asyncrl.engine.lora import AdapterSet
 from asyncrl.engine.rows import DecodeRow
@@ -104,7 +104,7 @@ class RunningBatch:
         if any(inputs is not None for inputs in images):
             positions = self._prefill_positions(positions, unique, images)
             inputs = {"inputs_embeds": self._embed_images(input_ids, width - lengths, images)}
-        cache = DynamicCache(config=self.model.config)
+        cache = prefill_cache(self.model)
         logits = self._forward(inputs, lengths, positions, cache, adapters)
         for row, tokens in zip(rows, sequences, strict=True):
             row.cached_len = len(tokens)

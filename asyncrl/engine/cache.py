@@ -17,25 +17,42 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 MIN_SLACK_COLUMNS = 256
 
 
+SLOT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)
+"""The cache layers of transformers that the running batch has a slot layer for."""
+UNSERVED_LAYER_TYPES = ("chunked_attention",)
+"""Layer types refused although their cache layer is a slot layer's: Llama 4's chunks start at multiples of the chunk
+size in each row's own positions, which the mask would count in the batch's columns, shifted by a row's padding."""
+
+
 def check_cache_supported(model: torch.nn.Module) -> None:
-    """Fail at startup, naming the first layer type the running batch has no slot layer for (e.g. sliding windows)."""
+    """Fail at startup, naming the first layer type the running batch cannot serve (e.g. chunked attention)."""
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
     for index, layer in enumerate(DynamicCache(config=model.config).layers):
-        if type(layer) not in (DynamicLayer, LinearAttentionLayer):
+        if type(layer) not in SLOT_LAYERS or (layer_types and layer_types[index] in UNSERVED_LAYER_TYPES):
             kind = f"{layer_types[index]!r} ({type(layer).__name__})" if layer_types else type(layer).__name__
             raise ValueError(
-                f"the built-in server serves full_attention and linear_attention (gated DeltaNet) layers "
-                f"only; layer {index} is {kind}: serve this model with server.backend=vllm"
+                f"the built-in server serves full_attention, sliding_attention and linear_attention (gated "
+                f"DeltaNet) layers only; layer {index} is {kind}: serve this model with server.backend=vllm"
             )
 
 
+def prefill_cache(model: torch.nn.Module) -> DynamicCache:
+    """The model's own DynamicCache for a prefill, its sliding-window layers keeping every token: the running batch
+    copies whole rows into its SlackLayers, and the window is the attention mask's (transformers builds a sliding
+    layer's mask from the config's window over cache columns, and a row's columns are its consecutive positions)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
+
+
 class SlackCache(DynamicCache):
-    """The model's own DynamicCache with every attention layer a SlackLayer and every linear-attention layer a
+    """The model's own DynamicCache with every attention layer a SlackLayer (a sliding-window one too: it keeps
+    every column, its window being the mask's, as in ``prefill_cache``) and every linear-attention layer a
     StateLayer; its width is its attention layers' column count, whatever layer 0 is.
 
     transformers asks ``get_seq_length()`` (layer 0 by default) for the cached width when it builds masks and

@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.model_kind import is_vision_language
+from asyncrl.rollout.types import PromptImages
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +33,11 @@ NO_IMAGES = "messages: image content parts, but the served model has no vision t
 
 
 @dataclass(frozen=True, eq=False)
-class ImageInputs:
-    """A prompt's images as its prefill takes them. Compared by identity: the children of an ``n > 1`` request share
-    one, and rows with the same tokens are prefilled once only when they share it too."""
+class ImageInputs(PromptImages):
+    """A prompt's images (the image processor's patches and grids) as its prefill takes them. Compared by identity:
+    the children of an ``n > 1`` request share one, and rows with the same tokens are prefilled once only when they
+    share it too."""
 
-    pixel_values: torch.Tensor
-    """The image processor's patches of every image, in prompt order: [patches, channels x patch volume]."""
-    image_grid_thw: torch.Tensor
-    """Each image's patch grid (time, height, width): [images, 3]."""
     token_indices: torch.Tensor
     """Where in the prompt the image tokens are, which the vision tower's features replace."""
     prompt_positions: torch.Tensor
@@ -70,13 +68,14 @@ class ImagePrompts:
             raise ValueError(f"messages: the chat template rendered {placeholders} image placeholders for "
                              f"{len(images)} images")  # fmt: skip
         processed = self.image_processor(images=images, return_tensors="pt")
-        grid = processed["image_grid_thw"]
-        counts = iter((grid.prod(-1) // self.image_processor.merge_size**2).tolist())
-        ids = [t for token in prompt for t in ([token] * next(counts) if token == self.image_token_id else [token])]
+        patches = PromptImages(processed["pixel_values"], processed["image_grid_thw"], self.image_token_id,
+                               self.image_processor.merge_size)  # fmt: skip
+        ids = patches.expand(prompt)
         is_image = torch.tensor([ids]) == self.image_token_id
-        positions, deltas = self.rope_index(torch.tensor([ids]), mm_token_type_ids=is_image.int(), image_grid_thw=grid)
-        inputs = ImageInputs(processed["pixel_values"], grid, is_image[0].nonzero().squeeze(1), positions[:, 0],
-                             int(deltas.reshape(-1)[0]))  # fmt: skip
+        positions, deltas = self.rope_index(torch.tensor([ids]), mm_token_type_ids=is_image.int(),
+                                            image_grid_thw=patches.image_grid_thw)  # fmt: skip
+        inputs = ImageInputs(**vars(patches), token_indices=is_image[0].nonzero().squeeze(1),
+                             prompt_positions=positions[:, 0], rope_delta=int(deltas.reshape(-1)[0]))  # fmt: skip
         return ids, inputs
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.rollout.types import RolloutSample
+from asyncrl.rollout.types import PromptImages, RolloutSample
 
 
 @dataclass
@@ -53,15 +53,12 @@ def path_keys(segments: list[Segment], window: int | None = None) -> PathKeys:
     return PathKeys(q_lens, k_lens, None if identity else gather)
 
 
-@dataclass
-class RowImages:
+@dataclass(frozen=True)
+class RowImages(PromptImages):
     """What a row with images gives the model beyond its tokens: built by the packers, read by the forward
-    (packing/images.py)."""
+    (packing/images.py). Its pixel values and grids are the row's images, each once, in the layout order of their
+    placeholders."""
 
-    pixel_values: torch.Tensor  # [P, F] the row's images, each once, in the layout order of their placeholders
-    image_grid_thw: torch.Tensor  # [N, 3] long, in the same order
-    token_id: int
-    merge_size: int
     layouts: list[tuple[int, torch.Tensor]]
     """Per sample with images: its index in the row's samples and the layout position of each of its tokens."""
     positions: torch.Tensor

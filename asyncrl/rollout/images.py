@@ -216,12 +216,6 @@ class ImageProcessing:
         self._cache.move_to_end(key)
         return cached[1], cached[2]
 
-    def expand(self, prompt_ids: Sequence[int], images: PromptImages) -> list[int]:
-        """The rendered prompt with each image's one placeholder repeated once per merged patch, as the server's
-        processor expands it."""
-        counts = iter((images.image_grid_thw.prod(-1) // self.merge_size**2).tolist())
-        return [t for token in prompt_ids for t in ([token] * next(counts) if token == self.token_id else [token])]
-
     def check(self, prompt_ids: Sequence[int], images: PromptImages) -> None:
         """The server's prompt holds one placeholder per merged patch of the images' grids: else its processor is
         not the checkpoint's (the trainer would misplace the patches)."""
@@ -259,7 +253,6 @@ def image_prompt_tokens(config: Config) -> RowTokens:
         images = prompt_images(prompt)
         if not images:
             return len(render_prompt(tokenizer, prompt, kwargs))
-        return len(processing.expand(render_prompt(tokenizer, template_messages(prompt), kwargs),
-                                     processing.patches(images)))  # fmt: skip
+        return len(processing.patches(images).expand(render_prompt(tokenizer, template_messages(prompt), kwargs)))
 
     return tokens

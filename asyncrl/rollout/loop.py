@@ -126,7 +126,7 @@ class AsyncRolloutLoop:
         if not images:
             return self.render(messages, tools), None
         urls, patches = self.image_processing.prepare(images)
-        return self.image_processing.expand(self.render(template_messages(messages), tools), patches), (urls, patches)
+        return patches.expand(self.render(template_messages(messages), tools)), (urls, patches)
 
     async def generate_image_turn(
         self,

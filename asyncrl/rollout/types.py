@@ -7,6 +7,7 @@ PromptDone and EndOfBatch are what crosses the process boundary (pickled through
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,10 +65,12 @@ class Rollout:
         return bool(self.turns) and self.turns[-1].finish_reason != "stop"
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class PromptImages:
     """The image processor's outputs for the images of a sample's prompt, in prompt order: they travel with the
-    sample's tokens to the trainer, whose packed forward runs them through the vision tower (packing/images.py)."""
+    sample's tokens to the trainer, whose packed forward runs them through the vision tower (packing/images.py).
+    The built-in server's prefill inputs (engine/images.py) and a packed row's images (packing/row.py) extend it.
+    Compared by identity: a group's rollouts share one."""
 
     pixel_values: torch.Tensor
     """[patches, features]: every image's flattened patches, one image after the other (t * h * w rows each)."""
@@ -78,6 +81,12 @@ class PromptImages:
     contiguous run of t * h * w / merge_size**2 of them, one per merged patch."""
     merge_size: int
     """The vision tower's spatial_merge_size (the processor's merge_size)."""
+
+    def expand(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The rendered prompt with each image's one placeholder repeated once per merged patch, as Qwen's processor
+        expands it: the built-in server and the rollout side (which checks vLLM's prompt) expand alike."""
+        counts = iter((self.image_grid_thw.prod(-1) // self.merge_size**2).tolist())
+        return [t for token in prompt_ids for t in ([token] * next(counts) if token == self.token_id else [token])]
 
 
 @dataclass

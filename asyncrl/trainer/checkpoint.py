@@ -38,7 +38,7 @@ import torch
 from asyncrl.config.schema import Config
 from asyncrl.interrupts import interrupts_deferred
 from asyncrl.lora import is_adapter_dir
-from asyncrl.model_kind import is_vision_language
+from asyncrl.model_kind import is_vision_language, local_config_json
 
 CHECKPOINT_PREFIX = "step_"
 STATE_KEYS = {
@@ -244,6 +244,21 @@ def check_checkpoint(path: Path) -> None:
     damaged = damaged_weights(path)
     if damaged:
         raise _damaged(path, damaged)
+
+
+def check_vision_tower(config: Config, path: Path) -> None:
+    """A vision-language checkpoint resumes under the model.freeze_vision_tower it trained with (those from before
+    the key froze the tower): turned to true, the trainer's tower as trained would differ from the server's, which
+    starts from the base and would get no sync of it; turned to false, the optimizer would have no state of it."""
+    extra = _read_state(path, "trainer_state.json", STATE_KEYS["trainer_state.json"]).get("extra") or {}
+    trained, wanted = extra.get("freeze_vision_tower", True), config.model.freeze_vision_tower
+    if trained == wanted or (local_config_json(str(path)) or {}).get("vision_config") is None:
+        return
+    saved = str(trained).lower()
+    raise ResumeError(
+        f"trainer.resume_from_checkpoint={path} trained with model.freeze_vision_tower={saved}: resume it with "
+        f"model.freeze_vision_tower={saved}, or start a new run from its weights with {new_run_from(path)}"
+    )
 
 
 def holds_model_only(path: Path) -> bool:

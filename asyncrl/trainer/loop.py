@@ -596,6 +596,7 @@ class Trainer:
         self.state.extra["num_tokens"] = self.num_tokens
         self.state.extra["loss"] = self.loss.state_dict()
         self.state.extra["reward_range"] = self.assembler.watch.rewards.to_json()  # which reward solves the task
+        self.state.extra["freeze_vision_tower"] = self.config.model.freeze_vision_tower  # a resume keeps it
         step, results = self.last_evaluation or (-1, {})
         self.state.extra["evaluation"] = results if step == self.state.step else {}  # a resume's "before"
         if self.scaler.is_enabled():

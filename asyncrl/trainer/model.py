@@ -83,19 +83,19 @@ def use_cpu_threads(config: Config, world: int, backend: str) -> None:
     log.info("trainer on the CPU: %d torch thread(s) per rank (%d cores, trainer.cpu_threads)", threads, cores)
 
 
-def freeze_non_text(model: torch.nn.Module) -> None:
-    """requires_grad=False outside the text model (non_text_prefixes): no gradients, no optimizer state."""
+def freeze_non_text(model: torch.nn.Module, freeze: bool = True) -> None:
+    """model.freeze_vision_tower (``freeze``), the one place it is decided: requires_grad=False outside the text
+    model (non_text_prefixes), so no gradients and no optimizer state; weight sync skips what this froze
+    (weights/tensors.py::frozen_prefixes). ``freeze`` false leaves those modules training, and says so."""
     prefixes = non_text_prefixes(model)
     if not prefixes:
         return
-    frozen = [p for name, p in model.named_parameters() if name.startswith(prefixes)]
-    for param in frozen:
-        param.requires_grad_(False)
-    log.info(
-        "vision-language checkpoint trained text-only: %s frozen (%d parameters)",
-        ", ".join(p.rstrip(".") for p in prefixes),
-        sum(p.numel() for p in frozen),
-    )
+    tower = [p for name, p in model.named_parameters() if name.startswith(prefixes)]
+    for param in tower:
+        param.requires_grad_(not freeze)
+    how = "frozen" if freeze else "trained with the text model and synced (model.freeze_vision_tower=false)"
+    names = ", ".join(p.rstrip(".") for p in prefixes)
+    log.info("vision-language checkpoint: %s %s (%d parameters)", names, how, sum(p.numel() for p in tower))
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -138,8 +138,8 @@ def use_tf32(config: Config) -> None:
 def load_model(config: Config, path: str) -> torch.nn.Module:
     """The model at ``path``; with ``lora.enabled`` the base model wrapped with adapters (``path`` may then
     be an adapter checkpoint, whose base is model.name_or_path). A vision-language checkpoint loads whole (its
-    checkpoints stay servable) with everything outside the text model frozen. Every rank loads its policy here,
-    so this is also where its matmul precision is set (trainer.tf32)."""
+    checkpoints stay servable) with everything outside the text model frozen unless model.freeze_vision_tower is
+    false. Every rank loads its policy here, so this is also where its matmul precision is set (trainer.tf32)."""
     use_tf32(config)
     m = config.model
     adapter_path = path if config.lora.enabled else None
@@ -161,7 +161,7 @@ def load_model(config: Config, path: str) -> torch.nn.Module:
     }
     model = auto_model_class(path, **source).from_pretrained(path, **kwargs)  # its config as is: a saved model
     # keeps the source's use_cache (the packed forward passes use_cache=False itself)
-    freeze_non_text(model)
+    freeze_non_text(model, m.freeze_vision_tower)
     if m.cast_lm_head_to_fp32:
         cast_lm_head_to_fp32(model, path)
     if m.disable_dropout:

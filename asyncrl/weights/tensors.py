@@ -2,7 +2,8 @@
 
 A peft model is sent merged: each adapted layer's base weight plus its adapters' delta, under the base
 model's parameter names, so a server that knows nothing of adapters loads it like a full fine-tune. A
-vision-language model's frozen vision tower and projector are never sent: the server keeps what it loaded.
+vision-language model's frozen vision tower and projector are never sent: the server keeps what it loaded (with
+model.freeze_vision_tower=false they train, and are sent like the rest).
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ def whole_tensors(model: Any) -> tuple[torch.nn.Module, Callable[[str], torch.Te
 
 
 def frozen_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
-    """Base-model name prefixes that sync skips: a vision-language model's modules outside its text model."""
+    """Base-model name prefixes that sync skips: a vision-language model's modules outside its text model that do
+    not train. The trainer froze them or not when it loaded the model (model.freeze_vision_tower:
+    trainer/model.py::freeze_non_text), so the sync follows that one decision and sends a trained tower."""
     inner, _ = whole_tensors(model)
-    return non_text_prefixes(inner.get_base_model() if lora.is_peft(inner) else inner)
+    base = inner.get_base_model() if lora.is_peft(inner) else inner
+    return tuple(prefix for prefix in non_text_prefixes(base)
+                 if not any(p.requires_grad for p in base.get_submodule(prefix[:-1]).parameters()))  # fmt: skip
 
 
 def _served(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -99,6 +99,20 @@ def test_ten_or_more_bad_inputs_are_covered():
     assert len(BAD_INPUTS) >= 10
 
 
+def test_an_unfrozen_vision_tower_is_refused_with_lora_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        to_config(compose(["lora=default", "model.freeze_vision_tower=false"]))
+    assert str(info.value) == (
+        "model.freeze_vision_tower=false with lora.enabled=true: LoRA adapts the text model only and keeps the vision "
+        "tower frozen; drop one of them (model.freeze_vision_tower=true, or lora.enabled=false)"
+    )
+
+
+def test_an_unfrozen_vision_tower_is_accepted_without_lora_whatever_the_checkpoint():
+    """On the default text-only checkpoint there is nothing to unfreeze: nothing to refuse either."""
+    assert not to_config(compose(["model.freeze_vision_tower=false"])).model.freeze_vision_tower
+
+
 def test_top_p_with_top_k_is_accepted():
     config = to_config(compose(["sampling.top_p=0.9", "sampling.top_k=50"]))
     assert config.sampling.top_k == 50

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncrl.assets.model_families import build_model, hybrid_text_config, hybrid_vlm_config
+from asyncrl.assets.model_families import build_model, hybrid_text_config
 from asyncrl.assets.tiny_model import build_tokenizer
+from asyncrl.assets.tiny_vlm import build_vlm_config, build_vlm_tokenizer
 from asyncrl.engine.batch import RunningBatch
 from asyncrl.engine.cache import SlackCache, StateLayer
 from asyncrl.engine.core import Engine, EngineConfig
@@ -30,8 +30,9 @@ def hybrid(tokenizer) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def hybrid_vlm(tokenizer) -> torch.nn.Module:
-    return build_model(hybrid_vlm_config(tokenizer), tokenizer, seed=1).eval()
+def hybrid_vlm() -> torch.nn.Module:
+    tokenizer = build_vlm_tokenizer()
+    return build_model(build_vlm_config(tokenizer), tokenizer, seed=1).eval()
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -120,17 +121,22 @@ def generate(engine: Engine, requests: list[GenerationRequest]) -> list[DecodeRo
     return rows
 
 
-def test_the_vision_language_model_decodes_through_the_engine_as_if_alone(hybrid_vlm):
-    """Through the engine with room for two rows, whose growth past the KV budget forces preemptions."""
-    eos = frozenset({hybrid_vlm.generation_config.eos_token_id})
-    engine = Engine(hybrid_vlm, EngineConfig(max_model_len=64, max_num_seqs=2, kv_cache_tokens=64, eos_token_ids=eos))
+def decode_with_preemptions(model: torch.nn.Module, count: int) -> list[DecodeRow]:
+    """``count`` greedy rows of 25+ prompt tokens through an engine with room for two rows, whose growth past the KV
+    budget forces preemptions."""
+    eos = frozenset({model.generation_config.eos_token_id})
+    engine = Engine(model, EngineConfig(max_model_len=64, max_num_seqs=2, kv_cache_tokens=64, eos_token_ids=eos))
     engine.start()
     try:
-        rows = generate(engine, [greedy_request(f"r{i}", prompt(10 + i, 25 + 3 * i), 8 + i) for i in range(5)])
+        rows = generate(engine, [greedy_request(f"r{i}", prompt(10 + i, 25 + 3 * i), 8 + i) for i in range(count)])
         assert engine.stats().preemptions_total > 0
     finally:
         engine.stop()
-    assert_matches_a_plain_forward(hybrid_vlm, rows)
+    return rows
+
+
+def test_the_vision_language_model_decodes_through_the_engine_as_if_alone(hybrid_vlm):
+    assert_matches_a_plain_forward(hybrid_vlm, decode_with_preemptions(hybrid_vlm, 5))
 
 
 def test_lora_and_base_rows_decode_together_as_if_alone(tokenizer, tmp_path):
@@ -163,12 +169,3 @@ def test_lora_and_base_rows_decode_together_as_if_alone(tokenizer, tmp_path):
 def test_the_cache_holds_state_layers_for_the_delta_net_and_slack_layers_for_attention(hybrid):
     layers = SlackCache(hybrid).layers
     assert [type(layer).__name__ for layer in layers] == ["StateLayer"] * 3 + ["SlackLayer"]
-
-
-def test_a_sliding_window_model_is_refused_naming_its_layer_type():
-    config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_sliding_window=True,
-                         sliding_window=4, layer_types=["full_attention", "sliding_attention"])  # fmt: skip
-    engine_config = EngineConfig(max_model_len=64, max_num_seqs=2, kv_cache_tokens=64, eos_token_ids=frozenset())
-    with pytest.raises(ValueError, match=r"layer 1 is 'sliding_attention' \(DynamicSlidingWindowLayer\)"):
-        Engine(Qwen3ForCausalLM(config), engine_config)

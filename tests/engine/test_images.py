@@ -54,24 +54,24 @@ def user(text: str, *urls: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_vlm_dir):
-    return AutoTokenizer.from_pretrained(tiny_vlm_dir)
+def tokenizer(random_tiny_vlm_dir):
+    return AutoTokenizer.from_pretrained(random_tiny_vlm_dir)
 
 
 @pytest.fixture(scope="module")
-def vlm(tiny_vlm_dir) -> torch.nn.Module:
+def vlm(random_tiny_vlm_dir) -> torch.nn.Module:
     """The checkpoint as transformers loads it, for reference generations (the engine runs its own copy)."""
-    return AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(random_tiny_vlm_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def served(tiny_vlm_dir) -> torch.nn.Module:
-    return AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
+def served(random_tiny_vlm_dir) -> torch.nn.Module:
+    return AutoModelForImageTextToText.from_pretrained(random_tiny_vlm_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def image_prompts(served, tokenizer, tiny_vlm_dir) -> ImagePrompts:
-    prompts = load_image_prompts(served, tokenizer, str(tiny_vlm_dir), trust_remote_code=False)
+def image_prompts(served, tokenizer, random_tiny_vlm_dir) -> ImagePrompts:
+    prompts = load_image_prompts(served, tokenizer, str(random_tiny_vlm_dir), trust_remote_code=False)
     assert prompts is not None
     return prompts
 
@@ -215,11 +215,11 @@ def test_a_re_prefilled_row_that_generated_image_tokens_continues_as_it_decoded(
 
 
 @pytest.fixture(scope="module")
-def vlm_server(tiny_vlm_dir, weights_root, tmp_path_factory) -> Iterator[ServerProcess]:
+def vlm_server(random_tiny_vlm_dir, weights_root, tmp_path_factory) -> Iterator[ServerProcess]:
     """`python -m asyncrl.engine` on the tiny vision-language checkpoint."""
     port = free_port()
-    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(tiny_vlm_dir), "--served-model-name", "tiny-vlm",
-            "--port", str(port), "--device", "cpu", "--weights-dir", str(weights_root)]  # fmt: skip
+    argv = [sys.executable, "-m", "asyncrl.engine", "--model", str(random_tiny_vlm_dir), "--served-model-name",
+            "tiny-vlm", "--port", str(port), "--device", "cpu", "--weights-dir", str(weights_root)]  # fmt: skip
     log_path = tmp_path_factory.mktemp("vlm-server-log") / "server.log"
     with ServerProcess(argv, base_url=f"http://127.0.0.1:{port}", log_path=log_path, env={"OMP_NUM_THREADS": "1"},
                        startup_timeout_s=120) as process:  # fmt: skip
@@ -277,15 +277,15 @@ def test_a_text_only_model_refuses_an_image_with_one_line_400(tiny_server):
     )
 
 
-def test_the_builder_writes_a_small_deterministic_checkpoint_that_loads_offline(tiny_vlm_dir, tmp_path):
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+def test_the_builder_writes_a_small_deterministic_checkpoint_that_loads_offline(random_tiny_vlm_dir, tmp_path):
+    model = AutoModelForImageTextToText.from_pretrained(random_tiny_vlm_dir)
     assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
-    assert sum(path.stat().st_size for path in Path(tiny_vlm_dir).iterdir()) < 5_000_000
-    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_dir)
+    assert sum(path.stat().st_size for path in Path(random_tiny_vlm_dir).iterdir()) < 5_000_000
+    tokenizer = AutoTokenizer.from_pretrained(random_tiny_vlm_dir)
     ids = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
     config = model.config
     assert ids == [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
-    assert AutoImageProcessor.from_pretrained(tiny_vlm_dir).merge_size == config.vision_config.spatial_merge_size
+    assert AutoImageProcessor.from_pretrained(random_tiny_vlm_dir).merge_size == config.vision_config.spatial_merge_size
     assert tokenizer.apply_chat_template([{"role": "user", "content": "1 + 2"}], tokenize=False,
                                          add_generation_prompt=True) == "<|user|>1 + 2<|end|><|assistant|>"  # fmt: skip
 
@@ -294,17 +294,19 @@ def test_the_builder_writes_a_small_deterministic_checkpoint_that_loads_offline(
             (save_tiny_vlm(tmp_path / str(seed), seed) / "model.safetensors").read_bytes()
         ).hexdigest()
 
-    assert weights_digest(0) == hashlib.sha256((tiny_vlm_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert weights_digest(0) == hashlib.sha256((random_tiny_vlm_dir / "model.safetensors").read_bytes()).hexdigest()
     assert weights_digest(1) != weights_digest(0)
 
 
-def test_auto_processor_loads_the_builders_folder_and_expands_images_alike(tiny_vlm_dir, tokenizer, image_prompts):
+def test_auto_processor_loads_the_builders_folder_and_expands_images_alike(
+    random_tiny_vlm_dir, tokenizer, image_prompts
+):
     """Qwen's processor needs torchvision (transformers builds it with its video processor): where it is installed,
     it loads the folder and expands an image as the server does."""
     pytest.importorskip("torchvision")
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
+    processor = AutoProcessor.from_pretrained(random_tiny_vlm_dir)
     url = data_url(WIDE, 6)
     messages = user("What is it?", url)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

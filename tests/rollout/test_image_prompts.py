@@ -14,7 +14,6 @@ import pytest
 import torch
 from PIL import Image
 
-from asyncrl.assets.tiny_vlm import save_tiny_vlm
 from asyncrl.client import GenerationClient
 from asyncrl.config.compose import compose, to_config
 from asyncrl.prompts import render_prompt
@@ -52,14 +51,11 @@ def png(image: Image.Image) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def vlm_server(vlm_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def vlm_server(
+    random_tiny_vlm_dir: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     """The built-in server on the tiny vision-language checkpoint that takes images."""
-    yield from serve_session(vlm_dir, weights_root, tmp_path_factory.mktemp("image-server"))
+    yield from serve_session(random_tiny_vlm_dir, weights_root, tmp_path_factory.mktemp("image-server"))
 
 
 def test_an_image_column_value_of_each_form_decodes_to_rgb(tmp_path):
@@ -119,8 +115,10 @@ def test_a_rows_images_are_decoded_once_for_its_group(tmp_path):
     assert place_row_images({"prompt": "text"}, tmp_path) == {"prompt": "text"}
 
 
-def test_the_checkpoints_processor_makes_the_patches_once_per_prompt_and_checks_the_servers_placeholders(vlm_dir):
-    config = to_config(compose([f"model.name_or_path={vlm_dir}"]))
+def test_the_checkpoints_processor_makes_the_patches_once_per_prompt_and_checks_the_servers_placeholders(
+    random_tiny_vlm_dir,
+):
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}"]))
     processing = image_processing(config)
     images = [square(), square((56, 56))]
     urls, patches = processing.prepare(images)
@@ -128,27 +126,27 @@ def test_the_checkpoints_processor_makes_the_patches_once_per_prompt_and_checks_
     assert patches.token_id == processing.token_id and patches.image_grid_thw.shape == (2, 3)
     merged = (patches.image_grid_thw.prod(-1) // processing.merge_size**2).tolist()
     rendered = [5, processing.token_id, 6, processing.token_id, 7]
-    assert processing.expand(rendered, patches) == [5, *[processing.token_id] * merged[0], 6,
-                                                    *[processing.token_id] * merged[1], 7]  # fmt: skip
-    processing.check(processing.expand(rendered, patches), patches)
+    assert patches.expand(rendered) == [5, *[processing.token_id] * merged[0], 6,
+                                        *[processing.token_id] * merged[1], 7]  # fmt: skip
+    processing.check(patches.expand(rendered), patches)
     with pytest.raises(ValueError, match=rf"has {sum(merged) - 1} image placeholder tokens .* makes {sum(merged)}"):
-        processing.check(processing.expand(rendered, patches)[2:], patches)  # one placeholder less
+        processing.check(patches.expand(rendered)[2:], patches)  # one placeholder less
     with pytest.raises(ValueError, match="without image_token_id"):
-        ImageProcessing.load(str(vlm_dir), type("Text", (), {})())
+        ImageProcessing.load(str(random_tiny_vlm_dir), type("Text", (), {})())
 
 
-def test_a_turn_with_images_goes_through_the_server_and_its_sample_carries_the_patches(vlm_dir, vlm_server):
+def test_a_turn_with_images_goes_through_the_server_and_its_sample_carries_the_patches(random_tiny_vlm_dir, vlm_server):
     """The real built-in server renders the conversation and expands the images; the turn's prompt is its tokens,
     which the patches' grids account for, and reconciliation hands the patches to the training sample."""
-    config = to_config(compose([f"model.name_or_path={vlm_dir}", "sampling.max_completion_length=6",
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}", "sampling.max_completion_length=6",
                                 "sampling.num_sampler_logprobs=2"]))  # fmt: skip
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    tokenizer = AutoTokenizer.from_pretrained(random_tiny_vlm_dir)
     prompt = with_images(QUESTION, [square(), square((24, 56), "green")])
 
     async def one() -> list:
-        async with GenerationClient(vlm_server.base_url, served_name(str(vlm_dir)), timeout_s=60) as client:
+        async with GenerationClient(vlm_server.base_url, served_name(str(random_tiny_vlm_dir)), timeout_s=60) as client:
             loop = AsyncRolloutLoop(config, tokenizer, client, advantage_fn=None, max_model_len=256)
             return [await loop.generate_one(prompt, tools=[]) for _ in range(2)]
 
@@ -157,7 +155,7 @@ def test_a_turn_with_images_goes_through_the_server_and_its_sample_carries_the_p
     for rollout in rollouts:
         (turn,) = rollout.turns
         assert turn.images is not None and turn.images.image_grid_thw.shape == (2, 3)
-        expected = processing.expand(render_prompt(tokenizer, template_messages(prompt), {}), turn.images)
+        expected = turn.images.expand(render_prompt(tokenizer, template_messages(prompt), {}))
         assert turn.prompt_ids == expected
         assert len(turn.output_ids) == len(turn.output_log_probs) > 0
         assert turn.output_sampler_logprobs is not None and all(len(top) == 2 for top in turn.output_sampler_logprobs)
@@ -196,7 +194,7 @@ def test_a_tool_that_returns_content_blocks_with_an_image_gives_them_to_the_next
     assert bad["content"].startswith("Error: broken returned") and stats.failures == 1
 
 
-def test_a_tool_results_image_joins_the_next_turns_images_and_the_training_sample(vlm_dir, vlm_server):
+def test_a_tool_results_image_joins_the_next_turns_images_and_the_training_sample(random_tiny_vlm_dir, vlm_server):
     """After a tool result with an image, the next turn goes through the server with both images (and the tools'
     schemas, for the template only); its sample holds both images' patches."""
     from transformers import AutoTokenizer
@@ -211,13 +209,13 @@ def test_a_tool_results_image_joins_the_next_turns_images_and_the_training_sampl
         """
         return region
 
-    config = to_config(compose([f"model.name_or_path={vlm_dir}", "sampling.max_completion_length=4"]))
-    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}", "sampling.max_completion_length=4"]))
+    tokenizer = AutoTokenizer.from_pretrained(random_tiny_vlm_dir)
     prompt = with_images(QUESTION, [square()])
     schemas = tool_schemas([look])
 
     async def two_turns() -> list:
-        async with GenerationClient(vlm_server.base_url, served_name(str(vlm_dir)), timeout_s=60) as client:
+        async with GenerationClient(vlm_server.base_url, served_name(str(random_tiny_vlm_dir)), timeout_s=60) as client:
             loop = AsyncRolloutLoop(config, tokenizer, client, advantage_fn=None, max_model_len=256)
             ids, images = loop.render_conversation(prompt, schemas)
             first = await loop.generate_image_turn(prompt, schemas, ids, images)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from hydra.errors import HydraException
 
-from asyncrl.assets.model_families import hybrid_text_config, hybrid_vlm_config, moe_config
+from asyncrl.assets.model_families import hybrid_text_config, moe_config
 from asyncrl.assets.tiny_model import build_tokenizer
+from asyncrl.assets.tiny_vlm import build_vlm_config, build_vlm_tokenizer
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.messages import config_error_line
@@ -342,9 +343,11 @@ def test_ipc_launches_vllm_with_the_in_place_loader_unless_turned_off():
 
 
 def test_the_checkpoint_kind_comes_from_its_config():
-    tokenizer = build_tokenizer()
-    assert CheckpointKind.of(hybrid_vlm_config(tokenizer)) == CheckpointKind(vision_language=True, gated_deltanet=True)
-    assert CheckpointKind.of(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4)) == CheckpointKind(
+    tokenizer, vlm_tokenizer = build_tokenizer(), build_vlm_tokenizer()
+    assert CheckpointKind.of(build_vlm_config(vlm_tokenizer)) == CheckpointKind(
+        vision_language=True, gated_deltanet=True
+    )
+    assert CheckpointKind.of(build_vlm_config(vlm_tokenizer, layer_types=["full_attention"] * 4)) == CheckpointKind(
         vision_language=True)  # fmt: skip
     assert CheckpointKind.of(hybrid_text_config(tokenizer)) == CheckpointKind(gated_deltanet=True)
     assert CheckpointKind.of(moe_config(tokenizer)) == CheckpointKind()

@@ -1,11 +1,13 @@
 """Checkpoints on disk: a save replaces an existing one without a half-deleted directory under its final name,
-leftovers of an interrupted save are never listed, and a resume refuses to interleave two histories."""
+leftovers of an interrupted save are never listed, and a resume refuses to interleave two histories or to turn a
+vision-language checkpoint's model.freeze_vision_tower."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import signal
 
 import numpy as np
@@ -20,6 +22,7 @@ from asyncrl.trainer.checkpoint import (
     TrainerState,
     check_checkpoint,
     check_no_later_checkpoints,
+    check_vision_tower,
     list_checkpoints,
     load_checkpoint,
     resolve_checkpoint,
@@ -135,3 +138,34 @@ def test_a_stop_signal_during_the_save_lands_after_the_checkpoint_is_published(s
     (final,) = list_checkpoints(tmp_path)
     check_checkpoint(final)
     assert final.name == "step_000003" and (final / "sharded").is_dir()
+
+
+@pytest.mark.parametrize("trained", [True, False, None])  # None: written before the key, which froze the tower
+def test_a_vision_language_checkpoint_resumes_under_the_freeze_vision_tower_it_trained_with(
+    random_tiny_vlm_dir, random_tiny_model_dir, tmp_path, trained
+):
+    """Flipped, the trainer's tower and the server's would part (to true) or the optimizer would lack the tower's
+    state (to false): refused in one line before anything loads. A text-only checkpoint has no tower to differ."""
+
+    def checkpoint(model_dir, name):  # what the check reads: the model's config and trainer_state.json
+        path = tmp_path / name
+        path.mkdir()
+        shutil.copy(model_dir / "config.json", path)
+        extra = {} if trained is None else {"freeze_vision_tower": trained}
+        state = {"step": 2, "model_version": 2, "prompts_consumed": 8, "extra": extra}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        return path
+
+    vlm, text = checkpoint(random_tiny_vlm_dir, "vlm"), checkpoint(random_tiny_model_dir, "text")
+    saved = "false" if trained is False else "true"
+    for resumed in ("true", "false"):
+        config = to_config(compose([f"model.freeze_vision_tower={resumed}"]))
+        check_vision_tower(config, text)
+        if resumed == saved:
+            check_vision_tower(config, vlm)
+            continue
+        with pytest.raises(ResumeError) as refused:
+            check_vision_tower(config, vlm)
+        assert str(refused.value) == (f"trainer.resume_from_checkpoint={vlm} trained with model.freeze_vision_tower="
+                                      f"{saved}: resume it with model.freeze_vision_tower={saved}, or start a new run "
+                                      f"from its weights with model.name_or_path={vlm}")  # fmt: skip

@@ -1,5 +1,6 @@
 """Bucketed gathers of FSDP2-sharded parameters: whole, exact, in the serving dtype, whatever the row counts; the
-float32 LM head (model.cast_lm_head_to_fp32) as a unit of its own under bf16 mixed precision."""
+float32 LM head (model.cast_lm_head_to_fp32) as a unit of its own under bf16 mixed precision; float32 master weights
+for a vision tower that trains (model.freeze_vision_tower=false)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from asyncrl.trainer.distributed import leave
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.fsdp import buckets, gather_bucket, shard
 from asyncrl.trainer.model import build_optimizer, load_model
+from asyncrl.weights.tensors import frozen_prefixes
 
 # as tests/trainer/test_moe.py: a rank this file's tests spawn imports it afresh, with whatever sys.path the worker
 # had (benchmarks/packing.py ahead of tests/ once the benchmark scripts ran there), so by a name nothing else has
@@ -169,3 +171,20 @@ def test_cast_lm_head_to_fp32_computes_the_head_in_float32_under_bf16_mixed_prec
         again = packed_forward(model, packed, 0.7, attention="sdpa", logit_chunk_tokens=7)
     assert seen["dtype"] == (torch.float32 if cast else torch.bfloat16)
     assert not torch.equal(again.logprobs, out.logprobs)  # the step moved the weights
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_trained_vision_tower_gets_float32_master_weights_under_mixed_precision(
+    random_tiny_vlm_dir, one_rank, freeze
+):
+    """Loaded in bfloat16 and sharded under the GPU's bf16 policy: what trains gets float32 master weights (and so
+    float32 optimizer state), the vision tower too with model.freeze_vision_tower=false; a frozen tower stays as
+    loaded (half the memory)."""
+    overrides = [f"model.name_or_path={random_tiny_vlm_dir}", "model.dtype=bfloat16",
+                 f"model.freeze_vision_tower={freeze}"]  # fmt: skip
+    config = to_config(compose(overrides))
+    model = shard(load_model(config, str(random_tiny_vlm_dir)), config, torch.bfloat16)
+    for name, param in model.named_parameters():
+        frozen = freeze and name.startswith("model.visual.")
+        assert param.dtype == (torch.bfloat16 if frozen else torch.float32) and param.requires_grad != frozen, name
+    assert frozen_prefixes(model) == (("model.visual.",) if freeze else ())  # what weight sync skips, once sharded

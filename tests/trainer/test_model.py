@@ -1,8 +1,8 @@
 """The trainer's torch threads on the CPU: it keeps the cores the launched built-in server leaves, and more ranks
-than cores is one warning. A
-vision-language checkpoint loads whole and trains its text model only: the tower gets no gradient and no
-optimizer state. TRL's training-loop options reach torch and transformers: trainer.optim, lr_scheduler_kwargs,
-gradient_checkpointing_kwargs, fp16, tf32, disable_dropout."""
+than cores is one warning. A vision-language checkpoint loads whole and trains its text model only: the tower gets
+no gradient and no optimizer state, unless model.freeze_vision_tower=false trains it too. TRL's training-loop
+options reach torch and transformers: trainer.optim, lr_scheduler_kwargs, gradient_checkpointing_kwargs, fp16,
+tf32, disable_dropout."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ import logging
 
 import pytest
 import torch
-from packing.packing_samples import random_samples  # tests/packing
+from packing.packing_samples import make_sample, random_samples  # tests/packing
 from sharded import sharded
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from asyncrl.assets.model_families import build_model, hybrid_vlm_config
-from asyncrl.assets.tiny_model import build_tokenizer
+from asyncrl.assets.model_families import build_model
+from asyncrl.assets.tiny_vlm import build_vlm_config, build_vlm_tokenizer
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.errors import ConfigError
 from asyncrl.launch import warn_cpu_oversubscribed
 from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow
+from asyncrl.packing.row import PackedRow
 from asyncrl.plan.assemble import plan_run
 from asyncrl.prompts import load_tokenizer
+from asyncrl.rollout.types import PromptImages
 from asyncrl.trainer.checkpoint import source_processor_files
 from asyncrl.trainer.forward import packed_forward
 from asyncrl.trainer.model import (
@@ -98,7 +100,7 @@ def test_a_vision_language_checkpoint_trains_its_text_model_only(random_tiny_vlm
     assert optimized == {id(p) for p in optimizer.state} == {id(p) for p in text}  # no optimizer state for the tower
     assert all(torch.equal(p, loaded[name]) for name, p in tower.items())
     assert isinstance(load_tokenizer(config), PreTrainedTokenizerBase)  # the text tokenizer, not a processor
-    assert set(source_processor_files(config, model.config)) == {"preprocessor_config.json"}
+    assert set(source_processor_files(config, model.config)) == {"preprocessor_config.json", "processor_config.json"}
 
 
 def test_a_text_model_is_trained_whole(random_tiny_model_dir):
@@ -111,9 +113,9 @@ def test_a_text_model_is_trained_whole(random_tiny_model_dir):
 def test_the_packed_forward_trains_a_vision_language_models_text_model_only():
     """The trainer's path on a VLM whose text model is all attention: one sample's packed log-probabilities equal
     the model's plain forward, and the backward reaches every text parameter and no tower parameter."""
-    tokenizer = build_tokenizer()
-    model = build_model(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
-    plain = build_model(hybrid_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
+    tokenizer = build_vlm_tokenizer()
+    model = build_model(build_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
+    plain = build_model(build_vlm_config(tokenizer, layer_types=["full_attention"] * 4), tokenizer)
     freeze_non_text(model)
     row = TreeRow(10_000)
     row.add(random_samples(seed=1, num_groups=1, max_group=2)[0])
@@ -255,3 +257,43 @@ def test_cast_lm_head_to_fp32_refuses_a_head_tied_to_the_embeddings(random_tiny_
     assert str(error.value) == (f"model.cast_lm_head_to_fp32=true needs an LM head of its own, and "
                                 f"{random_tiny_model_dir} ties it to the input embeddings (tie_word_embeddings): drop "
                                 "model.cast_lm_head_to_fp32")  # fmt: skip
+
+
+def image_row(model: torch.nn.Module) -> PackedRow:
+    """A packed row of one sample whose prompt holds an image of 4x4 patches (random pixels), as the server
+    renders it: its merged patches' placeholders between the vision start and end tokens."""
+    config, vision = model.config, model.config.vision_config
+    features = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(16, features, generator=torch.Generator().manual_seed(0))
+    images = PromptImages(pixels, torch.tensor([[1, 4, 4]]), config.image_token_id, vision.spatial_merge_size)
+    image = [config.image_token_id] * (16 // vision.spatial_merge_size**2)
+    prompt = [5, config.vision_start_token_id, *image, config.vision_end_token_id, 6]
+    sample = make_sample(prompt + [10, 11, 12], len(prompt))
+    sample.sequence.images = images
+    row = TreeRow(10_000)
+    row.add(sample)
+    return row.pack(top_k=0)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_model_freeze_vision_tower_decides_whether_an_image_row_trains_the_tower(random_tiny_vlm_dir, freeze):
+    """The row's image runs through the tower either way: true (the default) keeps the tower as loaded, without
+    gradients or optimizer state; false trains it with the text model."""
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}", f"model.freeze_vision_tower={freeze}"]))
+    model = load_model(config, str(random_tiny_vlm_dir))
+    tower = {name: p for name, p in model.named_parameters() if name.startswith("model.visual.")}
+    loaded = {name: p.detach().clone() for name, p in tower.items()}
+    optimizer, _ = build_optimizer(config, model)
+    packed_forward(model, image_row(model), temperature=1.0, attention="sdpa").logprobs.sum().backward()
+    optimizer.step()
+    optimized = {id(p) for p in optimizer.state}
+    assert tower and all(p.grad is not None for name, p in model.named_parameters() if name not in tower)
+    for name, param in tower.items():
+        trained = param.grad is not None and bool(param.grad.abs().sum() > 0) and id(param) in optimized
+        assert param.requires_grad == trained == (not torch.equal(param, loaded[name])) == (not freeze), name
+
+
+def test_model_freeze_vision_tower_false_has_nothing_to_unfreeze_on_a_text_model(random_tiny_model_dir):
+    overrides = [f"model.name_or_path={random_tiny_model_dir}", "model.freeze_vision_tower=false"]
+    model = load_model(to_config(compose(overrides)), str(random_tiny_model_dir))
+    assert all(p.requires_grad for p in model.parameters())

@@ -1,10 +1,12 @@
-"""Weight sync rounds against the built-in server: weights arrive, and a failure at any step is an error
-(no hang) that leaves the server resumed and ready for the next round; a server that hangs or dies mid-round ends
-it naming the server; a launched vLLM gets merged syncs. The transports' own tests are in tests/weights/."""
+"""Weight sync rounds against the built-in server: weights arrive (a vision-language model's tower only when it
+trains), and a failure at any step is an error (no hang) that leaves the server resumed and ready for the next
+round; a server that hangs or dies mid-round ends it naming the server; a launched vLLM gets merged syncs. The
+transports' own tests are in tests/weights/."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import re
@@ -16,18 +18,24 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from safetensors.torch import load_file
 
-from asyncrl.client import ControlClient, GenerationClient, ServerError
+from asyncrl.client import Completion, ControlClient, GenerationClient, ServerError
 from asyncrl.config.compose import compose, to_config
 from asyncrl.control_group import ControlGroup
 from asyncrl.plan.assemble import build_plan, plan_run
+from asyncrl.rollout.images import data_url, image_processing
+from asyncrl.rollout.types import PromptImages
 from asyncrl.sampling import SamplingParams
 from asyncrl.serving.command import LAUNCHED_VLLM_MERGES, served_name
 from asyncrl.serving.group import ServerGroup
 from asyncrl.serving.process import ServerProcess, ServerStartError
 from asyncrl.serving.watchdog import ServerWatch
+from asyncrl.trainer.model import load_model
 from asyncrl.trainer.weight_sync import (
     WEIGHT_SYNC,
     WeightSync,
@@ -303,3 +311,47 @@ def test_in_flight_weight_updates_keep_the_requests_decoding_across_a_round(fres
     assert kept == 0 and outputs == [240] * 4
     preempted, outputs = round_with_requests_in_flight(fresh_server(), model, tmp_path, name, in_flight=False)
     assert preempted >= 1 and outputs == [240] * 4
+
+
+def image_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], images: PromptImages) -> torch.Tensor:
+    """The completion's log-probabilities under ``model``'s plain forward of the prompt with its image."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw,
+                       mm_token_type_ids=(ids == images.token_id).int()).logits[0, len(prompt) - 1 : -1]  # fmt: skip
+    return logits.double().log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_trained_vision_tower_reaches_the_built_in_server(fresh_vlm_server, random_tiny_vlm_dir, tmp_path, freeze):
+    """A round of a model whose every weight moved: with model.freeze_vision_tower=false the server loads the tower
+    too, under its own names, and answers an image prompt as the trained model does; with true it keeps its
+    checkpoint's tower (and takes the text model)."""
+    server = fresh_vlm_server()
+    config = to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}", f"model.freeze_vision_tower={freeze}"]))
+    model = load_model(config, str(random_tiny_vlm_dir)).eval()
+    perturb(model, seed=1)
+    base_tower = copy.deepcopy(model)  # the trained text model around the checkpoint's tower
+    stored = load_file(random_tiny_vlm_dir / "model.safetensors")
+    base_tower.load_state_dict({k: v for k, v in stored.items() if k.startswith("model.visual.")}, strict=False)
+    with ControlClient(server.base_url, timeout_s=60) as control:
+        sync = WeightSync(control, FileTransport(tmp_path))
+        sync.init(model)
+        sync.push(model, 1)
+        sync.close()
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": "1 + 2"}]
+
+    async def chat() -> Completion:
+        async with GenerationClient(server.base_url, served_name(str(random_tiny_vlm_dir)), timeout_s=60) as client:
+            return await client.chat([{"role": "user", "content": parts}], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                          logprobs=0))  # fmt: skip
+
+    served = asyncio.run(chat())
+    images = image_processing(config, model.config).patches([image])
+    answered = torch.tensor(served.logprobs, dtype=torch.float64)
+    expected, other = (base_tower, model) if freeze else (model, base_tower)
+    assert torch.allclose(answered, image_logprobs(expected, served.prompt_token_ids, served.token_ids, images),
+                          atol=1e-4, rtol=0)  # fmt: skip
+    assert not torch.allclose(answered, image_logprobs(other, served.prompt_token_ids, served.token_ids, images),
+                              atol=1e-4, rtol=0)  # fmt: skip

@@ -1,7 +1,8 @@
 """In-place ipc sync: the trainer's transport (weights/vllm_direct.py) against asyncrl's vLLM worker extension
 (weights/vllm_extension.py) in this process, on a CPU buffer: every weight arrives through one shared buffer, the
 buffer is unmapped before it goes, the trainer's gathered view is sent as a model is, and a vision-language model
-sends its text model only (every transport's payload, weights/tensors.py), so the server keeps its tower."""
+sends its text model only (every transport's payload, weights/tensors.py), so the server keeps its tower, unless
+model.freeze_vision_tower=false trains the tower, which is then sent too."""
 
 from __future__ import annotations
 
@@ -156,26 +157,30 @@ def test_in_place_ipc_sync_takes_the_trainers_gathered_view(one_rank, random_tin
     sync.close()
 
 
-def test_a_vision_language_model_sends_its_text_model_and_the_server_keeps_its_tower(random_tiny_vlm_dir, tmp_path):
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_vision_language_model_sends_its_tower_only_when_it_trains_it(random_tiny_vlm_dir, tmp_path, freeze):
     """Every transport's payload (vLLM nccl/ipc: serving_parameters + parameter_metadata; the built-in server's
-    file) is the text model under the checkpoint's names, which vLLM's Qwen3.5 loader maps."""
-    model = load_model(to_config(compose([f"model.name_or_path={random_tiny_vlm_dir}"])), str(random_tiny_vlm_dir))
-    perturb(model, seed=1)  # the tower too: were it sent, the server's would change
+    file) is under the checkpoint's names, which vLLM's Qwen3.5 loader maps: the text model, so the server keeps
+    its tower, and with model.freeze_vision_tower=false the trained tower too, so the server's follows it."""
+    overrides = [f"model.name_or_path={random_tiny_vlm_dir}", f"model.freeze_vision_tower={freeze}"]
+    model = load_model(to_config(compose(overrides)), str(random_tiny_vlm_dir))
+    perturb(model, seed=1)  # the tower too: were a frozen one sent, the server's would change
     stored = load_file(random_tiny_vlm_dir / "model.safetensors")
-    text = {name for name in stored if not name.startswith("model.visual.")} - {"lm_head.weight"}  # tied
+    skipped = ("model.visual.",) if freeze else ()
+    sent = {name for name, _ in model.named_parameters() if not name.startswith(skipped)}  # tied weights once
     streamed = [name for name, _ in serving_parameters(model, None)]
-    assert set(streamed) == text and [name for name, _, _ in parameter_metadata(model, None)] == streamed
+    assert set(streamed) == sent and [name for name, _, _ in parameter_metadata(model, None)] == streamed
     sharded = GatheredModel(model, None, None)  # type: ignore[arg-type]  # several ranks' view; metadata needs no gather
     assert [name for name, _, _ in parameter_metadata(sharded, None)] == streamed
     file = FileTransport(tmp_path)
     file.stage(model)
-    assert set(load_file(str(file.path))) == text
+    assert set(load_file(str(file.path))) == sent
     file.close(None)  # type: ignore[arg-type]
     served = AutoModelForImageTextToText.from_pretrained(random_tiny_vlm_dir, dtype=torch.float32)
     transport = CpuDirectTransport(None, IPC_BUFFER_LIMIT)
     WeightSync(ExtensionServer(Worker(served), transport), transport).push(model, 1)  # type: ignore[arg-type]
     for (name, trained), (_, loaded) in zip(model.named_parameters(), served.named_parameters(), strict=True):
-        assert torch.equal(loaded, stored[name] if name.startswith("model.visual.") else trained), name
+        assert torch.equal(loaded, stored[name] if name.startswith(skipped) else trained), name
 
 
 def test_in_place_ipc_sync_refuses_a_model_that_no_longer_fits_its_layout(model, random_tiny_model_dir):
