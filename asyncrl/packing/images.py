@@ -9,6 +9,10 @@ An image's placeholders are the runs of the placeholder token among the sample's
 tool result's images in a multi-turn sample). A completion may hold the placeholder token too (a model can sample
 any id): a trained token, it is text, so the forward writes the vision tower's features into the embeddings at the
 images' runs itself, where the model's own forward would take every placeholder id in the row for an image's.
+
+On several trainer ranks, FSDP gathers the tower's units on every rank or on none: a text row whose micro-batch has
+images on another rank (``PackedRow.dummy_image``, set by trainer/distributed.py::split_rows) runs the tower on a
+dummy image whose features join its embeddings with weight zero.
 """
 
 from __future__ import annotations
@@ -136,19 +140,32 @@ def image_features(model: Any, row: PackedRow, device: torch.device) -> Iterator
     """While the model runs on ``row``: the vision tower's features replace the embeddings of the images'
     placeholders, as the text model receives them (a forward pre-hook on it). Inside the model's forward, so that
     FSDP has gathered the vision tower's weights, and at the images' runs only: the model's own merge would take
-    every placeholder id in the row, a completion's too. A row without images runs as it is."""
-    images = row.images
-    if images is None:
+    every placeholder id in the row, a completion's too. A text row runs as it is, unless another rank's row of its
+    micro-batch has images (``PackedRow.dummy_image``): it then runs the tower on a dummy image (``dummy_merge``)."""
+    if row.images is None and not row.dummy_image:
         yield
         return
     owner = next((m for m in model.modules() if _runs_images(m)), None)
     if owner is None:
-        raise ValueError(f"packed_forward: a row has images, but {type(model).__name__} has no get_image_features "
-                         "beside a language_model (Qwen's vision-language models)")  # fmt: skip
+        raise ValueError(f"packed_forward: a row of the micro-batch has images, but {type(model).__name__} has no "
+                         "get_image_features beside a language_model (Qwen's vision-language models)")  # fmt: skip
+    merge = image_merge(owner, row.images, device) if row.images is not None else dummy_merge(owner, device)
+    handle = owner.language_model.register_forward_pre_hook(merge, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+Hook = Callable[[torch.nn.Module, tuple, dict[str, Any]], tuple[tuple, dict[str, Any]]]
+"""A forward pre-hook (with_kwargs) on the text model that changes its inputs_embeds."""
+
+
+def image_merge(owner: torch.nn.Module, images: RowImages, device: torch.device) -> Hook:
+    """The hook that writes the row's images' features at their placeholders' positions."""
 
     def merge(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        features = owner.get_image_features(images.pixel_values.to(device), images.image_grid_thw.to(device))
-        features = torch.cat(list(features.pooler_output))
+        features = tower_features(owner, images.pixel_values.to(device), images.image_grid_thw.to(device))
         embeds = kwargs["inputs_embeds"]
         if features.shape[0] != images.positions.numel():
             raise ValueError(f"packed_forward: the vision tower made {features.shape[0]} image features for "
@@ -157,11 +174,37 @@ def image_features(model: Any, row: PackedRow, device: torch.device) -> Iterator
         kwargs["inputs_embeds"] = embeds.index_put((torch.zeros_like(at), at), features.to(embeds.dtype))
         return args, kwargs
 
-    handle = owner.language_model.register_forward_pre_hook(merge, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
+    return merge
+
+
+def dummy_merge(owner: torch.nn.Module, device: torch.device) -> Hook:
+    """The hook of a text row whose micro-batch has images on another rank: the tower runs on ``dummy_image``, so
+    FSDP gathers its units here as there, and its features join the embeddings with weight zero, so that backward
+    reaches the tower too (a trained tower's gradients, zero here, are reduce-scattered on every rank). Exact: adding
+    0.0 changes no finite embedding, and their gradient passes through an addition unchanged."""
+
+    def merge(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        grid, pixels = dummy_image(owner.config.vision_config, device)
+        features = tower_features(owner, pixels, grid)
+        embeds = kwargs["inputs_embeds"]
+        kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
+        return args, kwargs
+
+    return merge
+
+
+def tower_features(owner: torch.nn.Module, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    """[merged patches, hidden] features of the images, in order, by the model's own get_image_features."""
+    return torch.cat(list(owner.get_image_features(pixels, grids).pooler_output))
+
+
+def dummy_image(vision: Any, device: torch.device) -> Image:
+    """The smallest image the tower takes, from its ``vision_config``: one merged patch (grid 1 x merge x merge) of
+    zero pixels."""
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=device)
+    return grid, torch.zeros(merge * merge, width, device=device)
 
 
 def _runs_images(module: torch.nn.Module) -> bool:

@@ -81,6 +81,10 @@ class PackedRow:
     samples: list[RolloutSample] = field(default_factory=list)
     images: RowImages | None = None
     """The samples' images, each once, and what their M-RoPE positions need (packing/images.py); None: text only."""
+    dummy_image: bool = False
+    """A text row whose micro-batch has images on another rank (trainer/distributed.py::split_rows): its forward
+    runs the vision tower on a dummy image, weighted zero, so that the ranks' FSDP collectives pair up
+    (packing/images.py)."""
 
     @property
     def num_forwarded(self) -> int:

@@ -6,8 +6,9 @@ rows of the step, trained trainer.num_iterations times), ``sync`` (take part in 
 ``save``/``model`` (write the sharded checkpoint / take part in the consolidated model alone: the final model, a
 trainer.save_only_model checkpoint) or ``stop``. A step is micro-batches of one row per rank, balanced by attention
 cost (packing/planner.py); a rank whose row in one is empty runs a copy of another row with a zero loss, because
-every rank must run the same forwards for FSDP's collectives to pair up. Each rank divides its loss by the step's
-trained tokens summed over all ranks, so the summed gradient is the single-process one.
+every rank must run the same forwards for FSDP's collectives to pair up; for the same reason a text row of a
+micro-batch with images on another rank runs the vision tower on a dummy image (``pair_images``). Each rank divides
+its loss by the step's trained tokens summed over all ranks, so the summed gradient is the single-process one.
 
 ``python -m asyncrl.trainer.rank_main RUN_DIR`` is one rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in its
 environment); torch's launcher starts them (asyncrl/trainer/launcher.py; torchrun on other nodes). Their process group
@@ -21,7 +22,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -60,16 +61,28 @@ class RankWork:
 
 
 def split_rows(rows: list[PackedRow], placement: list[list[int | None]], norm: StepNorm) -> list[RankWork]:
-    """Each micro-batch's row r to rank r (``Step.placement``); a rank with none runs a zero-loss filler."""
+    """Each micro-batch's row r to rank r (``Step.placement``); a rank with none runs a zero-loss filler, and a text
+    row beside another rank's images a dummy image (``pair_images``)."""
     world = len(placement[0]) if placement else 1
     work = [RankWork([], norm) for _ in range(world)]
     for micro in placement:
         if len(micro) != world or all(index is None for index in micro):
             raise ValueError(f"split_rows: micro-batch {micro} must name one row per rank ({world}), not all None")
-        filler = rows[next(index for index in micro if index is not None)]
-        for rank, index in enumerate(micro):
-            work[rank].rows.append((rows[index], 1.0) if index is not None else (filler, 0.0))
+        placed = pair_images([rows[index] if index is not None else None for index in micro])
+        filler = next(row for row in placed if row is not None)
+        for rank, row in enumerate(placed):
+            work[rank].rows.append((row, 1.0) if row is not None else (filler, 0.0))
     return work
+
+
+def pair_images(micro: list[PackedRow | None]) -> list[PackedRow | None]:
+    """A micro-batch's rows, its text rows marked ``dummy_image`` where another of its rows has images: FSDP gathers
+    the vision tower's units (and reduce-scatters a trained tower's gradients) on every rank or on none. Copies, so
+    the step's rows stay as packed; a micro-batch of one rank's row is as it was."""
+    if all(row is None or row.images is None for row in micro):
+        return micro
+    return [replace(row, dummy_image=True) if row is not None and row.images is None else row
+            for row in micro]  # fmt: skip
 
 
 @dataclass

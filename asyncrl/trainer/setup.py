@@ -93,7 +93,7 @@ def prepare(plan: RunPlan) -> Prepared:
     check_router_aux_coef(config)
     check_tf32_device(config)
     check_routing(dataset, config.rollout.environment_factory)
-    check_images(config, dataset, eval_dataset, plan.world_size)
+    check_images(config, dataset, eval_dataset)
     return Prepared(dataset, eval_dataset, tokenizer, plan, loop_cls)
 
 
@@ -132,9 +132,9 @@ def check_prompt_forms(config: Config, dataset: Any, eval_dataset: Any | None) -
     return not standard or (eval_dataset is not None and not standard_prompts(eval_dataset))
 
 
-def check_images(config: Config, dataset: Any, eval_dataset: Any | None, world_size: int) -> None:
-    """Prompts with images need a vision-language checkpoint with an image processor and, for now, one training GPU
-    (a rank whose row has no image would skip the vision tower's collectives)."""
+def check_images(config: Config, dataset: Any, eval_dataset: Any | None) -> None:
+    """Prompts with images need a vision-language checkpoint with an image processor (on any number of trainer ranks:
+    trainer/distributed.py::pair_images)."""
     from asyncrl.config.errors import ConfigError
     from asyncrl.data import has_images
     from asyncrl.model_kind import is_vision_language
@@ -151,10 +151,6 @@ def check_images(config: Config, dataset: Any, eval_dataset: Any | None, world_s
         raise ConfigError(f"{key}={path} has images, and model.name_or_path={m.name_or_path} is a text-only "
                           "checkpoint: give a vision-language one (e.g. Qwen/Qwen3.5-2B) or a dataset without "
                           "images")  # fmt: skip
-    if world_size > 1:
-        raise ConfigError(f"{key}={path} has images: one training GPU only for now (a rank whose row has "
-                          "no image would skip the vision tower's collectives); set trainer.gpus=1 "
-                          "trainer.nnodes=1")  # fmt: skip
     try:
         image_processing(config, model_config)
     except (OSError, ImportError, ValueError) as error:

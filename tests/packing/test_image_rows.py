@@ -13,6 +13,7 @@ multi-turn sample forking inside a completion, text-only samples sharing the sys
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -202,3 +203,27 @@ def test_a_tool_results_image_after_a_trained_turn_is_an_image_of_the_sample(row
     packed = packed_forward(model, row, TEMPERATURE, attention="sdpa").logprobs
     expected = torch.cat([embedded_alone(reference, sample) for sample in row.samples])
     torch.testing.assert_close(packed, expected, atol=1e-10, rtol=0)
+
+
+def test_a_text_rows_dummy_image_runs_the_tower_once_and_changes_nothing():
+    """A text row beside another rank's images (PackedRow.dummy_image): the vision tower runs once, on the smallest
+    image, and backward reaches it with zero gradients; the log-probabilities and the text model's gradients are
+    those of the row run as it is, bit for bit."""
+    model = build_tiny_vlm(8, deltanet=False)
+    text = [s for s in image_samples(model) if s.sequence.images is None]
+    row = pack(text)
+    dummy = copy.deepcopy(model)
+    calls = []
+    dummy.model.visual.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append(kwargs["grid_thw"].tolist()), with_kwargs=True
+    )
+    plain = packed_forward(model, row, TEMPERATURE, attention="sdpa").logprobs
+    marked = packed_forward(dummy, dataclasses.replace(row, dummy_image=True), TEMPERATURE, attention="sdpa").logprobs
+    assert torch.equal(plain, marked) and calls == [[[1, 2, 2]]]
+    (row.advantages * plain).sum().backward()
+    (row.advantages * marked).sum().backward()
+    for (name, param), (_, other) in zip(model.named_parameters(), dummy.named_parameters(), strict=True):
+        if name.startswith("model.visual."):
+            assert param.grad is None and other.grad is not None and not other.grad.any(), name
+        else:
+            assert torch.equal(param.grad, other.grad), name

@@ -1,5 +1,6 @@
 """Two trainer ranks on CPU (gloo, FSDP2) against one process on the same rows: the same parameter update,
-the same weights on the built-in server after a sync, a consolidated checkpoint equal to the unsharded model.
+the same weights on the built-in server after a sync, a consolidated checkpoint equal to the unsharded model; images
+on one rank only (a vision-language model, its tower frozen or trained).
 
 The two ranks are two "nodes" of one rank each: two of torch's elastic agents (threads here) meet at a c10d
 rendezvous on a free loopback port, as `asyncrl train` and a second node's torchrun do. One such launch (module
@@ -16,22 +17,25 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from packing.packing_samples import random_samples  # tests/packing
+from packing.packing_samples import make_sample, random_samples  # tests/packing
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from sharded import sharded
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-from transformers import AutoModelForCausalLM, set_seed
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, set_seed
 
 from asyncrl.config.compose import compose, to_config
 from asyncrl.config.schema import Config
 from asyncrl.losses import LOSSES
 from asyncrl.losses.step import StepLoss, StepNorm
+from asyncrl.model_kind import non_text_prefixes
 from asyncrl.packing import TreeRow, plan_micro_batches
+from asyncrl.rollout.types import PromptImages
 from asyncrl.serving.command import served_model_name
 from asyncrl.serving.process import free_port
 from asyncrl.trainer import fsdp
@@ -71,13 +75,57 @@ def make_step(model_dir: Path, budget: int = 96) -> tuple[list, list[list[int | 
     placement = step.placement
     assert placement == [[0, 1], [2, None]]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    packed = [row.pack(0) for row in step.rows]
+    return near_own_logprobs(model, [row.pack(0) for row in step.rows]), placement
+
+
+def near_own_logprobs(model: torch.nn.Module, packed: list) -> list:
+    """The packed rows, their sampler log-probabilities set near the model's own (so that the clipped loss has a
+    gradient)."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for row in packed:
             own = packed_forward(model, row, 1.0).logprobs
             row.sampler_logprobs = (own + 0.05 * torch.randn(own.shape, generator=generator)).to(row.sampler_logprobs)
-    return packed, placement
+    return packed
+
+
+def image_group(config: Any, images: PromptImages | None, group: int, prompt: list[int],
+                completions: list[list[int]]) -> list:  # fmt: skip
+    """A group of samples of ``prompt``, with ``images``' one image after its first two tokens (None: text), and
+    ``completions``; ``config``: the vision-language model's, for its vision tokens."""
+    if images is not None:
+        run = [config.image_token_id] * (int(images.image_grid_thw[0].prod()) // images.merge_size**2)
+        prompt = [*prompt[:2], config.vision_start_token_id, *run, config.vision_end_token_id, *prompt[2:]]
+    samples = []
+    for c, completion in enumerate(completions):
+        sample = make_sample(prompt + completion, len(prompt), group, 0.6 * c - 0.5, seed=10 * group + c)
+        sample.sequence.images = images
+        samples.append(sample)
+    return samples
+
+
+def make_image_step(model_dir: Path) -> tuple[list, list[list[int | None]]]:
+    """Rank 0's rows have images and rank 1's none: micro-batches [image row, text row] (rank 1 runs the vision
+    tower on a dummy image beside rank 0's images) and [image row, none] (rank 1 runs a zero-loss copy of it)."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    config, vision = model.config, model.config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    generator = torch.Generator().manual_seed(1)
+
+    def image(grid: list[int]) -> PromptImages:
+        pixels = torch.randn(grid[0] * grid[1] * grid[2], width, generator=generator)
+        return PromptImages(pixels, torch.tensor([grid]), config.image_token_id, vision.spatial_merge_size)
+
+    groups = [image_group(config, image([1, 4, 4]), 0, [3, 4, 5, 6], [[10, 11, 12], [10, 13], [14, 15, 16, 17]]),
+              image_group(config, None, 1, [3, 4, 7, 8, 9], [[20, 21], [22, 23, 24]]),
+              image_group(config, image([1, 2, 6]), 2, [3, 4, 30], [[31, 32], [33]])]  # fmt: skip
+    rows = [TreeRow(256) for _ in range(4)]
+    for row, group in zip(rows, groups, strict=False):
+        for sample in group:
+            row.add(sample)
+    step = Step.of([[rows[0], rows[1]], [rows[2], rows[3]]], wait_s=0.0)
+    assert step.placement == [[0, 1], [2, None]]
+    return near_own_logprobs(model, [row.pack(0) for row in step.rows]), step.placement
 
 
 def single_process_step(config: Config, rows: list) -> torch.nn.Module:
@@ -120,12 +168,10 @@ def rank_main(ranks: Ranks, config: Config, rows: list, placement: list, out: Pa
     """One rank's job: rank 0 leads the trainer's step, sync and save sequence; rank 1 is a real Follower."""
     import torch.distributed as dist
 
-    from asyncrl.client import ControlClient
+    from asyncrl.model_kind import is_vision_language
     from asyncrl.plan.assemble import build_plan
     from asyncrl.trainer import fsdp
     from asyncrl.trainer.distributed import Follower, build_sharded, split_rows, train_rows
-    from asyncrl.trainer.weight_sync import WeightSync
-    from asyncrl.weights.file_transport import FileTransport
 
     if ranks.rank != 0:
         Follower(build_plan(config), out, ranks).serve()
@@ -142,23 +188,35 @@ def rank_main(ranks: Ranks, config: Config, rows: list, placement: list, out: Pa
     metrics = [m for per_rank, _ in ranks.gather((result.metrics, result.totals)) for m in per_rank]
     if config.lora.enabled:
         write_lora(model, ranks, out)
+    elif is_vision_language(model.config):  # the tiny server serves the text model: the weights alone
+        ranks.command("model", [str(out / "ckpt")] * WORLD)
+        fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=False)
     else:
-        ranks.command("save", [str(out / "ckpt")] * WORLD)
-        fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
-        ranks.command("sync", [(torch.float32, False)] * WORLD)
-        view = fsdp.GatheredModel(model, ranks, torch.float32)
-        with ControlClient(server_url, timeout_s=60) as control:
-            sync = WeightSync(control, FileTransport(out, torch.float32))
-            sync.init(view)
-            try:
-                sync.push(view, 1)
-            finally:
-                view.done()
-                sync.close()
+        save_and_sync(model, optimizer, ranks, out, server_url)
     ranks.command("stop")
     (out / "result.json").write_text(json.dumps({"rows_per_rank": [len(w.rows) for w in split_rows(
         rows, placement, StepNorm())], "row_metrics": len(metrics)}))  # fmt: skip
     dist.barrier()
+
+
+def save_and_sync(model: torch.nn.Module, optimizer: Any, ranks: Ranks, out: Path, server_url: str) -> None:
+    """Rank 0: a resumable checkpoint, then a weight sync to the built-in server, from the shards."""
+    from asyncrl.client import ControlClient
+    from asyncrl.trainer.weight_sync import WeightSync
+    from asyncrl.weights.file_transport import FileTransport
+
+    ranks.command("save", [str(out / "ckpt")] * WORLD)
+    fsdp.save_weights(out / "ckpt", model, optimizer, ranks, torch.float32, resumable=True)
+    ranks.command("sync", [(torch.float32, False)] * WORLD)
+    view = fsdp.GatheredModel(model, ranks, torch.float32)
+    with ControlClient(server_url, timeout_s=60) as control:
+        sync = WeightSync(control, FileTransport(out, torch.float32))
+        sync.init(view)
+        try:
+            sync.push(view, 1)
+        finally:
+            view.done()
+            sync.close()
 
 
 def write_lora(model: torch.nn.Module, ranks, out: Path) -> None:
@@ -202,20 +260,27 @@ def launch_nodes(inputs: Path, logs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def worlds(random_tiny_model_dir, arithmetic_data_dir, tiny_server, tmp_path_factory) -> dict[str, tuple]:
-    """One launch of two nodes, whose ranks run two jobs in turn on the same rows: "full" (a step, a resumable
-    checkpoint, a sync to the server) and "lora" (a LoRA step, its merged weights and its adapter). Each job's
-    (config, rows, output directory)."""
+def worlds(
+    random_tiny_model_dir, random_tiny_vlm_dir, arithmetic_data_dir, tiny_server, tmp_path_factory
+) -> dict[str, tuple]:
+    """One launch of two nodes, whose ranks run four jobs in turn: on the same text rows "full" (a step, a
+    resumable checkpoint, a sync to the server) and "lora" (a LoRA step, its merged weights and its adapter); on the
+    tiny VLM's rows, images on rank 0 only, "vlm" (a step, vision tower frozen) and "vlm_tower" (the tower trained),
+    each then its weights. Each job's (config, rows, output directory)."""
     root = tmp_path_factory.mktemp("ranks")
     rows, placement = make_step(random_tiny_model_dir)
     configs = {"full": make_config(random_tiny_model_dir, arithmetic_data_dir),
                "lora": make_config(random_tiny_model_dir, arithmetic_data_dir, "lora=default", "lora.r=8")}  # fmt: skip
-    jobs = [(config, rows, placement, root / name) for name, config in configs.items()]
+    image_rows = make_image_step(random_tiny_vlm_dir)
+    configs["vlm"] = make_config(random_tiny_vlm_dir, arithmetic_data_dir)
+    configs["vlm_tower"] = make_config(random_tiny_vlm_dir, arithmetic_data_dir, "model.freeze_vision_tower=false")
+    steps = {name: image_rows if name.startswith("vlm") else (rows, placement) for name in configs}
+    jobs = [(config, *steps[name], root / name) for name, config in configs.items()]
     for *_, out in jobs:
         out.mkdir()
     torch.save((jobs, tiny_server.base_url), root / "inputs.pt")
     launch_nodes(root / "inputs.pt", root / "logs")
-    return {name: (config, rows, root / name) for name, config in configs.items()}
+    return {name: (config, steps[name][0], root / name) for name, config in configs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +308,45 @@ def test_two_ranks_make_the_single_process_update(two_ranks, reference):
     assert moved > 1e-4 and worst <= 1e-5, (moved, worst)
     result = json.loads((out / "result.json").read_text())
     assert result == {"rows_per_rank": [2, 2], "row_metrics": len(rows)}
+
+
+@pytest.mark.parametrize("job", ["vlm", "vlm_tower"])
+def test_images_on_one_rank_make_the_single_process_update(worlds, job):
+    """Rank 0's rows have images and rank 1's none (beside them it runs the vision tower on a dummy image): the step
+    is one process's over all the rows, the tower frozen (the default: it stays as loaded) or trained
+    (model.freeze_vision_tower=false: it moves as one process moves it)."""
+    config, rows, out = worlds[job]
+    reference = single_process_step(config, rows)
+    saved = load_file(str(out / "ckpt" / "model.safetensors"))
+    start = AutoModelForImageTextToText.from_pretrained(config.model.name_or_path, dtype=torch.float32)
+    tower = non_text_prefixes(reference)
+    moved = {"text": 0.0, "tower": 0.0}
+    for (name, param), (_, initial) in zip(reference.named_parameters(), start.named_parameters(), strict=True):
+        assert float((saved[name] - param.detach()).abs().max()) <= 1e-5, name
+        part = "tower" if name.startswith(tower) else "text"
+        moved[part] = max(moved[part], float((param.detach() - initial.detach()).abs().max()))
+    assert tower and moved["text"] > 1e-4
+    assert moved["tower"] > 1e-4 if job == "vlm_tower" else moved["tower"] == 0.0
+    result = json.loads((out / "result.json").read_text())
+    assert result == {"rows_per_rank": [2, 2], "row_metrics": len(rows)}
+
+
+def test_a_text_row_beside_another_ranks_images_runs_a_dummy_image(random_tiny_vlm_dir):
+    """split_rows marks a copy of it (the step's rows stay as packed); a text micro-batch and one rank's rows are
+    left as they are."""
+    rows, placement = make_image_step(random_tiny_vlm_dir)
+
+    def marks(work: list) -> list:
+        return [[(row.images is not None, row.dummy_image, weight) for row, weight in one.rows] for one in work]
+
+    assert marks(split_rows(rows, placement, StepNorm())) == [
+        [(True, False, 1.0), (True, False, 1.0)],
+        [(False, True, 1.0), (True, False, 0.0)],
+    ]
+    assert not any(row.dummy_image for row in rows)
+    assert split_rows(rows, [[1, 1]], StepNorm())[1].rows[0][0] is rows[1]
+    assert marks(split_rows(rows, [[0], [1], [2]], StepNorm())) == [[(True, False, 1.0), (False, False, 1.0),
+                                                                      (True, False, 1.0)]]  # fmt: skip
 
 
 def test_the_server_holds_the_gathered_weights(two_ranks, reference, tiny_server, fresh_server):
