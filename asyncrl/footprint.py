@@ -25,7 +25,8 @@ GIB = 2**30
 MARGIN_FRACTION = 0.3
 """Headroom over the measured peak, for what the eager warm-up does not show: the compiled step's own buffers,
 evaluation, checkpoint gathers, sync buffers, allocator fragmentation, and what vLLM takes beyond its
---gpu-memory-utilization (its CUDA context and graphs). At 0.1 the 2B quick start ran out of memory at step 2: the
+--gpu-memory-utilization once it runs (its CUDA graphs; the CUDA context it holds at startup is set aside apart,
+serving/vllm.py's VLLM_CONTEXT_BYTES). At 0.1 the 2B quick start ran out of memory at step 2: the
 trainer held 28.8 GiB against a 26.0 GiB warm-up peak, vLLM 1.9 GiB over its share (RESULTS.md, session 17).
 At least MARGIN_MIN_BYTES."""
 MARGIN_MIN_BYTES = 2 * GIB

@@ -219,22 +219,26 @@ SHARED_GPU_SHARE = 0.3
 before launching vLLM)."""
 VLLM_OVERHEAD_BYTES = 2 * 2**30
 """vLLM's own activations, CUDA graphs and CUDA context beside its weights and KV cache."""
+VLLM_CONTEXT_BYTES = 2**30
+"""What a GPU shared with the trainer keeps beside the trainer's need and vLLM's share: vLLM refuses to start unless
+its whole share is free once its engine process holds its CUDA context (about 0.5 GiB). The Gemma-3-270M run of
+RESULTS.md (session 37) failed there 0.19 GiB short: the trainer's compiled step had grown into its margin."""
 
 
 def shared_gpu_share(plan: RunPlan, model_len: int, dtype: ModelDtype) -> tuple[float, str]:
     """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
-    (trainer/memory.py) leaves, at most OWN_GPU_SHARE. The footprint is the plan's measured stage (a launched vLLM
-    that waited for the warm-up), else the figure an earlier run of this shape recorded (asyncrl/footprint.py, under
-    its rows' token budget beside a server of ``model_len``: a printed command, ranks on the server's GPU);
-    SHARED_GPU_SHARE before any was measured. Refused before launch when the rest cannot hold vLLM's weights and one
-    longest sequence's KV cache."""
+    (trainer/memory.py) and vLLM's own CUDA context leave, at most OWN_GPU_SHARE. The footprint is the plan's
+    measured stage (a launched vLLM that waited for the warm-up), else the figure an earlier run of this shape
+    recorded (asyncrl/footprint.py, under its rows' token budget beside a server of ``model_len``: a printed command,
+    ranks on the server's GPU); SHARED_GPU_SHARE before any was measured. Refused before launch when the rest cannot
+    hold vLLM's weights and one longest sequence's KV cache."""
     from asyncrl.footprint import GIB, cached_memory
 
     config = plan.config
     memory = plan.trainer_memory or cached_memory(config, plan.components.packer.rows(model_len)[1])
     if memory is None:
         return SHARED_GPU_SHARE, "the trainer's footprint is not measured yet: a run measures it before launching vLLM"
-    rest = memory.gpu_bytes - memory.need_bytes
+    rest = memory.gpu_bytes - memory.need_bytes - VLLM_CONTEXT_BYTES
     floor = vllm_floor_bytes(config, model_len, dtype)
     if rest < floor:
         raise ConfigError(
@@ -243,7 +247,7 @@ def shared_gpu_share(plan: RunPlan, model_len: int, dtype: ModelDtype) -> tuple[
             "own); lower packing.token_budget, use lora=default, or give vLLM a GPU of its own"
         )
     share = min(int(rest / memory.gpu_bytes * 100) / 100, OWN_GPU_SHARE)
-    return share, memory.describe()
+    return share, f"{memory.describe()}, and {VLLM_CONTEXT_BYTES / GIB:.1f} GiB for vLLM's CUDA context"
 
 
 def vllm_floor_bytes(config: Config, model_len: int, dtype: ModelDtype) -> int:
