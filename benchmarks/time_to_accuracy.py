@@ -13,12 +13,16 @@ compile caches of its own under ``--work``/caches (cold unless ``--warm``), the 
 
 The task (written by this script into ``--work``/data, seeded by ``--data-seed``)
 ----------------------------------------------------------------------------------
-Two-operand additions and subtractions, operands 0-99, no negative result (15,050 problems), shuffled; the first
-``--eval-prompts`` (200) are held out (eval.jsonl), the next 4000 are train.jsonl, so no problem is in both. A row
-is a conversational prompt, ``What is 47 - 12? Put your final answer within \\boxed{}.``, rendered by the model's
-chat template (SmolLM2's adds its default system prompt), and the gold ``solution``; a model without a chat template
-(Gemma-3-270M's base GGUF) gets it as plain text, ``Question: ...\\nAnswer:``, tokenized with its BOS by both tools
-(TRL 1.16's ``_tokenize_prompts``, asyncrl's ``render_prompt``). The reward is asyncrl's
+Two-operand additions and subtractions, operands 0-99 (``--operands-high``), no negative result (15,050 problems),
+shuffled; the first ``--eval-prompts`` (200) are held out (eval.jsonl), the next 4000 (at most) are train.jsonl, so
+no problem is in both. A row is a conversational prompt, ``What is 47 - 12? Put your final answer within
+\\boxed{}.``, rendered by the model's chat template (SmolLM2's adds its default system prompt), and the gold
+``solution``; a model without a chat template (Gemma-3-270M's base GGUF) gets it as plain text, ``Question:
+...\\nAnswer:``, after three solved single-digit examples (a base model boxes no answer without them), tokenized with
+its BOS by both tools (TRL 1.16's ``_tokenize_prompts``, asyncrl's ``render_prompt``); its answers stop at their line
+(``PLAIN_STOP``: asyncrl's ``sampling.generation_kwargs.stop``, which TRL's ``generation_kwargs`` and the judge
+take too). Gemma-3-270M gets single-digit sums right now and then and two-digit ones never (RESULTS.md, session
+37): ``--operands-high 9 --eval-prompts 40`` is a task it can learn. The reward is asyncrl's
 ``accuracy_format`` (conf/reward/accuracy_format.yaml): ``accuracy`` (math-verify on the last ``\\boxed{}``) plus
 ``format`` (exactly one closed, non-empty ``\\boxed{}``), 0-2; TRL gets the very functions asyncrl's registry builds.
 
@@ -141,7 +145,14 @@ import vs_trl  # noqa: E402
 TOOLS = vs_trl.TOOLS
 PROMPT = "What is {a} {op} {b}? Put your final answer within \\boxed{{}}."
 PLAIN_PROMPT = "Question: {question}\nAnswer:"
-"""A base model without a chat template (Gemma-3-270M's GGUF) gets the question as plain text (a standard prompt)."""
+"""A base model without a chat template (Gemma-3-270M's GGUF) gets the question as plain text (a standard prompt),
+after PLAIN_SHOTS."""
+SHOT_PROBLEMS = ((3, "+", 4), (8, "-", 5), (6, "+", 2))
+"""Solved before every plain prompt (and never asked): Gemma-3-270M boxes no answer zero-shot (TRL: no reward in 54
+steps), and with these examples boxes every one (RESULTS.md, session 37)."""
+PLAIN_STOP = "\n"
+"""A plain prompt's answer ends at its line: the base model goes on with more questions of its own, which would clip
+at max_completion_length and add \\boxed{} answers. Both tools and the judge stop there."""
 RESULTS, EVALS, DATA = "results", "evals", "data"
 SAVE_POLL_S = 0.05
 MIN_RUN_S = 90.0
@@ -155,28 +166,42 @@ WEIGHTS = "model.safetensors"
 
 
 def task_row(a: int, op: str, b: int, plain: bool = False) -> dict[str, Any]:
-    """One prompt in DeepMath's conversational shape (or as plain text) with its gold answer (``solution``)."""
+    """One prompt in DeepMath's conversational shape (or as plain text after the solved examples) with its gold
+    answer (``solution``)."""
     answer, question = a + b if op == "+" else a - b, PROMPT.format(a=a, op=op, b=b)
-    prompt = PLAIN_PROMPT.format(question=question) if plain else [{"role": "user", "content": question}]
+    prompt = (
+        plain_shots() + PLAIN_PROMPT.format(question=question) if plain else [{"role": "user", "content": question}]
+    )
     return {"prompt": prompt, "solution": str(answer)}
+
+
+def plain_shots() -> str:
+    """SHOT_PROBLEMS, each asked as a plain prompt and answered in its \\boxed{} on the answer line."""
+    return "".join(PLAIN_PROMPT.format(question=PROMPT.format(a=a, op=op, b=b))
+                   + f" \\boxed{{{a + b if op == '+' else a - b}}}\n\n" for a, op, b in SHOT_PROBLEMS)  # fmt: skip
 
 
 def task_rows(seed: int, n_train: int, n_eval: int, plain: bool = False,
               high: int = 99) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """Every addition and every non-negative subtraction of operands 0..``high``, shuffled with ``seed``: the first
-    ``n_eval`` held out, the next ``n_train`` to train on (no problem in both)."""
+    """Every addition and every non-negative subtraction of operands 0..``high`` (plain: but the solved examples),
+    shuffled with ``seed``: the first ``n_eval`` held out, the next ``n_train`` (at most) to train on (no problem in
+    both)."""
     problems = [(a, op, b) for a in range(high + 1) for b in range(high + 1) for op in "+-" if op == "+" or a >= b]
+    problems = [p for p in problems if not plain or p not in SHOT_PROBLEMS]
+    if n_eval * 2 > len(problems):
+        raise SystemExit(f"--eval-prompts {n_eval}: operands 0..{high} make {len(problems)} problems; hold out at "
+                         "most half of them")  # fmt: skip
     random.Random(seed).shuffle(problems)
     held_out, train = problems[:n_eval], problems[n_eval : n_eval + n_train]
     return [task_row(*p, plain) for p in train], [task_row(*p, plain) for p in held_out]
 
 
-def write_task(out: Path, seed: int = 0, n_train: int = 4000, n_eval: int = 200,
-               plain: bool = False) -> tuple[Path, Path]:  # fmt: skip
+def write_task(out: Path, seed: int = 0, n_train: int = 4000, n_eval: int = 200, plain: bool = False,
+               high: int = 99) -> tuple[Path, Path]:  # fmt: skip
     """train.jsonl and eval.jsonl in ``out`` (the same bytes for the same arguments)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, rows in zip(paths, task_rows(seed, n_train, n_eval, plain), strict=True):
+    for path, rows in zip(paths, task_rows(seed, n_train, n_eval, plain, high), strict=True):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return paths
 
@@ -194,6 +219,10 @@ class Plan:
     max_tokens: int
     lr: float
     eval_prompts: int
+    operands_high: int = 99
+    """The task's operands are 0..operands_high."""
+    stop: tuple[str, ...] = ()
+    """Where an answer ends, for both tools and the judge (plain prompts: PLAIN_STOP)."""
 
     @property
     def samples_per_step(self) -> int:
@@ -216,8 +245,15 @@ def asyncrl_typed(model: Path, data: Path, plan: Plan, seed: int, rehearse: bool
         "reward=accuracy_format", "packing.token_budget=4096", f"trainer.learning_rate={plan.lr:g}",
         f"trainer.samples_per_step={plan.samples_per_step}", f"trainer.max_steps={plan.steps}",
         f"trainer.seed={seed}", f"trainer.save_steps={plan.save_steps}",
+        *([stop_override(plan.stop)] if plan.stop else []),
         *(["server=builtin", f"server.port={free_port()}"] if rehearse else []),
     ]  # fmt: skip
+
+
+def stop_override(stop: tuple[str, ...]) -> str:
+    """The Hydra override of the stop strings, each as it is between double quotes (a newline stays one: Hydra
+    reads no escapes there); TRL gets them from the same command (vs_trl's generation_kwargs)."""
+    return "+sampling.generation_kwargs.stop=[" + ", ".join(f'"{text}"' for text in stop) + "]"
 
 
 class SaveWatch:
@@ -329,13 +365,13 @@ class VllmGreedy:
     """One vLLM engine for every checkpoint: weights reloaded in place (not a new engine per checkpoint, a minute
     each), no prefix cache (a cached prompt would keep the previous weights' KV), eager (no compile to wait for)."""
 
-    def __init__(self, base: Path, max_tokens: int) -> None:
+    def __init__(self, base: Path, max_tokens: int, stop: list[str]) -> None:
         from vllm import LLM, SamplingParams
 
         self.llm = LLM(model=str(base), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
                        gpu_memory_utilization=0.3, max_model_len=1024, seed=0,
                        worker_extension_cls=f"benchmarks.time_to_accuracy.{WeightFileLoader.__name__}")  # fmt: skip
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop or None)
 
     def load(self, weights: Path) -> None:
         self.llm.collective_rpc("tta_load_weights", args=(str(weights),))
@@ -349,7 +385,7 @@ class HfGreedy:
     """transformers' greedy ``generate`` in left-padded batches (the CPU rehearsal; ``--evaluator hf``; the GPU's
     fallback where vLLM fails to start): on a GPU in bf16, every prompt in one batch."""
 
-    def __init__(self, base: Path, max_tokens: int) -> None:
+    def __init__(self, base: Path, max_tokens: int, stop: list[str]) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -358,7 +394,7 @@ class HfGreedy:
         self.device = "cuda" if cuda else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(base)
-        self.max_tokens, self.batch = max_tokens, 256 if cuda else 50
+        self.max_tokens, self.batch, self.stop = max_tokens, 256 if cuda else 50, stop
 
     def load(self, weights: Path) -> None:
         from safetensors.torch import load_file
@@ -385,8 +421,15 @@ class HfGreedy:
                                           do_sample=False, pad_token_id=pad)[:, width:].tolist()  # fmt: skip
             for tokens in new:
                 cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
-                out.append((self.tokenizer.decode(tokens[:cut], skip_special_tokens=True), cut))
+                text = self.tokenizer.decode(tokens[:cut], skip_special_tokens=True)
+                out.append((cut_at_stop(text, self.stop), cut))
         return out
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """``text`` up to its first stop string, as vLLM returns a completion that stopped there (greedy: the tokens
+    after it change nothing before it)."""
+    return text[: min((text.find(s) for s in stop if s in text), default=len(text))]
 
 
 def judge(rows: list[dict[str, Any]], texts: list[str]) -> dict[str, float]:
@@ -417,12 +460,12 @@ def eval_child(spec_path: Path) -> None:
     prompts = [render_prompt(tokenizer, row["prompt"], {}) for row in rows]
     started, evaluator = time.monotonic(), spec["evaluator"]
     try:
-        generator = (VllmGreedy if evaluator == "vllm" else HfGreedy)(base, spec["max_tokens"])
+        generator = (VllmGreedy if evaluator == "vllm" else HfGreedy)(base, spec["max_tokens"], spec["stop"])
     except Exception as exc:  # a vLLM that cannot start: transformers judges instead, and says so
         if evaluator != "vllm":
             raise
         print(f"[eval] vLLM failed ({type(exc).__name__}: {exc}); transformers judges instead", flush=True)
-        generator, evaluator = HfGreedy(base, spec["max_tokens"]), "hf"
+        generator, evaluator = HfGreedy(base, spec["max_tokens"], spec["stop"]), "hf"
     print(f"[eval] {evaluator} ready in {time.monotonic() - started:.1f} s", flush=True)
     for job in spec["jobs"]:
         started = time.monotonic()
@@ -458,7 +501,7 @@ def evaluate(model: Path, plan: Plan, args: argparse.Namespace) -> int | None:
         return 0
     evaluator = args.evaluator or ("hf" if args.rehearse else "vllm")
     spec = {"base": str(model), "eval_path": str(args.work / DATA / "eval.jsonl"), "prompts": plan.eval_prompts,
-            "max_tokens": plan.max_tokens, "evaluator": evaluator, "jobs": jobs}  # fmt: skip
+            "max_tokens": plan.max_tokens, "stop": list(plan.stop), "evaluator": evaluator, "jobs": jobs}  # fmt: skip
     cwd = args.work / EVALS
     cwd.mkdir(parents=True, exist_ok=True)
     (cwd / "spec.json").write_text(json.dumps(spec, indent=1))
@@ -672,12 +715,14 @@ def within_deadline(seconds: float, deadline: float | None, reserve: float = 15.
     return seconds if deadline is None else min(seconds, deadline - time.time() - reserve)
 
 
-def plan_of(args: argparse.Namespace) -> Plan:
+def plan_of(args: argparse.Namespace, plain: bool = False) -> Plan:
+    """The runs' shared settings; ``plain``: the checkpoint gets plain prompts, whose answers stop at their line."""
     per_device, accumulation = (int(x) for x in (args.trl_batch or ("8x2" if args.rehearse else "32x1")).split("x"))
     return Plan(
         steps=args.steps or (4 if args.rehearse else 60), save_steps=args.save_steps or (2 if args.rehearse else 10),
         trl_batch=(per_device, accumulation), max_tokens=args.max_tokens or (24 if args.rehearse else 256),
-        lr=args.lr, eval_prompts=args.eval_prompts or (40 if args.rehearse else 200),
+        lr=args.lr, eval_prompts=args.eval_prompts or (40 if args.rehearse else 200), operands_high=args.operands_high,
+        stop=(PLAIN_STOP,) if plain else (),
     )  # fmt: skip
 
 
@@ -711,6 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=2e-5, help="learning rate of both (default 2e-5)")
     parser.add_argument("--eval-prompts", type=int, help="held-out prompts (default 200; rehearsal 40)")
     parser.add_argument("--data-seed", type=int, default=0, help="the task files' shuffle (default 0)")
+    parser.add_argument("--operands-high", type=int, default=99, help="operands 0..N (default 99; Gemma-3-270M: 9)")
     parser.add_argument("--work", type=Path, help="data, runs, results, evaluations (default: a new temp dir)")
     parser.add_argument("--out", type=Path, help="time_to_accuracy.md/.json/.png (default: --work)")
     parser.add_argument("--run-timeout", type=float, default=270.0, help="seconds each run may take (default 270)")
@@ -742,12 +788,13 @@ def main() -> None:
     seeds = [int(s) for s in (args.seeds or ("0,1" if args.rehearse else "0")).split(",")]
     if unknown := [t for t in tools if t not in TOOLS]:
         raise SystemExit(f"unknown tool: {', '.join(unknown)}")
-    plan = plan_of(args)
+    model = None if args.table else model_of(args)
+    plan = plan_of(args, plain=model is not None and not has_chat_template(model))
     signal.signal(signal.SIGTERM, lambda *_: vs_trl.TERMINATED.set())
     (args.work / RESULTS).mkdir(parents=True, exist_ok=True)
-    if not args.table:
-        model = model_of(args)
-        write_task(args.work / DATA, args.data_seed, n_eval=plan.eval_prompts, plain=not has_chat_template(model))
+    if model is not None:
+        write_task(args.work / DATA, args.data_seed, n_eval=plan.eval_prompts, plain=bool(plan.stop),
+                   high=plan.operands_high)  # fmt: skip
         run_timeout = args.run_timeout
         for seed in seeds:
             for tool in tools:

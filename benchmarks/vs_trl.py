@@ -479,6 +479,7 @@ def trl_child(spec_path: Path) -> None:
         num_generations=s.num_generations, max_completion_length=s.max_completion_length,
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p or None,
         repetition_penalty=s.repetition_penalty, chat_template_kwargs=dict(s.chat_template_kwargs) or None,
+        generation_kwargs=dict(s.generation_kwargs) or None,
         use_vllm=spec["use_vllm"], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
         vllm_enable_sleep_mode=False, disable_tqdm=True,
     )  # fmt: skip

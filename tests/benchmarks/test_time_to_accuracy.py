@@ -35,11 +35,38 @@ def test_a_model_without_a_chat_template_gets_plain_prompts_judged_alike(
     time_to_accuracy: ModuleType, tmp_path: Path
 ) -> None:
     row = time_to_accuracy.task_row(47, "-", 12, plain=True)
-    assert row == {"prompt": "Question: What is 47 - 12? Put your final answer within \\boxed{}.\nAnswer:",
-                   "solution": "35"}  # fmt: skip
+    question = "Question: What is 47 - 12? Put your final answer within \\boxed{}.\nAnswer:"
+    assert row["prompt"].endswith("\\boxed{8}\n\n" + question) and row["solution"] == "35"
+    assert row["prompt"].startswith("Question: What is 3 + 4? Put your final answer within \\boxed{}.\nAnswer: "
+                                    "\\boxed{7}\n\n")  # fmt: skip
+    assert row["prompt"].count("\\boxed{}") == 4  # three solved examples, then the question
     assert time_to_accuracy.judge([row, row], [" \\boxed{35}", " 35"]) == {"accuracy": 0.5, "boxed": 0.5}
     _, held_out = time_to_accuracy.write_task(tmp_path, n_train=5, n_eval=5, plain=True)
     assert all(isinstance(json.loads(line)["prompt"], str) for line in held_out.read_text().splitlines())
+
+
+def test_plain_answers_stop_at_their_line_for_both_tools_and_the_judge(time_to_accuracy: ModuleType) -> None:
+    """A base model's plain answers end at the newline: asyncrl's command carries the stop (TRL builds its
+    generation_kwargs from the same command), and the judge cuts there as vLLM stops."""
+    from asyncrl.config.compose import compose, to_config
+
+    plan = time_to_accuracy.Plan(steps=60, save_steps=10, trl_batch=(32, 1), max_tokens=256, lr=2e-5,
+                                 eval_prompts=200, stop=(time_to_accuracy.PLAIN_STOP,))  # fmt: skip
+    typed = time_to_accuracy.asyncrl_typed(Path("/m"), Path("/d"), plan, seed=0, rehearse=False)
+    config = to_config(compose([arg for arg in typed[1:] if not arg.startswith("model.")] + ["model.name_or_path=/m"]))
+    assert dict(config.sampling.generation_kwargs) == {"stop": ["\n"]}
+    assert time_to_accuracy.cut_at_stop(" \\boxed{7}\n\nQuestion: What is", ["\n"]) == " \\boxed{7}"
+    assert time_to_accuracy.cut_at_stop(" \\boxed{7}", ["\n"]) == " \\boxed{7}"
+
+
+def test_small_operands_make_a_smaller_task_and_too_many_held_out_prompts_are_refused(
+    time_to_accuracy: ModuleType,
+) -> None:
+    train, held_out = time_to_accuracy.task_rows(seed=0, n_train=4000, n_eval=40, plain=True, high=9)
+    assert len(train) + len(held_out) == 100 + 55 - 3  # every sum and non-negative difference but the examples
+    assert all("What is 3 + 4?" not in row["prompt"].rsplit("Question:", 1)[1] for row in train + held_out)
+    with pytest.raises(SystemExit, match="--eval-prompts 100: operands 0..9 make 152 problems"):
+        time_to_accuracy.task_rows(seed=0, n_train=10, n_eval=100, plain=True, high=9)
 
 
 def test_asyncrl_gets_the_issues_command_and_the_matched_settings(time_to_accuracy: ModuleType) -> None:
