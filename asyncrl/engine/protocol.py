@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.engine.images import ImageInputs
-from asyncrl.engine.rows import GenerationRequest, GenerationResult
+from asyncrl.engine.rows import GenerationRequest, GenerationResult, StopStrings
 from asyncrl.sampling import SamplingParams
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -93,7 +93,6 @@ def _check_supported(body: CompletionRequest) -> None:
     unsupported = {
         "stream": bool(body.stream),
         "echo": bool(body.echo),
-        "stop strings (use stop_token_ids)": bool(body.stop),
         "prompt_logprobs": body.prompt_logprobs is not None,
         "presence_penalty": bool(body.presence_penalty),
         "frequency_penalty": bool(body.frequency_penalty),
@@ -182,7 +181,17 @@ def build_generation_request(
         params=_sampling_params(body, max_tokens=min(max_tokens, max_model_len - len(prompt))),
         adapter=body.model if body.model in adapters else None,
         images=images,
+        stop=stop_strings(body.stop, tokenizer),
     )
+
+
+def stop_strings(stop: str | list[str] | None, tokenizer: PreTrainedTokenizerBase) -> StopStrings | None:
+    """A request's ``stop`` (one string or a list; empty strings match nothing) for the engine, decoded as the
+    completion's text is (special tokens skipped)."""
+    strings = tuple(s for s in ([stop] if isinstance(stop, str) else stop or []) if s)
+    if not strings:
+        return None
+    return StopStrings(strings, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def fan_out(request: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -247,7 +256,12 @@ def response_envelope(kind: str, response_id: str, model: str, choices: list[dic
 
 
 def completion_text(result: GenerationResult, texts: TokenTexts) -> str:
-    """The generated text, without the stop token that ended it."""
+    """The generated text, without the stop token that ended it, or cut where the stop string that ended it starts
+    (vLLM's text without include_stop_str_in_output)."""
+    if isinstance(result.stop_reason, str):
+        text = texts.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        at = text.rfind(result.stop_reason)
+        return text if at < 0 else text[:at]
     text_ids = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
     return texts.tokenizer.decode(text_ids, skip_special_tokens=True)
 

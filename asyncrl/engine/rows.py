@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -11,6 +12,26 @@ import torch
 from asyncrl.engine.images import ImageInputs
 from asyncrl.engine.sampling import Draw, RowInput, top_logprobs
 from asyncrl.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class StopStrings:
+    """A request's stop strings, matched as vLLM's detokenizer matches them: in the completion's text after each
+    token, once min_tokens are out. Only the last tokens are decoded (a match ends with the newest token: the check
+    ran after every earlier one); the token ids keep every generated token, the text is cut where the match starts."""
+
+    strings: tuple[str, ...]
+    decode: Callable[[Sequence[int]], str]
+
+    def match(self, output_ids: Sequence[int]) -> str | None:
+        """The first stop string in the text of the completion's last tokens, or None."""
+        tail = self.decode(output_ids[-(max(map(len, self.strings)) + TAIL_SLACK_TOKENS) :])
+        return next((stop for stop in self.strings if stop in tail), None)
+
+
+TAIL_SLACK_TOKENS = 4
+"""Tokens decoded beyond the longest stop string's length in characters (a token holds one character or more; a few
+more cover tokens that decode to nothing, and a character split over two byte-level tokens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +45,8 @@ class GenerationRequest:
     """The LoRA adapter the request runs under (its ``model``); None: the base weights."""
     images: ImageInputs | None = None
     """The prompt's images (a chat request's image parts); None: text only."""
+    stop: StopStrings | None = None
+    """The request's stop strings; None: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +60,8 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] | None
     sampling_masks: list[list[int]] | None
     finish_reason: str
-    stop_reason: int | None
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended it (vLLM's); None for EOS, length or abort."""
 
 
 @dataclass(eq=False)
@@ -57,7 +81,7 @@ class DecodeRow:
     cached_len: int = 0
     seen: torch.Tensor | None = None
     prompt_counted: bool = False
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
 
     def tokens(self) -> list[int]:
         """Prompt and output so far: what a (re-)prefill feeds the model."""
@@ -90,6 +114,10 @@ class DecodeRow:
             return "stop"
         if draw.token_id in params.stop_token_ids:
             self.stop_reason = draw.token_id
+            return "stop"
+        stop = self.request.stop
+        if stop is not None and len(self.output_ids) >= params.min_tokens and (hit := stop.match(self.output_ids)):
+            self.stop_reason = hit
             return "stop"
         return "length" if len(self.output_ids) >= params.max_tokens else None
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tiny import EOS_ID, MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.client import (
     Completion,
@@ -176,6 +176,29 @@ def test_eos_stops_unless_ignored_or_held_back_by_min_tokens(live_server):
     assert EOS_ID not in held["token_ids"][:3]
     stop_id = complete(live_server.base_url, prompt=PROMPT, max_tokens=8, temperature=0.0, stop_token_ids=[PROMPT[-1]])
     assert (stop_id["token_ids"], stop_id["finish_reason"], stop_id["stop_reason"]) == ([33], "stop", 33)
+
+
+def test_a_stop_string_ends_the_completion_as_vllms_does(live_server):
+    """Token ids keep every generated token, the text is cut where the stop string starts, stop_reason names it;
+    min_tokens holds it back, and the tokens-in endpoint takes it too."""
+    free = complete(live_server.base_url, prompt=PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True)
+    text = free["text"]
+    stop = text[3:5]  # two characters the greedy completion reaches after a few tokens
+    stopped = complete(live_server.base_url, prompt=PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True,
+                       stop=[stop, "never said"])  # fmt: skip
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
+    assert stopped["text"] == text[: text.find(stop)]
+    assert stopped["token_ids"] == free["token_ids"][: len(stopped["token_ids"])]
+    tokenizer = AutoTokenizer.from_pretrained(live_server.model_dir)
+    assert tokenizer.decode(stopped["token_ids"], skip_special_tokens=True).endswith(stop)  # the last token ends it
+    held = complete(live_server.base_url, prompt=PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True, stop=stop,
+                    min_tokens=len(stopped["token_ids"]) + 1)  # fmt: skip
+    assert len(held["token_ids"]) > len(stopped["token_ids"])
+    params = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}
+    body = {"model": SERVED_NAME, "token_ids": PROMPT, "sampling_params": params}
+    generated = httpx.post(f"{live_server.base_url}/inference/v1/generate", json=body, timeout=60).json()
+    assert generated["choices"][0]["token_ids"] == stopped["token_ids"]
+    assert generated["choices"][0]["stop_reason"] == stop
 
 
 def test_pause_abort_ends_in_flight_requests_and_rejects_new_ones(live_server, control):
