@@ -3,7 +3,7 @@ to a served run's model as they talk to vLLM.
 
 The messages go through the model's chat template as a rollout's prompt does (``render_prompt``: the served model
 sees the tokens it was trained on), and the request then takes /v1/completions' path: the same sampling fields,
-validation, generation and refusals (streaming and stop strings are a 400 there, so here too), ``n`` completions
+validation, generation, stop strings and refusals (streaming is a 400 there, so here too), ``n`` completions
 as choices. Tools are a 400 as well (their calls would come back as text, not parsed into ``tool_calls``) unless
 ``tool_choice`` is none, as vLLM renders them then and answers text. Image
 content parts (``images.py``) reach a vision-language model's chat template and prefill; a text-only model refuses

@@ -3,9 +3,10 @@
 Requests are validated strictly (a string where a number belongs is a 400, as in vLLM's pydantic models, and so
 is an infinite or NaN sampling value);
 unknown fields are accepted and ignored, as vLLM does. Features the built-in server does not implement
-(stop strings, streaming, echo, prompt logprobs, presence/frequency penalties) are a 400 rather
-than silently ignored. ``n > 1`` is n requests of seeds seed, seed + 1, ... (vLLM's child requests), answered as n
-choices. Omitted sampling fields take neutral defaults (vLLM's ``--generation-config vllm``).
+(streaming, echo, prompt logprobs, presence/frequency penalties) are a 400 rather than silently ignored; stop strings
+end a completion as vLLM's do (rows.py::StopStrings). ``n > 1`` is n requests of seeds seed, seed + 1, ... (vLLM's
+child requests), answered as n choices. Omitted sampling fields take neutral defaults (vLLM's
+``--generation-config vllm``).
 """
 
 from __future__ import annotations
