@@ -32,20 +32,35 @@ MAX_NEW_TOKENS = 8
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags; every default is what made the shipped asset."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="model + tokenizer folder")
-    parser.add_argument("--data-out", type=Path, default=None, help="split folder (default: <out>/../arith)")
+    parser = sft_parser(__doc__, "model + tokenizer folder", "split folder (default: <out>/../arith)", steps=6000,
+                        batch_size=512, lr=1e-3, warmup_steps=200, p_correct=0.35, n_train=4000, n_eval=1000,
+                        eval_help="held-out pairs, also the eval split", log_every=500)  # fmt: skip
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    return checked_args(parser, argv)
+
+
+def sft_parser(description: str | None, out_help: str, data_out_help: str, *, steps: int, batch_size: int, lr: float,
+               warmup_steps: int, p_correct: float, n_train: int, n_eval: int, eval_help: str,
+               log_every: int) -> argparse.ArgumentParser:  # fmt: skip
+    """The flags every asset's SFT script takes (this one's and pretrain_vlm's), with that script's defaults."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help=out_help)
+    parser.add_argument("--data-out", type=Path, default=None, help=data_out_help)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=6000)
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup-steps", type=int, default=200)
-    parser.add_argument("--p-correct", type=float, default=0.35, help="fraction of SFT answers that are right")
-    parser.add_argument("--n-train", type=int, default=4000, help="rows in the shipped train split")
-    parser.add_argument("--n-eval", type=int, default=1000, help="held-out pairs, also the eval split")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
+    parser.add_argument("--p-correct", type=float, default=p_correct, help="fraction of SFT answers that are right")
+    parser.add_argument("--n-train", type=int, default=n_train, help="rows in the shipped train split")
+    parser.add_argument("--n-eval", type=int, default=n_eval, help=eval_help)
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per eval prompt at temperature 1")
-    parser.add_argument("--log-every", type=int, default=500)
+    parser.add_argument("--log-every", type=int, default=log_every)
+    return parser
+
+
+def checked_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed flags, refused in one line where a count that must be positive is not."""
     args = parser.parse_args(argv)
     if args.steps < 1 or args.log_every < 1:
         parser.error(f"--steps ({args.steps}) and --log-every ({args.log_every}) must be at least 1")

@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from asyncrl.assets.arithmetic import is_correct
-from asyncrl.assets.pretrain import learning_rate
+from asyncrl.assets.pretrain import checked_args, learning_rate, sft_parser
 from asyncrl.assets.shapes import MAX_COUNT, QUESTION, Layout, draw, split_layouts, write_splits
 from asyncrl.assets.tiny_vlm import save_tiny_vlm
 
@@ -38,26 +38,14 @@ PROMPT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags; every default is what made the shipped asset."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="model folder (tiny_vlm's checkpoint, trained)")
-    parser.add_argument("--data-out", type=Path, default=None, help="split folder (default: <out>/../shapes)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup-steps", type=int, default=50)
-    parser.add_argument("--p-correct", type=float, default=0.5, help="fraction of SFT answers that are right")
+    parser = sft_parser(__doc__, "model folder (tiny_vlm's checkpoint, trained)",
+                        "split folder (default: <out>/../shapes)", steps=1500, batch_size=32, lr=2e-3, warmup_steps=50,
+                        p_correct=0.5, n_train=2000, n_eval=200, eval_help="held-out layouts, the eval split",
+                        log_every=100)  # fmt: skip
     parser.add_argument("--clean-steps", type=int, default=500, help="first steps, whose answers are all right")
-    parser.add_argument("--n-train", type=int, default=2000, help="rows in the shipped train split")
-    parser.add_argument("--n-eval", type=int, default=200, help="held-out layouts, the eval split")
     parser.add_argument("--n-pool", type=int, default=20000, help="layouts the SFT draws from (none of eval's)")
-    parser.add_argument("--eval-samples", type=int, default=8, help="samples per eval prompt at temperature 1")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads; 1 is fastest on a shared CPU")
-    parser.add_argument("--log-every", type=int, default=100)
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.log_every < 1:
-        parser.error(f"--steps ({args.steps}) and --log-every ({args.log_every}) must be at least 1")
-    return args
+    return checked_args(parser, argv)
 
 
 class Shapes:
