@@ -11,6 +11,7 @@ import httpx
 
 from asyncrl.run_plan import ServerCommand
 from asyncrl.serving.process import ServerProcess, ServerStartError, wait_for_health
+from asyncrl.serving.vllm import memory_refusal_hint
 
 if TYPE_CHECKING:
     from asyncrl.footprint import TrainerMemory
@@ -47,6 +48,11 @@ class LaunchedServer(ServerProcess):
         if not self._healthy:
             self.wait_healthy()
             self._healthy = True
+
+    def death_line(self, when: str = "") -> str:
+        """ServerProcess's line, ending with the asyncrl key to turn where vLLM refused its share of the GPU."""
+        line = super().death_line(when)
+        return line + memory_refusal_hint(line, self.argv) if self.backend == "vllm" else line
 
 
 class DeferredServer:

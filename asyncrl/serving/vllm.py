@@ -225,6 +225,20 @@ its whole share is free once its engine process holds its CUDA context (about 0.
 RESULTS.md (session 37) failed there 0.19 GiB short: the trainer's compiled step had grown into its margin."""
 
 
+MEMORY_REFUSAL = "less than desired GPU memory utilization"
+"""vLLM's startup error when its share is not free on the GPU (another process, the trainer, holds too much)."""
+
+
+def memory_refusal_hint(cause: str, argv: list[str]) -> str:
+    """What to add to the line of a vLLM that refused its share at startup: the asyncrl key that sets it, and the
+    share it had; nothing for another cause."""
+    if MEMORY_REFUSAL not in cause:
+        return ""
+    flag = "--gpu-memory-utilization"
+    had = f" (it had {argv[argv.index(flag) + 1]})" if flag in argv else ""
+    return f"; give vLLM less of the GPU with server.gpu_memory_utilization{had}"
+
+
 def shared_gpu_share(plan: RunPlan, model_len: int, dtype: ModelDtype) -> tuple[float, str]:
     """The server's share of a GPU it shares with the trainer, and why: what the trainer's measured footprint
     (trainer/memory.py) and vLLM's own CUDA context leave, at most OWN_GPU_SHARE. The footprint is the plan's

@@ -4,12 +4,14 @@ booting one (a trainer rank's view of the server the CLI launched) is ready once
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
 from fastapi import FastAPI, Response
 
-from asyncrl.serving.handle import AttachedServer
+from asyncrl.run_plan import ServerCommand
+from asyncrl.serving.handle import AttachedServer, LaunchedServer
 from asyncrl.serving.process import ServerStartError, free_port
 
 
@@ -64,3 +66,25 @@ def test_a_booting_server_that_never_answers_names_the_timeout_key():
     server = AttachedServer(f"http://127.0.0.1:{free_port()}", timeout_s=1.0, booting=True)
     with pytest.raises(ServerStartError, match=r"after 1s \(server.timeout\)"):
         server.ready()
+
+
+def test_a_vllm_refusing_its_share_at_startup_names_the_key_that_sets_it(tmp_path):
+    """vLLM's own advice ("Decrease GPU memory utilization") names its flag; the line names asyncrl's key and the
+    share the run gave it. Another backend, or another cause, gets no such ending."""
+    error = ("ValueError: Free memory on device cuda:0 (60.78/79.18 GiB) on startup is less than desired GPU "
+             "memory utilization (0.77, 60.97 GiB). Decrease GPU memory utilization or reduce GPU memory used by "
+             "other processes.")  # fmt: skip
+    lines = {}
+    for backend, said in (("vllm", error), ("builtin", error), ("vllm", "ValueError: something else")):
+        argv = [sys.executable, "-c", f"import sys; print({said!r}, file=sys.stderr); sys.exit(1)",
+                "--gpu-memory-utilization", "0.77"]  # fmt: skip
+        command = ServerCommand(backend, argv, {})
+        server = LaunchedServer(command, f"http://127.0.0.1:{free_port()}", tmp_path / f"{len(lines)}.log", 30)
+        with pytest.raises(ServerStartError) as failed:
+            with server:
+                pass
+        lines[(backend, said == error)] = str(failed.value)
+    assert lines[("vllm", True)].endswith(
+        "; give vLLM less of the GPU with server.gpu_memory_utilization (it had 0.77)"
+    )
+    assert "server.gpu_memory_utilization" not in lines[("builtin", True)] + lines[("vllm", False)]
