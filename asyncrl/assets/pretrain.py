@@ -173,12 +173,7 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         batch = {k: v.to(model.device) for k, v in data.batch(args.batch_size).items()}
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        running += loss.item()
+        running += sft_step(model, optimizer, model(**batch).loss)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             window = (step % args.log_every) + 1
             greedy = evaluate(model, tokenizer, eval_rows[:200], 1, greedy=True, seed=args.seed)["accuracy"]
@@ -187,6 +182,15 @@ def train(
             print(line, flush=True)
             last_loss, running = running / window, 0.0
     return last_loss
+
+
+def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> float:
+    """One update on ``loss``, gradients clipped to norm 1 (both assets' SFT); the loss's value."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 def make_deterministic(device: str) -> None:

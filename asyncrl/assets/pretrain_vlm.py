@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from asyncrl.assets.arithmetic import is_correct
-from asyncrl.assets.pretrain import checked_args, learning_rate, sft_parser
+from asyncrl.assets.pretrain import checked_args, learning_rate, sft_parser, sft_step
 from asyncrl.assets.shapes import MAX_COUNT, QUESTION, Layout, draw, split_layouts, write_splits
 from asyncrl.assets.tiny_vlm import save_tiny_vlm
 
@@ -130,12 +130,7 @@ def train(
         layouts = rng.choices(pool, k=args.batch_size)
         p_correct = 1.0 if step < args.clean_steps else args.p_correct
         answers = [noisy_count(len(layout), rng, p_correct) for layout in layouts]
-        loss = model(**shapes.transcripts(layouts, answers)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        running += loss.item()
+        running += sft_step(model, optimizer, model(**shapes.transcripts(layouts, answers)).loss)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             window = step % args.log_every + 1
             greedy = evaluate(model, shapes, eval_layouts[:100], 1, greedy=True, seed=args.seed)["accuracy"]

@@ -15,12 +15,9 @@ TINY_RUN += ["--n-train", "20", "--n-eval", "10", "--eval-samples", "2"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(run_twice):
     """The same tiny pretraining run twice, to compare what each wrote."""
-    outs = [tmp_path_factory.mktemp(f"run{i}") for i in range(2)]
-    for out in outs:
-        main(["--out", str(out / "tiny-arith"), *TINY_RUN])
-    return outs
+    return run_twice(main, "tiny-arith", TINY_RUN)
 
 
 def test_pretrain_writes_a_loadable_asset_and_splits(runs):

@@ -101,12 +101,9 @@ TINY_RUN += ["--n-train", "8", "--n-eval", "4", "--n-pool", "16", "--eval-sample
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
+def pretrained(run_twice):
     """The same few-step pretraining twice, to compare what each wrote."""
-    outs = [tmp_path_factory.mktemp(f"run{i}") for i in range(2)]
-    for out in outs:
-        main(["--out", str(out / "tiny-vlm"), *TINY_RUN])
-    return outs
+    return run_twice(main, "tiny-vlm", TINY_RUN)
 
 
 def test_pretraining_writes_a_loadable_asset_and_its_record(pretrained):
