@@ -67,6 +67,11 @@ only when eval.json's held-out greedy reward (accuracy + format, 0-2) rose by at
 ``--row-timeout`` (a new model's vLLM compiles, and it evaluates before and after). The rehearsal runs the shipped
 tiny-arith in its place for --steps, 24-token answers and 40 held-out prompts, and reports the rise unjudged.
 
+``vlm`` (issue 56) is README's image recipe (``+recipe=shapes``: count the squares in the shipped drawn images) on
+the Qwen3.5-2B shape, a vision-language checkpoint (a 4-block vision tower of 16-pixel patches, the shipped images'
+tokenizer), through the vLLM it launches: the prompts' images go to vLLM (``--limit-mm-per-prompt`` from the data)
+and to the trainer's packed forward, with the length reward for spread on random weights (``IMAGE_TASK``).
+
 Each fault row has ``trainer.save_steps=2``, as ``sigint`` has, for a checkpoint to resume from. Its command must
 end by itself, not with exit code 0, its last ``error (...)`` line (else its last line) naming what died (the row's
 notes quote it) and ending on the command that resumes the run from its checkpoint (launch.py prints it after any
@@ -179,6 +184,11 @@ settings that learned: the accuracy_format reward, 256-token answers, a 4096-tok
 REAL_MODEL = "smollm2-135m-instruct"
 MIN_RISE = 0.3
 """The held-out greedy reward (eval.json, before -> after) the ``learn`` row must gain."""
+IMAGE_TASK = ("train", "+recipe=shapes", "model.name_or_path={model}", "reward_funcs=[{{name: length, scale: 0.1}}]",
+              TRAIN)  # fmt: skip
+"""The image recipe (issue 56) on the 2B shape, a vision-language checkpoint with the shipped images' tokenizer: its
+accuracy reward is all zero on random weights (every group dropped), so the length reward (conf/reward/length.yaml's,
+written out: the recipe sets reward_funcs itself, after the reward group) gives the groups their spread."""
 SKIP_LONG_EVAL = ("data.eval_path=null",)
 RESUMABLE = ("train", TRAIN, "trainer.save_steps=2")
 """A run with a checkpoint to resume from before its end (the embedded default saves every 30 steps)."""
@@ -201,6 +211,7 @@ ROWS = [
     Row("vllm-killed-restart", (*RESUMABLE, "trainer.max_restarts=1"), kind="restart"),
     Row("real-model", OWN_TASK, kind="learn", shape=REAL_MODEL, steps=40,
         rehearse=("sampling.max_completion_length=24", "data.num_eval_prompts=40")),
+    Row("vlm", IMAGE_TASK, shape="qwen3.5-2b"),
 ]  # fmt: skip
 
 
