@@ -18,7 +18,8 @@ shuffled; the first ``--eval-prompts`` (200) are held out (eval.jsonl), the next
 no problem is in both. A row is a conversational prompt, ``What is 47 - 12? Put your final answer within
 \\boxed{}.``, rendered by the model's chat template (SmolLM2's adds its default system prompt), and the gold
 ``solution``; a model without a chat template (Gemma-3-270M's base GGUF) gets it as plain text, ``Question:
-...\\nAnswer:``, after three solved single-digit examples (a base model boxes no answer without them), tokenized with
+...\\nAnswer:``, after three single-digit examples solved on their answer line (``3 + 4 = 7, so \\boxed{7}``: a base
+model boxes no answer without examples, and guesses after bare boxed answers: ``SHOT_PROBLEMS``), tokenized with
 its BOS by both tools (TRL 1.16's ``_tokenize_prompts``, asyncrl's ``render_prompt``); its answers stop at their line
 (``PLAIN_STOP``: asyncrl's ``sampling.generation_kwargs.stop``, which TRL's ``generation_kwargs`` and the judge
 take too). Gemma-3-270M gets single-digit sums right now and then and two-digit ones never (RESULTS.md, session
@@ -148,8 +149,10 @@ PLAIN_PROMPT = "Question: {question}\nAnswer:"
 """A base model without a chat template (Gemma-3-270M's GGUF) gets the question as plain text (a standard prompt),
 after PLAIN_SHOTS."""
 SHOT_PROBLEMS = ((3, "+", 4), (8, "-", 5), (6, "+", 2))
-"""Solved before every plain prompt (and never asked): Gemma-3-270M boxes no answer zero-shot (TRL: no reward in 54
-steps), and with these examples boxes every one (RESULTS.md, session 37)."""
+"""Solved before every plain prompt (and never asked), each answer worked on its line (``3 + 4 = 7, so \\boxed{7}``):
+Gemma-3-270M boxes no answer zero-shot (TRL: no reward in 54 steps); after bare boxed answers it boxes every one but
+guesses (greedy held-out accuracy 0.025 at operands 0..9, 40 prompts, CPU), after worked ones it writes the sum
+first and gets 0.225 (0.15 at 0..20): a base rate a group of 8 rollouts learns from (RESULTS.md, session 39)."""
 PLAIN_STOP = "\n"
 """A plain prompt's answer ends at its line: the base model goes on with more questions of its own, which would clip
 at max_completion_length and add \\boxed{} answers. Both tools and the judge stop there."""
@@ -168,7 +171,7 @@ WEIGHTS = "model.safetensors"
 def task_row(a: int, op: str, b: int, plain: bool = False) -> dict[str, Any]:
     """One prompt in DeepMath's conversational shape (or as plain text after the solved examples) with its gold
     answer (``solution``)."""
-    answer, question = a + b if op == "+" else a - b, PROMPT.format(a=a, op=op, b=b)
+    answer, question = solve(a, op, b), PROMPT.format(a=a, op=op, b=b)
     prompt = (
         plain_shots() + PLAIN_PROMPT.format(question=question) if plain else [{"role": "user", "content": question}]
     )
@@ -176,9 +179,14 @@ def task_row(a: int, op: str, b: int, plain: bool = False) -> dict[str, Any]:
 
 
 def plain_shots() -> str:
-    """SHOT_PROBLEMS, each asked as a plain prompt and answered in its \\boxed{} on the answer line."""
+    """SHOT_PROBLEMS, each asked as a plain prompt and answered on the answer line, worked, then in its \\boxed{}."""
     return "".join(PLAIN_PROMPT.format(question=PROMPT.format(a=a, op=op, b=b))
-                   + f" \\boxed{{{a + b if op == '+' else a - b}}}\n\n" for a, op, b in SHOT_PROBLEMS)  # fmt: skip
+                   + f" {a} {op} {b} = {solve(a, op, b)}, so \\boxed{{{solve(a, op, b)}}}\n\n"
+                   for a, op, b in SHOT_PROBLEMS)  # fmt: skip
+
+
+def solve(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b
 
 
 def task_rows(seed: int, n_train: int, n_eval: int, plain: bool = False,

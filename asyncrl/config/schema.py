@@ -291,9 +291,10 @@ class TrainerConfig:
     gradient_checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of torch.utils.checkpoint.checkpoint for every layer (through transformers'
     gradient_checkpointing_enable), over asyncrl's {use_reentrant: false}."""
-    logit_chunk_tokens: int = 4096
+    logit_chunk_tokens: int | None = None
     """Trained tokens whose LM-head logits exist at once (their [tokens x vocabulary] float32 buffers bound a
-    step's memory); 0 = all of a row's at once."""
+    step's memory); null = as many as keep a buffer within 1 GiB (1,024 at Gemma 3's 262k vocabulary, 1,766 at
+    Qwen3's 152k); 0 = all of a row's at once."""
     attention: str = "auto"
     """Attention backend of the packed forward (asyncrl/packing/attention.py): auto (sdpa on CPU, varlen on
     CUDA) | sdpa | varlen | cascade | flex | kernels."""

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LOGIT_CHUNK_TOKENS = 4096
 _COMPILED = "_asyncrl_layers_compiled"
 _LOGIT_TRANSFORMS = ("logits_scaling", "logit_scale")
 """Config fields of models that change the LM head's output after it (Granite, Cohere); Gemma's
@@ -68,13 +67,14 @@ def packed_forward(
     temperature: float,
     *,
     attention: str = "auto",
-    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS,
+    logit_chunk_tokens: int | None = None,
     compile_layers: bool | str = False,
     router_aux: bool = False,
 ) -> ForwardOutput:
     """``attention``: the tree attention backend, ``compile_layers``: torch.compile the decoder layers and the
     log-probability epilogues (see resolve_compile), both trainer settings; ``logit_chunk_tokens``:
-    trained tokens whose logits exist at once (0 = all), trainer.logit_chunk_tokens; ``router_aux``: also return
+    trained tokens whose logits exist at once (0 = all, None = a 1 GiB chunk's), trainer.logit_chunk_tokens;
+    ``router_aux``: also return
     an MoE model's load-balancing loss."""
     device = next(model.parameters()).device
     started = time.perf_counter()

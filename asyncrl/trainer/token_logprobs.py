@@ -20,6 +20,11 @@ import torch.nn.functional as F
 
 from asyncrl.trainer import compile_options
 
+LOGIT_CHUNK_BYTES = 1 << 30
+"""A chunk's float32 [tokens x vocabulary] buffer at most, where trainer.logit_chunk_tokens is null: 1,024 tokens at
+Gemma 3's 262k vocabulary, 1,081 at Qwen3.5's 248k, 1,766 at Qwen3's 152k. A fixed 4,096 tokens made 4 GiB buffers at
+Gemma 3's vocabulary, and one of them no longer fit beside vLLM mid-run (RESULTS.md, session 39)."""
+
 
 @dataclass
 class CandidateSets:
@@ -245,21 +250,24 @@ def compute_token_logprobs(
     *,
     top_ids: torch.Tensor | None = None,
     sampling_masks: list[list[int] | None] | None = None,
-    chunk_tokens: int = 4096,
+    chunk_tokens: int | None = None,
     compute_dtype: torch.dtype | None = None,
     compile_backend: str | None = None,
     softcap: float | None = None,
 ) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature) at ``targets`` (and ``top_ids``), renormalised over each slot's
-    candidate set; ``chunk_tokens`` 0 = all tokens in one chunk; ``compute_dtype``: the head matmul's dtype
+    candidate set; ``chunk_tokens``: tokens a chunk (0 = all in one; None = as many as LOGIT_CHUNK_BYTES holds at
+    the head's vocabulary); ``compute_dtype``: the head matmul's dtype
     (the autocast dtype the model ran under; default the weight's); ``compile_backend``: torch.compile the
     per-chunk epilogues with it (None = eager); ``softcap``: the model's final_logit_softcapping (None: none)."""
-    if chunk_tokens < 0:
+    if chunk_tokens is not None and chunk_tokens < 0:
         raise ValueError(f"logit_chunk_tokens={chunk_tokens} must be >= 0 (0 = all trained tokens at once)")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     weight, bias = head.weight, getattr(head, "bias", None)
     device, length = hidden.device, hidden.shape[0]
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LOGIT_CHUNK_BYTES // (weight.shape[0] * 4))
     size = chunk_tokens or max(length, 1)
     starts = [*range(0, length, size), length]
     sets = CandidateSets.build(sampling_masks, starts, device) if sampling_masks is not None else None

@@ -36,9 +36,10 @@ def test_a_model_without_a_chat_template_gets_plain_prompts_judged_alike(
 ) -> None:
     row = time_to_accuracy.task_row(47, "-", 12, plain=True)
     question = "Question: What is 47 - 12? Put your final answer within \\boxed{}.\nAnswer:"
-    assert row["prompt"].endswith("\\boxed{8}\n\n" + question) and row["solution"] == "35"
+    assert row["prompt"].endswith(" 6 + 2 = 8, so \\boxed{8}\n\n" + question) and row["solution"] == "35"
     assert row["prompt"].startswith("Question: What is 3 + 4? Put your final answer within \\boxed{}.\nAnswer: "
-                                    "\\boxed{7}\n\n")  # fmt: skip
+                                    "3 + 4 = 7, so \\boxed{7}\n\n")  # fmt: skip
+    assert " 8 - 5 = 3, so \\boxed{3}\n\n" in row["prompt"]  # each example worked on its answer line
     assert row["prompt"].count("\\boxed{}") == 4  # three solved examples, then the question
     assert time_to_accuracy.judge([row, row], [" \\boxed{35}", " 35"]) == {"accuracy": 0.5, "boxed": 0.5}
     _, held_out = time_to_accuracy.write_task(tmp_path, n_train=5, n_eval=5, plain=True)

@@ -94,6 +94,22 @@ def test_without_top_ids_and_without_weight_grad():
                                atol=1e-10, rtol=0)  # fmt: skip
 
 
+def test_the_default_chunk_holds_a_gibibyte_of_logits_at_the_heads_vocabulary(monkeypatch):
+    """trainer.logit_chunk_tokens null: a chunk is as many tokens as LOGIT_CHUNK_BYTES of float32 logits hold at the
+    head's vocabulary (here shrunk to 5 tokens' worth of the 40-word head), and the result is the full logits'."""
+    from asyncrl.trainer import token_logprobs
+
+    hidden, head, targets, _, _ = random_problem(seed=5, with_sets=False)
+    monkeypatch.setattr(token_logprobs, "LOGIT_CHUNK_BYTES", 5 * 40 * 4 + 3)
+    sizes = []
+    original = token_logprobs.Chunking.epilogue
+    monkeypatch.setattr(token_logprobs.Chunking, "epilogue",
+                        lambda self, fn, tokens: sizes.append(tokens) or original(self, fn, tokens))  # fmt: skip
+    out = compute_token_logprobs(hidden, head, targets, 1.0)
+    assert sizes == [5, 5, 5, 5, 3]  # 23 slots
+    torch.testing.assert_close(out.logprobs, reference(head(hidden), targets, None, None, 1.0)[0], atol=1e-10, rtol=0)
+
+
 def test_bad_chunk_size_and_temperature_name_the_setting():
     hidden, head, targets, _, _ = random_problem(seed=4, with_sets=False)
     with pytest.raises(ValueError, match="logit_chunk_tokens=-1"):
