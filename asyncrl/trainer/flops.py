@@ -3,7 +3,8 @@
 
 FLOPs are counted from the model config, not measured: a forward is 2 FLOPs per multiply-add of every linear
 layer at every forwarded token, attention's score and value products over the causal query-key pairs a row really
-needs (a tree row's shared prefix is attended once), a gated-DeltaNet layer's state update (4 FLOPs per state cell
+needs (a tree row's shared prefix is attended once; a sliding-window layer's at most its window a query), a
+gated-DeltaNet layer's state update (4 FLOPs per state cell
 per token), and the LM head at the positions whose logits are computed (those that train a token); fwd+bwd is 3x
 the forward. Embedding lookups, norms and activations are left out. A Mixture-of-Experts layer counts its router
 and the experts each token is routed to (``num_experts_per_tok``), not all experts.
@@ -43,7 +44,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 SUPPORTED_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen2_5_vl_text",
-    "qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text", "qwen3_5_moe_text",
+    "qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text", "qwen3_5_moe_text", "gemma3_text",
 )  # fmt: skip
 """Text model types whose layers ``forward_flops`` knows (the config's ``get_text_config().model_type``)."""
 
@@ -70,18 +71,21 @@ def _mlp(text: Any) -> int:
     return 3 * d * text.intermediate_size
 
 
-def forward_flops(model_config: Any, tokens: int, logits: int, pairs: int) -> float:
+def forward_flops(model_config: Any, tokens: int, logits: int, pairs: int, window_pairs: int | None = None) -> float:
     """Forward FLOPs of ``tokens`` forwarded tokens, ``logits`` LM-head positions and ``pairs`` causal attention
-    query-key pairs per attention layer (module docstring)."""
+    query-key pairs per full-attention layer (``window_pairs`` per sliding-window layer; default ``pairs``) (module
+    docstring)."""
     text = model_config.get_text_config()
     d, heads, kv = text.hidden_size, text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or d // heads
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    attention_layers = types.count("full_attention") + types.count("sliding_attention")
+    full, sliding = types.count("full_attention"), types.count("sliding_attention")
+    attention_layers = full + sliding
     gated = 2 if text.model_type.startswith(("qwen3_5", "qwen3_next")) else 1  # q_proj also projects an output gate
     mlp = _mlp(text)
     attention = d * heads * head_dim * (1 + gated) + 2 * d * kv * head_dim
-    flops = 2 * (attention + mlp) * attention_layers * tokens + 4 * heads * head_dim * attention_layers * pairs
+    scores = full * pairs + sliding * (pairs if window_pairs is None else window_pairs)
+    flops = 2 * (attention + mlp) * attention_layers * tokens + 4 * heads * head_dim * scores
     linear_layers = len(types) - attention_layers
     if linear_layers:
         key = text.linear_num_key_heads * text.linear_key_head_dim
@@ -92,19 +96,23 @@ def forward_flops(model_config: Any, tokens: int, logits: int, pairs: int) -> fl
     return flops + 2 * d * text.vocab_size * logits
 
 
-def row_pairs(row: PackedRow) -> int:
-    """Causal (bottom-right) query-key pairs of a row's segments: the attention work a row really needs."""
+def row_pairs(row: PackedRow, window: int | None = None) -> int:
+    """Causal (bottom-right) query-key pairs of a row's segments: the attention work a row really needs; with a
+    ``window``, each query's keys at most that many (its own included), as a sliding-window layer attends."""
     total = 0
     for seg in row.segments:
         n_q, n_kv = seg.q_end - seg.q_start, int(seg.kv_index.numel())
-        total += n_q * (n_kv - n_q) + n_q * (n_q + 1) // 2
+        before = n_kv - n_q  # keys every query of the segment sees before the first query's own
+        within = n_q if window is None else min(max(window - before, 0), n_q)  # queries whose keys fit the window
+        total += within * before + within * (within + 1) // 2 + (n_q - within) * (window or 0)
     return total
 
 
 def row_flops(model_config: Any, row: PackedRow) -> float:
     """fwd+bwd FLOPs of one packed row (3x its forward); logits count at the positions that train a token."""
     logits = int(row.token_index.unique().numel())
-    return 3.0 * forward_flops(model_config, row.num_forwarded, logits, row_pairs(row))
+    window = getattr(model_config.get_text_config(), "sliding_window", None)
+    return 3.0 * forward_flops(model_config, row.num_forwarded, logits, row_pairs(row), row_pairs(row, window))
 
 
 @dataclass(frozen=True)

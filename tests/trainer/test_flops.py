@@ -54,6 +54,26 @@ def test_a_gated_deltanet_hybrid_counts_its_projections_and_state_updates():
     assert forward_flops(config, 5, 0, 0) == (2 * linear_params(model) + state * linear_layers) * 5
 
 
+def gemma3_config(window: int):
+    """Gemma 3's text model: two sliding-window layers around a full-attention one, grouped-query attention with a
+    head size of its own."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            pad_token_id=0)  # fmt: skip
+
+
+def test_gemma3_counts_its_linear_layers_and_its_sliding_layers_window_pairs():
+    config = gemma3_config(window=3)
+    model = build_model(config, TOKENIZER)
+    per_pair = 4 * config.num_attention_heads * config.head_dim
+    assert forward_flops(config, 6, 0, 0) == 2 * linear_params(model) * 6
+    assert forward_flops(config, 0, 0, 10, window_pairs=4) == per_pair * (10 + 2 * 4)
+    assert MfuMeter.for_run(config, 2.0, torch.device("cpu"), "fp32", devices=1) is not None
+
+
 def sample(completion: list[int]) -> RolloutSample:
     tokens = [5, 6, 7, 8, *completion]
     seq = TrainingSequence(tokens, [0] * 4 + [1] * len(completion), [0.0] * len(tokens))
@@ -77,6 +97,22 @@ def test_a_row_costs_its_causal_pairs_once_and_logits_where_tokens_train(packing
     assert row_pairs(packed) == (flat_pairs if packing == "flat" else tree_pairs)
     trained_positions = 5  # the 2 + 3 completion tokens, predicted from the positions before each
     expected = 3 * forward_flops(config, packed.num_forwarded, trained_positions, row_pairs(packed))
+    assert row_flops(config, packed) == expected
+
+
+def test_a_sliding_window_caps_each_querys_keys():
+    """One 9-token sample (4 prompt, 5 completion tokens) with a window of 3: its queries see 1, 2, 3, 3, ... keys;
+    the tree's second branch (4 queries after 3 shared keys) sees 3 each; no window: the causal pairs."""
+    factory, _ = PACKERS.build({"name": "tree"}).rows(64)
+    row = factory()
+    row.add(sample([9, 10, 11, 12, 13]))
+    row.add(sample([14, 15, 16]))
+    packed = row.pack(0)
+    assert row_pairs(packed, window=3) == (1 + 2 + 3 * 7) + 3 * 4
+    assert row_pairs(packed, window=100) == row_pairs(packed) == 9 * 10 // 2 + (4 * 3 + 4 * 5 // 2)
+    config = gemma3_config(window=3)
+    logits = int(packed.token_index.unique().numel())
+    expected = 3 * forward_flops(config, packed.num_forwarded, logits, row_pairs(packed), row_pairs(packed, 3))
     assert row_flops(config, packed) == expected
 
 
