@@ -117,7 +117,7 @@ def test_the_out_of_memory_line_names_the_measurement_the_split_and_the_keys():
 
 def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_compiling_one(tmp_path, monkeypatch):
     """The figure vLLM's share comes from is an eager step's, recorded and handed to the launch (whose command takes
-    it); the layers compile in a second step while vLLM boots, and that step's figure is the run's."""
+    it); the layers compile in a second step while vLLM boots, and that step's figure is the run's and the next's."""
     from asyncrl.serving.group import ServerGroup
     from asyncrl.serving.handle import DeferredServer
     from asyncrl.trainer.loop import Trainer
@@ -160,6 +160,7 @@ def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_co
     assert trainer._measure_eagerly_then_compile(step, 512, 0.0) == compiled
     assert events == [("step", "eager", True, None), ("launch", eager), ("step", "compiled", False, eager)]
     assert not trainer.server.waits_for_warm_up and trainer.server.shares_trainer_gpu  # the room is said once it is up
+    assert cached_memory(config, 512) == compiled  # the next run launches vLLM on the compiled step's figure
 
 
 def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_up_step(tmp_path, monkeypatch):
