@@ -25,8 +25,9 @@ goes into a model built from the same config and that one is saved, in bfloat16 
 Gemma 3 ship in; the Q4 values round to it). Build on the machine that trains (its transformers writes the config).
 
 The tokenizer is converted where ``pack`` runs, not on the GPU machine: transformers before 5.25 converts Gemma's GGUF
-tokenizer as a Unigram model scored by rank, which splits text into single characters and adds no BOS (115 tokens
-where the right conversion spends 42, BOS first; 5.17, the GPU machine's, does this, and Gemma then answers noise).
+tokenizer as a Unigram model scored by rank, which splits text into single characters and adds no BOS (72 tokens for
+``PROBE``'s 72 characters, where 5.25's conversion spends 24, BOS first; the GPU machine has 5.17, and Gemma then
+answers noise).
 ``pack`` converts each model's tokenizer with this machine's transformers, checks it (``check_tokenizer``: at most a
 token per two characters of a probe, BOS first where the model wants it) and carries it as ``NAME.tokenizer.tar.xz``
 (Gemma's ~3.5 MB); ``build`` takes the carried one where present, else converts, and refuses a conversion that fails
@@ -61,6 +62,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "pieces.json"
@@ -221,7 +223,7 @@ PROBE = "Question: What is 12 + 7? Put your final answer within \\boxed{}.\nAnsw
 """Plain English and a formula: a subword tokenizer spends well under a token per two characters on it."""
 
 
-def check_tokenizer(tokenizer, source: Source) -> None:
+def check_tokenizer(tokenizer: Any, source: Source) -> None:
     """Refuse, in one line, a tokenizer that splits ``PROBE`` into near-characters or leaves out the BOS the model
     was trained with: the model would see text it never saw and answer noise (transformers 5.17's Gemma
     conversion fails it)."""
@@ -243,10 +245,7 @@ def check_tokenizer(tokenizer, source: Source) -> None:
 def tokenizer_archive(source: Source, gguf: Path, out: Path) -> Path:
     """``out``/NAME.tokenizer.tar.xz: ``source``'s tokenizer converted from ``gguf`` by this machine's
     transformers and checked, to travel beside the wheels."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    check_tokenizer(tokenizer, source)
+    tokenizer = gguf_tokenizer(source, gguf)
     archive = out / f"{source.name}.tokenizer.tar.xz"
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         tokenizer.save_pretrained(tmp)
@@ -267,9 +266,16 @@ def converted_tokenizer(source: Source, folder: Path, gguf: Path, into: Path) ->
             tar.extractall(into, filter="data")
         check_tokenizer(AutoTokenizer.from_pretrained(into), source)
         return
+    gguf_tokenizer(source, gguf).save_pretrained(into)
+
+
+def gguf_tokenizer(source: Source, gguf: Path) -> Any:
+    """``source``'s tokenizer as this machine's transformers converts it from ``gguf``, checked."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     check_tokenizer(tokenizer, source)
-    tokenizer.save_pretrained(into)
+    return tokenizer
 
 
 def build(source: Source, folder: Path, out: Path) -> Path:

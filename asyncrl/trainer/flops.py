@@ -4,10 +4,10 @@
 FLOPs are counted from the model config, not measured: a forward is 2 FLOPs per multiply-add of every linear
 layer at every forwarded token, attention's score and value products over the causal query-key pairs a row really
 needs (a tree row's shared prefix is attended once; a sliding-window layer's at most its window a query), a
-gated-DeltaNet layer's state update (4 FLOPs per state cell
-per token), and the LM head at the positions whose logits are computed (those that train a token); fwd+bwd is 3x
-the forward. Embedding lookups, norms and activations are left out. A Mixture-of-Experts layer counts its router
-and the experts each token is routed to (``num_experts_per_tok``), not all experts.
+gated-DeltaNet layer's state update (4 FLOPs per state cell per token), and the LM head at the positions whose
+logits are computed (those that train a token); fwd+bwd is 3x the forward. Embedding lookups, norms and
+activations are left out. A Mixture-of-Experts layer counts its router and the experts each token is routed to
+(``num_experts_per_tok``), not all experts.
 
 The peak comes from ``trainer.peak_tflops`` or a table of datasheet dense figures (no sparsity) per GPU model and
 precision; where neither knows the device (a CPU, an unlisted GPU) MFU is omitted, as the spec says.

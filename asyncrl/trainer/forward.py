@@ -74,8 +74,7 @@ def packed_forward(
     """``attention``: the tree attention backend, ``compile_layers``: torch.compile the decoder layers and the
     log-probability epilogues (see resolve_compile), both trainer settings; ``logit_chunk_tokens``:
     trained tokens whose logits exist at once (0 = all, None = a 1 GiB chunk's), trainer.logit_chunk_tokens;
-    ``router_aux``: also return
-    an MoE model's load-balancing loss."""
+    ``router_aux``: also return an MoE model's load-balancing loss."""
     device = next(model.parameters()).device
     started = time.perf_counter()
     attach_tree_attention(model)

@@ -257,9 +257,9 @@ def compute_token_logprobs(
 ) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature) at ``targets`` (and ``top_ids``), renormalised over each slot's
     candidate set; ``chunk_tokens``: tokens a chunk (0 = all in one; None = as many as LOGIT_CHUNK_BYTES holds at
-    the head's vocabulary); ``compute_dtype``: the head matmul's dtype
-    (the autocast dtype the model ran under; default the weight's); ``compile_backend``: torch.compile the
-    per-chunk epilogues with it (None = eager); ``softcap``: the model's final_logit_softcapping (None: none)."""
+    the head's vocabulary); ``compute_dtype``: the head matmul's dtype (the autocast dtype the model ran under;
+    default the weight's); ``compile_backend``: torch.compile the per-chunk epilogues with it (None = eager);
+    ``softcap``: the model's final_logit_softcapping (None: none)."""
     if chunk_tokens is not None and chunk_tokens < 0:
         raise ValueError(f"logit_chunk_tokens={chunk_tokens} must be >= 0 (0 = all trained tokens at once)")
     if temperature <= 0:
