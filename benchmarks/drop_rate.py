@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,9 +38,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.append(str(Path(__file__).resolve().parent))  # e2e.py and vs_trl.py beside it, as a script has them (pytest
+# imports this file where benchmarks/ is no package of its path)
 
+import vs_trl  # noqa: E402
+from e2e import GROUP_SIZE, WORKLOAD, build_assets  # noqa: E402
+
+from asyncrl.metrics import read_jsonl  # noqa: E402
 from asyncrl.serving.process import free_port  # noqa: E402
-from benchmarks.e2e import GROUP_SIZE, WORKLOAD, build_assets  # noqa: E402
 
 
 def drop_some(prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]], *,
@@ -76,25 +80,34 @@ def overrides(args: argparse.Namespace, model_dir: Path, data: Path, fraction: f
 
 
 def run(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float) -> dict[str, Any]:
-    """One `asyncrl train` at ``fraction`` dropped: its median step time after --skip steps and what bounded it."""
-    run_dir = args.work / f"drop{fraction:g}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    """One `asyncrl train` at ``fraction`` dropped, stopped (SIGTERM, then SIGKILL) at --run-timeout: its figures over
+    the steps it made (``summary``). A run stopped there still counts (``cut``): a cold vLLM start at the 0.6B shape
+    took 200 s of a 200 s limit before its first step (session 40), and the steps it made are the measurement."""
+    stem = f"drop{fraction:g}"
+    run_dir = args.work / stem
     argv = [sys.executable, "-m", "asyncrl", "train", *overrides(args, model_dir, data, fraction),
             f"hydra.run.dir={run_dir}", *args.extra]  # fmt: skip
     started = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.run_timeout)
-    if proc.returncode != 0:
-        print(proc.stdout[-2000:], proc.stderr[-3000:], flush=True)
-        raise SystemExit(f"the run at {fraction:g} dropped failed (exit {proc.returncode})")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][args.skip :]
+    rc = vs_trl.execute(argv, args.work, stem, args.work / "caches", args.run_timeout)  # caches shared: warm after
+    if rc not in (0, None):  # the first run; the medians leave the start-up out
+        print((args.work / f"{stem}.err").read_text()[-3000:], flush=True)
+        raise SystemExit(f"the run at {fraction:g} dropped failed (exit {rc}; console in {args.work / stem}.out|err)")
+    metrics = run_dir / "metrics.jsonl"
+    rows = read_jsonl(metrics) if metrics.is_file() else []
+    return {"drop_fraction": fraction, "wall_s": time.perf_counter() - started, "cut": rc is None,
+            **summary(rows, args.skip)}  # fmt: skip
+
+
+def summary(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Medians over the steps after the first ``skip`` (start-up) of what bounds a step; NaN where no step is left."""
+    kept = rows[skip:]
 
     def median(key: str) -> float:
-        values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        values = [float(r[key]) for r in kept if isinstance(r.get(key), int | float)]
         return statistics.median(values) if values else float("nan")
 
     return {
-        "drop_fraction": fraction, "wall_s": time.perf_counter() - started, "steps": len(rows) + args.skip,
+        "steps": len(rows), "measured_steps": len(kept),
         "step_s": median("perf/step_s"), "rollout_wait_s": median("perf/rollout_wait_s"),
         "zero_std_frac": median("frac_reward_zero_std"), "concurrency": median("rollout/concurrency"),
         "backpressure_s": median("rollout/backpressure_s"), "samples_per_step": median("batch/samples_per_step"),
@@ -117,17 +130,24 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=900.0)
     parser.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     args = parser.parse_args()
-    args.work = args.work or Path(tempfile.mkdtemp(prefix="drop_rate-"))
+    args.work = (args.work or Path(tempfile.mkdtemp(prefix="drop_rate-"))).resolve()  # the runs start in it
     model_dir, data = build_assets(args.work / f"assets{args.prompts}", args.shape, args.prompts)
-    results = [run(args, model_dir, data, float(f)) for f in args.fractions.split(",")]
-    base = results[0]["step_s"]
-    for r in results:
-        print(f"dropped {r['drop_fraction']:.0%} (zero_std_frac {r['zero_std_frac']:.2f}): {r['step_s']:.3f} s/step "
-              f"({r['step_s'] / base:.2f}x), rollout wait {r['rollout_wait_s']:.3f} s, in flight "
-              f"{r['concurrency']:.0f}, {r['generated_tokens_per_s']:.0f} generated tok/s, worker CPU "
-              f"{r['worker_cpu']:.2f}, staleness {r['staleness_mean']:.2f}", flush=True)  # fmt: skip
+    results: list[dict[str, Any]] = []
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "drop_rate.json").write_text(json.dumps({"extra": args.extra, "results": results}, indent=1))
+    for fraction in args.fractions.split(","):
+        results.append(run(args, model_dir, data, float(fraction)))
+        # after each run: a device call cut at its limit still returns the runs that ended
+        (args.out / "drop_rate.json").write_text(json.dumps({"extra": args.extra, "results": results}, indent=1))
+        print(line(results[-1], results[0]["step_s"]), flush=True)
+
+
+def line(r: dict[str, Any], base: float) -> str:
+    """One run's figures, its step time also as a ratio to the first run's."""
+    cut = f", cut at {r['steps']} steps" if r["cut"] else ""
+    return (f"dropped {r['drop_fraction']:.0%} (zero_std_frac {r['zero_std_frac']:.2f}; {r['measured_steps']} steps "
+            f"measured{cut}): {r['step_s']:.3f} s/step ({r['step_s'] / base:.2f}x), rollout wait "
+            f"{r['rollout_wait_s']:.3f} s, in flight {r['concurrency']:.0f}, {r['generated_tokens_per_s']:.0f} "
+            f"generated tok/s, worker CPU {r['worker_cpu']:.2f}, staleness {r['staleness_mean']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -67,3 +67,9 @@ def real_checkpoints() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def scoring_rate() -> Iterator[ModuleType]:
     yield from script_module("scoring_rate")
+
+
+@pytest.fixture(scope="module")
+def drop_rate(e2e: ModuleType, vs_trl: ModuleType) -> Iterator[ModuleType]:
+    """Its imports, e2e.py and vs_trl.py, loaded first: the tests' own e2e package would stand in for the first."""
+    yield from script_module("drop_rate")
