@@ -70,10 +70,17 @@ def train(
     cfg: str = typer.Option(None, "--cfg", "-c", help="Print the composed config (job|hydra|all) and exit."),
 ) -> None:
     """Train. Extra arguments are Hydra overrides: [bold]+recipe=deepmath trainer.learning_rate=3e-6[/bold]"""
-    from asyncrl.launch import run_hydra
+    import os
+    import time
 
-    _checked(lambda: _preflight(list(ctx.args), multirun, validate=cfg is None))
-    run_hydra(list(ctx.args), multirun=multirun, cfg=cfg)
+    os.environ["ASYNCRL_COMMAND_STARTED_AT"] = str(time.time())  # launch.py's COMMAND_STARTED_ENV: before the imports
+    try:
+        from asyncrl.launch import run_hydra
+
+        _checked(lambda: _preflight(list(ctx.args), multirun, validate=cfg is None))
+        run_hydra(list(ctx.args), multirun=multirun, cfg=cfg)
+    finally:  # the first job took it; a refused command leaves none for a later one in this process
+        os.environ.pop("ASYNCRL_COMMAND_STARTED_AT", None)
 
 
 def _preflight(overrides: list[str], multirun: bool, validate: bool) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.launch import _check_resume, check_port, serve_overrides
+from asyncrl.launch import COMMAND_STARTED_ENV, _check_resume, check_port, job_origin, serve_overrides
 from asyncrl.serving.process import free_port, port_is_free
 from asyncrl.trainer.checkpoint import ResumeError
 
@@ -260,3 +260,9 @@ def test_the_continue_line_resumes_a_whole_checkpoint_and_starts_anew_from_a_mod
         else:
             assert line == ("resume from step_000002 (step 2) with: asyncrl train trainer.max_steps=9 "
                             f"trainer.resume_from_checkpoint=latest hydra.run.dir={run_dir}")  # fmt: skip
+
+
+def test_the_first_job_counts_from_the_command_and_a_sweeps_later_jobs_from_their_own_start(monkeypatch):
+    monkeypatch.setenv(COMMAND_STARTED_ENV, "100.0")
+    assert job_origin(now=114.0) == 100.0  # the imports and checks before the job are part of its start-up
+    assert job_origin(now=500.0) == 500.0  # the second job of the sweep did not wait for the first's

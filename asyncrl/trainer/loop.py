@@ -79,7 +79,10 @@ log = logging.getLogger("asyncrl.trainer")
 
 
 STARTED_ENV = "ASYNCRL_STARTED_AT"
-"""time.time() when `asyncrl train` started this job (launch.py sets it): the origin of perf/startup_*."""
+"""time.time() when `asyncrl train` started (its first job; a sweep's later job: its own start; launch.py sets it):
+the origin of perf/startup_* and of the run's wall time."""
+JOB_STARTED_ENV = "ASYNCRL_JOB_STARTED_AT"
+"""time.time() when the job itself started, after the command's imports, composing and checks (perf/startup_job_s)."""
 
 
 def run_training(config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
@@ -114,6 +117,7 @@ class Trainer:
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
         self.ranks, self.world = ranks, ranks.world
         self.started_at = float(os.environ.get(STARTED_ENV) or time.time())
+        self.startup: dict[str, float] = {}  # perf/startup_*, reported with the first step
         self.memory: TrainerMemory | None = None
         use_cpu_threads(config, self.world, prepared.plan.server_backend)
         self.output_dir = Path(config.trainer.output_dir or run_dir)
@@ -135,7 +139,9 @@ class Trainer:
         c = self.config
         self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
         self.scaler = build_grad_scaler(c)
-        self.startup = {"perf/startup_model_loaded_s": time.time() - self.started_at}
+        job_started = float(os.environ.get(JOB_STARTED_ENV) or self.started_at)
+        self.startup["perf/startup_job_s"] = job_started - self.started_at
+        self.startup["perf/startup_model_loaded_s"] = time.time() - self.started_at
         self.processor_files = source_processor_files(c, self.model.config)
         components = self.prepared.components
         self.loss = StepLoss(components.loss, components.advantage, c.sampling.max_completion_length)
@@ -315,7 +321,7 @@ class Trainer:
         """The warm-up step(s) and a waiting vLLM's launch, in the order that starts vLLM soonest: at once on the
         figure known for this shape (its boot overlaps the whole warm-up), else after the first measuring step."""
         if self.server.waits_for_warm_up and known is not None:
-            self.server.start(known)
+            self._start_server(known)
             memory = step(alone=False, known=known)
             self._warn_if_outgrown(memory, known, "this shape's recorded figure")
             self._launch_with(memory, shape)  # the figure for the next run; the server is up already
@@ -331,6 +337,12 @@ class Trainer:
         from asyncrl.footprint import record_memory
 
         record_memory(self.config, shape, memory)
+        self._start_server(memory)
+
+    def _start_server(self, memory: TrainerMemory) -> None:
+        """Launch the servers that waited for the trainer's footprint, and when (perf/startup_server_launched_s)."""
+        if self.server.waits_for_warm_up:
+            self.startup["perf/startup_server_launched_s"] = time.time() - self.started_at
         self.server.start(memory)
 
     def _measure_eagerly_then_compile(self, step: Any, shape: int, started: float) -> TrainerMemory:

@@ -145,8 +145,10 @@ def test_the_console_has_whole_lines_no_progress_bars_and_the_runs_wall_time(asy
     lines = run.output.splitlines()
     assert "Generating train split" not in run.output and "Loading weights" not in run.output
     assert all(re.match(rf"step \d+/{STEPS}  reward ", line) for line in lines if line.startswith("step"))
-    assert any(line.startswith("startup (seconds since launch): model loaded") and "first step" in line
-               for line in lines)  # fmt: skip
+    assert any(line.startswith("startup (seconds since launch): job ") and "model loaded" in line
+               and "first step" in line for line in lines)  # fmt: skip
+    first = steps_of(run_dir)[0]  # counted from the command's start: its imports and checks came before the job's
+    assert 0 < first["perf/startup_job_s"] < first["perf/startup_model_loaded_s"] < first["perf/startup_first_step_s"]
     assert any(line.startswith("held-out reward on") and line.endswith("preferred answer changes)") for line in lines)
     wall = json.loads((run_dir / "timeline.json").read_text())["summary"]["wall_s"]
     assert f"done after {STEPS} steps in {wall:.0f} s; model saved to" in run.output

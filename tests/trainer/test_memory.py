@@ -156,8 +156,10 @@ def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_co
 
     trainer = Trainer.__new__(Trainer)
     trainer.config, trainer.server = config, ServerGroup([DeferredServer(Booting, "http://127.0.0.1:1")], wait=False)
+    trainer.started_at, trainer.startup = 0.0, {}
     assert trainer.server.waits_for_warm_up
     assert trainer._measure_eagerly_then_compile(step, 512, 0.0) == compiled
+    assert trainer.startup["perf/startup_server_launched_s"] > 0  # the launch's moment, with the start-up's phases
     assert events == [("step", "eager", True, None), ("launch", eager), ("step", "compiled", False, eager)]
     assert not trainer.server.waits_for_warm_up and trainer.server.shares_trainer_gpu  # the room is said once it is up
     assert cached_memory(config, 512) == compiled  # the next run launches vLLM on the compiled step's figure
@@ -191,6 +193,7 @@ def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_
     trainer = Trainer.__new__(Trainer)
     trainer.config, trainer.server = config, ServerGroup([DeferredServer(Booting, "http://127.0.0.1:1")], wait=False)
     trainer.model = torch.nn.Linear(2, 2)  # _compiles() must not be what decides the order here
+    trainer.started_at, trainer.startup = 0.0, {}
     assert trainer._measure_and_launch(step, 512, cached_memory(config, 512), 0.0) == measured
     assert events == [("launch", recorded), ("step", False, recorded)]
     assert cached_memory(config, 512) == measured
