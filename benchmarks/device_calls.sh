@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One long call on the lent GPU machine for the real-checkpoint benchmarks (issue 53): time_to_accuracy.py's runs and
+# evaluation, drop_rate.py at the 0.6B shape, each a JOB, run in order until BUDGET seconds from the call's start.
+#
+#   BUILD=1 JOBS="asyncrl:0:330" BUDGET=585 bash benchmarks/device_calls.sh      # first call: build Gemma, one cold run
+#   JOBS="trl:0:220 asyncrl:1:230 trl:1:180" BUDGET=585 bash benchmarks/device_calls.sh
+#   JOBS="eval drop" BUDGET=585 bash benchmarks/device_calls.sh
+#
+# JOB is TOOL:SEED:LIMIT_S (a seed other than 0 runs --warm: the tool's caches from an earlier run of the call's
+# machine), `eval` (judge every saved weight set) or `drop` (drop_rate.py, 0% and 70% dropped, DROP_STEPS steps each,
+# the time left split between the two runs). TASK: time_to_accuracy.py's task flags (Gemma-3-270M's by default).
+# Before it, on the same warm machine (it goes back after ~30 s idle, and /tmp with it): the vLLM kit's piece calls
+# into /tmp/carry (tools/vllm-kit/README.md: with a 22.7 MB tree, part09 travels alone from send09/ and the call
+# carries extra/ without it: install.sh, zstd and its libraries, `pieces`) and the checkpoint's piece calls into
+# /tmp/carry-rc (real_checkpoints.py). Each call carries [KIT_EXTRA, ".whl", ".whl-trl"] (KIT_EXTRA: that folder,
+# default .vllm-kit-0.33/extra2) and returns one archive, $OUT/results.tgz: a call returns at most 8 files.
+# Measured with it: benchmarks/RESULTS.md, session 40.
+set -u
+START=$(date +%s)
+DEADLINE=$((START + ${BUDGET:-585}))
+RESULTS=/tmp/device-results
+mkdir -p "$RESULTS/log" "$RESULTS/tta"
+pack() {  # whatever ran, the archive of it: a failed job still returns its logs
+  for r in /tmp/tta/runs/*/; do
+    [ -d "$r" ] || continue
+    n=$(basename "$r")
+    for f in metrics.jsonl launch.log timeline.json logs/server.log; do
+      [ -f "$r/$f" ] && tail -c 400000 "$r/$f" > "$RESULTS/tta/$n-${f//\//-}"
+    done
+    [ -f "$r/console.err" ] && tail -c 20000 "$r/console.err" > "$RESULTS/tta/$n-console.err"
+  done
+  for r in /tmp/drop/drop*/; do
+    [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$RESULTS/log/$(basename "$r")-metrics.jsonl"
+  done
+  tar -C "$RESULTS" -czf "$OUT/results.tgz" .
+}
+trap pack EXIT
+for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+  echo "ending GPU process $pid, left by an earlier call of this session"
+  kill "$pid"
+done
+source "${KIT_EXTRA:-.vllm-kit-0.33/extra2}/install.sh" > "$RESULTS/log/install.log" 2>&1 \
+  || { tail -20 "$RESULTS/log/install.log"; exit 1; }
+[ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  .whl/*.whl .whl-trl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+echo "ready after $(($(date +%s) - START)) s"
+MODEL=/tmp/real-checkpoints/gemma-3-270m
+if [ -n "${BUILD:-}" ] && [ ! -f "$MODEL/model.safetensors" ]; then
+  python benchmarks/real_checkpoints.py build --from /tmp/carry-rc --out /tmp/real-checkpoints --models gemma3 \
+    > "$RESULTS/log/build.log" 2>&1 || { tail -20 "$RESULTS/log/build.log"; exit 1; }
+  echo "built after $(($(date +%s) - START)) s"
+fi
+# shellcheck disable=SC2086  # TASK is several flags
+tta() {
+  python benchmarks/time_to_accuracy.py --model "$MODEL" --work /tmp/tta --out "$RESULTS/tta" --deadline "$DEADLINE" \
+    ${TASK:---operands-high 9 --eval-prompts 40 --lr 5e-6} "$@"
+}
+for job in ${JOBS:-}; do
+  echo "== $job at $(($(date +%s) - START)) s"
+  case $job in
+    eval) tta --eval > "$RESULTS/log/eval.log" 2>&1; tail -3 "$RESULTS/log/eval.log" ;;
+    drop)
+      left=$((DEADLINE - $(date +%s) - 20))
+      python benchmarks/drop_rate.py --shape 0.6b --device cuda --fractions 0,0.7 --steps "${DROP_STEPS:-16}" \
+        --run-timeout $((left / 2)) --work /tmp/drop --out "$RESULTS/drop" > "$RESULTS/log/drop.log" 2>&1
+      tail -3 "$RESULTS/log/drop.log" ;;
+    *)
+      IFS=: read -r tool seed limit <<< "$job"
+      warm=()
+      [ "$seed" != 0 ] && warm=(--warm)
+      tta --tools "$tool" --seeds "$seed" "${warm[@]}" --run-timeout "$limit" > "$RESULTS/log/$tool-$seed.log" 2>&1
+      grep -E "^\[time_to_accuracy\]" "$RESULTS/log/$tool-$seed.log" | tail -2 ;;
+  esac
+done
+echo "== done at $(($(date +%s) - START)) s"
