@@ -73,6 +73,17 @@ def job_origin(now: float) -> float:
     return float(os.environ.pop(COMMAND_STARTED_ENV, now))
 
 
+TRITON_AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"
+
+
+def keep_triton_autotuning() -> None:
+    """Triton's autotuners keep each kernel's chosen config in Triton's cache directory (Triton >= 3.4), so that a
+    later run of the shape takes it instead of benchmarking every config again: fla's gated-DeltaNet kernels in the
+    trainer's warm-up and vLLM's own. Triton reads it when a kernel's module is imported: set before any is, in the
+    environment the trainer ranks and the servers inherit. A value already set (0 turns it off) is kept."""
+    os.environ.setdefault(TRITON_AUTOTUNE_CACHE_ENV, "1")
+
+
 def _hydra_job(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -80,6 +91,7 @@ def _hydra_job(cfg: DictConfig) -> None:
     from asyncrl.logs import quiet_progress_bars
 
     now = time.time()
+    keep_triton_autotuning()
     # trainer/loop.py's STARTED_ENV (perf/startup_* count from there) and JOB_STARTED_ENV (perf/startup_job_s)
     os.environ["ASYNCRL_STARTED_AT"], os.environ["ASYNCRL_JOB_STARTED_AT"] = str(job_origin(now)), str(now)
     quiet_progress_bars()  # Hydra has set the job's logging up: libraries' bars would break its lines
@@ -561,6 +573,7 @@ def serve_forever(plan: RunPlan) -> None:
 
     config = plan.config
     run_dir = Path(config.trainer.output_dir or SERVE_DIR)
+    keep_triton_autotuning()
     command = launch_command(plan)
     print(shell_line(command.argv, command.env), flush=True)
     terminate_on_sigterm()

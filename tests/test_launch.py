@@ -4,6 +4,7 @@ every server it launches has a free port."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -11,7 +12,15 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose, to_config
-from asyncrl.launch import COMMAND_STARTED_ENV, _check_resume, check_port, job_origin, serve_overrides
+from asyncrl.launch import (
+    COMMAND_STARTED_ENV,
+    TRITON_AUTOTUNE_CACHE_ENV,
+    _check_resume,
+    check_port,
+    job_origin,
+    keep_triton_autotuning,
+    serve_overrides,
+)
 from asyncrl.serving.process import free_port, port_is_free
 from asyncrl.trainer.checkpoint import ResumeError
 
@@ -266,3 +275,12 @@ def test_the_first_job_counts_from_the_command_and_a_sweeps_later_jobs_from_thei
     monkeypatch.setenv(COMMAND_STARTED_ENV, "100.0")
     assert job_origin(now=114.0) == 100.0  # the imports and checks before the job are part of its start-up
     assert job_origin(now=500.0) == 500.0  # the second job of the sweep did not wait for the first's
+
+
+def test_triton_keeps_its_autotuning_unless_the_user_said_otherwise(monkeypatch):
+    monkeypatch.delenv(TRITON_AUTOTUNE_CACHE_ENV, raising=False)
+    keep_triton_autotuning()
+    assert os.environ[TRITON_AUTOTUNE_CACHE_ENV] == "1"
+    monkeypatch.setenv(TRITON_AUTOTUNE_CACHE_ENV, "0")
+    keep_triton_autotuning()
+    assert os.environ[TRITON_AUTOTUNE_CACHE_ENV] == "0"
