@@ -5,10 +5,12 @@
 #   BUILD=1 JOBS="asyncrl:0:330" BUDGET=585 bash benchmarks/device_calls.sh      # first call: build Gemma, one cold run
 #   JOBS="trl:0:220 asyncrl:1:230 trl:1:180" BUDGET=585 bash benchmarks/device_calls.sh
 #   JOBS="eval drop" BUDGET=585 bash benchmarks/device_calls.sh
+#   JOBS="accept:vlm" BUDGET=585 ACCEPT_STEPS=4 bash benchmarks/device_calls.sh  # acceptance rows, the time left
 #
 # JOB is TOOL:SEED:LIMIT_S (a seed other than 0 runs --warm: the tool's caches from an earlier run of the call's
-# machine), `eval` (judge every saved weight set) or `drop` (drop_rate.py, 0% and 70% dropped, DROP_STEPS steps each,
-# the time left split between the two runs). TASK: time_to_accuracy.py's task flags (Gemma-3-270M's by default).
+# machine), `eval` (judge every saved weight set), `drop` (drop_rate.py, 0% and 70% dropped, DROP_STEPS steps each,
+# the time left split between the two runs) or `accept:ROWS` (benchmarks/acceptance.py's rows, ACCEPT_STEPS steps
+# each, default 10, a row's limit the time left). TASK: time_to_accuracy.py's task flags (Gemma-3-270M's by default).
 # Before it, on the same warm machine (it goes back after ~30 s idle, and /tmp with it): the vLLM kit's piece calls
 # into /tmp/carry (tools/vllm-kit/README.md: with a 22.7 MB tree, part09 travels alone from send09/ and the call
 # carries extra/ without it: install.sh, zstd and its libraries, `pieces`) and the checkpoint's piece calls into
@@ -29,6 +31,7 @@ pack() {  # whatever ran, the archive of it: a failed job still returns its logs
     done
     [ -f "$r/console.err" ] && tail -c 20000 "$r/console.err" > "$RESULTS/tta/$n-console.err"
   done
+  [ -d /tmp/acc-out ] && cp -r /tmp/acc-out "$RESULTS/acc"
   for r in /tmp/drop/drop*/; do
     [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$RESULTS/log/$(basename "$r")-metrics.jsonl"
   done
@@ -65,6 +68,11 @@ for job in ${JOBS:-}; do
       python benchmarks/drop_rate.py --shape 0.6b --device cuda --fractions 0,0.7 --steps "${DROP_STEPS:-16}" \
         --run-timeout $((left / 2)) --work /tmp/drop --out "$RESULTS/drop" > "$RESULTS/log/drop.log" 2>&1
       tail -3 "$RESULTS/log/drop.log" ;;
+    accept:*)  # a recipe row builds its shape first (~32 s at 2B), outside its limit
+      left=$((DEADLINE - $(date +%s) - 60))
+      python benchmarks/acceptance.py --rows "${job#accept:}" --steps "${ACCEPT_STEPS:-10}" --row-timeout "$left" \
+        --out /tmp/acc-out --work /tmp/acc > "$RESULTS/log/accept.log" 2>&1
+      tail -5 "$RESULTS/log/accept.log" ;;
     *)
       IFS=: read -r tool seed limit <<< "$job"
       warm=()

@@ -11,9 +11,12 @@ first steps.
     python benchmarks/drop_rate.py                                # 0% and 70% dropped, 30 steps each, on the CPU
     python benchmarks/drop_rate.py --fractions 0,0.7 --prompts 64 --steps 40 -- data.retire_solved_after=2
     python benchmarks/drop_rate.py --shape 0.6b --device cuda     # the 0.6B shape (a GPU)
+    python benchmarks/drop_rate.py --from-metrics RUN/metrics.jsonl   # a real run's steps, by the share it dropped
 
 Anything after ``--`` is passed to every run as overrides. Prints one line per fraction and the ratio of each to the
-first; writes drop_rate.json under --out.
+first; writes drop_rate.json under --out. ``--from-metrics`` runs nothing: it reads a finished run's metrics (a real
+model learning its task, whose share of zero-spread groups rises as it converges) and compares the steps that dropped
+at most 35% of their groups with those that dropped at least 70% (``by_drop_rate``).
 
 On 2 CPU cores shared with other jobs (issue 53, medians of steps 6-30; before = admission counting every token in
 flight, after = at the kept share), 70% dropped took 2.1-4.6x the step of 0% before (4 runs: the trainer waited
@@ -117,6 +120,44 @@ def summary(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+LOW_DROP, HIGH_DROP = 0.35, 0.7
+"""A real run's steps that dropped at most LOW_DROP of their groups are its baseline; those at HIGH_DROP or more,
+the issue's 70%."""
+
+
+def by_drop_rate(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """A finished run's steps after the first ``skip``, in two bins by ``frac_reward_zero_std`` (steps that logged
+    none are left out): the median and mean ``perf/step_s`` of each, and their ratio, high over low. Why a real run as
+    well as ``run``'s fixed fractions: the share dropped rises with accuracy while completions shorten and the policy
+    sharpens, which the synthetic reward does not reproduce."""
+    timed = [
+        (float(r["frac_reward_zero_std"]), float(r["perf/step_s"]))
+        for r in rows[skip:]
+        if isinstance(r.get("frac_reward_zero_std"), int | float) and isinstance(r.get("perf/step_s"), int | float)
+    ]
+    low = [s for f, s in timed if f <= LOW_DROP]
+    high = [s for f, s in timed if f >= HIGH_DROP]
+
+    def figures(steps: list[float]) -> dict[str, float]:
+        if not steps:
+            return {"steps": 0, "median_s": float("nan"), "mean_s": float("nan")}
+        return {"steps": len(steps), "median_s": statistics.median(steps), "mean_s": statistics.fmean(steps)}
+
+    lo, hi = figures(low), figures(high)
+    return {"low": lo, "high": hi, "median_ratio": hi["median_s"] / lo["median_s"] if low else float("nan"),
+            "mean_ratio": hi["mean_s"] / lo["mean_s"] if low else float("nan")}  # fmt: skip
+
+
+def drop_rate_line(path: Path, figures: dict[str, Any]) -> str:
+    """``by_drop_rate``'s figures of one run as one line."""
+    lo, hi = figures["low"], figures["high"]
+    return (
+        f"{path}: {lo['steps']} steps at <= {LOW_DROP:.0%} dropped {lo['median_s']:.3f} s/step median "
+        f"({lo['mean_s']:.3f} mean); {hi['steps']} at >= {HIGH_DROP:.0%} dropped {hi['median_s']:.3f} median "
+        f"({hi['mean_s']:.3f} mean): {figures['median_ratio']:.2f}x median, {figures['mean_ratio']:.2f}x mean"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fractions", default="0,0.7", help="shares of prompts whose groups are dropped")
@@ -128,8 +169,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="assets and runs (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--run-timeout", type=float, default=900.0)
+    parser.add_argument("--from-metrics", type=Path, nargs="+", help="run nothing: bin these runs' steps by the "
+                        "share of groups they dropped")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     args = parser.parse_args()
+    if args.from_metrics:
+        for path in args.from_metrics:
+            print(drop_rate_line(path, by_drop_rate(read_jsonl(path), args.skip)), flush=True)
+        return
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="drop_rate-"))).resolve()  # the runs start in it
     model_dir, data = build_assets(args.work / f"assets{args.prompts}", args.shape, args.prompts)
     results: list[dict[str, Any]] = []
