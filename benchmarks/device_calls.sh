@@ -12,11 +12,12 @@
 # the time left split between the two runs) or `accept:ROWS` (benchmarks/acceptance.py's rows, ACCEPT_STEPS steps
 # each, default 10, a row's limit the time left). TASK: time_to_accuracy.py's task flags (Gemma-3-270M's by default).
 # Before it, on the same warm machine (it goes back after ~30 s idle, and /tmp with it): the vLLM kit's piece calls
-# into /tmp/carry (tools/vllm-kit/README.md: with a 22.7 MB tree, part09 travels alone from send09/ and the call
-# carries extra/ without it: install.sh, zstd and its libraries, `pieces`) and the checkpoint's piece calls into
-# /tmp/carry-rc (real_checkpoints.py). Each call carries [KIT_EXTRA, ".whl", ".whl-trl"] (KIT_EXTRA: that folder,
-# default .vllm-kit-0.33/extra2) and returns one archive, $OUT/results.tgz: a call returns at most 8 files.
-# Measured with it: benchmarks/RESULTS.md, session 40.
+# into /tmp/carry (with a 23.1 MB tree the kit's 44 MB pieces no longer fit a call: `bash tools/vllm-kit/send.sh
+# .vllm-kit-0.33 40000000` cuts 11 pieces of 40 MB into split/sendNN/ and makes extra-split/: install.sh, zstd and
+# its libraries, `pieces`) and the checkpoint's piece calls into /tmp/carry-rc (real_checkpoints.py). Each call
+# carries [KIT_EXTRA, ".whl", ".whl-trl"] (KIT_EXTRA: that folder, default .vllm-kit-0.33/extra-split) and returns
+# one archive, $OUT/results.tgz: a call returns at most 8 files.
+# Measured with it: benchmarks/RESULTS.md, sessions 40-41.
 set -u
 START=$(date +%s)
 DEADLINE=$((START + ${BUDGET:-585}))
@@ -42,7 +43,7 @@ for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/nu
   echo "ending GPU process $pid, left by an earlier call of this session"
   kill "$pid"
 done
-source "${KIT_EXTRA:-.vllm-kit-0.33/extra2}/install.sh" > "$RESULTS/log/install.log" 2>&1 \
+source "${KIT_EXTRA:-.vllm-kit-0.33/extra-split}/install.sh" > "$RESULTS/log/install.log" 2>&1 \
   || { tail -20 "$RESULTS/log/install.log"; exit 1; }
 [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   .whl/*.whl .whl-trl/*.whl || exit 1
