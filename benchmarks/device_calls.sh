@@ -8,9 +8,10 @@
 #   JOBS="accept:vlm" BUDGET=585 ACCEPT_STEPS=4 bash benchmarks/device_calls.sh  # acceptance rows, the time left
 #
 # JOB is TOOL:SEED:LIMIT_S (a seed other than 0 runs --warm: the tool's caches from an earlier run of the call's
-# machine), `eval` (judge every saved weight set), `drop` (drop_rate.py, 0% and 70% dropped, DROP_STEPS steps each,
-# the time left split between the two runs) or `accept:ROWS` (benchmarks/acceptance.py's rows, ACCEPT_STEPS steps
-# each, default 10, a row's limit the time left). TASK: time_to_accuracy.py's task flags (Gemma-3-270M's by default).
+# machine), `eval` (judge every saved weight set), `drop` (drop_rate.py at 0.6B: a warm-up run of DROP_WARM_UP s,
+# then 0% and 70% dropped, DROP_STEPS steps each, the time left split between the two) or `accept:ROWS`
+# (benchmarks/acceptance.py's rows, ACCEPT_STEPS steps each, default 10, a row's limit the time left). TASK:
+# time_to_accuracy.py's task flags (Gemma-3-270M's by default).
 # Before it, on the same warm machine (it goes back after ~30 s idle, and /tmp with it): the vLLM kit's piece calls
 # into /tmp/carry (with a 23.1 MB tree the kit's 44 MB pieces no longer fit a call: `bash tools/vllm-kit/send.sh
 # .vllm-kit-0.33 40000000` cuts 11 pieces of 40 MB into split/sendNN/ and makes extra-split/: install.sh, zstd and
@@ -33,7 +34,7 @@ pack() {  # whatever ran, the archive of it: a failed job still returns its logs
     [ -f "$r/console.err" ] && tail -c 20000 "$r/console.err" > "$RESULTS/tta/$n-console.err"
   done
   [ -d /tmp/acc-out ] && cp -r /tmp/acc-out "$RESULTS/acc"
-  for r in /tmp/drop/drop*/; do
+  for r in /tmp/drop/drop*/ /tmp/drop/warm_up/; do
     [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$RESULTS/log/$(basename "$r")-metrics.jsonl"
   done
   tar -C "$RESULTS" -czf "$OUT/results.tgz" .
@@ -64,10 +65,11 @@ for job in ${JOBS:-}; do
   echo "== $job at $(($(date +%s) - START)) s"
   case $job in
     eval) tta --eval > "$RESULTS/log/eval.log" 2>&1; tail -3 "$RESULTS/log/eval.log" ;;
-    drop)
-      left=$((DEADLINE - $(date +%s) - 20))
+    drop)  # a warm-up run first (vLLM's cold compile, DROP_WARM_UP s), then 0% and 70% warm, the rest split
+      left=$((DEADLINE - $(date +%s) - 30 - ${DROP_WARM_UP:-260}))
       python benchmarks/drop_rate.py --shape 0.6b --device cuda --fractions 0,0.7 --steps "${DROP_STEPS:-16}" \
-        --run-timeout $((left / 2)) --work /tmp/drop --out "$RESULTS/drop" > "$RESULTS/log/drop.log" 2>&1
+        --warm-up-timeout "${DROP_WARM_UP:-260}" --run-timeout $((left / 2)) --work /tmp/drop --out "$RESULTS/drop" \
+        > "$RESULTS/log/drop.log" 2>&1
       tail -3 "$RESULTS/log/drop.log" ;;
     accept:*)  # a recipe row builds its shape first (~32 s at 2B), outside its limit
       left=$((DEADLINE - $(date +%s) - 60))

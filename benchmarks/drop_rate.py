@@ -11,6 +11,7 @@ first steps.
     python benchmarks/drop_rate.py                                # 0% and 70% dropped, 30 steps each, on the CPU
     python benchmarks/drop_rate.py --fractions 0,0.7 --prompts 64 --steps 40 -- data.retire_solved_after=2
     python benchmarks/drop_rate.py --shape 0.6b --device cuda     # the 0.6B shape (a GPU)
+    python benchmarks/drop_rate.py --shape 0.6b --device cuda --warm-up-timeout 260 --steps 12 --run-timeout 140
     python benchmarks/drop_rate.py --from-metrics RUN/metrics.jsonl   # a real run's steps, by the share it dropped
 
 Anything after ``--`` is passed to every run as overrides. Prints one line per fraction and the ratio of each to the
@@ -68,7 +69,7 @@ def server_overrides(device: str) -> list[str]:
     return ["server.backend=builtin", f"server.device={device}", "server.dtype=float32"]
 
 
-def overrides(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float) -> list[str]:
+def overrides(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float, steps: int) -> list[str]:
     _, median, sigma, max_len, budget = WORKLOAD[args.shape]
     return [
         f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_path=null",
@@ -77,21 +78,24 @@ def overrides(args: argparse.Namespace, model_dir: Path, data: Path, fraction: f
         "sampling.num_sampler_logprobs=0", "rollout.loop_cls=benchmarks.e2e:LengthControlledLoop",
         f"++rollout.options={{median_tokens: {median}, sigma: {sigma}}}", "rollout.max_consecutive_dropped_groups=null",
         *server_overrides(args.device), f"server.port={free_port()}",
-        f"packing.token_budget={budget}", f"trainer.max_steps={args.steps}", "trainer.save_strategy=no",
+        f"packing.token_budget={budget}", f"trainer.max_steps={steps}", "trainer.save_strategy=no",
         "trainer.learning_rate=1e-6", "logging.console=plain", "logging.report=false",
     ]  # fmt: skip
 
 
-def run(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float) -> dict[str, Any]:
+def run(args: argparse.Namespace, model_dir: Path, data: Path, fraction: float, *, warm_up: bool = False
+        ) -> dict[str, Any]:  # fmt: skip
     """One `asyncrl train` at ``fraction`` dropped, stopped (SIGTERM, then SIGKILL) at --run-timeout: its figures over
     the steps it made (``summary``). A run stopped there still counts (``cut``): a cold vLLM start at the 0.6B shape
-    took 200 s of a 200 s limit before its first step (session 40), and the steps it made are the measurement."""
-    stem = f"drop{fraction:g}"
+    took 200 s of a 200 s limit before its first step (session 40), and the steps it made are the measurement.
+    ``warm_up``: WARM_UP_STEPS steps within --warm-up-timeout, which fill the caches the measured runs share."""
+    stem = "warm_up" if warm_up else f"drop{fraction:g}"
+    steps, limit = (WARM_UP_STEPS, args.warm_up_timeout) if warm_up else (args.steps, args.run_timeout)
     run_dir = args.work / stem
-    argv = [sys.executable, "-m", "asyncrl", "train", *overrides(args, model_dir, data, fraction),
+    argv = [sys.executable, "-m", "asyncrl", "train", *overrides(args, model_dir, data, fraction, steps),
             f"hydra.run.dir={run_dir}", *args.extra]  # fmt: skip
     started = time.perf_counter()
-    rc = vs_trl.execute(argv, args.work, stem, args.work / "caches", args.run_timeout)  # caches shared: warm after
+    rc = vs_trl.execute(argv, args.work, stem, args.work / "caches", limit)  # caches shared: warm after
     if rc not in (0, None):  # the first run; the medians leave the start-up out
         print((args.work / f"{stem}.err").read_text()[-3000:], flush=True)
         raise SystemExit(f"the run at {fraction:g} dropped failed (exit {rc}; console in {args.work / stem}.out|err)")
@@ -120,6 +124,8 @@ def summary(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+WARM_UP_STEPS = 2
+"""The warm-up run's steps (--warm-up-timeout): enough to compile the trainer's step and vLLM's graphs."""
 LOW_DROP, HIGH_DROP = 0.35, 0.7
 """A real run's steps that dropped at most LOW_DROP of their groups are its baseline; those at HIGH_DROP or more,
 the issue's 70%."""
@@ -169,6 +175,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="assets and runs (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--run-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--warm-up-timeout",
+        type=float,
+        help="first, a run of WARM_UP_STEPS steps within this limit, "
+        "not compared: a machine's first vLLM start compiles (~200 s at 0.6B), the runs after it do not",
+    )
     parser.add_argument("--from-metrics", type=Path, nargs="+", help="run nothing: bin these runs' steps by the "
                         "share of groups they dropped")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="overrides for every run (after --)")
@@ -181,6 +193,9 @@ def main() -> None:
     model_dir, data = build_assets(args.work / f"assets{args.prompts}", args.shape, args.prompts)
     results: list[dict[str, Any]] = []
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.warm_up_timeout:
+        warm = run(args, model_dir, data, 0.0, warm_up=True)
+        print(f"warm-up run (not compared): {warm['wall_s']:.0f} s, {warm['steps']} steps", flush=True)
     for fraction in args.fractions.split(","):
         results.append(run(args, model_dir, data, float(fraction)))
         # after each run: a device call cut at its limit still returns the runs that ended
