@@ -73,3 +73,8 @@ def scoring_rate() -> Iterator[ModuleType]:
 def drop_rate(e2e: ModuleType, vs_trl: ModuleType) -> Iterator[ModuleType]:
     """Its imports, e2e.py and vs_trl.py, loaded first: the tests' own e2e package would stand in for the first."""
     yield from script_module("drop_rate")
+
+
+@pytest.fixture(scope="module")
+def save_cost() -> Iterator[ModuleType]:
+    yield from script_module("save_cost")
