@@ -1,6 +1,7 @@
 """What one periodic checkpoint costs the trainer: ``fsdp.save_weights`` (the sharded fp32 weights and AdamW state,
 then the consolidated model in the serving dtype) of a model of a real checkpoint's shape, random weights, after one
-AdamW step, in a world of one; each writer-thread count in turn (``fsdp.SAVE_THREADS`` is the trainer's).
+AdamW step, in a world of one (on the GPU where there is one); each writer-thread count in turn (``fsdp.SAVE_THREADS``
+is the trainer's).
 
     python benchmarks/save_cost.py                                  # Gemma-3-270M's shape, 1 and SAVE_THREADS writers
     python benchmarks/save_cost.py --threads 1,2,4,8 --repeats 2 --dir /tmp/save-cost
@@ -49,7 +50,8 @@ def trained_model(shape: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     config = to_config(compose([]))
     model = fsdp.shard(AutoModelForCausalLM.from_config(SHAPES[shape](), dtype=torch.float32), config, None)
     optimizer, _ = build_optimizer(config, model)
-    model(input_ids=torch.randint(0, 1000, (1, 16))).logits.float().mean().backward()
+    device = next(model.parameters()).device  # a GPU's where there is one, as the trainer's (fsdp.shard)
+    model(input_ids=torch.randint(0, 1000, (1, 16), device=device)).logits.float().mean().backward()
     optimizer.step()
     return model, optimizer
 
