@@ -9,10 +9,9 @@ is the trainer's).
 Prints a table row per thread count: seconds per save (the median of --repeats), the resume files' size and count.
 The disk and the page cache decide the figure: compare thread counts within one run.
 
-On this workplace's 2-core CPU machine (session 41, code after `0982cad`), Gemma-3-270M's shape, `--threads
-1,2,4,8`, then `8,4,1,2,4,1`, then `1,8,1,8,1,8`: one writer 18.7, 17.6, 9.5, 12.7, 10.1, 10.9 s (median 11.8); 8
-writers 9.3, 8.0, 10.4, 6.7, 6.8 s (median 8.0); 2 and 4 writers between. The disk's write-back makes single saves
-vary 2x: compare medians.
+Session 41, Gemma-3-270M's shape, medians (each run in benchmarks/RESULTS.md): on an H100 machine one writer 6.4 s
+over six saves (5.1-9.6), 8 writers 4.5 s over six (4.2-4.6); on this workplace's 2-core CPU machine 11.8 s (9.5-18.7)
+and 8.0 s (6.7-10.4). The disk's write-back makes single saves vary 2x: compare medians.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ sync for Qwen3-0.6B on 2 H200s) and a bounded extra memory, never the whole mode
 SAVE_THREADS = 8
 """Writer threads of a checkpoint's resume files (each writes a file of its own; torch.distributed.checkpoint's
 default is one, which leaves the disk idle while it serializes). A whole save of Gemma-3-270M's shape (3.9 GB of fp32
-weights and AdamW state, then the bf16 model) on a 2-core CPU machine, `benchmarks/save_cost.py`: 11.8 s median with
-one thread (9.5-18.7 over six saves), 8.0 s with 8 (6.7-10.4 over five); the disk bounds the rest."""
+weights and AdamW state, then the bf16 model), `benchmarks/save_cost.py`, medians: on an H100 machine 6.4 s with one
+thread (5.1-9.6 over six saves), 4.5 s with 8 (4.2-4.6); on a 2-core CPU machine 11.8 s and 8.0 s."""
 
 
 def buckets(params: list[torch.Tensor], dtype: torch.dtype | None, limit: int = BUCKET_BYTES) -> list[range]:
