@@ -61,8 +61,8 @@ def test_a_save_over_an_existing_step_replaces_it_whole(saver, tmp_path):
 
 
 def test_the_resume_files_are_written_by_several_threads_a_file_each(saver, tmp_path):
-    """One writer thread (torch.distributed.checkpoint's default) made a 270M model's save 1.4x slower on an H100 machine
-    (fsdp.SAVE_THREADS); the resume from such files is test_optimizers' and test_distributed's."""
+    """One writer thread (torch.distributed.checkpoint's default) made a 270M model's save 1.4x slower on an H100
+    machine (fsdp.SAVE_THREADS); the resume from such files is test_optimizers' and test_distributed's."""
     from asyncrl.trainer.fsdp import SAVE_THREADS
 
     files = sorted(p.name for p in (saver(tmp_path, 2) / "sharded").iterdir())
