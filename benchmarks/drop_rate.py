@@ -150,8 +150,8 @@ def by_drop_rate(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         return {"steps": len(steps), "median_s": statistics.median(steps), "mean_s": statistics.fmean(steps)}
 
     lo, hi = figures(low), figures(high)
-    return {"low": lo, "high": hi, "median_ratio": hi["median_s"] / lo["median_s"] if low else float("nan"),
-            "mean_ratio": hi["mean_s"] / lo["mean_s"] if low else float("nan")}  # fmt: skip
+    ratios = {"median_ratio": hi["median_s"] / lo["median_s"], "mean_ratio": hi["mean_s"] / lo["mean_s"]}
+    return {"low": lo, "high": hi, **ratios}  # NaN ratios where a bin is empty
 
 
 def drop_rate_line(path: Path, figures: dict[str, Any]) -> str:
