@@ -6,10 +6,12 @@
 #   JOBS="trl:0:220 asyncrl:1:230 trl:1:180" BUDGET=585 bash benchmarks/device_calls.sh
 #   JOBS="eval drop" BUDGET=585 bash benchmarks/device_calls.sh
 #   JOBS="accept:vlm" BUDGET=585 ACCEPT_STEPS=4 bash benchmarks/device_calls.sh  # acceptance rows, the time left
+#   JOBS="conv" BUDGET=585 bash benchmarks/device_calls.sh                         # 2B kernels, fla conv vs reference
 #
 # JOB is TOOL:SEED:LIMIT_S (a seed other than 0 runs --warm: the tool's caches from an earlier run of the call's
 # machine), `eval` (judge every saved weight set), `drop` (drop_rate.py at 0.6B: a warm-up run of DROP_WARM_UP s,
-# then 0% and 70% dropped, DROP_STEPS steps each, the time left split between the two) or `accept:ROWS`
+# then 0% and 70% dropped, DROP_STEPS steps each, the time left split between the two), `conv` (packing.py's 2B
+# packed rows profiled with fla's convolution and with the reference, CONV_GROUPS groups) or `accept:ROWS`
 # (benchmarks/acceptance.py's rows, ACCEPT_STEPS steps each, default 10, a row's limit the time left). TASK:
 # time_to_accuracy.py's task flags (Gemma-3-270M's by default).
 # Before it, on the same warm machine (it goes back after ~30 s idle, and /tmp with it): the vLLM kit's piece calls
@@ -71,6 +73,15 @@ for job in ${JOBS:-}; do
         --warm-up-timeout "${DROP_WARM_UP:-260}" --run-timeout $((left / 2)) --work /tmp/drop --out "$RESULTS/drop" \
         > "$RESULTS/log/drop.log" 2>&1
       tail -3 "$RESULTS/log/drop.log" ;;
+    conv)  # issue 57 item 2: a 2B packed step's top kernels, fla's convolution against the reference; the GPU test
+      python -m pytest -q -p no:cacheprovider -m gpu tests/packing/test_deltanet.py > "$RESULTS/log/conv-test.log" 2>&1
+      tail -1 "$RESULTS/log/conv-test.log"
+      for conv in fla reference; do
+        mkdir -p "$RESULTS/conv-$conv"
+        OUT=$RESULTS/conv-$conv python benchmarks/packing.py --shape qwen3.5-2b --no-compile --budgets 16384 \
+          --groups "${CONV_GROUPS:-12}" --exact-attention varlen --profile --conv "$conv" > "$RESULTS/log/conv-$conv.log" 2>&1
+        grep -E "^ *16384|total" "$RESULTS/log/conv-$conv.log"
+      done ;;
     accept:*)  # a recipe row builds its shape first (~32 s at 2B), outside its limit
       left=$((DEADLINE - $(date +%s) - 60))
       python benchmarks/acceptance.py --rows "${job#accept:}" --steps "${ACCEPT_STEPS:-10}" --row-timeout "$left" \

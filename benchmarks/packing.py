@@ -13,6 +13,7 @@ backend against unpacked SDPA comes last. Imports only torch, transformers and a
     python benchmarks/packing.py --tiny                # a CPU rehearsal of the same code (compiles with aot_eager)
     python benchmarks/packing.py --attention varlen cascade --exact-attention varlen cascade flex
     python benchmarks/packing.py --shape qwen3.5-2b    # a gated-DeltaNet hybrid (fla's kernels when installed)
+    python benchmarks/packing.py --shape qwen3.5-2b --no-compile --budgets 16384 --profile --conv reference
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from transformers import Qwen3Config
 
-from asyncrl.packing import FlatRow, TreeRow, plan_micro_batches
+from asyncrl.packing import FlatRow, TreeRow, deltanet, plan_micro_batches
 from asyncrl.packing.attention import ATTENTION, cascade_plan
 from asyncrl.packing.cascade import ReferenceKernel
 from asyncrl.packing.row import PackedRow
@@ -291,6 +292,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny model, short samples, sdpa and "
                         "cascade's reference kernel")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one flat and one tree row")
+    parser.add_argument("--conv", choices=["fla", "reference"], default="fla",
+                        help="gated-DeltaNet convolution on CUDA: fla's Triton kernel (the trainer's) or transformers' "
+                        "depthwise F.conv1d, to measure one against the other")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
     return parser.parse_args()
@@ -334,6 +338,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     started = time.perf_counter()
     device = torch.device("cpu" if args.tiny else "cuda")
+    if args.conv == "reference":
+        deltanet._fla_conv = lambda: None
     config = build_config(args.shape, args.tiny)
     torch.manual_seed(args.seed)
     with device:
@@ -351,8 +357,8 @@ def main() -> None:
     chunk = max(1, int(chunk * scale)) if chunk else 0
     samples = grpo_samples(args.groups, config.vocab_size, args.seed, scale)
     exact_samples = grpo_samples(2, config.vocab_size, args.seed + 1, scale * 0.5)
-    header = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__,
+    header = {"shape": args.shape, "conv": args.conv,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "samples": len(samples), "raw_tokens": sum(s.num_tokens for s in samples),
               "trained_tokens": sum(s.num_trained for s in samples), "logit_chunk_tokens": chunk}  # fmt: skip
     print(" ".join(f"{k}={v}" for k, v in header.items()), flush=True)

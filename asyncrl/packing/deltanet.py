@@ -16,7 +16,8 @@ transformers' gated-DeltaNet layers call the module-level ``causal_conv1d_fn`` a
 with the layer's keyword arguments, so ``install`` swaps those two names for dispatchers that take this module's
 ``recurrent_plan`` keyword (passed by ``packed_forward``) and call the originals unchanged otherwise. The recurrence
 itself is transformers' own reference (``torch_chunk_gated_delta_rule``), or fla's Triton kernel on CUDA with
-varlen ``cu_seqlens`` and per-sequence initial states, instead of padding each level to its longest segment.
+varlen ``cu_seqlens`` and per-sequence initial states, instead of padding each level to its longest segment; the
+row's plain convolution is fla's Triton kernel there too, in place of the reference depthwise ``F.conv1d``.
 """
 
 from __future__ import annotations
@@ -138,7 +139,11 @@ def packed_conv(
     recomputed from their own window (``weight`` [C, K], the last tap on the token itself)."""
     from transformers.activations import ACT2FN
 
-    out = original(hidden_states, weight, bias, activation=None)
+    kernel = _fla_conv() if hidden_states.is_cuda else None
+    if kernel is None:
+        out = original(hidden_states, weight, bias, activation=None)
+    else:  # fla takes [B, L, C]: the layer's own layout before its transpose, so no copy either way
+        out = kernel(hidden_states.transpose(1, 2), weight, bias)[0].transpose(1, 2)
     if plan.conv_positions.numel():
         rows = F.pad(hidden_states[0].to(weight.dtype), (1, 0))  # column 0 reads as "before the sample": zeros
         window = rows[:, plan.conv_window + 1]  # [C, F, K]
@@ -226,6 +231,17 @@ def _fla_rule() -> Callable[..., Any] | None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule
+
+
+@functools.cache
+def _fla_conv() -> Callable[..., Any] | None:
+    """fla's Triton causal convolution ([B, L, C] in and out), or None where ``_fla_rule`` is (it says why): the
+    kernel transformers' fast path would take from the ``causal-conv1d`` package, which ships no wheels."""
+    if _fla_rule() is None:
+        return None
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d
 
 
 def fla_unusable() -> str | None:

@@ -128,14 +128,16 @@ needs_fla = pytest.mark.skipif(not torch.cuda.is_available() or deltanet.fla_unu
 @pytest.mark.gpu
 @needs_fla
 def test_fla_levels_match_the_torch_reference_on_cuda(monkeypatch):
-    """The same tree row through fla's varlen kernel and through transformers' reference (fla hidden), in float32:
-    log-probabilities and gradients agree to the kernels' rounding (fla's chunked solve differs in order)."""
+    """The same tree row through fla's kernels (the varlen recurrence and the convolution) and through transformers'
+    reference (fla hidden), in float32: log-probabilities and gradients agree to the kernels' rounding (fla's
+    chunked solve differs in order)."""
     row = pack(edge_samples() + random_samples(12, num_groups=2, max_group=4))
     model = build_tiny_hybrid(7).cuda()
     reference = copy.deepcopy(model)
     fla_out = packed_forward(model, row, TEMPERATURE, attention="sdpa").logprobs
     (row.advantages.cuda() * fla_out).sum().backward()
     monkeypatch.setattr(deltanet, "_fla_rule", lambda: None)
+    monkeypatch.setattr(deltanet, "_fla_conv", lambda: None)
     torch_out = packed_forward(reference, row, TEMPERATURE, attention="sdpa").logprobs
     (row.advantages.cuda() * torch_out).sum().backward()
     torch.testing.assert_close(fla_out, torch_out, atol=2e-3, rtol=0)
