@@ -139,7 +139,7 @@ def packed_conv(
     recomputed from their own window (``weight`` [C, K], the last tap on the token itself)."""
     from transformers.activations import ACT2FN
 
-    kernel = _fla_conv() if hidden_states.is_cuda else None
+    kernel = _fla_conv() if _fla_device(hidden_states) else None
     if kernel is None:
         out = original(hidden_states, weight, bias, activation=None)
     else:  # fla takes [B, L, C]: the layer's own layout before its transpose, so no copy either way
@@ -167,7 +167,7 @@ def packed_delta_rule(
     """[1, L, H, D] inputs -> [1, L, H_v, D_v]: the chunked gated delta rule per segment, level by level, each
     segment from its parent's final state. Grouped values (more value than key heads) pass through as they came:
     both kernels take them."""
-    run = _fla_level if query.is_cuda and _fla_rule() is not None else functools.partial(_torch_level, original)
+    run = _fla_level if _fla_device(query) and _fla_rule() is not None else functools.partial(_torch_level, original)
     outputs, finals = [], None
     for level in plan.levels:
         initial = None if level.parents is None else finals.index_select(0, level.parents)
@@ -216,6 +216,11 @@ def _fla_level(
         use_qk_l2norm_in_kernel=l2norm,
     )
     return out[0], final
+
+
+def _fla_device(tensor: torch.Tensor) -> bool:
+    """Whether fla's Triton kernels take ``tensor`` where it is: on CUDA (the CPU keeps transformers' reference)."""
+    return tensor.is_cuda
 
 
 @functools.cache
