@@ -26,7 +26,9 @@ length and each shape are other configurations), later ones take ~1 min. A recip
 first run on a machine does not fit one call: at the 2B shape (session 16) the eager warm-up step took 189 s (fla's
 Triton kernels compiled and autotuned) and vLLM's cold boot 290 s, so a first call fills the caches
 (``tools/vllm-kit/prewarm.sh deepmath deepmath qwen3.5-2b``: the row beside a second vLLM booting cold, ~390 s) and
-the next one, the row itself, is the row as a user's second run meets it.
+the next one, the row itself, is the row as a user's second run meets it. The second vLLM ends as the row launches
+its own, so with a longer limit the row can pass in the prewarming call itself (``PREWARM_SHARE=0.2 bash
+tools/vllm-kit/prewarm.sh vlm shapes qwen3.5-2b 470 --steps 4``: its vLLM loads what the second one compiled).
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
