@@ -28,7 +28,8 @@ Triton kernels compiled and autotuned) and vLLM's cold boot 290 s, so a first ca
 (``tools/vllm-kit/prewarm.sh deepmath deepmath qwen3.5-2b``: the row beside a second vLLM booting cold, ~390 s) and
 the next one, the row itself, is the row as a user's second run meets it. The second vLLM ends as the row launches
 its own, so with a longer limit the row can pass in the prewarming call itself (``PREWARM_SHARE=0.2 bash
-tools/vllm-kit/prewarm.sh vlm shapes qwen3.5-2b 470 --steps 4``: its vLLM loads what the second one compiled).
+tools/vllm-kit/prewarm.sh vlm shapes qwen3.5-2b 470 --steps 4``), where the second one finished compiling before
+the row's launched: not yet measured).
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
