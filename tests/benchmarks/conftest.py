@@ -78,3 +78,8 @@ def drop_rate(e2e: ModuleType, vs_trl: ModuleType) -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def save_cost() -> Iterator[ModuleType]:
     yield from script_module("save_cost")
+
+
+@pytest.fixture(scope="module")
+def deltanet_conv() -> Iterator[ModuleType]:
+    yield from script_module("deltanet_conv")
