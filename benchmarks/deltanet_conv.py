@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[1, L, C] -> [1, L, C] through transformers' reference: the depthwise convolution over [1, C, L], cut to L."""
+    """[1, L, C] -> [1, L, C] through transformers' reference: the depthwise convolution over [1, C, L], cut to L.
+    Written out, since where transformers keeps it moves between releases (tests check it equals theirs)."""
     length, taps = x.shape[1], weight.shape[1]
     out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), padding=taps - 1, groups=weight.shape[0])
     return out[..., :length].transpose(1, 2)
