@@ -42,6 +42,15 @@ class TrainerMemory:
     context_bytes: int
     """The rest of the process's footprint: CUDA context, cuBLAS and NCCL workspaces (outside the allocator)."""
     gpu_bytes: int
+    held: bool = False
+    """Not a measurement: the room the trainer held before its warm-up for a vLLM launched beside it
+    (trainer/memory.py::held_room), its need all of that room."""
+
+    @classmethod
+    def with_need(cls, need_bytes: int, context_bytes: int, gpu_bytes: int) -> TrainerMemory:
+        """The held room whose ``need_bytes`` is ``need_bytes``: the footprint that, with its margin, comes to it."""
+        footprint = min(int(need_bytes / (1 + MARGIN_FRACTION)), need_bytes - MARGIN_MIN_BYTES)
+        return cls(footprint - context_bytes, context_bytes, gpu_bytes, held=True)
 
     @property
     def footprint_bytes(self) -> int:
@@ -53,6 +62,11 @@ class TrainerMemory:
         return self.footprint_bytes + max(int(self.footprint_bytes * MARGIN_FRACTION), MARGIN_MIN_BYTES)
 
     def describe(self) -> str:
+        if self.held:
+            return (
+                f"the trainer's room held before its warm-up, {self.need_bytes / GIB:.1f} of the GPU's "
+                f"{self.gpu_bytes / GIB:.1f} GiB ({self.context_bytes / GIB:.1f} GiB of it outside its allocator)"
+            )
         return (
             f"the trainer's measured peak {self.peak_bytes / GIB:.1f} GiB + {self.context_bytes / GIB:.1f} GiB CUDA "
             f"context + margin = {self.need_bytes / GIB:.1f} of the GPU's {self.gpu_bytes / GIB:.1f} GiB"

@@ -117,8 +117,9 @@ class RunPlan:
     trainer_memory: TrainerMemory | None = None
     """The measured stage: the trainer's footprint that a vLLM sharing its GPU was given the rest of
     (serving/vllm.py::shared_gpu_share), as its warm-up measured it, or, where that let vLLM boot beside the warm-up,
-    as an earlier run of this shape recorded it (asyncrl/footprint.py). None before the warm-up, or where no server
-    waits for it."""
+    as an earlier run of this shape recorded it (asyncrl/footprint.py), or the room the trainer held for a first
+    warm-up that autotunes for minutes (``held``: trainer/memory.py::held_room). None before the warm-up, or where no
+    server waits for it."""
 
     def needed_context(self, backend: str) -> int:
         """The fewest tokens a server of ``backend`` (as it reports itself) must hold for this run:

@@ -26,3 +26,12 @@ def test_a_measured_figure_is_kept_per_shape(tmp_path, monkeypatch):
     assert cached_memory(to_config(compose(with_a_reward_model)), 512) is None
     assert memory.need_bytes == 11 * GIB + int(11 * GIB * 0.3)  # a margin of 30% of the footprint, at least 2 GiB
     assert TrainerMemory(2 * GIB, GIB, 80 * GIB).need_bytes == 5 * GIB
+
+
+def test_a_held_room_is_the_figure_whose_need_is_the_room():
+    """Both sides of the margin's floor: the footprint plus its margin comes back to the room, never over it (but for
+    the integer rounding of the margin, a byte or two under)."""
+    for need in (5 * GIB, 55 * GIB + 12345):
+        room = TrainerMemory.with_need(need, GIB, 80 * GIB)
+        assert room.held and need - 2 <= room.need_bytes <= need and room.context_bytes == GIB
+    assert not TrainerMemory(GIB, GIB, 80 * GIB).held  # a measurement

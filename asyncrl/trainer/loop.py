@@ -319,11 +319,21 @@ class Trainer:
 
     def _measure_and_launch(self, step: Any, shape: int, known: TrainerMemory | None, started: float) -> TrainerMemory:
         """The warm-up step(s) and a waiting vLLM's launch, in the order that starts vLLM soonest: at once on the
-        figure known for this shape (its boot overlaps the whole warm-up), else after the first measuring step."""
+        figure known for this shape (its boot overlaps the whole warm-up), or on a room held for a warm-up that
+        autotunes for minutes, else after the first measuring step."""
+        room = self._held_room() if self.server.waits_for_warm_up and known is None else None
+        if room is not None:
+            from asyncrl.trainer.memory import hold
+
+            hold(room)
+            log.info("fla's kernels autotune in this first warm-up of the shape: %s; vLLM starts beside it on the "
+                     "rest", room.describe())  # fmt: skip
+            known = room
         if self.server.waits_for_warm_up and known is not None:
             self._start_server(known)
             memory = step(alone=False, known=known)
-            self._warn_if_outgrown(memory, known, "this shape's recorded figure")
+            self._warn_if_outgrown(memory, known, "the room held before the warm-up" if known.held else
+                                   "this shape's recorded figure")  # fmt: skip
             self._launch_with(memory, shape)  # the figure for the next run; the server is up already
             return memory
         if self.server.waits_for_warm_up and self._compiles():
@@ -331,6 +341,21 @@ class Trainer:
         memory = step(alone=self.server.waits_for_warm_up or known is None, known=known)
         self._launch_with(memory, shape)
         return memory
+
+    def _held_room(self) -> TrainerMemory | None:
+        """A room for the trainer to hold while vLLM boots beside its warm-up (trainer/memory.py::held_room), where
+        that warm-up autotunes fla's gated-DeltaNet kernels; nothing else uses the GPU yet."""
+        from asyncrl.packing.deltanet import deltanet_layers, fla_unusable
+        from asyncrl.trainer.memory import held_room
+
+        model = unwrap_model(self.model)
+        if not deltanet_layers(model) or fla_unusable() is not None:
+            return None
+        free, total = torch.cuda.mem_get_info()
+        reserved = int(torch.cuda.memory_reserved())
+        trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        static = int(torch.cuda.memory_allocated()) + 3 * trainable  # weights, then gradients and two moments
+        return held_room(int(total), max(int(total - free) - reserved, 0), static)
 
     def _launch_with(self, memory: TrainerMemory, shape: int) -> None:
         """Record the figure for the next run of this shape, then launch the servers that waited, on it."""

@@ -10,10 +10,16 @@ warm-up is also the first call of the compiled layers, so the compiling is done 
 
 vLLM's share of a shared GPU is a launch flag: a vLLM beside the trainer launches after the warm-up measured (an
 eager step when the layers compile, then the compiling step while vLLM boots: trainer/loop.py). It must not boot
-beside the warm-up: while vLLM profiles its memory it counts every other allocation on the GPU as its own. The figure
-goes to the waiting vLLM's launch, which adds it to the run's plan.json as the plan's measured stage with the command
-it gives (plan/assemble.py::measured), and is kept per shape (asyncrl/footprint.py) for the next run of the shape
-(whose vLLM then boots beside the warm-up) and ``asyncrl config --server-command``.
+beside a warm-up that grows: while vLLM profiles its memory it counts every other allocation on the GPU as its own.
+The figure goes to the waiting vLLM's launch, which adds it to the run's plan.json as the plan's measured stage with
+the command it gives (plan/assemble.py::measured), and is kept per shape (asyncrl/footprint.py) for the next run of
+the shape (whose vLLM then boots beside the warm-up) and ``asyncrl config --server-command``.
+
+One warm-up is too slow to wait for: a gated-DeltaNet model's first, where fla's Triton kernels compile and autotune
+(248 s at the Qwen3.5-2B shape on a fresh machine, before vLLM's own ~230 s boot could start). There the trainer
+holds its room first (``held_room``, ``hold``: all the GPU but a conservative share for vLLM, reserved in the caching
+allocator so that the warm-up grows inside it and the device's free memory stays still), vLLM launches on the rest at
+once, and the warm-up measured in that room is kept for the next run.
 """
 
 from __future__ import annotations
@@ -41,6 +47,17 @@ so that a graph Inductor guards by the row length it saw compiles in the warm-up
 reduction did (``5120 <= hidden_states.size()[1]`` at the Qwen3-4B shape, ~24 s mid-run, RESULTS.md ninth pass), in
 more ranges than two rows cover (four at the Qwen3-0.6B shape): trainer/compile_options.py removes those guards, and
 this row compiles whatever other guard a short row fails."""
+
+
+COLD_AUTOTUNE_CONTEXT_BYTES = 6 * GIB
+"""What a gated-DeltaNet model's first warm-up adds to the trainer's footprint outside the caching allocator, while
+fla's kernels compile and autotune: the device reported 6.2 GiB beyond the allocator after it at the 2B shape cold
+(H100 and H200), 0.8 GiB warm (RESULTS.md, sessions 18 and 25). A held room counts it in."""
+HOLD_SLACK_BYTES = GIB
+"""Left out of the held block: allocations under 1 MiB take segments of their own (the allocator's small pool)."""
+STATIC_HEADROOM = 2
+"""A room is held only where it holds the trainer's static memory (weights, gradients, two AdamW moments) this many
+times over: at the 2B shape the full row's activations came to ~0.7x the static memory (a 26.0 GiB peak)."""
 
 
 class TrainerOutOfMemoryError(RuntimeError):
@@ -151,15 +168,39 @@ def warm_up(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimi
             torch.cuda.set_rng_state_all(rng[1])
 
 
+def held_room(gpu_bytes: int, context_bytes: int, static_bytes: int) -> TrainerMemory | None:
+    """The room the trainer holds for a warm-up vLLM boots beside (its share not yet measured): all the GPU but
+    SHARED_GPU_SHARE for vLLM and vLLM's CUDA context, COLD_AUTOTUNE_CONTEXT_BYTES of it outside the allocator. None
+    where it holds the trainer's ``static_bytes`` less than STATIC_HEADROOM times: a large trainer measures first,
+    and vLLM gets what it leaves."""
+    from asyncrl.serving.vllm import SHARED_GPU_SHARE, VLLM_CONTEXT_BYTES
+
+    need = int(gpu_bytes * (1 - SHARED_GPU_SHARE)) - VLLM_CONTEXT_BYTES
+    context = context_bytes + COLD_AUTOTUNE_CONTEXT_BYTES
+    if static_bytes * STATIC_HEADROOM > need - context:
+        return None
+    return TrainerMemory.with_need(need, context, gpu_bytes)
+
+
+def hold(room: TrainerMemory) -> None:
+    """Reserve the held room in the caching allocator (one block, freed at once and kept cached), so the warm-up
+    allocates inside it and the device's free memory stays still while vLLM profiles its own."""
+    block = room.need_bytes - room.context_bytes - int(torch.cuda.memory_reserved()) - HOLD_SLACK_BYTES
+    if block > 0:
+        torch.empty(block, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+
+
 def measure(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, alone: bool,
             known: TrainerMemory | None) -> TrainerMemory:  # fmt: skip
     """The warm-up's footprint on this process's GPU. ``alone``: nothing else uses the GPU yet, so what the device
-    reports in use beyond the allocator is this process's context; otherwise the known figure's context is kept."""
+    reports in use beyond the allocator is this process's context; otherwise the known figure's context is kept.
+    The peak is what the allocator reserved, or, in a held room (where that is the room), what it allocated."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     warm_up(run_step, model, optimizer)
     torch.cuda.synchronize()
-    peak = int(torch.cuda.max_memory_reserved())
+    held = known is not None and known.held
+    peak = int(torch.cuda.max_memory_allocated() if held else torch.cuda.max_memory_reserved())
     free, total = torch.cuda.mem_get_info()
     if alone or known is None:
         context = max(int(total - free) - int(torch.cuda.memory_reserved()), 0)

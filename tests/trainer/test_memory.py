@@ -17,7 +17,16 @@ from asyncrl.losses.step import StepLoss
 from asyncrl.packing.deltanet import build_recurrent_plan
 from asyncrl.trainer import fsdp
 from asyncrl.trainer.distributed import split_rows, train_rows, warm_up_step
-from asyncrl.trainer.memory import SHORT_ROW_FRACTION, out_of_memory_line, room_line, synthetic_rows, warm_up
+from asyncrl.trainer.memory import (
+    COLD_AUTOTUNE_CONTEXT_BYTES,
+    SHORT_ROW_FRACTION,
+    held_room,
+    hold,
+    out_of_memory_line,
+    room_line,
+    synthetic_rows,
+    warm_up,
+)
 from asyncrl.trainer.model import build_optimizer, load_model
 
 
@@ -197,6 +206,72 @@ def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_
     assert trainer._measure_and_launch(step, 512, cached_memory(config, 512), 0.0) == measured
     assert events == [("launch", recorded), ("step", False, recorded)]
     assert cached_memory(config, 512) == measured
+
+
+def test_a_held_room_leaves_vllm_its_conservative_share_and_a_large_trainer_measures_first():
+    """The room a cold gated-DeltaNet warm-up holds on an 80 GiB GPU: vLLM's command takes 0.3 from it (what a
+    printed command gets unmeasured), the trainer all the rest but vLLM's context; the 2B shape's static memory
+    (~18 GiB) fits twice over, a 4B trainer's (~36 GiB) does not."""
+    from asyncrl.serving.vllm import SHARED_GPU_SHARE, VLLM_CONTEXT_BYTES
+
+    room = held_room(80 * GIB, GIB, static_bytes=18 * GIB)
+    assert room is not None and room.held and room.context_bytes == GIB + COLD_AUTOTUNE_CONTEXT_BYTES
+    assert 0 <= 56 * GIB - VLLM_CONTEXT_BYTES - room.need_bytes <= 2
+    rest = room.gpu_bytes - room.need_bytes - VLLM_CONTEXT_BYTES
+    assert round(rest / room.gpu_bytes, 2) == SHARED_GPU_SHARE
+    assert room.describe() == ("the trainer's room held before its warm-up, 55.0 of the GPU's 80.0 GiB (7.0 GiB of "
+                               "it outside its allocator)")  # fmt: skip
+    assert held_room(80 * GIB, GIB, static_bytes=36 * GIB) is None
+    assert held_room(12 * GIB, GIB, static_bytes=GIB) is None  # the cold autotune's context alone fills the room
+
+
+def test_a_cold_gated_deltanet_warm_up_holds_its_room_and_launches_vllm_before_its_step(tmp_path, monkeypatch):
+    """No figure for the shape and a warm-up that autotunes fla's kernels: the room is held, vLLM launches on it,
+    then the step runs in it (one step: no eager measuring step first), and its own figure is kept for the next
+    run."""
+    from asyncrl.serving.group import ServerGroup
+    from asyncrl.serving.handle import DeferredServer
+    from asyncrl.trainer import memory as memory_module
+    from asyncrl.trainer.loop import Trainer
+
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    room = held_room(80 * GIB, GIB, 18 * GIB)
+    measured = TrainerMemory(26 * GIB, room.context_bytes, 80 * GIB)
+    events: list[object] = []
+    monkeypatch.setattr(memory_module, "hold", lambda held: events.append(("hold", held)))  # reserves on CUDA only
+
+    class Booting:
+        def __init__(self, memory: TrainerMemory | None) -> None:
+            self.memory = memory
+
+        def __enter__(self) -> Booting:
+            events.append(("launch", self.memory))
+            return self
+
+    def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
+        events.append(("step", alone, known))
+        return measured
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.config, trainer.server = config, ServerGroup([DeferredServer(Booting, "http://127.0.0.1:1")], wait=False)
+    trainer.started_at, trainer.startup = 0.0, {}
+    monkeypatch.setattr(trainer, "_held_room", lambda: room)
+    assert trainer._measure_and_launch(step, 512, None, 0.0) == measured
+    assert events == [("hold", room), ("launch", room), ("step", False, room)]
+    assert cached_memory(config, 512) == measured  # the next run launches vLLM on the measured figure
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator's reservation needs CUDA")
+def test_in_a_held_room_the_warm_up_allocates_without_growing_the_trainers_footprint():
+    free, total = torch.cuda.mem_get_info()
+    room = TrainerMemory.with_need(int(torch.cuda.memory_reserved()) + 4 * GIB, 0, int(total))
+    hold(room)
+    reserved = torch.cuda.memory_reserved()
+    assert reserved >= 2 * GIB
+    tensors = [torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    assert torch.cuda.memory_reserved() == reserved  # inside the held block
+    del tensors
 
 
 @pytest.mark.slow
