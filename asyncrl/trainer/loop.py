@@ -321,15 +321,16 @@ class Trainer:
         """The warm-up step(s) and a waiting vLLM's launch, in the order that starts vLLM soonest: at once on the
         figure known for this shape (its boot overlaps the whole warm-up), or on a room held for a warm-up that
         autotunes for minutes, else after the first measuring step."""
-        room = self._held_room() if self.server.waits_for_warm_up and known is None else None
-        if room is not None:
-            from asyncrl.trainer.memory import hold
-
-            hold(room)
-            log.info("fla's kernels autotune in this first warm-up of the shape: %s; vLLM starts beside it on the "
-                     "rest", room.describe())  # fmt: skip
-            known = room
+        if self.server.waits_for_warm_up and known is None:
+            known = self._held_room()
+            if known is not None:
+                log.info("fla's kernels autotune in this first warm-up of the shape: %s; vLLM starts beside it on the "
+                         "rest", known.describe())  # fmt: skip
         if self.server.waits_for_warm_up and known is not None:
+            if known.held:  # this run's, or the plan's when it restarts one
+                from asyncrl.trainer.memory import hold
+
+                hold(known)
             self._start_server(known)
             memory = step(alone=False, known=known)
             self._warn_if_outgrown(memory, known, "the room held before the warm-up" if known.held else
