@@ -24,6 +24,7 @@ once, and the warm-up measured in that room is kept for the next run.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ from asyncrl.rollout.types import RolloutSample, TrainingSequence
 if TYPE_CHECKING:
     from asyncrl.packing import RowFactory
     from asyncrl.packing.row import PackedRow
+
+log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT_TOKENS = 64
 """The warm-up groups' prompt length at most: short prompts leave the most trained tokens in a row, the logit
@@ -184,10 +187,17 @@ def held_room(gpu_bytes: int, context_bytes: int, static_bytes: int) -> TrainerM
 
 def hold(room: TrainerMemory) -> None:
     """Reserve the held room in the caching allocator (one block, freed at once and kept cached), so the warm-up
-    allocates inside it and the device's free memory stays still while vLLM profiles its own."""
+    allocates inside it and the device's free memory stays still while vLLM profiles its own. Where the GPU no
+    longer has it free (another process took some since), a warning: vLLM then counts the warm-up's growth as its
+    own and keeps a smaller KV cache."""
     block = room.need_bytes - room.context_bytes - int(torch.cuda.memory_reserved()) - HOLD_SLACK_BYTES
-    if block > 0:
+    if block <= 0:
+        return
+    try:
         torch.empty(block, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    except torch.OutOfMemoryError:
+        log.warning("could not hold %.1f GiB for the trainer's warm-up (%.1f GiB free): vLLM starts beside it and "
+                    "counts what it grows by as its own", block / GIB, torch.cuda.mem_get_info()[0] / GIB)  # fmt: skip
 
 
 def measure(run_step: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, alone: bool,

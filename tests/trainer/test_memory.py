@@ -262,9 +262,13 @@ def test_a_cold_gated_deltanet_warm_up_holds_its_room_and_launches_vllm_before_i
     assert cached_memory(config, 512) == measured  # the next run launches vLLM on the measured figure
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator's reservation needs CUDA")
-def test_in_a_held_room_the_warm_up_allocates_without_growing_the_trainers_footprint():
+def test_in_a_held_room_the_warm_up_allocates_without_growing_the_trainers_footprint(caplog):
     free, total = torch.cuda.mem_get_info()
+    with caplog.at_level("WARNING", logger="asyncrl.trainer.memory"):
+        hold(TrainerMemory.with_need(2 * int(total), 0, int(total)))  # more than the GPU: said, not raised
+    assert "could not hold" in caplog.text
     room = TrainerMemory.with_need(int(torch.cuda.memory_reserved()) + 4 * GIB, 0, int(total))
     hold(room)
     reserved = torch.cuda.memory_reserved()
