@@ -5,6 +5,7 @@ line names what changes the trainer's memory."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from packing.packing_samples import make_sample  # tests/packing
 
 from asyncrl.components import build_components
 from asyncrl.config.compose import compose, to_config
+from asyncrl.config.schema import Config
 from asyncrl.footprint import GIB, TrainerMemory, cached_memory, record_memory
 from asyncrl.losses.step import StepLoss
 from asyncrl.packing.deltanet import build_recurrent_plan
@@ -174,18 +176,12 @@ def test_a_waiting_vllm_launches_after_an_eager_measuring_step_and_before_the_co
     assert cached_memory(config, 512) == compiled  # the next run launches vLLM on the compiled step's figure
 
 
-def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_up_step(tmp_path, monkeypatch):
-    """A warm machine: vLLM's share comes from the figure an earlier run recorded, so it boots beside the whole
-    warm-up (no eager measuring step first); the step's own figure is recorded for the next run."""
+def recording_trainer(config: Config, events: list[object], measured: TrainerMemory) -> tuple[Any, Any]:
+    """A trainer with a vLLM waiting for its warm-up, whose launch and warm-up step (returning ``measured``) only
+    say in ``events`` when they ran and on which figure."""
     from asyncrl.serving.group import ServerGroup
     from asyncrl.serving.handle import DeferredServer
     from asyncrl.trainer.loop import Trainer
-
-    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
-    config = to_config(compose([]))
-    recorded, measured = TrainerMemory(4 * GIB, GIB, 80 * GIB), TrainerMemory(4 * GIB + 1, GIB, 80 * GIB)
-    record_memory(config, 512, recorded)
-    events: list[object] = []
 
     class Booting:
         def __init__(self, memory: TrainerMemory | None) -> None:
@@ -201,6 +197,19 @@ def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_
 
     trainer = Trainer.__new__(Trainer)
     trainer.config, trainer.server = config, ServerGroup([DeferredServer(Booting, "http://127.0.0.1:1")], wait=False)
+    return trainer, step
+
+
+def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_up_step(tmp_path, monkeypatch):
+    """A warm machine: vLLM's share comes from the figure an earlier run recorded, so it boots beside the whole
+    warm-up (no eager measuring step first); the step's own figure is recorded for the next run."""
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    recorded, measured = TrainerMemory(4 * GIB, GIB, 80 * GIB), TrainerMemory(4 * GIB + 1, GIB, 80 * GIB)
+    record_memory(config, 512, recorded)
+    events: list[object] = []
+
+    trainer, step = recording_trainer(config, events, measured)
     trainer.model = torch.nn.Linear(2, 2)  # _compiles() must not be what decides the order here
     trainer.started_at, trainer.startup = 0.0, {}
     assert trainer._measure_and_launch(step, 512, cached_memory(config, 512), 0.0) == measured
@@ -229,10 +238,7 @@ def test_a_cold_gated_deltanet_warm_up_holds_its_room_and_launches_vllm_before_i
     """No figure for the shape and a warm-up that autotunes fla's kernels: the room is held, vLLM launches on it,
     then the step runs in it (one step: no eager measuring step first), and its own figure is kept for the next
     run."""
-    from asyncrl.serving.group import ServerGroup
-    from asyncrl.serving.handle import DeferredServer
     from asyncrl.trainer import memory as memory_module
-    from asyncrl.trainer.loop import Trainer
 
     monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
     config = to_config(compose([]))
@@ -241,20 +247,7 @@ def test_a_cold_gated_deltanet_warm_up_holds_its_room_and_launches_vllm_before_i
     events: list[object] = []
     monkeypatch.setattr(memory_module, "hold", lambda held: events.append(("hold", held)))  # reserves on CUDA only
 
-    class Booting:
-        def __init__(self, memory: TrainerMemory | None) -> None:
-            self.memory = memory
-
-        def __enter__(self) -> Booting:
-            events.append(("launch", self.memory))
-            return self
-
-    def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
-        events.append(("step", alone, known))
-        return measured
-
-    trainer = Trainer.__new__(Trainer)
-    trainer.config, trainer.server = config, ServerGroup([DeferredServer(Booting, "http://127.0.0.1:1")], wait=False)
+    trainer, step = recording_trainer(config, events, measured)
     trainer.started_at, trainer.startup = 0.0, {}
     monkeypatch.setattr(trainer, "_held_room", lambda: room)
     assert trainer._measure_and_launch(step, 512, None, 0.0) == measured
