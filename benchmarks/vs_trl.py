@@ -433,9 +433,18 @@ def run_asyncrl(
     syncs = [float(r["perf/weight_sync_s"]) for r in records[1:] if r.get("perf/weight_sync_s") is not None]
     return {
         "tool": "asyncrl", "shape": shape, "rc": rc, "rows": rows, "peak_gib": peak, "sync_s": syncs,
+        "startup": startup_phases(records[0]) if records else {},
         "command": "asyncrl " + shlex.join(typed), "launched": launched_at,
         "failure": failure(rc, rows, cwd / f"{shape}-asyncrl.err"),
     }  # fmt: skip
+
+
+def startup_phases(first: dict[str, Any]) -> dict[str, float]:
+    """asyncrl's start-up by phase (perf/startup_* of its first step's record: seconds from its launch, but the
+    warm-up's, which is its own length): whether vLLM launched before the trainer's warm-up or after it, and what
+    the first step waited for."""
+    return {key.removeprefix("perf/startup_").removesuffix("_s"): float(value) for key, value in first.items()
+            if key.startswith("perf/startup_")}  # fmt: skip
 
 
 # ---- TRL's side, in its own process ---------------------------------------------------------------------------
@@ -645,6 +654,10 @@ def table(shape: str, results: dict[str, dict[str, Any]], work: Workload) -> str
             ratio = f"{values[1] / values[0] if higher else values[0] / values[1]:.2f}x"
         lines.append(f"| {label} | {_fmt(values[0], digits)} | {_fmt(values[1], digits)} | {ratio} |")
     lines.append(f"| compile caches at launch | {caches[0]} | {caches[1]} | |")
+    phases = results.get("asyncrl", {}).get("startup")
+    if phases:
+        told = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in phases.items())
+        lines.append(f"\nasyncrl's start-up, seconds from its launch (the warm-up: its length): {told}.")
     for tool in TOOLS:
         if tool in results and results[tool].get("failure"):
             lines.append(f"\n{tool} failed (exit {results[tool]['rc']}):\n```\n{results[tool]['failure']}\n```")
