@@ -7,11 +7,15 @@
 #   JOBS="eval drop" BUDGET=585 bash benchmarks/device_calls.sh
 #   JOBS="accept:vlm" BUDGET=585 ACCEPT_STEPS=4 bash benchmarks/device_calls.sh  # acceptance rows, the time left
 #   JOBS="conv" BUDGET=585 bash benchmarks/device_calls.sh                         # 2B kernels, fla conv vs reference
+#   JOBS="vs:asyncrl:470" BUDGET=590 bash benchmarks/device_calls.sh    # 2B against TRL: one tool a call, cold
+#   JOBS="vs:trl:530" ...; JOBS="vs:asyncrl:400:warm" ...                # then TRL cold, asyncrl on its caches
 #
 # JOB is TOOL:SEED:LIMIT_S (a seed other than 0 runs --warm: the tool's caches from an earlier run of the call's
 # machine), `eval` (judge every saved weight set), `drop` (drop_rate.py at 0.6B: a warm-up run of DROP_WARM_UP s,
 # then 0% and 70% dropped, DROP_STEPS steps each, the time left split between the two), `conv` (packing.py's 2B
-# packed rows profiled with fla's convolution and with the reference, CONV_GROUPS groups) or `accept:ROWS`
+# packed rows profiled with fla's convolution and with the reference, CONV_GROUPS groups), `vs:TOOL:LIMIT[:warm]`
+# (benchmarks/vs_trl.py at the Qwen3.5-2B shape, 6 steps: its start-up cold, or warm on the tool's caches from an
+# earlier call; the shape is built outside LIMIT, ~1 min the first time) or `accept:ROWS`
 # (benchmarks/acceptance.py's rows, ACCEPT_STEPS steps each, default 10, a row's limit the time left). TASK:
 # time_to_accuracy.py's task flags (Gemma-3-270M's by default).
 # Before it, on the same warm machine (it goes back after ~30 s idle, and /tmp with it): the vLLM kit's piece calls
@@ -36,6 +40,10 @@ pack() {  # whatever ran, the archive of it: a failed job still returns its logs
     [ -f "$r/console.err" ] && tail -c 20000 "$r/console.err" > "$RESULTS/tta/$n-console.err"
   done
   [ -d /tmp/acc-out ] && cp -r /tmp/acc-out "$RESULTS/acc"
+  [ -d /tmp/vt/results ] && cp -r /tmp/vt/results "$RESULTS/vs_trl"
+  for f in /tmp/vt/runs/*-asyncrl/launch.log /tmp/vt/runs/*-asyncrl/logs/server.log /tmp/vt/runs/*.err; do
+    [ -f "$f" ] && tail -c 400000 "$f" > "$RESULTS/log/vt-$(basename "$(dirname "$f")")-$(basename "$f")"
+  done
   for r in /tmp/drop/drop*/ /tmp/drop/warm_up/; do
     [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$RESULTS/log/$(basename "$r")-metrics.jsonl"
   done
@@ -82,6 +90,11 @@ for job in ${JOBS:-}; do
           --groups "${CONV_GROUPS:-12}" --exact-attention varlen --profile --conv "$conv" > "$RESULTS/log/conv-$conv.log" 2>&1
         grep -E "^ *16384|total" "$RESULTS/log/conv-$conv.log"
       done ;;
+    vs:*)  # issue 57 item 3: cold and warm first step against TRL at the 2B shape
+      IFS=: read -r _ tool limit warm <<< "$job"
+      python benchmarks/vs_trl.py --shapes qwen3.5-2b --tools "$tool" --steps 6 --work /tmp/vt --out "$RESULTS/vt" \
+        --run-timeout "$limit" ${warm:+--warm} > "$RESULTS/log/vs-$tool.log" 2>&1
+      tail -5 "$RESULTS/log/vs-$tool.log" ;;
     accept:*)  # a recipe row builds its shape first (~32 s at 2B), outside its limit
       left=$((DEADLINE - $(date +%s) - 60))
       python benchmarks/acceptance.py --rows "${job#accept:}" --steps "${ACCEPT_STEPS:-10}" --row-timeout "$left" \

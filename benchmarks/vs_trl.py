@@ -443,8 +443,14 @@ def startup_phases(first: dict[str, Any]) -> dict[str, float]:
     """asyncrl's start-up by phase (perf/startup_* of its first step's record: seconds from its launch, but the
     warm-up's, which is its own length): whether vLLM launched before the trainer's warm-up or after it, and what
     the first step waited for."""
-    return {key.removeprefix("perf/startup_").removesuffix("_s"): float(value) for key, value in first.items()
-            if key.startswith("perf/startup_")}  # fmt: skip
+    found = {key.removeprefix("perf/startup_").removesuffix("_s"): float(value) for key, value in first.items()
+             if key.startswith("perf/startup_")}  # fmt: skip
+    order = [phase for phase in STARTUP_PHASES if phase in found] + sorted(set(found) - set(STARTUP_PHASES))
+    return {phase: found[phase] for phase in order}
+
+
+STARTUP_PHASES = ("job", "model_loaded", "server_launched", "warm_up", "server_healthy", "first_step")
+"""perf/startup_*'s phases in the order a run goes through them (trainer/loop.py)."""
 
 
 # ---- TRL's side, in its own process ---------------------------------------------------------------------------
