@@ -44,6 +44,10 @@ pack() {  # whatever ran, the archive of it: a failed job still returns its logs
   for f in /tmp/vt/runs/*-asyncrl/launch.log /tmp/vt/runs/*-asyncrl/logs/server.log /tmp/vt/runs/*.err; do
     [ -f "$f" ] && tail -c 400000 "$f" > "$RESULTS/log/vt-$(basename "$(dirname "$f")")-$(basename "$f")"
   done
+  # which Triton kernels compiled when (epoch seconds; vs_trl.json's `launched` is the run's start): those written
+  # after the warm-up are what the first real step compiled (45 s of session 25's warm step 1, not yet named)
+  [ -d /tmp/vt/caches ] && find /tmp/vt/caches -path "*triton*" -name "*.json" -printf "%T@ %p\n" | sort -n \
+    > "$RESULTS/log/vt-triton-cache.txt"
   for r in /tmp/drop/drop*/ /tmp/drop/warm_up/; do
     [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$RESULTS/log/$(basename "$r")-metrics.jsonl"
   done
