@@ -214,12 +214,19 @@ def test_a_restart_keeps_the_gpus_the_first_attempt_placed_its_servers_on(tmp_pa
     assert plan.server_commands[0].env["CUDA_VISIBLE_DEVICES"] == "0"
 
 
+@pytest.mark.parametrize(
+    ("need", "held", "share"),
+    # the trainer needs 30 + 1 GiB + a margin of 0.3 x 31 GiB = 40.3 GiB of 80, vLLM's context 1 GiB: vLLM gets the
+    # rest, 0.48; a room held before the warm-up (trainer/memory.py::held_room) leaves it 0.3
+    [(40.3, False, "0.48"), (55.0, True, "0.3")],
+)
 def test_a_vllm_waiting_for_the_warm_up_writes_the_measured_stage_once_and_a_restart_launches_it_as_written(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, need, held, share
 ):
     """vLLM on the trainer's only GPU: the plan written before anything starts has no command for it; its launch on
-    the warm-up's figure adds the measured stage (that figure, and the command whose share it gives) to plan.json.
-    A restart reads both and launches the command as written, whatever its own warm-up knows."""
+    the warm-up's figure (or the room the trainer held for it) adds the measured stage (that figure, and the command
+    whose share it gives) to plan.json. A restart reads both and launches the command as written, whatever its own
+    warm-up knows."""
     import asyncrl.launch as launch
     from asyncrl.footprint import GIB, TrainerMemory
     from asyncrl.plan.assemble import plan_run
@@ -233,14 +240,16 @@ def test_a_vllm_waiting_for_the_warm_up_writes_the_measured_stage_once_and_a_res
     assert plan.gpu_split is not None and plan.gpu_split.shared
     write_plan(plan, tmp_path)
     assert read_plan(tmp_path).server_commands is None and read_plan(tmp_path).trainer_memory is None
-    memory = TrainerMemory(30 * GIB, GIB, 80 * GIB)
+    memory = (
+        TrainerMemory.with_need(int(55 * GIB), 7 * GIB, 80 * GIB) if held else TrainerMemory(30 * GIB, GIB, 80 * GIB)
+    )
+    assert round(memory.need_bytes / GIB, 1) == need
     launch.after_warm_up(plan, tmp_path)(0, memory)
     staged = read_plan(tmp_path)
     assert launched == [staged] and staged.trainer_memory == memory and staged.server_commands is not None
+    assert staged.trainer_memory.held is held  # a restart holds the same room again (trainer/loop.py)
     argv = staged.server_commands[0].argv
-    # the trainer needs 30 + 1 GiB + a margin of 0.3 x 31 GiB = 40.3 GiB of 80, vLLM's context 1 GiB: vLLM gets the
-    # rest, 0.48
-    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.48"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == share
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".plan")] == []  # written whole, then renamed
     again = launch.resumed_plan(tmp_path, None)
     launch.after_warm_up(again, tmp_path)(0, TrainerMemory(50 * GIB, GIB, 80 * GIB))
