@@ -40,7 +40,6 @@ pack() {  # whatever ran, the archive of it: a failed job still returns its logs
     [ -f "$r/console.err" ] && tail -c 20000 "$r/console.err" > "$RESULTS/tta/$n-console.err"
   done
   [ -d /tmp/acc-out ] && cp -r /tmp/acc-out "$RESULTS/acc"
-  [ -d /tmp/vt/results ] && cp -r /tmp/vt/results "$RESULTS/vs_trl"
   for f in /tmp/vt/runs/*-asyncrl/launch.log /tmp/vt/runs/*-asyncrl/logs/server.log /tmp/vt/runs/*.err; do
     [ -f "$f" ] && tail -c 400000 "$f" > "$RESULTS/log/vt-$(basename "$(dirname "$f")")-$(basename "$f")"
   done
