@@ -32,8 +32,8 @@ tools/vllm-kit/prewarm.sh vlm shapes qwen3.5-2b 470 --steps 4``), where the seco
 the row's launched: not yet measured). Since trainer/memory.py's held room (issue 57 item 3), a 2B row's own vLLM
 boots beside its first warm-up, so a recipe row at 2B should fit one call without the prewarming (run it alone: a
 second vLLM on the GPU when the trainer sizes its room leaves it too little to hold, and the row waits for its
-measurement as before); the 4B row's trainer is too large to hold a room on an 80 GB GPU and still waits. Neither
-measured yet.
+measurement as before): measured in session 44, the ``vlm`` row passed cold in one call on an H100 (450 s, first
+step at 400 s). The 4B row's trainer is too large to hold a room on an 80 GB GPU and still waits (not measured).
 
 Rows (``asyncrl`` + the arguments in ROWS): ``default`` (server=auto: vLLM on a GPU), ``builtin``, ``lora`` (as
 typed, lora.sync=auto: adapters on the built-in server, merged weights on the vLLM asyncrl launches, which it
