@@ -465,7 +465,8 @@ def start_server(plan: RunPlan, run_dir: Path, wait: bool = True) -> ServerGroup
         log.info("vLLM keeps its compile cache in %s across runs (VLLM_CACHE_ROOT): the first start of a shape "
                  "compiles, later ones load it", cache)  # fmt: skip
         if deferred:
-            log.info("vLLM starts once the trainer has measured its memory (a warm-up step)")
+            log.info("vLLM starts once the trainer knows its memory: measured by a warm-up step, or the room it holds "
+                     "before a first warm-up that autotunes")  # fmt: skip
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpu_split.trainer)  # the servers' are in their env
     (run_dir / "commands").mkdir(exist_ok=True)
     replicas = range(config.server.replicas)
