@@ -181,7 +181,7 @@ class Follower:
         from asyncrl.trainer.checkpoint import load_checkpoint
 
         config, components = plan.config, plan.components
-        self.config, self.ranks = config, ranks
+        self.config, self.ranks, self.run_dir = config, ranks, run_dir
         use_cpu_threads(config, ranks.world, plan.server_backend)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
         self.scaler = build_grad_scaler(config)
@@ -210,10 +210,12 @@ class Follower:
                 raise RuntimeError(f"trainer rank {self.ranks.rank}: unknown command {name!r} from rank 0")
 
     def _warm_up(self, work: RankWork) -> None:
+        from asyncrl.trainer.autotune import config_dir, keep
         from asyncrl.trainer.memory import warm_up
 
         warm_up(lambda: warm_up_step(self.model, self.loss, work, self.ranks, self.config, self.reference),
                 self.model, self.optimizer)  # fmt: skip
+        keep(config_dir(self.run_dir, self.ranks.rank))
 
     def _step(self, work: RankWork) -> None:
         self.model.train()

@@ -273,6 +273,7 @@ class Trainer:
         the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded. The
         figure known beforehand is the plan's measured stage (a restart's) or this shape's from an earlier run."""
         from asyncrl.footprint import cached_memory
+        from asyncrl.trainer.autotune import config_dir, keep
         from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, synthetic_rows
 
         c = self.config
@@ -295,6 +296,7 @@ class Trainer:
                            self.optimizer, alone=alone, known=known)  # fmt: skip
 
         memory = self._measure_and_launch(step, shape, known, started)
+        keep(config_dir(self.run_dir, self.ranks.rank))  # fla's choices for the row lengths the warm-up did not see
         self.startup["perf/startup_warm_up_s"] = time.time() - started
         log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
                  time.time() - started, memory.describe())  # fmt: skip
