@@ -23,6 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 FLA_CACHE = "fla.ops.utils.cache"
+_kept: list[str] = []  # the FLA_CONFIG_DIR this process set: a sweep's next job (same process) may replace it
 
 
 def config_dir(run_dir: Path, rank: int) -> Path:
@@ -65,8 +66,7 @@ def keep(directory: Path) -> int:
     autotune as before."""
     if FLA_CACHE not in sys.modules:  # no fla kernel of this fla reads configs, or none was loaded: none autotuned
         return 0
-    ours = os.environ.get("FLA_CONFIG_DIR") == str(directory)  # a restart of this run, in this process
-    if "FLA_CACHE_MODE" in os.environ or ("FLA_CONFIG_DIR" in os.environ and not ours):
+    if "FLA_CACHE_MODE" in os.environ or ("FLA_CONFIG_DIR" in os.environ and not _ours()):
         return 0
     fla_cache = sys.modules[FLA_CACHE]
     files = {}
@@ -83,7 +83,23 @@ def keep(directory: Path) -> int:
         staged.write_text(text)
         staged.replace(directory / f"{kernel}.json")  # whole or absent: fla caches a file once it has read it
     os.environ["FLA_CONFIG_DIR"] = str(directory)
+    _kept[:] = [str(directory)]
     fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.FUZZY  # fla read the variable at its import, before this
     log.info("fla's kernels keep the warm-up's autotuned configs (%d kernels, %s): a row length in another band "
              "runs on them instead of autotuning again", len(files), directory)  # fmt: skip
     return len(files)
+
+
+def forget() -> None:
+    """Before a warm-up: undo what an earlier run in this process kept (a sweep's jobs run in one process, a restart
+    too), so that this run's kernels autotune for its own model instead of taking another's choices."""
+    if not _ours():
+        return
+    del os.environ["FLA_CONFIG_DIR"]
+    _kept.clear()
+    fla_cache = sys.modules[FLA_CACHE]
+    fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.DISABLED  # fla's mode without the variable
+
+
+def _ours() -> bool:
+    return bool(_kept) and os.environ.get("FLA_CONFIG_DIR") == _kept[0]

@@ -210,9 +210,10 @@ class Follower:
                 raise RuntimeError(f"trainer rank {self.ranks.rank}: unknown command {name!r} from rank 0")
 
     def _warm_up(self, work: RankWork) -> None:
-        from asyncrl.trainer.autotune import config_dir, keep
+        from asyncrl.trainer.autotune import config_dir, forget, keep
         from asyncrl.trainer.memory import warm_up
 
+        forget()
         warm_up(lambda: warm_up_step(self.model, self.loss, work, self.ranks, self.config, self.reference),
                 self.model, self.optimizer)  # fmt: skip
         keep(config_dir(self.run_dir, self.ranks.rank))

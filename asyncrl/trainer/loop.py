@@ -273,13 +273,14 @@ class Trainer:
         the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded. The
         figure known beforehand is the plan's measured stage (a restart's) or this shape's from an earlier run."""
         from asyncrl.footprint import cached_memory
-        from asyncrl.trainer.autotune import config_dir, keep
+        from asyncrl.trainer.autotune import config_dir, forget, keep
         from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, synthetic_rows
 
         c = self.config
         if not (c.trainer.warm_up and torch.cuda.is_available()):
             return None
         started = time.time()
+        forget()  # an earlier run's kept configs in this process (a sweep's job, a restart): this one autotunes anew
         text = unwrap_model(self.model).config.get_text_config()
         # the server's context before it answers: the plan's, else the built-in server's, its model's whole context
         max_model_len = self.prepared.plan.max_model_len or int(text.max_position_embeddings)

@@ -6,10 +6,11 @@ kernels make before autotuning a key, must hand that choice to another row-lengt
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from asyncrl.trainer.autotune import config_dir, keep
+from asyncrl.trainer.autotune import config_dir, forget, keep
 
 WARM_UP_KEY = (128, 4, "torch.bfloat16", "torch.bfloat16", "torch.float32")  # D, NB (16,384 tokens x 16 heads)
 SHORTER_ROW = (128, 2, "torch.bfloat16", "torch.bfloat16", "torch.float32")  # a row of 4,097-8,192 tokens
@@ -41,6 +42,23 @@ def test_a_band_the_warm_up_did_not_see_runs_on_its_choice_without_autotuning(fl
     taken = kernel.cache[SHORTER_ROW]  # set here, so Triton's run finds the key and does not autotune it
     assert (taken.kwargs, taken.num_warps, taken.num_stages) == ({"BT": 32}, 8, 2)
     assert list(directory.iterdir()) == [directory / "l2norm_fwd_kernel.json"]  # no staged file left
+
+
+def test_the_next_run_in_the_process_autotunes_its_own_model_and_may_keep_anew(fla_cache, tmp_path, monkeypatch):
+    """A sweep's jobs run in one process: the next job's warm-up must not take the last model's choices."""
+    import triton
+    from fla.modules.norm import l2norm
+
+    monkeypatch.setattr(l2norm.l2norm_fwd_kernel, "cache", {WARM_UP_KEY: triton.Config({"BT": 16})})
+    assert keep(config_dir(tmp_path / "job0", 0)) >= 1
+    forget()
+    assert "FLA_CONFIG_DIR" not in os.environ and fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.DISABLED
+    assert keep(config_dir(tmp_path / "job1", 0)) >= 1  # its own folder, not refused as a user's setting
+    assert os.environ["FLA_CONFIG_DIR"] == str(config_dir(tmp_path / "job1", 0))
+    forget()
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path / "mine"))
+    forget()  # a user's folder stays
+    assert os.environ["FLA_CONFIG_DIR"] == str(tmp_path / "mine")
 
 
 def test_a_users_own_fla_cache_setting_is_left_alone(fla_cache, tmp_path, monkeypatch):
