@@ -23,7 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 FLA_CACHE = "fla.ops.utils.cache"
-_kept: list[str] = []  # the FLA_CONFIG_DIR this process set: a sweep's next job (same process) may replace it
+_kept: str | None = None  # the FLA_CONFIG_DIR this process set: a sweep's next job (same process) may replace it
 
 
 def config_dir(run_dir: Path, rank: int) -> Path:
@@ -82,8 +82,8 @@ def keep(directory: Path) -> int:
         staged = directory / f".{kernel}.json.tmp"
         staged.write_text(text)
         staged.replace(directory / f"{kernel}.json")  # whole or absent: fla caches a file once it has read it
-    os.environ["FLA_CONFIG_DIR"] = str(directory)
-    _kept[:] = [str(directory)]
+    global _kept
+    _kept = os.environ["FLA_CONFIG_DIR"] = str(directory)
     fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.FUZZY  # fla read the variable at its import, before this
     log.info("fla's kernels keep the warm-up's autotuned configs (%d kernels, %s): a row length in another band "
              "runs on them instead of autotuning again", len(files), directory)  # fmt: skip
@@ -93,13 +93,14 @@ def keep(directory: Path) -> int:
 def forget() -> None:
     """Before a warm-up: undo what an earlier run in this process kept (a sweep's jobs run in one process, a restart
     too), so that this run's kernels autotune for its own model instead of taking another's choices."""
+    global _kept
     if not _ours():
         return
     del os.environ["FLA_CONFIG_DIR"]
-    _kept.clear()
+    _kept = None
     fla_cache = sys.modules[FLA_CACHE]
     fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.DISABLED  # fla's mode without the variable
 
 
 def _ours() -> bool:
-    return bool(_kept) and os.environ.get("FLA_CONFIG_DIR") == _kept[0]
+    return _kept is not None and os.environ.get("FLA_CONFIG_DIR") == _kept
