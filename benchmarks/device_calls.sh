@@ -15,7 +15,8 @@
 # then 0% and 70% dropped, DROP_STEPS steps each, the time left split between the two), `conv` (packing.py's 2B
 # packed rows profiled with fla's convolution and with the reference, CONV_GROUPS groups), `vs:TOOL:LIMIT[:warm]`
 # (benchmarks/vs_trl.py at the Qwen3.5-2B shape, 6 steps: its start-up cold, or warm on the tool's caches from an
-# earlier call; the shape is built outside LIMIT, ~1 min the first time) or `accept:ROWS`
+# earlier call; the shape is built outside LIMIT, ~1 min the first time; VT_EXTRA: more asyncrl overrides, e.g.
+# "logging.profile_steps=[6]", whose table and metrics.jsonl come back) or `accept:ROWS`
 # (benchmarks/acceptance.py's rows, ACCEPT_STEPS steps each, default 10, a row's limit the time left). TASK:
 # time_to_accuracy.py's task flags (Gemma-3-270M's by default).
 # Before it, on the same warm machine (it goes back after ~30 s idle, and /tmp with it): the vLLM kit's piece calls
@@ -40,7 +41,8 @@ pack() {  # whatever ran, the archive of it: a failed job still returns its logs
     [ -f "$r/console.err" ] && tail -c 20000 "$r/console.err" > "$RESULTS/tta/$n-console.err"
   done
   [ -d /tmp/acc-out ] && cp -r /tmp/acc-out "$RESULTS/acc"
-  for f in /tmp/vt/runs/*-asyncrl/launch.log /tmp/vt/runs/*-asyncrl/logs/server.log /tmp/vt/runs/*.err; do
+  for f in /tmp/vt/runs/*-asyncrl/launch.log /tmp/vt/runs/*-asyncrl/logs/server.log /tmp/vt/runs/*.err \
+    /tmp/vt/runs/*-asyncrl/metrics.jsonl /tmp/vt/runs/*-asyncrl/profile/*.txt; do
     [ -f "$f" ] && tail -c 400000 "$f" > "$RESULTS/log/vt-$(basename "$(dirname "$f")")-$(basename "$f")"
   done
   # which Triton kernels compiled when (epoch seconds; vs_trl.json's `launched` is the run's start): those written
@@ -96,7 +98,7 @@ for job in ${JOBS:-}; do
     vs:*)  # issue 57 item 3: cold and warm first step against TRL at the 2B shape
       IFS=: read -r _ tool limit warm <<< "$job"
       python benchmarks/vs_trl.py --shapes qwen3.5-2b --tools "$tool" --steps 6 --work /tmp/vt --out "$RESULTS/vt" \
-        --run-timeout "$limit" ${warm:+--warm} > "$RESULTS/log/vs-$tool.log" 2>&1
+        --run-timeout "$limit" ${warm:+--warm} ${VT_EXTRA:+--asyncrl-extra $VT_EXTRA} > "$RESULTS/log/vs-$tool.log" 2>&1
       tail -5 "$RESULTS/log/vs-$tool.log" ;;
     accept:*)  # a recipe row builds its shape first (~32 s at 2B), outside its limit
       left=$((DEADLINE - $(date +%s) - 60))
