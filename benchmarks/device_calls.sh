@@ -42,7 +42,8 @@ pack() {  # whatever ran, the archive of it: a failed job still returns its logs
   done
   [ -d /tmp/acc-out ] && cp -r /tmp/acc-out "$RESULTS/acc"
   for f in /tmp/vt/runs/*-asyncrl/launch.log /tmp/vt/runs/*-asyncrl/logs/server.log /tmp/vt/runs/*.err \
-    /tmp/vt/runs/*-asyncrl/metrics.jsonl /tmp/vt/runs/*-asyncrl/profile/*.txt; do
+    /tmp/vt/runs/*-asyncrl/metrics.jsonl /tmp/vt/runs/*-asyncrl/profile/*.txt \
+    /tmp/vt/runs/*-asyncrl/fla-configs/rank-0/*.json; do
     [ -f "$f" ] && tail -c 400000 "$f" > "$RESULTS/log/vt-$(basename "$(dirname "$f")")-$(basename "$f")"
   done
   # which Triton kernels compiled when (epoch seconds; vs_trl.json's `launched` is the run's start): those written
