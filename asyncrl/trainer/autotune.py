@@ -1,15 +1,19 @@
-"""fla's autotuned kernel configs, kept from the warm-up for the row lengths it did not see.
+"""fla's kernels autotune once each per run: a key that differs only in sizes runs on the config already chosen.
 
 Some of fla's gated-DeltaNet kernels autotune on a key that holds a size band of the row: ``l2norm_fwd_kernel``'s
 ``NB = ceil(rows / 65536)``, rows = tokens x heads, so at 16 heads every 4,096-token band of row length compiles and
-benchmarks its 25 configs again, in the middle of whichever step first packs a row of that band. At the Qwen3.5-2B
-shape that was most of a cold first step (65 s against 15 s on warm caches: benchmarks/RESULTS.md, session 44). fla
-(0.6.0, ``fla/ops/utils/cache.py``) can run such a key on a config tuned for another value of it: under
-``FLA_CACHE_MODE=fuzzy`` its ``fla_cache_autotune`` kernels look a key up in ``$FLA_CONFIG_DIR/{kernel}.json`` and take
-an entry whose numeric parts differ, before autotuning. It ships no writer for those files (its own are tuned
-offline), so ``keep`` writes the configs the warm-up's autotuning chose, in fla's format, then turns the lookup on:
-the warm-up still autotunes every kernel as before, and a later band runs on the warm-up's choice (one compile, no
-benchmark). A user's own ``FLA_CACHE_MODE`` or ``FLA_CONFIG_DIR`` leaves fla as they set it."""
+benchmarks its 25 configs again. At the Qwen3.5-2B shape a cold warm-up compiled ~330 Triton kernels, most of them
+autotune candidates, and the first real step autotuned again for its own bands (65 s against 15 s on warm caches;
+benchmarks/RESULTS.md, sessions 44-45). fla (0.6.0, ``fla/ops/utils/cache.py``) can run a key on a config tuned for
+another value of its numbers: under ``FLA_CACHE_MODE=fuzzy`` its ``fla_cache_autotune`` kernels look a key up in
+``$FLA_CONFIG_DIR/{kernel}.json`` and take an entry whose numeric parts differ, before autotuning. It ships no writer
+for those files (its own are tuned offline), so ``watch`` points fla at the run's folder, turns the lookup on and
+writes each choice there as it is made: the warm-up's long row autotunes a kernel, and its short row, the other
+phases and every later row-length band run on that choice (one compile, no benchmark). A key whose other parts
+differ (a dtype, a flag) still autotunes. A user's own ``FLA_CACHE_MODE`` or ``FLA_CONFIG_DIR`` leaves fla alone.
+
+Written here rather than taken from fla or Triton: neither records a choice where fla's lookup reads it; the one
+hook is a wrapper of ``CachedAutotuner.run`` that notices a key added to a kernel's choices during the call."""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 FLA_CACHE = "fla.ops.utils.cache"
-_kept: str | None = None  # the FLA_CONFIG_DIR this process set: a sweep's next job (same process) may replace it
+_kept: Path | None = None  # the run folder this process's choices go to; None: fla left as it was
+_chosen: dict[str, dict[tuple, Any]] = {}  # this run's choices: kernel name -> {autotune key: triton.Config}
 
 
 def config_dir(run_dir: Path, rank: int) -> Path:
@@ -31,19 +36,71 @@ def config_dir(run_dir: Path, rank: int) -> Path:
     return run_dir / "fla-configs" / f"rank-{rank}"
 
 
-def tuned_kernels() -> dict[str, dict[tuple, Any]]:
-    """The autotuning choices this process has made so far in fla's config-reading kernels: kernel name -> {Triton's
-    autotune key: the chosen ``triton.Config``}. Found among the loaded fla modules' names, where fla defines them."""
-    from fla.ops.utils.cache import CachedAutotuner
+def watch(directory: Path) -> bool:
+    """Once the model is built, before its warm-up: record this run's autotuning choices of fla's kernels under
+    ``directory`` and have fla take them for keys that differ only in numbers (fuzzy lookup); whether it did.
+    Nothing off CUDA, where no fla module is loaded (the model has no gated-DeltaNet layers) or where the user set
+    fla's cache variables. Each run starts from an empty record, so a sweep's next job in the same process
+    autotunes for its own model."""
+    global _kept
+    import torch
 
-    kernels: dict[str, dict[tuple, Any]] = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("fla.") or module is None:
-            continue
-        for value in vars(module).values():
-            if isinstance(value, CachedAutotuner) and value.cache:
-                kernels.setdefault(value.kernel_name, {}).update(value.cache)
-    return kernels
+    if FLA_CACHE not in sys.modules or not torch.cuda.is_available():
+        return False
+    if "FLA_CACHE_MODE" in os.environ or ("FLA_CONFIG_DIR" in os.environ and not _ours()):
+        return False
+    fla_cache = sys.modules[FLA_CACHE]
+    _record_choices(fla_cache.CachedAutotuner)
+    _chosen.clear()
+    _kept = directory
+    os.environ["FLA_CONFIG_DIR"] = str(directory)
+    fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.FUZZY  # fla read the variable at its import, before this
+    fla_cache.load_config_file.cache_clear()  # an earlier run's files, read and cached by path
+    log.info("fla's kernels autotune once each in this run: a row length in another band runs on the config "
+             "already chosen (kept in %s)", directory)  # fmt: skip
+    return True
+
+
+def _ours() -> bool:
+    return _kept is not None and os.environ.get("FLA_CONFIG_DIR") == str(_kept)
+
+
+def _record_choices(autotuner: type) -> None:
+    """Wrap ``autotuner.run`` (fla's CachedAutotuner) once per process so that a key it adds to a kernel's choices
+    is written where fla's lookup reads it; a length compare per launch when nothing is added."""
+    if getattr(autotuner.run, "records_choices", False):
+        return
+    fla_run = autotuner.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        known = len(self.cache)
+        out = fla_run(self, *args, **kwargs)
+        if _kept is not None and len(self.cache) != known:
+            record(self, args, kwargs)
+        return out
+
+    run.records_choices = True  # type: ignore[attr-defined]
+    autotuner.run = run
+
+
+def record(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The config ``kernel`` chose (or took) for this call's key, added to the run's file of the kernel."""
+    fla_cache = sys.modules[FLA_CACHE]
+    key = fla_cache.AutotuneKey.build(kernel.arg_names, kernel.keys, args, kwargs).autotune_key
+    choices = _chosen.setdefault(kernel.kernel_name, {})
+    if key in choices or key not in kernel.cache or _kept is None:
+        return
+    choices[key] = kernel.cache[key]
+    try:
+        text = json.dumps(config_file(kernel.kernel_name, choices), indent=1)
+    except TypeError:  # a key fla's files cannot hold: this kernel autotunes each key, as without this module
+        del choices[key]
+        return
+    _kept.mkdir(parents=True, exist_ok=True)
+    staged = _kept / f".{kernel.kernel_name}.json.tmp"
+    staged.write_text(text)
+    staged.replace(_kept / f"{kernel.kernel_name}.json")  # whole or absent
+    fla_cache.load_config_file.cache_clear()  # fla caches a file once read: the next lookup sees this choice
 
 
 def config_file(kernel: str, choices: dict[tuple, Any]) -> dict[str, Any]:
@@ -57,50 +114,3 @@ def config_file(kernel: str, choices: dict[tuple, Any]) -> dict[str, Any]:
                   "num_ctas": getattr(chosen, "num_ctas", 1), "maxnreg": getattr(chosen, "maxnreg", None)}  # fmt: skip
         entries[AutotuneKey.key_hash(key)] = {"autotune_key": AutotuneKey.normalize_autotune_key(key), "config": config}
     return {"kernel_name": kernel, "triton_version": triton.__version__, "autotune_entries": entries}
-
-
-def keep(directory: Path) -> int:
-    """Write this process's autotuning choices under ``directory`` and have fla's kernels take them for keys they
-    have not autotuned (fuzzy lookup); the number of kernels written. Nothing where fla has no config cache, no
-    kernel of it has autotuned, or the user set fla's cache variables; a kernel whose key is not JSON is left to
-    autotune as before."""
-    if FLA_CACHE not in sys.modules:  # no fla kernel of this fla reads configs, or none was loaded: none autotuned
-        return 0
-    if "FLA_CACHE_MODE" in os.environ or ("FLA_CONFIG_DIR" in os.environ and not _ours()):
-        return 0
-    fla_cache = sys.modules[FLA_CACHE]
-    files = {}
-    for kernel, choices in tuned_kernels().items():
-        try:
-            files[kernel] = json.dumps(config_file(kernel, choices), indent=1)
-        except TypeError:
-            continue
-    if not files:
-        return 0
-    directory.mkdir(parents=True, exist_ok=True)
-    for kernel, text in files.items():
-        staged = directory / f".{kernel}.json.tmp"
-        staged.write_text(text)
-        staged.replace(directory / f"{kernel}.json")  # whole or absent: fla caches a file once it has read it
-    global _kept
-    _kept = os.environ["FLA_CONFIG_DIR"] = str(directory)
-    fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.FUZZY  # fla read the variable at its import, before this
-    log.info("fla's kernels keep the warm-up's autotuned configs (%d kernels, %s): a row length in another band "
-             "runs on them instead of autotuning again", len(files), directory)  # fmt: skip
-    return len(files)
-
-
-def forget() -> None:
-    """Before a warm-up: undo what an earlier run in this process kept (a sweep's jobs run in one process, a restart
-    too), so that this run's kernels autotune for its own model instead of taking another's choices."""
-    global _kept
-    if not _ours():
-        return
-    del os.environ["FLA_CONFIG_DIR"]
-    _kept = None
-    fla_cache = sys.modules[FLA_CACHE]
-    fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.DISABLED  # fla's mode without the variable
-
-
-def _ours() -> bool:
-    return _kept is not None and os.environ.get("FLA_CONFIG_DIR") == _kept

@@ -34,6 +34,7 @@ from asyncrl.losses.step import StepLoss, StepNorm, StepTotals
 from asyncrl.packing.attention import unwrap_model
 from asyncrl.packing.row import PackedRow
 from asyncrl.trainer import fsdp
+from asyncrl.trainer.autotune import config_dir, watch
 from asyncrl.trainer.forward import trainer_forward
 from asyncrl.trainer.model import build_grad_scaler, use_cpu_threads
 from asyncrl.trainer.moe import router_aux_coef
@@ -184,6 +185,7 @@ class Follower:
         self.config, self.ranks, self.run_dir = config, ranks, run_dir
         use_cpu_threads(config, ranks.world, plan.server_backend)
         self.model, self.optimizer, self.scheduler, resume = build_sharded(config, run_dir, ranks)
+        watch(config_dir(run_dir, ranks.rank))  # fla's kernels autotune once each, as on rank 0
         self.scaler = build_grad_scaler(config)
         self.loss = StepLoss(components.loss, components.advantage, config.sampling.max_completion_length)
         self.reference = build_reference(config, self.model, components.loss.options)
@@ -210,13 +212,10 @@ class Follower:
                 raise RuntimeError(f"trainer rank {self.ranks.rank}: unknown command {name!r} from rank 0")
 
     def _warm_up(self, work: RankWork) -> None:
-        from asyncrl.trainer.autotune import config_dir, forget, keep
         from asyncrl.trainer.memory import warm_up
 
-        forget()
         warm_up(lambda: warm_up_step(self.model, self.loss, work, self.ranks, self.config, self.reference),
                 self.model, self.optimizer)  # fmt: skip
-        keep(config_dir(self.run_dir, self.ranks.rank))
 
     def _step(self, work: RankWork) -> None:
         self.model.train()

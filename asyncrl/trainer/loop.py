@@ -40,6 +40,7 @@ from asyncrl.serving.handle import check_alive
 from asyncrl.serving.watchdog import ServerWatch
 from asyncrl.trackers import build_trackers
 from asyncrl.trainer.assembler import PromptProgress, RolloutWorkerError, Step, StepAssembler
+from asyncrl.trainer.autotune import config_dir, watch
 from asyncrl.trainer.callbacks import Callbacks
 from asyncrl.trainer.checkpoint import (
     TrainerState,
@@ -138,6 +139,7 @@ class Trainer:
         the loss, packing, logging, the weight-sync channel, the worker's spec and the first evaluation."""
         c = self.config
         self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
+        watch(config_dir(self.run_dir, self.ranks.rank))  # fla's kernels autotune once each, not once a row band
         self.scaler = build_grad_scaler(c)
         job_started = float(os.environ.get(JOB_STARTED_ENV) or self.started_at)
         self.startup["perf/startup_job_s"] = job_started - self.started_at
@@ -273,14 +275,12 @@ class Trainer:
         the compiled layers compile in it. A vLLM waiting for the figure is launched as soon as it is recorded. The
         figure known beforehand is the plan's measured stage (a restart's) or this shape's from an earlier run."""
         from asyncrl.footprint import cached_memory
-        from asyncrl.trainer.autotune import config_dir, forget, keep
         from asyncrl.trainer.memory import WARM_UP_PROMPT_TOKENS, synthetic_rows
 
         c = self.config
         if not (c.trainer.warm_up and torch.cuda.is_available()):
             return None
         started = time.time()
-        forget()  # an earlier run's kept configs in this process (a sweep's job, a restart): this one autotunes anew
         text = unwrap_model(self.model).config.get_text_config()
         # the server's context before it answers: the plan's, else the built-in server's, its model's whole context
         max_model_len = self.prepared.plan.max_model_len or int(text.max_position_embeddings)
@@ -297,7 +297,6 @@ class Trainer:
                            self.optimizer, alone=alone, known=known)  # fmt: skip
 
         memory = self._measure_and_launch(step, shape, known, started)
-        keep(config_dir(self.run_dir, self.ranks.rank))  # fla's choices for the row lengths the warm-up did not see
         self.startup["perf/startup_warm_up_s"] = time.time() - started
         log.info("warm-up step (%d tokens, update thrown away) in %.1f s: %s", rows[0].num_forwarded,
                  time.time() - started, memory.describe())  # fmt: skip

@@ -1,7 +1,7 @@
-"""The warm-up's autotuned fla configs, kept for the row lengths it did not see (trainer/autotune.py). fla's kernels
-autotune only on a GPU, so here one of its kernels is given the choice an autotune of the warm-up's row would make
-(its key as Triton builds it: the key's arguments, then the tensors' dtypes), and fla's own lookup, the one its
-kernels make before autotuning a key, must hand that choice to another row-length band."""
+"""fla's kernels autotune once each per run (trainer/autotune.py). fla's kernels autotune only on a GPU, so the CPU
+tests stand in for Triton's benchmark alone (``Autotuner.run``: a key not chosen yet is counted and given one of the
+kernel's configs); fla's own code around it runs as it is: its key, its config files' lookup, its fuzzy match. The
+GPU test runs the real kernel."""
 
 from __future__ import annotations
 
@@ -9,69 +9,129 @@ import json
 import os
 
 import pytest
+import torch
 
-from asyncrl.trainer.autotune import config_dir, forget, keep
+from asyncrl.trainer import autotune
+from asyncrl.trainer.autotune import config_dir, watch
 
-WARM_UP_KEY = (128, 4, "torch.bfloat16", "torch.bfloat16", "torch.float32")  # D, NB (16,384 tokens x 16 heads)
-SHORTER_ROW = (128, 2, "torch.bfloat16", "torch.bfloat16", "torch.float32")  # a row of 4,097-8,192 tokens
+D = 128  # l2norm_fwd_kernel's key is (D, NB), then the tensors' dtypes; NB = ceil(rows / 65536)
 
 
 @pytest.fixture
-def fla_cache(monkeypatch):
-    """fla's config cache module, its lookup mode and variables put back after the test."""
+def fla(monkeypatch):
+    """fla's config cache module; its lookup mode, variables and autotuner class put back after the test, and
+    CUDA said to be there (``watch`` acts only on CUDA)."""
     cache = pytest.importorskip("fla.ops.utils.cache", reason="needs fla-core (and Triton) installed")
     monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FLA_CACHE_MODE)
-    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
-    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.setattr(cache.CachedAutotuner, "run", cache.CachedAutotuner.run)
+    monkeypatch.setattr(autotune, "_kept", None)
+    for name in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR"):  # set first, so that the test's own setting is undone too
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     return cache
 
 
-def test_a_band_the_warm_up_did_not_see_runs_on_its_choice_without_autotuning(fla_cache, tmp_path, monkeypatch):
-    import triton
+@pytest.fixture
+def benchmarked(fla, monkeypatch):
+    """The keys Triton's autotune benchmarked (each given the kernel's fourth config); no kernel launches."""
+    from triton.runtime.autotuner import Autotuner
+
+    keys = []
+
+    def run(self, *args, **kwargs):
+        key = fla.AutotuneKey.build(self.arg_names, self.keys, args, kwargs).autotune_key
+        if key not in self.cache:
+            keys.append(key)
+            self.cache[key] = self.configs[3]
+
+    monkeypatch.setattr(Autotuner, "run", run)
+    return keys
+
+
+@pytest.fixture
+def kernel(fla, monkeypatch):
     from fla.modules.norm import l2norm
 
-    kernel = l2norm.l2norm_fwd_kernel
-    chosen = triton.Config({"BT": 32}, num_warps=8, num_stages=2)
-    monkeypatch.setattr(kernel, "cache", {WARM_UP_KEY: chosen})
+    monkeypatch.setattr(l2norm.l2norm_fwd_kernel, "cache", {})
+    return l2norm.l2norm_fwd_kernel
+
+
+def launch(kernel, tokens: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """One call as l2norm_fwd makes it, on ``tokens`` rows; the key it has."""
+    x = torch.zeros(1, D, dtype=dtype)
+    rstd = torch.zeros(1, dtype=torch.float32)
+    nb = -(-tokens // 65536)
+    kernel.run(x=x, y=x, rstd=rstd, eps=1e-6, T=tokens, D=D, BD=D, NB=nb, grid=(1,), warmup=False)
+    return (D, nb, str(dtype), str(dtype), "torch.float32")
+
+
+def test_a_kernel_autotunes_once_and_other_row_bands_run_on_its_choice(fla, benchmarked, kernel, tmp_path):
     directory = config_dir(tmp_path, 0)
-    assert keep(directory) >= 1
+    assert watch(directory)
+    long_row = launch(kernel, 16384 * 16)  # the warm-up's row: NB 4
+    assert benchmarked == [long_row]
     written = json.loads((directory / "l2norm_fwd_kernel.json").read_text())
-    assert [entry["autotune_key"] for entry in written["autotune_entries"].values()] == [list(WARM_UP_KEY)]
-    assert fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.FUZZY
-    kernel.maybe_load_cached_config(key=fla_cache.AutotuneKey(SHORTER_ROW), nargs={}, runtime_kwargs={})
-    taken = kernel.cache[SHORTER_ROW]  # set here, so Triton's run finds the key and does not autotune it
-    assert (taken.kwargs, taken.num_warps, taken.num_stages) == ({"BT": 32}, 8, 2)
-    assert list(directory.iterdir()) == [directory / "l2norm_fwd_kernel.json"]  # no staged file left
+    assert [entry["autotune_key"] for entry in written["autotune_entries"].values()] == [list(long_row)]
+    short_row = launch(kernel, 2000 * 16)  # the warm-up's short row, or a real step's row in another band: NB 1
+    assert benchmarked == [long_row]  # fla's lookup took the recorded choice: no benchmark
+    assert kernel.cache[short_row].all_kwargs() == kernel.cache[long_row].all_kwargs()
+    assert fla.FLA_CACHE_MODE is fla.FlaCacheMode.FUZZY and os.environ["FLA_CONFIG_DIR"] == str(directory)
+    assert sorted(p.name for p in directory.iterdir()) == ["l2norm_fwd_kernel.json"]  # no staged file left
 
 
-def test_the_next_run_in_the_process_autotunes_its_own_model_and_may_keep_anew(fla_cache, tmp_path, monkeypatch):
-    """A sweep's jobs run in one process: the next job's warm-up must not take the last model's choices."""
-    import triton
-    from fla.modules.norm import l2norm
+def test_a_key_that_differs_in_more_than_sizes_still_autotunes(benchmarked, kernel, tmp_path):
+    assert watch(config_dir(tmp_path, 0))
+    launch(kernel, 16384 * 16)
+    launch(kernel, 16384 * 16, torch.float32)
+    launch(kernel, 4096 * 16, torch.float32)  # a band of the float32 key: runs on that one's choice
+    assert [key[2] for key in benchmarked] == ["torch.bfloat16", "torch.float32"]
 
-    monkeypatch.setattr(l2norm.l2norm_fwd_kernel, "cache", {WARM_UP_KEY: triton.Config({"BT": 16})})
-    assert keep(config_dir(tmp_path / "job0", 0)) >= 1
-    forget()
-    assert "FLA_CONFIG_DIR" not in os.environ and fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.DISABLED
-    assert keep(config_dir(tmp_path / "job1", 0)) >= 1  # its own folder, not refused as a user's setting
+
+def test_the_next_run_in_the_process_autotunes_its_own_model(fla, benchmarked, kernel, tmp_path):
+    """A sweep's jobs run in one process: the next job's kernels must not take the last model's choices."""
+    assert watch(config_dir(tmp_path / "job0", 0))
+    launch(kernel, 16384 * 16)
+    assert watch(config_dir(tmp_path / "job1", 0))  # its own folder, not refused as a user's setting
     assert os.environ["FLA_CONFIG_DIR"] == str(config_dir(tmp_path / "job1", 0))
-    forget()
+    launch(kernel, 2000 * 16)
+    assert len(benchmarked) == 2
+    assert len(json.loads((config_dir(tmp_path / "job1", 0) / "l2norm_fwd_kernel.json").read_text())[
+        "autotune_entries"]) == 1  # fmt: skip
+
+
+def test_a_users_own_fla_cache_setting_is_left_alone(fla, benchmarked, kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path / "mine"))
-    forget()  # a user's folder stays
+    assert not watch(tmp_path / "kept")
+    launch(kernel, 16384 * 16)
+    assert not (tmp_path / "kept").exists() and fla.FLA_CACHE_MODE is not fla.FlaCacheMode.FUZZY
     assert os.environ["FLA_CONFIG_DIR"] == str(tmp_path / "mine")
 
 
-def test_a_users_own_fla_cache_setting_is_left_alone(fla_cache, tmp_path, monkeypatch):
-    import triton
-    from fla.modules.norm import l2norm
-
-    monkeypatch.setattr(l2norm.l2norm_fwd_kernel, "cache", {WARM_UP_KEY: triton.Config({"BT": 8})})
-    monkeypatch.setenv("FLA_CACHE_MODE", "strict")
-    assert keep(tmp_path / "kept") == 0
-    assert not (tmp_path / "kept").exists() and fla_cache.FLA_CACHE_MODE is not fla_cache.FlaCacheMode.FUZZY
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's case")
+def test_off_cuda_fla_is_left_as_it_was(tmp_path):
+    """On the CPU (fla's kernels do not run) nothing is set and no folder is made, fla installed or not."""
+    assert not watch(config_dir(tmp_path, 1))
+    assert not (tmp_path / "fla-configs").exists() and "FLA_CONFIG_DIR" not in os.environ
 
 
-def test_without_a_tuned_kernel_nothing_is_written(tmp_path):
-    """Where fla is not installed (as on the CPU) or nothing of it autotuned, the warm-up leaves no folder."""
-    assert keep(config_dir(tmp_path, 1)) == 0
-    assert not (tmp_path / "fla-configs").exists()
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_second_band_does_not_benchmark(tmp_path, monkeypatch):
+    cache = pytest.importorskip("fla.ops.utils.cache", reason="needs fla-core (and Triton) installed")
+    from fla.modules.norm.l2norm import l2norm_fwd, l2norm_fwd_kernel
+
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FLA_CACHE_MODE)
+    monkeypatch.setattr(cache.CachedAutotuner, "run", cache.CachedAutotuner.run)
+    monkeypatch.setattr(autotune, "_kept", None)
+    monkeypatch.setattr(l2norm_fwd_kernel, "cache", {})
+    monkeypatch.setenv("FLA_CONFIG_DIR", "")
+    monkeypatch.delenv("FLA_CONFIG_DIR")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # no earlier run's autotune on disk
+    assert watch(config_dir(tmp_path, 0))
+    x = torch.randn(16384, 16, D, device="cuda", dtype=torch.bfloat16)
+    y, _ = l2norm_fwd(x)
+    timings = l2norm_fwd_kernel.configs_timings  # set by the benchmark
+    y_short, _ = l2norm_fwd(x[:2000])
+    assert l2norm_fwd_kernel.configs_timings is timings and len(l2norm_fwd_kernel.cache) == 2
+    torch.testing.assert_close(y_short, y[:2000])
