@@ -67,14 +67,24 @@ def _ours() -> bool:
 
 def _record_choices(autotuner: type) -> None:
     """Wrap ``autotuner.run`` (fla's CachedAutotuner) once per process so that a key it adds to a kernel's choices
-    is written where fla's lookup reads it; a length compare per launch when nothing is added."""
+    is written where fla's lookup reads it; a length compare per launch when nothing is added. A config taken for a
+    key it was not tuned for that does not fit the device there (Triton's OutOfResources: another head size, say)
+    is dropped and the key autotuned, as without the lookup."""
     if getattr(autotuner.run, "records_choices", False):
         return
-    fla_run = autotuner.run
+    from triton.runtime.errors import OutOfResources
+
+    fla_run, triton_autotuner = autotuner.run, autotuner.__mro__[1]
 
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         known = len(self.cache)
-        out = fla_run(self, *args, **kwargs)
+        try:
+            out = fla_run(self, *args, **kwargs)
+        except OutOfResources:
+            if _kept is None or len(self.cache) == known:  # not a config this call took from the lookup
+                raise
+            self.cache.pop(_key(self, args, kwargs), None)
+            out = triton_autotuner.run(self, *args, **kwargs)  # Triton's autotune alone, past fla's lookup
         if _kept is not None and len(self.cache) != known:
             record(self, args, kwargs)
         return out
@@ -86,7 +96,7 @@ def _record_choices(autotuner: type) -> None:
 def record(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     """The config ``kernel`` chose (or took) for this call's key, added to the run's file of the kernel."""
     fla_cache = sys.modules[FLA_CACHE]
-    key = fla_cache.AutotuneKey.build(kernel.arg_names, kernel.keys, args, kwargs).autotune_key
+    key = _key(kernel, args, kwargs)
     choices = _chosen.setdefault(kernel.kernel_name, {})
     if key in choices or key not in kernel.cache or _kept is None:
         return
@@ -101,6 +111,11 @@ def record(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     staged.write_text(text)
     staged.replace(_kept / f"{kernel.kernel_name}.json")  # whole or absent
     fla_cache.load_config_file.cache_clear()  # fla caches a file once read: the next lookup sees this choice
+
+
+def _key(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """The call's autotune key as fla and Triton build it: the key's arguments, then the tensors' dtypes."""
+    return sys.modules[FLA_CACHE].AutotuneKey.build(kernel.arg_names, kernel.keys, args, kwargs).autotune_key
 
 
 def config_file(kernel: str, choices: dict[tuple, Any]) -> dict[str, Any]:

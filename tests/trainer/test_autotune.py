@@ -88,6 +88,35 @@ def test_a_key_that_differs_in_more_than_sizes_still_autotunes(benchmarked, kern
     assert [key[2] for key in benchmarked] == ["torch.bfloat16", "torch.float32"]
 
 
+def test_a_taken_config_that_does_not_fit_another_head_size_is_autotuned_there(fla, kernel, tmp_path, monkeypatch):
+    """fla's fuzzy lookup ignores every number of a key, head sizes too: a config that does not fit the device at
+    the other size (Triton's OutOfResources at its launch) is dropped and that key autotuned instead of failing."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.errors import OutOfResources
+
+    benchmarked = []
+
+    def run(self, *args, **kwargs):  # configs from the fourth on do not fit at D 256
+        key = fla.AutotuneKey.build(self.arg_names, self.keys, args, kwargs).autotune_key
+        fits = [c for i, c in enumerate(self.configs) if key[0] < 256 or i < 3]
+        if key not in self.cache:
+            benchmarked.append(key)
+            self.cache[key] = fits[-1]
+        if self.cache[key] not in fits:
+            raise OutOfResources(232448, 227 * 1024, "shared memory")
+
+    monkeypatch.setattr(Autotuner, "run", run)
+    assert watch(config_dir(tmp_path, 0))
+    small = launch(kernel, 16384 * 16)
+    assert kernel.cache[small] is kernel.configs[-1]
+    large = (256, *small[1:])
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    kernel.run(x=x, y=x, rstd=torch.zeros(1), eps=1e-6, T=16, D=256, BD=256, NB=4, grid=(1,), warmup=False)
+    assert benchmarked == [small, large] and kernel.cache[large] is kernel.configs[2]
+    written = json.loads((config_dir(tmp_path, 0) / "l2norm_fwd_kernel.json").read_text())
+    assert len(written["autotune_entries"]) == 2
+
+
 def test_the_next_run_in_the_process_autotunes_its_own_model(fla, benchmarked, kernel, tmp_path):
     """A sweep's jobs run in one process: the next job's kernels must not take the last model's choices."""
     assert watch(config_dir(tmp_path / "job0", 0))
