@@ -24,7 +24,9 @@ def fla(monkeypatch):
     cache = pytest.importorskip("fla.ops.utils.cache", reason="needs fla-core (and Triton) installed")
     monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FLA_CACHE_MODE)
     monkeypatch.setattr(cache.CachedAutotuner, "run", cache.CachedAutotuner.run)
+    monkeypatch.setattr(cache.CachedAutotuner, "_bench", cache.CachedAutotuner._bench)
     monkeypatch.setattr(autotune, "_kept", None)
+    monkeypatch.setattr(autotune, "_compiled_ahead", set())
     for name in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR"):  # set first, so that the test's own setting is undone too
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
@@ -117,6 +119,50 @@ def test_a_taken_config_that_does_not_fit_another_head_size_is_autotuned_there(f
     assert len(written["autotune_entries"]) == 2
 
 
+class JitStandIn:
+    """Triton's JIT function under an autotuner, which compiles only where a GPU driver is: records the launches."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.launches: list[tuple[bool, int, int]] = []
+        self.fails = fails
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self.fails:
+            raise RuntimeError("0 active drivers")
+        self.launches.append((warmup, kwargs["BT"], kwargs["num_warps"]))
+
+
+def time_configs(kernel, tokens: int, configs) -> None:
+    """What Triton's autotune does for a key it has not chosen: set its arguments, then time each config."""
+    x = torch.zeros(1, D, dtype=torch.bfloat16)
+    meta = {"eps": 1e-6, "T": tokens, "D": D, "BD": D, "NB": -(-tokens // 65536), "grid": (1,), "warmup": False}
+    kernel.nargs = {"x": x, "y": x, "rstd": torch.zeros(1)}
+    for config in configs:
+        kernel._bench(x, x, torch.zeros(1), config=config, **meta)
+
+
+def test_a_keys_first_timing_compiles_all_its_configs_first(fla, kernel, tmp_path, monkeypatch):
+    timed = []
+    monkeypatch.setattr(fla.CachedAutotuner, "_bench", lambda self, *a, config, **m: timed.append(config))
+    jit = JitStandIn()
+    monkeypatch.setattr(kernel, "fn", jit)
+    assert watch(config_dir(tmp_path, 0))
+    time_configs(kernel, 16384 * 16, kernel.configs)
+    compiled = [(True, c.kwargs["BT"], c.num_warps) for c in kernel.configs]
+    assert jit.launches == compiled and timed == kernel.configs  # every config compiled once, before the first timing
+    time_configs(kernel, 2000 * 16, kernel.configs[:2])  # another key: its configs compiled once too
+    assert len(jit.launches) == 2 * len(compiled)
+
+
+def test_a_failed_compile_ahead_leaves_the_timing_to_compile(fla, kernel, tmp_path, monkeypatch):
+    timed = []
+    monkeypatch.setattr(fla.CachedAutotuner, "_bench", lambda self, *a, config, **m: timed.append(config))
+    monkeypatch.setattr(kernel, "fn", JitStandIn(fails=True))
+    assert watch(config_dir(tmp_path, 0))
+    time_configs(kernel, 16384 * 16, kernel.configs)
+    assert timed == kernel.configs
+
+
 def test_the_next_run_in_the_process_autotunes_its_own_model(fla, benchmarked, kernel, tmp_path):
     """A sweep's jobs run in one process: the next job's kernels must not take the last model's choices."""
     assert watch(config_dir(tmp_path / "job0", 0))
@@ -146,12 +192,13 @@ def test_off_cuda_fla_is_left_as_it_was(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_gpu_a_second_band_does_not_benchmark(tmp_path, monkeypatch):
+def test_on_the_gpu_a_second_band_does_not_benchmark(tmp_path, monkeypatch, caplog):
     cache = pytest.importorskip("fla.ops.utils.cache", reason="needs fla-core (and Triton) installed")
     from fla.modules.norm.l2norm import l2norm_fwd, l2norm_fwd_kernel
 
     monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FLA_CACHE_MODE)
     monkeypatch.setattr(cache.CachedAutotuner, "run", cache.CachedAutotuner.run)
+    monkeypatch.setattr(cache.CachedAutotuner, "_bench", cache.CachedAutotuner._bench)
     monkeypatch.setattr(autotune, "_kept", None)
     monkeypatch.setattr(l2norm_fwd_kernel, "cache", {})
     monkeypatch.setenv("FLA_CONFIG_DIR", "")
@@ -159,7 +206,9 @@ def test_on_the_gpu_a_second_band_does_not_benchmark(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # no earlier run's autotune on disk
     assert watch(config_dir(tmp_path, 0))
     x = torch.randn(16384, 16, D, device="cuda", dtype=torch.bfloat16)
-    y, _ = l2norm_fwd(x)
+    with caplog.at_level("DEBUG", logger="asyncrl.trainer.autotune"):
+        y, _ = l2norm_fwd(x)
+    assert "not compiled ahead" not in caplog.text  # its 25 configs compiled on the pool, then timed
     timings = l2norm_fwd_kernel.configs_timings  # set by the benchmark
     y_short, _ = l2norm_fwd(x[:2000])
     assert l2norm_fwd_kernel.configs_timings is timings and len(l2norm_fwd_kernel.cache) == 2
