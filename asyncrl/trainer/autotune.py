@@ -14,8 +14,9 @@ differ (a dtype, a flag) still autotunes. A user's own ``FLA_CACHE_MODE`` or ``F
 
 A key that does autotune compiles all its configs at once first, on a pool of threads, before Triton times them
 one by one (Triton compiles a config only when it times it): Triton's compile releases the GIL (fla's l2norm_fwd's
-25 configs for sm_90 on this project's 2-core CPU machine: 13.6-14.1 s one after another, 6.6 s on two threads), and
-the cold 2B warm-up spent most of its 438 s compiling candidates one at a time. Triton's own ``AsyncCompileMode`` runs
+25 configs for sm_90 on a 2-core CPU: 12.3-12.7 s one after another, 6.3-6.6 s on two threads;
+benchmarks/triton_compile.py, RESULTS.md session 45), and the cold 2B warm-up spent most of its 438 s compiling
+candidates one at a time. Triton's own ``AsyncCompileMode`` runs
 the compiles; a failure there leaves each config to compile as it is timed.
 
 Written here rather than taken from fla or Triton: neither records a choice where fla's lookup reads it, and

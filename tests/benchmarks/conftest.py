@@ -83,3 +83,8 @@ def save_cost() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def deltanet_conv() -> Iterator[ModuleType]:
     yield from script_module("deltanet_conv")
+
+
+@pytest.fixture(scope="module")
+def triton_compile() -> Iterator[ModuleType]:
+    yield from script_module("triton_compile")
