@@ -114,6 +114,8 @@ def _server_share(server: Any) -> str | None:
 
 
 class Trainer:
+    launched_on: TrainerMemory | None = None  # the known footprint a waiting vLLM was launched on before the model
+
     def __init__(self, config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
         self.ranks, self.world = ranks, ranks.world
@@ -138,6 +140,7 @@ class Trainer:
         """Everything after the worker's spawn: the model (while a launched server boots), the server's limits,
         the loss, packing, logging, the weight-sync channel, the worker's spec and the first evaluation."""
         c = self.config
+        self._launch_early()
         self.model, self.optimizer, self.scheduler, resume = build_sharded(c, self.run_dir, self.ranks)
         watch(config_dir(self.run_dir, self.ranks.rank))  # fla's kernels autotune once each, not once a row band
         self.scaler = build_grad_scaler(c)
@@ -290,7 +293,7 @@ class Trainer:
         rows = synthetic_rows(row_factory, prompt, completion, c.sampling.num_generations, text.vocab_size, self.top_k)
         placement = [[index] * self.world for index in range(len(rows))]  # every rank runs every row
         mine = self.ranks.command("warm_up", split_rows(rows, placement, self.loss.norm(rows)))
-        known = self.prepared.plan.trainer_memory or cached_memory(c, shape)
+        known = self.launched_on or self.prepared.plan.trainer_memory or cached_memory(c, shape)
 
         def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
             return measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c, self.reference), self.model,
@@ -328,7 +331,7 @@ class Trainer:
             if known is not None:
                 log.info("fla's kernels autotune in this first warm-up of the shape: %s; vLLM starts beside it on the "
                          "rest", known.describe())  # fmt: skip
-        if self.server.waits_for_warm_up and known is not None:
+        if known is not None and (self.server.waits_for_warm_up or known is self.launched_on):
             if known.held:  # this run's, or the plan's when it restarts one
                 from asyncrl.trainer.memory import hold
 
@@ -344,6 +347,24 @@ class Trainer:
         memory = step(alone=self.server.waits_for_warm_up or known is None, known=known)
         self._launch_with(memory, shape)
         return memory
+
+    def _launch_early(self) -> None:
+        """A vLLM waiting for the trainer's footprint, launched before the model loads where the footprint is known
+        already (a restart's plan, or this shape's recorded figure) and no room is to be held first: its boot
+        overlaps the model's load too (launched at 37 s of a warm 2B start, 20 s after the job: RESULTS.md, session
+        45). It profiles its memory about a minute after its launch, by when the load and a warm warm-up are done."""
+        from asyncrl.footprint import cached_memory
+
+        c, plan = self.config, self.prepared.plan
+        if not (self.server.waits_for_warm_up and c.trainer.warm_up and plan.max_model_len):
+            return
+        if not torch.cuda.is_available():
+            return
+        _, shape = self.prepared.components.packer.rows(plan.max_model_len)
+        known = plan.trainer_memory or cached_memory(c, shape)
+        if known is not None and not known.held:
+            self.launched_on = known
+            self._start_server(known)
 
     def _held_room(self) -> TrainerMemory | None:
         """A room for the trainer to hold while vLLM boots beside its warm-up (trainer/memory.py::held_room), where

@@ -200,6 +200,53 @@ def recording_trainer(config: Config, events: list[object], measured: TrainerMem
     return trainer, step
 
 
+def early_trainer(config: Config, events: list[object], measured: TrainerMemory, plan_memory: TrainerMemory | None,
+                  monkeypatch: Any) -> tuple[Any, Any, int]:
+    """A recording trainer before its model loads: its plan (vLLM's context length, a restart's figure) and packer;
+    CUDA said to be there (only then does a vLLM share the trainer's GPU; figures are kept per GPU name)."""
+    from types import SimpleNamespace
+
+    trainer, step = recording_trainer(config, events, measured)
+    packer = build_components(config).packer
+    plan = SimpleNamespace(max_model_len=512, trainer_memory=plan_memory)
+    trainer.prepared = SimpleNamespace(plan=plan, components=SimpleNamespace(packer=packer))
+    trainer.started_at, trainer.startup = 0.0, {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    return trainer, step, packer.rows(512)[1]
+
+
+def test_with_this_shapes_figure_recorded_vllm_launches_before_the_model_loads(tmp_path, monkeypatch):
+    """A warm machine: the figure is known before the model is, so vLLM's boot overlaps the model's load too; the
+    warm-up that follows neither launches it again nor moves its launch time, and records its own figure."""
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    recorded, measured = TrainerMemory(4 * GIB, GIB, 80 * GIB), TrainerMemory(4 * GIB + 1, GIB, 80 * GIB)
+    events: list[object] = []
+    trainer, step, shape = early_trainer(config, events, measured, None, monkeypatch)
+    record_memory(config, shape, recorded)
+    trainer._launch_early()
+    assert events == [("launch", recorded)] and trainer.launched_on == recorded
+    launched_at = trainer.startup["perf/startup_server_launched_s"]
+    trainer.model = torch.nn.Linear(2, 2)
+    assert trainer._measure_and_launch(step, shape, trainer.launched_on, 0.0) == measured
+    assert events == [("launch", recorded), ("step", False, recorded)]
+    assert trainer.startup["perf/startup_server_launched_s"] == launched_at
+    assert cached_memory(config, shape) == measured
+
+
+def test_a_room_to_hold_or_no_figure_leaves_vllm_to_the_warm_up(tmp_path, monkeypatch):
+    """A held room must be held before vLLM starts (it needs the model's size); no figure needs the warm-up's."""
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path))
+    config = to_config(compose([]))
+    events: list[object] = []
+    held = TrainerMemory.with_need(50 * GIB, GIB, 80 * GIB)
+    for plan_memory in (held, None):
+        trainer, _, _ = early_trainer(config, events, held, plan_memory, monkeypatch)
+        trainer._launch_early()
+        assert events == [] and trainer.launched_on is None
+
+
 def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_up_step(tmp_path, monkeypatch):
     """A warm machine: vLLM's share comes from the figure an earlier run recorded, so it boots beside the whole
     warm-up (no eager measuring step first); the step's own figure is recorded for the next run."""
