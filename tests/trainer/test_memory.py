@@ -200,8 +200,9 @@ def recording_trainer(config: Config, events: list[object], measured: TrainerMem
     return trainer, step
 
 
-def early_trainer(config: Config, events: list[object], measured: TrainerMemory, plan_memory: TrainerMemory | None,
-                  monkeypatch: Any) -> tuple[Any, Any, int]:
+def early_trainer(
+    config: Config, events: list[object], measured: TrainerMemory, plan_memory: TrainerMemory | None, monkeypatch: Any
+) -> tuple[Any, Any, int]:
     """A recording trainer before its model loads: its plan (vLLM's context length, a restart's figure) and packer;
     CUDA said to be there (only then does a vLLM share the trainer's GPU; figures are kept per GPU name)."""
     from types import SimpleNamespace
