@@ -16,8 +16,8 @@ A key that does autotune compiles all its configs at once first, on a pool of th
 one by one (Triton compiles a config only when it times it): Triton's compile releases the GIL (fla's l2norm_fwd's
 25 configs for sm_90 on a 2-core CPU: 12.3-12.7 s one after another, 6.3-6.6 s on two threads;
 benchmarks/triton_compile.py, RESULTS.md session 45), and the cold 2B warm-up spent most of its 438 s compiling
-candidates one at a time. Triton's own ``AsyncCompileMode`` runs
-the compiles; a failure there leaves each config to compile as it is timed.
+candidates one at a time. Triton's own ``AsyncCompileMode`` runs the compiles; a failure there leaves each config to
+compile as it is timed.
 
 Written here rather than taken from fla or Triton: neither records a choice where fla's lookup reads it, and
 Triton's autotuner compiles its candidates one at a time; the hooks are wrappers of ``CachedAutotuner.run`` (notices

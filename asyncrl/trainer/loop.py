@@ -114,8 +114,6 @@ def _server_share(server: Any) -> str | None:
 
 
 class Trainer:
-    launched_on: TrainerMemory | None = None  # the known footprint a waiting vLLM was launched on before the model
-
     def __init__(self, config: Config, run_dir: Path, server: Any, prepared: Prepared, ranks: Ranks) -> None:
         self.config, self.run_dir, self.server, self.prepared = config, run_dir, server, prepared
         self.ranks, self.world = ranks, ranks.world
@@ -293,7 +291,7 @@ class Trainer:
         rows = synthetic_rows(row_factory, prompt, completion, c.sampling.num_generations, text.vocab_size, self.top_k)
         placement = [[index] * self.world for index in range(len(rows))]  # every rank runs every row
         mine = self.ranks.command("warm_up", split_rows(rows, placement, self.loss.norm(rows)))
-        known = self.launched_on or self.prepared.plan.trainer_memory or cached_memory(c, shape)
+        known = self.prepared.plan.trainer_memory or cached_memory(c, shape)
 
         def step(alone: bool, known: TrainerMemory | None) -> TrainerMemory:
             return measure(lambda: warm_up_step(self.model, self.loss, mine, self.ranks, c, self.reference), self.model,
@@ -331,7 +329,7 @@ class Trainer:
             if known is not None:
                 log.info("fla's kernels autotune in this first warm-up of the shape: %s; vLLM starts beside it on the "
                          "rest", known.describe())  # fmt: skip
-        if known is not None and (self.server.waits_for_warm_up or known is self.launched_on):
+        if known is not None and self.server.shares_trainer_gpu:  # launched already where known before the model
             if known.held:  # this run's, or the plan's when it restarts one
                 from asyncrl.trainer.memory import hold
 
@@ -356,14 +354,13 @@ class Trainer:
         from asyncrl.footprint import cached_memory
 
         c, plan = self.config, self.prepared.plan
-        if not (self.server.waits_for_warm_up and c.trainer.warm_up and plan.max_model_len):
+        if not (
+            self.server.waits_for_warm_up and c.trainer.warm_up and plan.max_model_len and torch.cuda.is_available()
+        ):
             return
-        if not torch.cuda.is_available():
-            return
-        _, shape = self.prepared.components.packer.rows(plan.max_model_len)
+        _, shape = self.prepared.components.packer.rows(plan.max_model_len)  # the warm-up's shape, as _warm_up finds it
         known = plan.trainer_memory or cached_memory(c, shape)
         if known is not None and not known.held:
-            self.launched_on = known
             self._start_server(known)
 
     def _held_room(self) -> TrainerMemory | None:

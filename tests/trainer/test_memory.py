@@ -227,10 +227,10 @@ def test_with_this_shapes_figure_recorded_vllm_launches_before_the_model_loads(t
     trainer, step, shape = early_trainer(config, events, measured, None, monkeypatch)
     record_memory(config, shape, recorded)
     trainer._launch_early()
-    assert events == [("launch", recorded)] and trainer.launched_on == recorded
+    assert events == [("launch", recorded)]
     launched_at = trainer.startup["perf/startup_server_launched_s"]
     trainer.model = torch.nn.Linear(2, 2)
-    assert trainer._measure_and_launch(step, shape, trainer.launched_on, 0.0) == measured
+    assert trainer._measure_and_launch(step, shape, cached_memory(config, shape), 0.0) == measured
     assert events == [("launch", recorded), ("step", False, recorded)]
     assert trainer.startup["perf/startup_server_launched_s"] == launched_at
     assert cached_memory(config, shape) == measured
@@ -245,7 +245,7 @@ def test_a_room_to_hold_or_no_figure_leaves_vllm_to_the_warm_up(tmp_path, monkey
     for plan_memory in (held, None):
         trainer, _, _ = early_trainer(config, events, held, plan_memory, monkeypatch)
         trainer._launch_early()
-        assert events == [] and trainer.launched_on is None
+        assert events == [] and trainer.server.waits_for_warm_up
 
 
 def test_with_this_shapes_figure_cached_a_waiting_vllm_launches_before_any_warm_up_step(tmp_path, monkeypatch):
