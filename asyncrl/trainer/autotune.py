@@ -80,11 +80,13 @@ def _ours() -> bool:
 def _record_choices(autotuner: type) -> None:
     """Wrap ``autotuner.run`` (fla's CachedAutotuner) once per process so that a key it adds to a kernel's choices
     is written where fla's lookup reads it; a length compare per launch when nothing is added. A config taken for a
-    key it was not tuned for that does not fit the device there (Triton's OutOfResources: another head size, say)
-    is dropped and the key autotuned, as without the lookup."""
+    key it was not tuned for that does not fit there (another head size, say: the errors for which Triton's own
+    timing skips a config, out of resources, a compile-time assertion, ptxas) is dropped and the key autotuned, as
+    without the lookup."""
     if getattr(autotuner.run, "records_choices", False):
         return
-    from triton.runtime.errors import OutOfResources
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.errors import OutOfResources, PTXASError
 
     fla_run, triton_autotuner = autotuner.run, autotuner.__mro__[1]
 
@@ -92,7 +94,7 @@ def _record_choices(autotuner: type) -> None:
         known = len(self.cache)
         try:
             out = fla_run(self, *args, **kwargs)
-        except OutOfResources:
+        except (OutOfResources, CompileTimeAssertionFailure, PTXASError):
             if _kept is None or len(self.cache) == known:  # not a config this call took from the lookup
                 raise
             self.cache.pop(_key(self, args, kwargs), None)

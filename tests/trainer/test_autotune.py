@@ -90,11 +90,26 @@ def test_a_key_that_differs_in_more_than_sizes_still_autotunes(benchmarked, kern
     assert [key[2] for key in benchmarked] == ["torch.bfloat16", "torch.float32"]
 
 
-def test_a_taken_config_that_does_not_fit_another_head_size_is_autotuned_there(fla, kernel, tmp_path, monkeypatch):
-    """fla's fuzzy lookup ignores every number of a key, head sizes too: a config that does not fit the device at
-    the other size (Triton's OutOfResources at its launch) is dropped and that key autotuned instead of failing."""
+def does_not_fit(kind: str) -> Exception:
+    """The errors for which Triton's timing skips a config: too much shared memory, a compile-time assertion, ptxas."""
+    import ast
+
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    made = {"resources": lambda: OutOfResources(232448, 227 * 1024, "shared memory"),
+            "assertion": lambda: CompileTimeAssertionFailure(None, ast.parse("BD >= D").body[0], "BD >= D"),
+            "ptxas": lambda: PTXASError("ptxas: too many registers")}  # fmt: skip
+    return made[kind]()
+
+
+@pytest.mark.parametrize("error", ["resources", "assertion", "ptxas"])
+def test_a_taken_config_that_does_not_fit_another_head_size_is_autotuned_there(fla, kernel, tmp_path, monkeypatch,
+                                                                               error):  # fmt: skip
+    """fla's fuzzy lookup ignores every number of a key, head sizes too: a config that does not fit at the other size
+    (at its launch: out of resources, a compile-time assertion, ptxas) is dropped and that key autotuned instead of
+    failing."""
     from triton.runtime.autotuner import Autotuner
-    from triton.runtime.errors import OutOfResources
 
     benchmarked = []
 
@@ -105,7 +120,7 @@ def test_a_taken_config_that_does_not_fit_another_head_size_is_autotuned_there(f
             benchmarked.append(key)
             self.cache[key] = fits[-1]
         if self.cache[key] not in fits:
-            raise OutOfResources(232448, 227 * 1024, "shared memory")
+            raise does_not_fit(error)
 
     monkeypatch.setattr(Autotuner, "run", run)
     assert watch(config_dir(tmp_path, 0))
