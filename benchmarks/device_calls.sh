@@ -62,10 +62,12 @@ for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/nu
 done
 source "${KIT_EXTRA:-.vllm-kit-0.33/extra-split}/install.sh" > "$RESULTS/log/install.log" 2>&1 \
   || { tail -20 "$RESULTS/log/install.log"; exit 1; }
-[ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+# with bytecode, as pip installs by default (install.sh compiles the kit's tree): each process of a run imports from it
+[ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
   .whl/*.whl .whl-trl/*.whl || exit 1
+python3 -m compileall -q -j 0 asyncrl benchmarks > /dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-echo "ready after $(($(date +%s) - START)) s"
+echo "ready after $(($(date +%s) - START)) s; $(grep -h "^vLLM kit: installed\|imported in" "$RESULTS/log/install.log")"
 MODEL=/tmp/real-checkpoints/gemma-3-270m
 if [ -n "${BUILD:-}" ] && [ ! -f "$MODEL/model.safetensors" ]; then
   python benchmarks/real_checkpoints.py build --from /tmp/carry-rc --out /tmp/real-checkpoints --models gemma3 \

@@ -88,7 +88,7 @@ pieces of 46,435,520 bytes in ``send00/``, ``send01/``). Then, the machine kept 
    benchmark's command)
 
        source .vllm-kit-0.33/extra/install.sh || exit 1; [ -d /tmp/site/trl ] || python3 -m pip install -q \\
-           --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-trl/*.whl || exit 1;
+           --no-index --no-deps --target /tmp/site .whl/*.whl .whl-trl/*.whl || exit 1;
        export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH; D=$(($(date +%s) + 570)); T="python
        benchmarks/time_to_accuracy.py --model /tmp/real-checkpoints/smollm2-135m-instruct --work /tmp/tta
        --out $OUT --deadline $D";

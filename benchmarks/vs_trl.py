@@ -108,7 +108,7 @@ nine piece runs (``tools/vllm-kit/README.md``), then four calls, each ``timeout_
 ``[".vllm-kit-0.33/extra", ".whl", ".whl-trl"]`` (41 + 1.4 + 0.9 MB beside the 17 MB tree) and starting with
 
     source .vllm-kit-0.33/extra/install.sh || exit 1; [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index \
-        --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-trl/*.whl || exit 1;
+        --no-deps --target /tmp/site .whl/*.whl .whl-trl/*.whl || exit 1;
     export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH;
 
 followed by ``python benchmarks/vs_trl.py --work /tmp/vt --out $OUT`` with, in this order (the first call of a
