@@ -269,6 +269,10 @@ def run_job(plan: RunPlan, run_dir: Path, cfg: DictConfig) -> None:
         write_provenance(plan, cfg, run_dir)  # a run refused until here leaves the directory as it was
         log.info(dtype_line(plan))
         warn_cpu_oversubscribed(plan)
+        if config.server.launch and plan.server_backend == "vllm":
+            from asyncrl.serving.vllm import warn_uncompiled_imports
+
+            warn_uncompiled_imports()
         with start_server(plan, run_dir, wait=False) as server:  # it boots while the trainer builds its model
             if plan.world_size > 1:
                 from asyncrl.trainer.launcher import run_ranks

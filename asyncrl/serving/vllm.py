@@ -133,6 +133,37 @@ def check_launchable(config: Config) -> None:
         )
 
 
+SERVER_IMPORTS = ("torch", "transformers", "vllm")  # what each of vLLM's processes imports as it starts
+
+
+def uncompiled_imports(packages: tuple[str, ...] = SERVER_IMPORTS) -> list[Path]:
+    """The folders of ``packages`` that hold no bytecode while this Python writes none (``PYTHONDONTWRITEBYTECODE``,
+    which container images often set, beside installers that skip compiling: uv by default, ``pip --no-compile``):
+    every process that imports them then compiles their sources again as it starts, and a vLLM server starts
+    several (the launcher, its API servers, the engine core). Looked up without importing them."""
+    if not sys.dont_write_bytecode:
+        return []  # the first import writes the bytecode the later ones read
+    folders = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin is not None and spec.origin.endswith(".py"):
+            if not Path(importlib.util.cache_from_source(spec.origin)).is_file():
+                folders.append(Path(spec.origin).parent)
+    return folders
+
+
+def warn_uncompiled_imports(packages: tuple[str, ...] = SERVER_IMPORTS) -> None:
+    """One warning, with the command that compiles them once, when vLLM's processes would compile their imports."""
+    folders = uncompiled_imports(packages)
+    if folders:
+        log.warning(
+            "vLLM's imports have no compiled bytecode here (%s) and PYTHONDONTWRITEBYTECODE is set: each of the vLLM "
+            "server's processes compiles their sources again as it starts; compile them once with: %s",
+            ", ".join(folder.name for folder in folders),
+            shlex.join([sys.executable, "-m", "compileall", "-q", "-j", "0", *map(str, folders)]),
+        )
+
+
 @dataclass(frozen=True)
 class CheckpointKind:
     """What the launch flags need to know of the checkpoint, read from its config.json (no weights)."""

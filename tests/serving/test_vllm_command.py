@@ -4,7 +4,10 @@ checkpoint's kind, read from its config.json, included)."""
 from __future__ import annotations
 
 import importlib
+import logging
 import re
+import shlex
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -484,3 +487,27 @@ def test_a_vision_language_run_with_images_lets_vllm_take_its_most_images(tmp_pa
     assert plan.prompt_images == 3
     argv = vllm_command(plan, version="0.33.0").argv
     assert " ".join(["--limit-mm-per-prompt", '{"image": 3, "video": 0}']) in " ".join(argv)
+
+
+def test_imports_without_bytecode_where_none_is_written_are_one_warning_with_the_command_that_compiles_them(
+    tmp_path, monkeypatch, caplog
+):  # fmt: skip
+    from asyncrl.serving.vllm import uncompiled_imports, warn_uncompiled_imports
+
+    package = tmp_path / "uncompiled_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert uncompiled_imports(("uncompiled_pkg",)) == []  # the first import writes what the later ones read
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert uncompiled_imports(("uncompiled_pkg", "no_such_package_here")) == [package]
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        warn_uncompiled_imports(("uncompiled_pkg",))
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    command = warned.split("compile them once with: ")[1]
+    assert "(uncompiled_pkg)" in warned and shlex.split(command)[1:] == ["-m", "compileall", "-q", "-j", "0",
+                                                                          str(package)]  # fmt: skip
+    subprocess.run(shlex.split(command), check=True)  # the command as given
+    assert uncompiled_imports(("uncompiled_pkg",)) == []
