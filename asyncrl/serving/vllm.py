@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 import shlex
 import sys
@@ -140,8 +141,9 @@ def uncompiled_imports(packages: tuple[str, ...] = SERVER_IMPORTS) -> list[Path]
     """The folders of ``packages`` that hold no bytecode while this Python writes none (``PYTHONDONTWRITEBYTECODE``,
     which container images often set, beside installers that skip compiling: uv by default, ``pip --no-compile``):
     every process that imports them then compiles their sources again as it starts, and a vLLM server starts
-    several (the launcher, its API servers, the engine core). Looked up without importing them."""
-    if not sys.dont_write_bytecode:
+    several (the launcher, its API servers, the engine core). The variable, not this process's ``-B``, is what vLLM's
+    processes inherit. Looked up without importing them."""
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE"):
         return []  # the first import writes the bytecode the later ones read
     folders = []
     for name in packages:

@@ -499,9 +499,9 @@ def test_imports_without_bytecode_where_none_is_written_are_one_warning_with_the
     (package / "__init__.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
     assert uncompiled_imports(("uncompiled_pkg",)) == []  # the first import writes what the later ones read
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # what vLLM's processes inherit
     assert uncompiled_imports(("uncompiled_pkg", "no_such_package_here")) == [package]
     with caplog.at_level(logging.WARNING, logger="asyncrl"):
         warn_uncompiled_imports(("uncompiled_pkg",))
