@@ -13,8 +13,15 @@ about to start (a group that overshoots would be dropped at the far end; when no
 flight a group starts whatever its size), and it holds the smallest of the last few grants, since a grant
 is max_staleness x the last step's tokens and the next steps may take fewer (rows of tree packing hold
 10-20% more or fewer sample tokens from step to step). Synchronous mode closes its batch at the allowance
-and trains the overshoot. Until the first group completes, the size of a rollout is unknown, so groups
-start one at a time.
+and trains the overshoot.
+
+Until the first group completes, the size of a rollout is unknown. The spec starts groups one at a time until then;
+where the rollout loop bounds a rollout's tokens (``rollout_token_bound``: a turn holds at most the server's
+``max_model_len``, and the built-in loop's turns are one, or ``max_tool_calling_iterations`` + 1 with tools), the
+rollouts in flight count at that bound instead, so the first step's groups start together inside the same
+allowance. One at a time, the first step waits for two generations of its longest rollout: the first group's, then
+everyone else's (16.8 s of a 21.7 s first step at the Qwen3.5-2B shape, benchmarks/RESULTS.md). With no bound (a
+loop's own ``generate_one``, tools without an iteration cap) groups still start one at a time.
 
 Groups dropped for lack of signal (zero_std: near convergence most groups score the same for every rollout) send the
 trainer nothing: admission counts the tokens in flight, and those of finished rollouts waiting for their group, at the
@@ -68,6 +75,8 @@ class Admission:
     """(tokens generated, sent to the trainer) of the last groups."""
     groups_sent: int = 0
     """Groups whose samples went to the trainer (not dropped)."""
+    rollout_token_bound: int | None = None
+    """The most tokens one rollout can hold (``AsyncRolloutLoop.max_rollout_tokens``); None: unknown."""
 
     def kept_fraction(self) -> float:
         """The share of generated tokens whose group the trainer got, over the last groups (1 before any)."""
@@ -80,10 +89,19 @@ class Admission:
     def inflight_tokens(self) -> float:
         """Expected tokens of the rollouts in flight, from the rollouts seen so far. A rollout caught in
         flight is length-biased (long ones stay in flight longer): its expected size is E[L^2] / E[L], not
-        the mean, which under a long tail would undercount them."""
+        the mean, which under a long tail would undercount them. Until a group completes, the rollouts seen are
+        the shortest of their groups: those in flight count at the bound."""
+        if self.completed_groups == 0 and self.rollout_token_bound is not None:
+            return float(self.inflight_rollouts * self.rollout_token_bound)
         if self.mean_rollout_tokens == 0:
             return 0.0
         return self.inflight_rollouts * self.squared_rollout_tokens / self.mean_rollout_tokens
+
+    def starting_rollout_tokens(self) -> float:
+        """What one rollout about to start is expected to hold: the bound until a group completes, then the mean."""
+        if self.completed_groups == 0 and self.rollout_token_bound is not None:
+            return float(self.rollout_token_bound)
+        return self.mean_rollout_tokens
 
     def queued_tokens(self, tokens_consumed: int) -> int:
         return max(0, self.tokens_pushed - tokens_consumed)
@@ -103,11 +121,13 @@ class Admission:
 
     def wait_reason(self, allowance: int, tokens_consumed: int, concurrency_cap: int) -> str | None:
         """None if a new group may start now, else what it waits on (the backpressure reason first)."""
-        if self.completed_groups == 0 and self.inflight_groups > 0:
+        if self.completed_groups == 0 and self.inflight_groups > 0 and self.rollout_token_bound is None:
             return "first group"
         allowance, kept = self.holdable(allowance), self.kept_fraction()
         held = self.queued_tokens(tokens_consumed) + kept * (self.unqueued_tokens + self.inflight_tokens())
-        starting = kept * self.num_generations * self.mean_rollout_tokens if self.asynchronous and held > 0 else 0.0
+        starting = 0.0
+        if self.asynchronous and held > 0:
+            starting = kept * self.num_generations * self.starting_rollout_tokens()
         if held >= allowance or held + starting > allowance:
             return "backpressure"
         return self.concurrency_reason(concurrency_cap)

@@ -197,6 +197,18 @@ class AsyncRolloutLoop:
         assert group.rewards is not None
         return estimate_advantages(self.advantage_fn, group.rewards, group.reward_components)
 
+    def max_rollout_tokens(self, with_tools: bool) -> int | None:
+        """The most tokens one rollout can hold, as admission counts them (every turn's prompt and output, a turn at
+        most the server's ``max_model_len``): with it the first groups start together before any has completed
+        (rollout/admission.py). None where unknown: groups then start one at a time until the first completes. A
+        subclass whose ``generate_one`` takes turns its own way gets None unless it overrides this too."""
+        if type(self).generate_one is not AsyncRolloutLoop.generate_one:
+            return None
+        if not with_tools:
+            return self.max_model_len
+        cap = self.config.sampling.max_tool_calling_iterations
+        return None if cap is None else (cap + 1) * self.max_model_len  # cap turns call tools, one more answers
+
     async def setup(self) -> None:
         """Create resources the other hooks need; runs on the loop's event loop before the first prompt."""
 

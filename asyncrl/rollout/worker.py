@@ -230,6 +230,7 @@ class WorkerDriver:
                                           seed_offset=spec.start_prompt_index * 1000)  # fmt: skip
                 self.loop.tool_pool = tool_pool
                 self.agents = Agents.from_config(self.config, tool_pool)
+                self.admission.rollout_token_bound = self.loop.max_rollout_tokens(self.agents.enabled)
                 await self.loop.setup()
                 poller = LoadPoller(client.servers, self.flow.concurrency, self.flow.rollout_counts, self.metrics)
                 try:

@@ -1,5 +1,6 @@
-"""Admission arithmetic: one group until the first completes, then the token allowance and the cap; the worker's
-side of flow control combining it with the two caps, the scoring queue and synchronous batches."""
+"""Admission arithmetic: one group until the first completes (or its rollouts at a bound), then the token allowance
+and the cap; the worker's side of flow control combining it with the two caps, the scoring queue and synchronous
+batches."""
 
 from asyncrl.flow import FlowControl
 from asyncrl.rollout.admission import MIN_KEPT_FRACTION, Admission, WorkerFlow
@@ -14,6 +15,22 @@ def test_one_group_at_a_time_until_the_first_completes():
         a.on_rollout_done(num_tokens=25)
     a.on_group_done(pushed_tokens=100, rollout_tokens=100)
     assert a.wait_reason(10_000, 0, 512) is None
+
+
+def test_with_a_bound_on_a_rollout_the_first_groups_start_together_inside_the_allowance():
+    """Before a group completes, rollouts in flight count at the bound (the shortest finish first: their mean
+    would undercount the rest), so the first step's groups start at once, as many as the allowance holds."""
+    a = Admission(num_generations=4, max_concurrent_rollouts=512, asynchronous=True, rollout_token_bound=100)
+    for _ in range(3):  # 3 groups x 4 rollouts x 100 tokens = 1,200; a 4th would hold 1,600
+        assert a.wait_reason(allowance=1_400, tokens_consumed=0, concurrency_cap=512) is None
+        a.on_group_start()
+    assert a.wait_reason(1_400, 0, 512) == "backpressure"
+    for _ in range(3):  # three short rollouts of the first group: 30 tokens held for them, not 300
+        a.on_rollout_done(num_tokens=10)
+    assert a.inflight_tokens() == 900 and a.wait_reason(1_400, 0, 512) is None  # 930 + 400 <= 1,400
+    a.on_rollout_done(num_tokens=10)
+    a.on_group_done(pushed_tokens=40, rollout_tokens=40)  # a group completed: the mean (10) takes over
+    assert a.inflight_tokens() == 80 and a.starting_rollout_tokens() == 10
 
 
 def test_backpressure_counts_queued_and_in_flight_tokens():

@@ -76,6 +76,19 @@ def test_iteration_cap_stops_a_rollout_still_calling_tools():
     rollout = asyncio.run(episode(loop, 5))
     assert len(rollout.turns) == 3 and rollout.tool_call_count == 2
     assert rollout.tool_stats.exhausted and rollout.env_reward == (IncrementEnv, 0.0)
+    # admission's bound on a rollout before any group completes: the cap's turns and the answer, each a full context
+    assert loop.max_rollout_tokens(with_tools=True) == len(rollout.turns) * loop.max_model_len
+
+
+def test_a_rollouts_token_bound_is_unknown_without_a_cap_or_with_a_loops_own_turns():
+    loop, _ = make_loop([])
+    assert loop.max_rollout_tokens(with_tools=False) == 256 and loop.max_rollout_tokens(with_tools=True) is None
+
+    class OwnTurns(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            return await super().generate_one(prompt, tools, group_id)
+
+    assert OwnTurns(Config(), None, None, None, max_model_len=256).max_rollout_tokens(with_tools=False) is None
 
 
 def test_without_tools_the_loop_is_single_turn_and_logs_no_tool_metrics():

@@ -159,10 +159,10 @@ def test_the_driver_admits_by_the_allowance_sends_samples_and_stops_when_asked()
 
     async def scenario() -> None:
         run = asyncio.create_task(driver.run())
-        await until(lambda: "first group" in channels.get_status() and channels.inflight_at(0) == 1, "one group")
-        assert driver.admission.inflight_rollouts == 2  # the next group waits for the first to finish
+        await until(lambda: "backpressure" in channels.get_status() and channels.inflight_at(0) == 1, "one group")
+        assert driver.admission.inflight_rollouts == 2  # at max_model_len each, the first group fills the allowance
         driver.loop.gate.set()
-        await until(lambda: "backpressure" in channels.get_status(), "backpressure")
+        await until(lambda: "backpressure" in channels.get_status() and channels.items_sent == 2, "backpressure")
         first = sent(channels)
         assert [type(item) for item in first] == [RolloutSample, RolloutSample] and channels.items_sent == 2
         assert [(s.prompt_index, s.reward, s.advantage, s.group_std) for s in first] == [
@@ -303,7 +303,7 @@ def test_a_stop_that_meets_a_wakeup_ends_the_driver_without_starting_a_group():
         run = asyncio.create_task(driver.run())
         await until(lambda: hasattr(driver, "loop") and hasattr(driver.loop, "gate"), "its setup")
         driver.loop.gate.set()
-        await until(lambda: "backpressure" in channels.get_status(), "backpressure")
+        await until(lambda: "backpressure" in channels.get_status() and channels.items_sent == 2, "backpressure")
         channels.token_allowance = 10**6  # room again, which the main loop reads when it wakes up
         driver.changed.set()
         driver.stopping.set()  # as the stop listener does, in the same turn
@@ -412,6 +412,6 @@ def scored_at_once(concurrency: int, wait_s: float) -> int:
 
 
 def test_groups_are_scored_score_concurrency_at_a_time():
-    """The first group is scored alone (admission starts the next once it is done); the later ones overlap."""
+    """Groups scored at once: as many as rollout.score_concurrency allows, and never more."""
     assert scored_at_once(2, wait_s=1.0) == 2
     assert scored_at_once(1, wait_s=0.05) == 1  # one group at a time: no call ever meets another
