@@ -91,17 +91,22 @@ class Admission:
         flight is length-biased (long ones stay in flight longer): its expected size is E[L^2] / E[L], not
         the mean, which under a long tail would undercount them. Until a group completes, the rollouts seen are
         the shortest of their groups: those in flight count at the bound."""
-        if self.completed_groups == 0 and self.rollout_token_bound is not None:
-            return float(self.inflight_rollouts * self.rollout_token_bound)
+        bound = self.first_bound()
+        if bound is not None:
+            return float(self.inflight_rollouts * bound)
         if self.mean_rollout_tokens == 0:
             return 0.0
         return self.inflight_rollouts * self.squared_rollout_tokens / self.mean_rollout_tokens
 
     def starting_rollout_tokens(self) -> float:
         """What one rollout about to start is expected to hold: the bound until a group completes, then the mean."""
-        if self.completed_groups == 0 and self.rollout_token_bound is not None:
-            return float(self.rollout_token_bound)
-        return self.mean_rollout_tokens
+        bound = self.first_bound()
+        return self.mean_rollout_tokens if bound is None else float(bound)
+
+    def first_bound(self) -> int | None:
+        """The bound on a rollout's tokens while no group has completed (the sizes seen are not yet a sample of
+        whole groups); None once one has, or with no bound."""
+        return self.rollout_token_bound if self.completed_groups == 0 else None
 
     def queued_tokens(self, tokens_consumed: int) -> int:
         return max(0, self.tokens_pushed - tokens_consumed)
