@@ -17,11 +17,12 @@ and trains the overshoot.
 
 Until the first group completes, the size of a rollout is unknown. The spec starts groups one at a time until then;
 where the rollout loop bounds a rollout's tokens (``rollout_token_bound``: a turn holds at most the server's
-``max_model_len``, and the built-in loop's turns are one, or ``max_tool_calling_iterations`` + 1 with tools), the
-rollouts in flight count at that bound instead, so the first step's groups start together inside the same
-allowance. One at a time, the first step waits for two generations of its longest rollout: the first group's, then
-everyone else's (16.8 s of a 21.7 s first step at the Qwen3.5-2B shape, benchmarks/RESULTS.md). With no bound (a
-loop's own ``generate_one``, tools without an iteration cap) groups still start one at a time.
+``max_model_len``, a turn without tools at most data.max_prompt_length and the completion budget, and the built-in
+loop's turns are one, or ``max_tool_calling_iterations`` + 1 with tools), the rollouts in flight count at that bound
+instead, so the first step's groups start together inside the same allowance. One at a time, the first step waits
+for two generations of its longest rollout: the first group's, then everyone else's (16.8 s of a 21.7 s first step
+at the Qwen3.5-2B shape, benchmarks/RESULTS.md). With no bound (a loop's own ``generate_one``, tools without an
+iteration cap) groups still start one at a time.
 
 Groups dropped for lack of signal (zero_std: near convergence most groups score the same for every rollout) send the
 trainer nothing: admission counts the tokens in flight, and those of finished rollouts waiting for their group, at the

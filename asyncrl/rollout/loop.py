@@ -199,13 +199,17 @@ class AsyncRolloutLoop:
 
     def max_rollout_tokens(self, with_tools: bool) -> int | None:
         """The most tokens one rollout can hold, as admission counts them (every turn's prompt and output, a turn at
-        most the server's ``max_model_len``): with it the first groups start together before any has completed
-        (rollout/admission.py). None where unknown: groups then start one at a time until the first completes. A
-        subclass whose ``generate_one`` takes turns its own way gets None unless it overrides this too."""
+        most the server's ``max_model_len``; one turn at most data.max_prompt_length and the completion budget, which
+        bounds it on the built-in server, whose context is its model's whole): with it the first groups start
+        together before any has completed (rollout/admission.py). None where unknown: groups then start one at a
+        time until the first completes. A subclass whose ``generate_one`` takes turns its own way gets None unless it
+        overrides this too."""
         if type(self).generate_one is not AsyncRolloutLoop.generate_one:
             return None
         if not with_tools:
-            return self.max_model_len
+            longest = self.config.data.max_prompt_length
+            turn = self.max_model_len if longest is None else longest + self.config.sampling.max_completion_length
+            return min(self.max_model_len, turn)
         cap = self.config.sampling.max_tool_calling_iterations
         return None if cap is None else (cap + 1) * self.max_model_len  # cap turns call tools, one more answers
 

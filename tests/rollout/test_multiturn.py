@@ -91,6 +91,17 @@ def test_a_rollouts_token_bound_is_unknown_without_a_cap_or_with_a_loops_own_tur
     assert OwnTurns(Config(), None, None, None, max_model_len=256).max_rollout_tokens(with_tools=False) is None
 
 
+def test_a_single_turn_rollouts_bound_is_the_longest_prompt_and_the_completion_budget_inside_the_context():
+    """The built-in server's context is its model's whole (32k+ for a real model): data.max_prompt_length bounds a
+    single-turn rollout tighter, so the first step's groups start together there too."""
+    loop, _ = make_loop([])
+    loop.config.data.max_prompt_length, loop.config.sampling.max_completion_length = 40, 100
+    assert loop.max_rollout_tokens(with_tools=False) == 140
+    loop.config.data.max_prompt_length = 200  # past the context: the context bounds it
+    assert loop.max_rollout_tokens(with_tools=False) == 256
+    assert loop.max_rollout_tokens(with_tools=True) is None  # later turns carry the earlier ones: not bounded by it
+
+
 def test_without_tools_the_loop_is_single_turn_and_logs_no_tool_metrics():
     loop, _ = make_loop(["<tool_call>increment(step=1)</tool_call>"])
     rollout = asyncio.run(loop.generate_one([{"role": "user", "content": "hi"}], []))
